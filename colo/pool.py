@@ -1,0 +1,321 @@
+"""The pool: one per device, carved into named regions that generation and training time-share.
+
+    pool = colo.Pool("cpu")                       # or "cuda", "cuda:0"
+    kv = pool.region("kv_cache", budget=8 << 30)
+    t = kv.empty((n, m), dtype=torch.bfloat16)    # a torch tensor in region memory (via DLPack)
+    kv.sleep(offload=False); kv.wake()            # same addresses after wake
+    with pool.use("train"): ...                   # CUDA: torch's own allocations go to that region
+
+The memory itself lives in the compiled core (csrc/); this module validates arguments, turns
+DLPack capsules into tensors and keeps the bookkeeping a Python user needs.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+
+import torch
+
+from . import _C
+from ._build import cuda_available, cuda_unavailable_reason
+from .errors import OutOfMemoryError
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
+_STREAM_ROLES = ("train", "infer", "copy")
+
+
+def _parse_device(device) -> torch.device:
+    if isinstance(device, torch.device):
+        dev = device
+    elif isinstance(device, str):
+        try:
+            dev = torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"colo.Pool: invalid device {device!r} (expected 'cpu', 'cuda' or 'cuda:N')") from e
+    else:
+        raise TypeError(f"colo.Pool: device must be a str or torch.device, not {type(device).__name__}")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"colo.Pool: unsupported device type {dev.type!r} (expected 'cpu' or 'cuda')")
+    if dev.type == "cuda":
+        if not cuda_available():
+            raise ValueError(f"colo.Pool({str(device)!r}): CUDA is unavailable: {cuda_unavailable_reason()}")
+        dev = torch.device("cuda", dev.index if dev.index is not None else 0)
+    return dev
+
+
+def _check_bytes(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int number of bytes, not {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{what} must be positive, got {value}")
+    return value
+
+
+def _physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class Event:
+    """A point on a stream; keeps the tensors its copies touch alive until the copies are done."""
+
+    def __init__(self, native, keepalive=()):
+        self._native = native
+        self._keepalive = list(keepalive)
+
+    def synchronize(self) -> None:
+        self._native.synchronize()
+        self._keepalive.clear()
+
+    def query(self) -> bool:
+        done = self._native.query()
+        if done:
+            self._keepalive.clear()
+        return done
+
+
+class Stream:
+    """An ordered queue of work with a role: 'train', 'infer' or 'copy'.
+
+    CUDA: a driver stream with a priority (usable by torch via `torch_stream()`).
+    Host: a worker thread, so code that records and waits runs the same on CPU.
+    """
+
+    def __init__(self, pool: "Pool", role: str, native):
+        self.pool, self.role, self._native = pool, role, native
+
+    def record(self) -> Event:
+        return Event(self._native.record())
+
+    def wait(self, event: Event) -> None:
+        """Work enqueued on this stream after this call waits for `event`."""
+        if not isinstance(event, Event):
+            raise TypeError(f"Stream.wait expects a colo.Event, not {type(event).__name__}")
+        self._native.wait(event._native)
+
+    def synchronize(self) -> None:
+        self._native.synchronize()
+
+    @property
+    def native_handle(self) -> int:
+        """The CUstream as an int on CUDA; 0 on the host."""
+        return self._native.native_handle
+
+    def torch_stream(self):
+        """This stream as a torch.cuda.ExternalStream (CUDA pools only)."""
+        if self.pool.device.type != "cuda":
+            raise RuntimeError("torch_stream() is only available for CUDA pools")
+        return torch.cuda.ExternalStream(self.native_handle, device=self.pool.device)
+
+    def copy_async(self, pairs) -> Event:
+        """Enqueue byte copies [(dst, src), ...] of contiguous tensors as one batch; returns an Event."""
+        copies, keep = [], []
+        for i, pair in enumerate(pairs):
+            try:
+                dst, src = pair
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"copy_async: item {i} must be a (dst, src) pair of tensors") from e
+            for what, t in (("dst", dst), ("src", src)):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"copy_async: item {i} {what} must be a torch.Tensor, not {type(t).__name__}")
+                if not t.is_contiguous():
+                    raise ValueError(f"copy_async: item {i} {what} is not contiguous")
+            nbytes = dst.numel() * dst.element_size()
+            if nbytes != src.numel() * src.element_size():
+                raise ValueError(f"copy_async: item {i} copies {src.numel() * src.element_size()} bytes "
+                                 f"into a {nbytes}-byte destination")
+            if nbytes:
+                copies.append((dst.data_ptr(), src.data_ptr(), nbytes))
+                keep += (dst, src)
+        self._native.copy_batch(copies)
+        return Event(self._native.record(), keep)
+
+
+class Region:
+    """A named, budgeted part of a pool whose physical memory can sleep and wake at stable addresses."""
+
+    def __init__(self, pool: "Pool", name: str, native):
+        self.pool, self.name, self._native = pool, name, native
+
+    @property
+    def budget(self) -> int:
+        return self._native.stats()["budget_bytes"]
+
+    @property
+    def asleep(self) -> bool:
+        return self._native.stats()["asleep"]
+
+    def empty(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialised tensor in this region; its memory returns to the region when it dies."""
+        shape = _check_shape(shape)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"Region.empty: dtype must be a torch.dtype, not {type(dtype).__name__}")
+        numel = 1
+        for n in shape:
+            numel *= n
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        raw = torch.from_dlpack(self._native.allocate_dlpack(numel * itemsize))
+        return raw.view(dtype).view(shape)
+
+    def zeros(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.empty(shape, dtype).zero_()
+
+    def sleep(self, offload: bool = False) -> None:
+        """Release this region's physical memory. offload=True first copies live bytes to host memory.
+
+        Tensors keep their addresses; without offload their contents are lost. Do not touch them
+        until wake(): on the host the pages are inaccessible, on CUDA unmapped.
+        """
+        self._native.sleep(bool(offload))
+
+    def wake(self) -> None:
+        """Map fresh physical memory at the same addresses and restore offloaded bytes."""
+        self._native.wake()
+
+    def trim(self) -> None:
+        """Release committed memory that holds no live allocation."""
+        self._native.trim()
+
+    def stats(self) -> dict:
+        """allocated_bytes, reserved_bytes, resident_bytes, peak_allocated_bytes, budget_bytes, asleep, ..."""
+        return dict(self._native.stats())
+
+    def contains(self, tensor: torch.Tensor) -> bool:
+        return self._native.contains(tensor.data_ptr())
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        state = "asleep" if s["asleep"] else "awake"
+        return (f"Region({self.name!r}, {state}, allocated={s['allocated_bytes']}, "
+                f"resident={s['resident_bytes']}, budget={s['budget_bytes']})")
+
+
+def _check_shape(shape) -> tuple[int, ...]:
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    if isinstance(shape, torch.Size):
+        shape = tuple(shape)
+    if not isinstance(shape, (tuple, list)):
+        raise TypeError(f"shape must be an int or a tuple of ints, not {type(shape).__name__}")
+    for n in shape:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"shape entries must be ints, got {n!r} in {tuple(shape)}")
+        if n < 0:
+            raise ValueError(f"shape entries must be non-negative, got {tuple(shape)}")
+    return tuple(shape)
+
+
+class Pool:
+    """One memory pool per device, carved into named regions.
+
+    capacity: the bytes the regions' budgets may add up to (default: physical memory on the host,
+    free device memory at creation on CUDA). A region created without a budget gets what the
+    others leave, so nobody tunes a memory-utilisation fraction by hand.
+    host_backend: 'anon' (default, transparent huge pages, fast release) or 'memfd'.
+    """
+
+    def __init__(self, device="cpu", *, capacity: int | None = None, host_backend: str = "anon"):
+        self.device = _parse_device(device)
+        if not isinstance(host_backend, str):
+            raise TypeError("host_backend must be 'anon' or 'memfd'")
+        if self.device.type == "cuda":
+            self._backend = _C.make_cuda_backend(self.device.index)
+            default_capacity = torch.cuda.mem_get_info(self.device)[0] if capacity is None else None
+        else:
+            self._backend = _C.make_host_backend(host_backend)
+            default_capacity = _physical_memory_bytes() if capacity is None else None
+        self.capacity = _check_bytes(capacity if capacity is not None else default_capacity, "Pool capacity")
+        self._regions: dict[str, Region] = {}
+        self._streams: dict[str, Stream] = {}
+        self._torch_pools: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def backend(self) -> str:
+        return self._backend.name
+
+    @property
+    def regions(self) -> dict[str, Region]:
+        return dict(self._regions)
+
+    @property
+    def unbudgeted_bytes(self) -> int:
+        """Capacity not yet promised to any region."""
+        return self.capacity - sum(r.budget for r in self._regions.values())
+
+    def region(self, name: str, budget: int | None = None, *, chunk_bytes: int | None = None) -> Region:
+        """The region called `name`, created on first use with `budget` bytes (None: what is left)."""
+        if not isinstance(name, str):
+            raise TypeError(f"region name must be a str, not {type(name).__name__}")
+        if not _NAME.match(name):
+            raise ValueError(f"invalid region name {name!r}: use letters, digits, '_', '.', '-' (max 64), "
+                             "starting with a letter or '_'")
+        with self._lock:
+            if name in self._regions:
+                existing = self._regions[name]
+                if budget is not None and budget != existing.budget:
+                    raise ValueError(f"region {name!r} already exists with a budget of {existing.budget} bytes")
+                return existing
+            left = self.unbudgeted_bytes
+            if budget is None:
+                if left <= 0:
+                    raise OutOfMemoryError(f"region {name!r}: nothing left of the pool's {self.capacity}-byte capacity")
+                budget = left
+            budget = _check_bytes(budget, f"region {name!r} budget")
+            if budget > left:
+                raise ValueError(f"region {name!r} budget of {budget} bytes exceeds what the pool has left "
+                                 f"({left} of {self.capacity} bytes)")
+            chunk = 0 if chunk_bytes is None else _check_bytes(chunk_bytes, "chunk_bytes")
+            region = Region(self, name, _C.Region(self._backend, name, budget, chunk))
+            self._regions[name] = region
+            return region
+
+    def stream(self, role: str) -> Stream:
+        """The pool's stream for 'train', 'infer' or 'copy' work."""
+        if role not in _STREAM_ROLES:
+            raise ValueError(f"unknown stream role {role!r} (expected one of {_STREAM_ROLES})")
+        with self._lock:
+            if role not in self._streams:
+                self._streams[role] = Stream(self, role, self._backend.create_stream(role))
+            return self._streams[role]
+
+    def copy_async(self, pairs, stream: str = "copy") -> Event:
+        """Batched byte copies [(dst, src), ...] on one of the pool's streams; returns an Event."""
+        return self.stream(stream).copy_async(pairs)
+
+    def stats(self) -> dict[str, dict]:
+        return {name: r.stats() for name, r in self._regions.items()}
+
+    @contextlib.contextmanager
+    def use(self, name: str):
+        """Route torch's own allocations made inside the block to region `name`.
+
+        CUDA: through torch.cuda.MemPool + a CUDAPluggableAllocator loading colo's C entry points
+        (current thread only: autograd's backward threads are not routed; expandable_segments must
+        be off). CPU: torch's CPU allocator cannot be replaced per block, so only the region is made
+        current (colo.current_region) and torch allocations stay where they were.
+        """
+        region = self.region(name) if name in self._regions else None
+        if region is None:
+            raise KeyError(f"no region named {name!r} in this pool (have: {sorted(self._regions)})")
+        index = (self.device.index or 0) if self.device.type == "cuda" else -1
+        previous = _C.current_region(index)
+        _C.set_current_region(index, region._native)
+        try:
+            if self.device.type == "cuda":
+                with torch.cuda.use_mem_pool(self._torch_pool(name), device=self.device):
+                    yield region
+            else:
+                yield region
+        finally:
+            _C.set_current_region(index, previous)
+
+    def _torch_pool(self, name: str):
+        if name not in self._torch_pools:
+            allocator = torch.cuda.memory.CUDAPluggableAllocator(_C.__file__, "colo_torch_alloc", "colo_torch_free")
+            self._torch_pools[name] = torch.cuda.MemPool(allocator.allocator())
+        return self._torch_pools[name]
+
+    def __repr__(self) -> str:
+        return f"Pool({str(self.device)!r}, backend={self.backend!r}, regions={list(self._regions)})"

@@ -1,0 +1,90 @@
+// The physical-memory backend interface: reserve a virtual range, commit/release physical memory at
+// offsets inside it, streams to order work. One interface, two families of implementations:
+// host (anonymous THP or memfd) and CUDA driver VMM. Everything above (regions, the sub-allocator,
+// sleep/wake) is written once against this.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace colo {
+
+enum class DeviceKind { kHost, kCuda };
+
+// A completion marker recorded on a stream.
+class Event {
+ public:
+  virtual ~Event() = default;
+  virtual void synchronize() = 0;  // block the calling thread until the marked work is done
+  virtual bool query() = 0;        // true when the marked work is done
+};
+
+// One byte copy; src and dst may be host or device memory (unified addressing on CUDA).
+struct CopyOp {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
+
+// An ordered queue of work. CUDA: a driver stream with a priority. Host: a worker thread.
+class Stream {
+ public:
+  virtual ~Stream() = default;
+  virtual void copy_batch(const std::vector<CopyOp>& ops) = 0;  // enqueue; returns at once
+  virtual std::shared_ptr<Event> record() = 0;
+  virtual void wait(const std::shared_ptr<Event>& event) = 0;  // later work waits for event
+  virtual void synchronize() = 0;
+  virtual uintptr_t native_handle() const = 0;  // CUstream, or 0 on the host
+};
+
+enum class StreamRole { kTrain, kInfer, kCopy };
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual DeviceKind device_kind() const = 0;
+  virtual int device_index() const = 0;
+  // Smallest unit of commit/release; offsets and sizes passed below are multiples of it.
+  virtual size_t granularity() const = 0;
+
+  // Address space only: no physical memory, not accessible.
+  virtual void* reserve(size_t bytes) = 0;
+  virtual void unreserve(void* base, size_t bytes) = 0;
+  // Back [addr, addr+bytes) (inside a reservation) with physical memory, readable and writable.
+  // Throws OutOfMemory when the device/OS has no memory left.
+  virtual void commit(void* addr, size_t bytes) = 0;
+  // Unmap and free the physical memory of [addr, addr+bytes); the addresses stay reserved.
+  virtual void release(void* addr, size_t bytes) = 0;
+  // Bytes of [addr, addr+bytes) that hold physical memory now (host: measured with mincore).
+  virtual size_t resident_bytes(void* addr, size_t bytes) const = 0;
+  // Wait for all work on the device, so a range can be unmapped safely.
+  virtual void synchronize_device() = 0;
+
+  // Host memory for offloaded bytes (pinned on CUDA, for async copies).
+  virtual void* host_alloc(size_t bytes) = 0;
+  virtual void host_free(void* ptr, size_t bytes) = 0;
+
+  virtual std::shared_ptr<Stream> create_stream(StreamRole role) = 0;
+};
+
+// Host backends. "anon": private anonymous memory with transparent huge pages, released with
+// MADV_DONTNEED. "memfd": a memfd per reservation, mapped MAP_SHARED|MAP_FIXED, released by
+// punching holes (the faithful mirror of CUDA VMM, but ~70x slower to release here; see host_backend.cpp).
+std::shared_ptr<Backend> make_host_backend(const std::string& kind);
+// CUDA driver VMM on device `index`; throws SystemError saying why when CUDA is unavailable.
+std::shared_ptr<Backend> make_cuda_backend(int index);
+
+// Whether the CUDA backend can be used here, and if not, why (never throws).
+struct CudaProbe {
+  bool compiled = false;
+  bool available = false;
+  int device_count = 0;
+  int driver_version = 0;
+  std::string reason;
+};
+CudaProbe probe_cuda();
+
+}  // namespace colo

@@ -1,0 +1,204 @@
+// pybind11 bindings of the core. Memory leaves as DLPack capsules ("dltensor"), so the extension
+// neither includes nor links torch; colo/pool.py turns them into tensors with torch.from_dlpack.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "backend.h"
+#include "dlpack.h"
+#include "errors.h"
+#include "region.h"
+#include "registry.h"
+
+namespace py = pybind11;
+using namespace colo;
+
+namespace {
+
+void raise_colo_error(const char* python_name, PyObject* fallback, const char* message) {
+  try {
+    py::object type = py::module_::import("colo.errors").attr(python_name);
+    PyErr_SetString(type.ptr(), message);
+  } catch (...) {
+    PyErr_SetString(fallback, message);
+  }
+}
+
+// One tensor's worth of ownership: the region stays alive while torch holds the memory.
+struct TensorContext {
+  std::shared_ptr<Region> region;
+  void* ptr = nullptr;
+  int64_t shape[1] = {0};
+  DLManagedTensor managed{};
+};
+
+void delete_tensor(DLManagedTensor* self) {
+  auto* ctx = static_cast<TensorContext*>(self->manager_ctx);
+  try {
+    ctx->region->free(ctx->ptr);
+  } catch (...) {
+    // Called from torch's deleter, which cannot take an exception; the block leaks rather than crash.
+  }
+  delete ctx;
+}
+
+void destroy_unconsumed_capsule(PyObject* capsule) {
+  // torch renames a consumed capsule to "used_dltensor" and then owns the memory.
+  if (PyCapsule_IsValid(capsule, "dltensor")) {
+    auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+    managed->deleter(managed);
+  }
+}
+
+// A 1-D uint8 tensor of `bytes` bytes in `region`; Python views it as the requested dtype/shape.
+py::capsule allocate_dlpack(const std::shared_ptr<Region>& region, size_t bytes) {
+  auto* ctx = new TensorContext();
+  try {
+    ctx->ptr = region->allocate(bytes);
+  } catch (...) {
+    delete ctx;
+    throw;
+  }
+  ctx->region = region;
+  ctx->shape[0] = static_cast<int64_t>(bytes);
+  DLTensor& t = ctx->managed.dl_tensor;
+  t.data = ctx->ptr;
+  bool cuda = region->backend().device_kind() == DeviceKind::kCuda;
+  t.device = {cuda ? kDLCUDA : kDLCPU, cuda ? region->backend().device_index() : 0};
+  t.ndim = 1;
+  t.dtype = {kDLUInt, 8, 1};
+  t.shape = ctx->shape;
+  t.strides = nullptr;  // compact
+  t.byte_offset = 0;
+  ctx->managed.manager_ctx = ctx;
+  ctx->managed.deleter = delete_tensor;
+  PyObject* capsule = PyCapsule_New(&ctx->managed, "dltensor", destroy_unconsumed_capsule);
+  if (!capsule) {
+    delete_tensor(&ctx->managed);
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::capsule>(capsule);
+}
+
+py::dict stats_dict(const RegionStats& s) {
+  py::dict d;
+  d["budget_bytes"] = s.budget_bytes;
+  d["virtual_bytes"] = s.virtual_bytes;
+  d["chunk_bytes"] = s.chunk_bytes;
+  d["allocated_bytes"] = s.allocated_bytes;
+  d["peak_allocated_bytes"] = s.peak_allocated_bytes;
+  d["reserved_bytes"] = s.reserved_bytes;
+  d["resident_bytes"] = s.resident_bytes;
+  d["offloaded_bytes"] = s.offloaded_bytes;
+  d["num_allocations"] = s.num_allocations;
+  d["largest_free_block"] = s.largest_free_block;
+  d["sleep_count"] = s.sleep_count;
+  d["last_sleep_seconds"] = s.last_sleep_seconds;
+  d["last_wake_seconds"] = s.last_wake_seconds;
+  d["asleep"] = s.asleep;
+  return d;
+}
+
+StreamRole parse_role(const std::string& role) {
+  if (role == "train") return StreamRole::kTrain;
+  if (role == "infer") return StreamRole::kInfer;
+  if (role == "copy") return StreamRole::kCopy;
+  throw InvalidArgument("unknown stream role '" + role + "' (expected 'train', 'infer' or 'copy')");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "colo's compiled core: memory backends, regions, streams (no torch inside; DLPack out)";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const OutOfMemory& e) {
+      raise_colo_error("OutOfMemoryError", PyExc_MemoryError, e.what());
+    } catch (const RegionAsleep& e) {
+      raise_colo_error("RegionAsleepError", PyExc_RuntimeError, e.what());
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const SystemError& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+
+  py::class_<Event, std::shared_ptr<Event>>(m, "Event")
+      .def("synchronize", &Event::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("query", &Event::query);
+
+  py::class_<Stream, std::shared_ptr<Stream>>(m, "Stream")
+      .def(
+          "copy_batch",
+          [](Stream& s, const std::vector<std::tuple<uintptr_t, uintptr_t, size_t>>& copies) {
+            std::vector<CopyOp> ops;
+            ops.reserve(copies.size());
+            for (const auto& [dst, src, bytes] : copies) {
+              ops.push_back({reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes});
+            }
+            py::gil_scoped_release release;
+            s.copy_batch(ops);
+          },
+          "Enqueue byte copies [(dst_ptr, src_ptr, bytes), ...] as one batch; returns at once.")
+      .def("record", &Stream::record)
+      .def("wait", &Stream::wait)
+      .def("synchronize", &Stream::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("native_handle", &Stream::native_handle);
+
+  py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
+      .def_property_readonly("name", &Backend::name)
+      .def_property_readonly("device_type",
+                             [](const Backend& b) { return b.device_kind() == DeviceKind::kCuda ? "cuda" : "cpu"; })
+      .def_property_readonly("device_index", &Backend::device_index)
+      .def_property_readonly("granularity", &Backend::granularity)
+      .def("create_stream", [](Backend& b, const std::string& role) { return b.create_stream(parse_role(role)); })
+      .def("synchronize_device", &Backend::synchronize_device, py::call_guard<py::gil_scoped_release>());
+
+  m.def("make_host_backend", &make_host_backend, py::arg("kind") = "anon");
+  m.def("make_cuda_backend", &make_cuda_backend, py::arg("index") = 0);
+
+  py::class_<Region, std::shared_ptr<Region>>(m, "Region")
+      .def(py::init<std::shared_ptr<Backend>, std::string, size_t, size_t, size_t>(), py::arg("backend"),
+           py::arg("name"), py::arg("budget_bytes"), py::arg("chunk_bytes") = 0, py::arg("alignment") = 256)
+      .def_property_readonly("name", &Region::name)
+      .def_property_readonly("base_address", &Region::base_address)
+      .def("allocate", [](Region& r, size_t bytes) { return reinterpret_cast<uintptr_t>(r.allocate(bytes)); })
+      .def("free", [](Region& r, uintptr_t ptr) { r.free(reinterpret_cast<void*>(ptr)); })
+      .def("allocate_dlpack", &allocate_dlpack, py::arg("bytes"))
+      .def("contains", [](const Region& r, uintptr_t ptr) { return r.contains(reinterpret_cast<void*>(ptr)); })
+      .def("sleep", &Region::sleep, py::arg("offload") = false, py::call_guard<py::gil_scoped_release>())
+      .def("wake", &Region::wake, py::call_guard<py::gil_scoped_release>())
+      .def("trim", &Region::trim, py::call_guard<py::gil_scoped_release>())
+      .def("stats", [](const Region& r) { return stats_dict(r.stats()); });
+
+  m.def("set_current_region", &set_current_region, py::arg("device"), py::arg("region"));
+  m.def("current_region", &current_region, py::arg("device"));
+
+  m.def("probe_cuda", [] {
+    CudaProbe p = probe_cuda();
+    py::dict d;
+    d["compiled"] = p.compiled;
+    d["available"] = p.available;
+    d["device_count"] = p.device_count;
+    d["driver_version"] = p.driver_version;
+    d["reason"] = p.reason;
+    return d;
+  });
+
+  m.def("build_info", [] {
+    py::dict d;
+    bool cuda = probe_cuda().compiled;
+    py::list backends;
+    backends.append("host-anon");
+    backends.append("host-memfd");
+    if (cuda) backends.append("cuda-vmm");
+    d["backends"] = backends;
+    d["cuda_compiled"] = cuda;
+    d["cuda_version"] = std::string(COLO_CUDA_VERSION);
+    d["compiler"] = std::string(COLO_COMPILER);
+    d["sanitizer"] = std::string(COLO_SANITIZER);
+    d["torch_allocator_symbols"] = py::make_tuple("colo_torch_alloc", "colo_torch_free");
+    return d;
+  });
+}

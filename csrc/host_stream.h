@@ -1,0 +1,47 @@
+// The host equivalent of a CUDA stream: one worker thread running queued work in order, so the
+// scheduler's code path (enqueue copies, record, wait) is the same on CPU as on a GPU.
+#pragma once
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "backend.h"
+
+namespace colo {
+
+class HostEvent : public Event {
+ public:
+  void synchronize() override;
+  bool query() override;
+  void set();
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable done_cv_;
+  bool done_ = false;
+};
+
+class HostStream : public Stream {
+ public:
+  HostStream();
+  ~HostStream() override;
+  void copy_batch(const std::vector<CopyOp>& ops) override;
+  std::shared_ptr<Event> record() override;
+  void wait(const std::shared_ptr<Event>& event) override;
+  void synchronize() override;
+  uintptr_t native_handle() const override { return 0; }
+
+ private:
+  void enqueue(std::function<void()> work);
+  void run();
+
+  std::mutex mutex_;
+  std::condition_variable work_cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stopping_ = false;
+  std::thread worker_;
+};
+
+}  // namespace colo

@@ -1,0 +1,272 @@
+#include "region.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "errors.h"
+
+namespace colo {
+namespace {
+
+std::string human(size_t bytes) {
+  char text[64];
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
+  std::snprintf(text, sizeof text, unit == 0 ? "%.0f %s" : "%.2f %s", value, units[unit]);
+  return text;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+size_t default_chunk(const Backend& backend) {
+  size_t chunk = backend.device_kind() == DeviceKind::kCuda ? (32u << 20) : (2u << 20);
+  size_t g = backend.granularity();
+  return (chunk + g - 1) / g * g;
+}
+
+size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+// The parts of `runs` (offset, bytes) that lie inside `live` (both sorted, disjoint).
+std::vector<std::pair<size_t, size_t>> intersect(const std::vector<std::pair<size_t, size_t>>& runs,
+                                                  const std::vector<std::pair<size_t, size_t>>& live) {
+  std::vector<std::pair<size_t, size_t>> out;
+  size_t i = 0, j = 0;
+  while (i < runs.size() && j < live.size()) {
+    size_t lo = std::max(runs[i].first, live[j].first);
+    size_t hi = std::min(runs[i].first + runs[i].second, live[j].first + live[j].second);
+    if (lo < hi) out.emplace_back(lo, hi - lo);
+    if (runs[i].first + runs[i].second < live[j].first + live[j].second) ++i; else ++j;
+  }
+  return out;
+}
+
+}  // namespace
+
+Region::Region(std::shared_ptr<Backend> backend, std::string name, size_t budget_bytes, size_t chunk_bytes,
+               size_t alignment)
+    : backend_(std::move(backend)),
+      name_(std::move(name)),
+      budget_(budget_bytes),
+      chunk_bytes_(chunk_bytes ? round_up(chunk_bytes, backend_->granularity()) : default_chunk(*backend_)),
+      virtual_bytes_(round_up(std::max<size_t>(budget_bytes, 1), chunk_bytes_)),
+      blocks_(virtual_bytes_, alignment) {
+  COLO_EXPECTS(budget_bytes > 0, InvalidArgument, "region budget must be positive");
+  COLO_EXPECTS(alignment >= 256, InvalidArgument, "region alignment must be at least 256 bytes");
+  base_ = static_cast<char*>(backend_->reserve(virtual_bytes_));
+  size_t chunks = virtual_bytes_ / chunk_bytes_;
+  chunk_live_bytes_.assign(chunks, 0);
+  chunk_committed_.assign(chunks, false);
+  copy_stream_ = backend_->create_stream(StreamRole::kCopy);
+}
+
+Region::~Region() {
+  try {
+    copy_stream_.reset();
+    if (!asleep_) release_all_chunks();
+    if (offload_buffer_) backend_->host_free(offload_buffer_, offload_bytes_);
+    backend_->unreserve(base_, virtual_bytes_);
+  } catch (...) {
+    // Destructors must not throw; the process is usually exiting when this fails.
+  }
+}
+
+std::string Region::describe_request(size_t bytes) const {
+  return "region '" + name_ + "' cannot allocate " + human(bytes) + " (" + std::to_string(bytes) + " bytes): " +
+         human(blocks_.allocated_bytes()) + " allocated of a " + human(budget_) + " budget, " +
+         human(budget_ - std::min(budget_, blocks_.allocated_bytes())) + " free (largest free block " +
+         human(std::min(blocks_.largest_free_block(), budget_)) + ")";
+}
+
+void Region::add_live(size_t offset, size_t bytes, bool add) {
+  size_t end = offset + bytes;
+  for (size_t c = chunk_of(offset); c * chunk_bytes_ < end; ++c) {
+    size_t lo = std::max(offset, c * chunk_bytes_), hi = std::min(end, (c + 1) * chunk_bytes_);
+    if (add) chunk_live_bytes_[c] += hi - lo; else chunk_live_bytes_[c] -= hi - lo;
+  }
+}
+
+void Region::commit_chunks_for(size_t offset, size_t bytes) {
+  std::vector<size_t> committed_now;
+  try {
+    for (size_t c = chunk_of(offset); c * chunk_bytes_ < offset + bytes; ++c) {
+      if (chunk_committed_[c]) continue;
+      backend_->commit(base_ + c * chunk_bytes_, chunk_bytes_);
+      chunk_committed_[c] = true;
+      ++committed_chunks_;
+      committed_now.push_back(c);
+    }
+  } catch (...) {
+    for (size_t c : committed_now) release_chunk(c);  // leave the region as it was
+    throw;
+  }
+}
+
+void Region::release_chunk(size_t chunk) {
+  backend_->release(base_ + chunk * chunk_bytes_, chunk_bytes_);
+  chunk_committed_[chunk] = false;
+  --committed_chunks_;
+}
+
+void Region::release_all_chunks() {
+  for (size_t c = 0; c < chunk_committed_.size(); ++c) {
+    if (chunk_committed_[c]) release_chunk(c);
+  }
+}
+
+void* Region::allocate(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (asleep_) throw RegionAsleep("region '" + name_ + "' is asleep: wake() it before allocating");
+  size_t need = blocks_.round_up(bytes == 0 ? 1 : bytes);
+  if (blocks_.allocated_bytes() + need > budget_) throw OutOfMemory(describe_request(bytes));
+  auto offset = blocks_.allocate(need);
+  if (!offset) throw OutOfMemory(describe_request(bytes));
+  try {
+    commit_chunks_for(*offset, need);
+  } catch (const OutOfMemory& e) {
+    blocks_.free(*offset);
+    throw OutOfMemory(describe_request(bytes) + "; the device has no physical memory left: " + e.what());
+  } catch (...) {
+    blocks_.free(*offset);
+    throw;
+  }
+  add_live(*offset, need, true);
+  peak_allocated_ = std::max(peak_allocated_, blocks_.allocated_bytes());
+  return base_ + *offset;
+}
+
+bool Region::contains(const void* ptr) const {
+  auto p = reinterpret_cast<uintptr_t>(ptr), base = reinterpret_cast<uintptr_t>(base_);
+  return p >= base && p < base + virtual_bytes_;
+}
+
+void Region::free(void* ptr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  COLO_EXPECTS(contains(ptr), InvalidArgument, "pointer does not belong to region '" + name_ + "'");
+  size_t offset = static_cast<size_t>(static_cast<char*>(ptr) - base_);
+  size_t bytes = blocks_.block_size(offset);
+  COLO_EXPECTS(bytes > 0, InvalidArgument, "free of a pointer region '" + name_ + "' did not hand out");
+  blocks_.free(offset);
+  add_live(offset, bytes, false);
+  // Committed chunks stay mapped (a cache for the next allocation); trim() or sleep() releases them.
+}
+
+void Region::sleep(bool offload) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (asleep_) return;
+  auto start = std::chrono::steady_clock::now();
+  if (offload && blocks_.allocated_bytes() > 0) {
+    auto runs = blocks_.live_runs();
+    size_t total = 0;
+    for (const auto& run : runs) total += run.second;
+    void* buffer = backend_->host_alloc(total);  // throws OutOfMemory before anything changed
+    std::vector<CopyOp> ops;
+    ops.reserve(runs.size());
+    size_t at = 0;
+    for (const auto& [offset, bytes] : runs) {
+      ops.push_back({static_cast<char*>(buffer) + at, base_ + offset, bytes});
+      at += bytes;
+    }
+    // Work on other streams may still be writing this memory; order it before the copy.
+    backend_->synchronize_device();
+    copy_stream_->copy_batch(ops);  // one batch on the copy stream, one wait
+    copy_stream_->synchronize();
+    offload_buffer_ = buffer;
+    offload_bytes_ = total;
+    offload_runs_ = std::move(runs);
+  }
+  backend_->synchronize_device();  // nothing may touch a range while it is unmapped
+  release_all_chunks();
+  asleep_ = true;
+  ++sleep_count_;
+  last_sleep_s_ = seconds_since(start);
+}
+
+void Region::wake() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!asleep_) return;
+  auto start = std::chrono::steady_clock::now();
+  std::vector<size_t> committed_now;
+  try {
+    for (size_t c = 0; c < chunk_live_bytes_.size(); ++c) {
+      if (chunk_live_bytes_[c] == 0) continue;  // only what live allocations need
+      backend_->commit(base_ + c * chunk_bytes_, chunk_bytes_);
+      chunk_committed_[c] = true;
+      ++committed_chunks_;
+      committed_now.push_back(c);
+    }
+  } catch (...) {
+    for (size_t c : committed_now) release_chunk(c);  // stay asleep, offloaded bytes kept
+    throw;
+  }
+  if (offload_buffer_) {
+    // Restore only what is still allocated: blocks freed while asleep may sit on released chunks.
+    std::vector<CopyOp> ops;
+    size_t at = 0;
+    std::vector<std::pair<size_t, size_t>> packed;  // run offset -> position in the buffer
+    for (const auto& [offset, bytes] : offload_runs_) {
+      packed.emplace_back(offset, at);
+      at += bytes;
+    }
+    size_t run = 0;
+    for (const auto& [offset, bytes] : intersect(offload_runs_, blocks_.live_runs())) {
+      while (offload_runs_[run].first + offload_runs_[run].second <= offset) ++run;
+      size_t in_buffer = packed[run].second + (offset - offload_runs_[run].first);
+      ops.push_back({base_ + offset, static_cast<char*>(offload_buffer_) + in_buffer, bytes});
+    }
+    copy_stream_->copy_batch(ops);
+    copy_stream_->synchronize();
+    backend_->host_free(offload_buffer_, offload_bytes_);
+    offload_buffer_ = nullptr;
+    offload_bytes_ = 0;
+    offload_runs_.clear();
+  }
+  asleep_ = false;
+  last_wake_s_ = seconds_since(start);
+}
+
+void Region::trim() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (asleep_) return;
+  backend_->synchronize_device();
+  for (size_t c = 0; c < chunk_committed_.size(); ++c) {
+    if (chunk_committed_[c] && chunk_live_bytes_[c] == 0) release_chunk(c);
+  }
+}
+
+RegionStats Region::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  RegionStats s;
+  s.budget_bytes = budget_;
+  s.virtual_bytes = virtual_bytes_;
+  s.chunk_bytes = chunk_bytes_;
+  s.allocated_bytes = blocks_.allocated_bytes();
+  s.peak_allocated_bytes = peak_allocated_;
+  s.reserved_bytes = committed_chunks_ * chunk_bytes_;
+  // Measure resident memory over runs of committed chunks (one call per run).
+  for (size_t c = 0; c < chunk_committed_.size();) {
+    if (!chunk_committed_[c]) {
+      ++c;
+      continue;
+    }
+    size_t first = c;
+    while (c < chunk_committed_.size() && chunk_committed_[c]) ++c;
+    s.resident_bytes += backend_->resident_bytes(base_ + first * chunk_bytes_, (c - first) * chunk_bytes_);
+  }
+  s.offloaded_bytes = offload_bytes_;
+  s.num_allocations = blocks_.live_blocks();
+  s.largest_free_block = std::min(blocks_.largest_free_block(), budget_ - std::min(budget_, blocks_.allocated_bytes()));
+  s.sleep_count = sleep_count_;
+  s.last_sleep_seconds = last_sleep_s_;
+  s.last_wake_seconds = last_wake_s_;
+  s.asleep = asleep_;
+  return s;
+}
+
+}  // namespace colo

@@ -1,0 +1,92 @@
+// A region: one reserved virtual range of a backend, physical memory committed chunk by chunk as
+// allocations need it, a byte budget, a best-fit sub-allocator, statistics, and sleep/wake.
+// Sleep releases every chunk (optionally copying live bytes to host first); wake maps fresh chunks
+// at the same addresses and restores what was offloaded, so pointers handed out stay valid.
+#pragma once
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backend.h"
+#include "block_allocator.h"
+
+namespace colo {
+
+struct RegionStats {
+  size_t budget_bytes = 0;
+  size_t virtual_bytes = 0;
+  size_t chunk_bytes = 0;
+  size_t allocated_bytes = 0;
+  size_t peak_allocated_bytes = 0;
+  size_t reserved_bytes = 0;   // committed physical memory (0 while asleep)
+  size_t resident_bytes = 0;   // physical memory present now (host: measured with mincore)
+  size_t offloaded_bytes = 0;  // bytes held on the host while asleep
+  size_t num_allocations = 0;
+  size_t largest_free_block = 0;
+  size_t sleep_count = 0;
+  double last_sleep_seconds = 0;
+  double last_wake_seconds = 0;
+  bool asleep = false;
+};
+
+class Region : public std::enable_shared_from_this<Region> {
+ public:
+  // chunk_bytes == 0 picks the backend default (host: 2 MiB; CUDA: 32 MiB, fewer driver handles).
+  Region(std::shared_ptr<Backend> backend, std::string name, size_t budget_bytes, size_t chunk_bytes = 0,
+         size_t alignment = 256);
+  ~Region();
+  Region(const Region&) = delete;
+  Region& operator=(const Region&) = delete;
+
+  // Throws OutOfMemory (over budget / no free block / device full) or RegionAsleep; a refused
+  // request changes nothing.
+  void* allocate(size_t bytes);
+  void free(void* ptr);
+  void sleep(bool offload);
+  void wake();
+  // Release committed chunks that hold no live allocation.
+  void trim();
+
+  RegionStats stats() const;
+  const std::string& name() const { return name_; }
+  Backend& backend() const { return *backend_; }
+  bool contains(const void* ptr) const;
+  uintptr_t base_address() const { return reinterpret_cast<uintptr_t>(base_); }
+
+ private:
+  size_t chunk_of(size_t offset) const { return offset / chunk_bytes_; }
+  void commit_chunks_for(size_t offset, size_t bytes);   // commit uncommitted chunks overlapping
+  void add_live(size_t offset, size_t bytes, bool add);  // per-chunk live byte counts
+  void release_chunk(size_t chunk);
+  void release_all_chunks();
+  std::string describe_request(size_t bytes) const;
+
+  std::shared_ptr<Backend> backend_;
+  std::string name_;
+  size_t budget_;
+  size_t chunk_bytes_;
+  size_t virtual_bytes_;
+  char* base_ = nullptr;
+  std::shared_ptr<Stream> copy_stream_;
+
+  mutable std::mutex mutex_;
+  BlockAllocator blocks_;
+  std::vector<size_t> chunk_live_bytes_;
+  std::vector<bool> chunk_committed_;
+  size_t committed_chunks_ = 0;
+  size_t peak_allocated_ = 0;
+  bool asleep_ = false;
+  size_t sleep_count_ = 0;
+  double last_sleep_s_ = 0, last_wake_s_ = 0;
+
+  // What sleep(offload=true) copied out: runs (offset, bytes) packed back to back in host memory.
+  void* offload_buffer_ = nullptr;
+  size_t offload_bytes_ = 0;
+  std::vector<std::pair<size_t, size_t>> offload_runs_;
+};
+
+}  // namespace colo
