@@ -1,0 +1,122 @@
+"""Checkpoints of a GRPO run: written atomically, found again by step number, loaded with clear errors.
+
+A checkpoint is one file `step-000012.pt` holding everything a resumed run needs to continue at
+step 13 as if it had never stopped: model weights, optimizer state, learning-rate scheduler state,
+every rank's RNG state, the step and the run's config. It is written to a temporary name, flushed
+to disk and renamed, so a file with the final name is always complete; a run killed mid-write leaves
+only a `.tmp` file that the next save removes.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+from pathlib import Path
+
+import torch
+
+FORMAT = "colo.grpo.checkpoint/1"
+_NAME = re.compile(r"^step-(\d{6,})\.pt$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not belong to this kind of run."""
+
+
+def checkpoint_path(out_dir: str | Path, step: int) -> Path:
+    return Path(out_dir) / f"step-{step:06d}.pt"
+
+
+def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint in out_dir, oldest first."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    found = []
+    for path in out_dir.iterdir():
+        match = _NAME.match(path.name)
+        if match:
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    found = list_checkpoints(out_dir)
+    return found[-1][1] if found else None
+
+
+def save_checkpoint(out_dir: str | Path, step: int, state: dict, keep: int = 2) -> Path:
+    """Atomically write `state` as the checkpoint of `step`; keep only the newest `keep` checkpoints."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(out_dir, step)
+    for stale in out_dir.glob("*.pt.tmp"):
+        stale.unlink(missing_ok=True)
+    temporary = final.with_name(final.name + ".tmp")
+    with open(temporary, "wb") as f:
+        torch.save({"format": FORMAT, "step": step, **state}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, final)
+    _fsync_directory(out_dir)
+    for _, old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """Load a checkpoint written by save_checkpoint; CheckpointError names the file and the problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        # weights_only: a checkpoint is data; never run code from a file found on disk.
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a truncated or foreign file
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {e}") from e
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a colo GRPO checkpoint (expected format {FORMAT!r})")
+    missing = [k for k in ("step", "model", "optimizer", "rng", "config") if k not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}")
+    return state
+
+
+def capture_rng() -> dict:
+    """This process's random state: Python, torch CPU, torch CUDA (if initialised), numpy (if imported)."""
+    python_state = random.getstate()
+    state = {"python": [python_state[0], list(python_state[1]), python_state[2]], "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = _numpy_if_imported()
+    if numpy is not None:
+        kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
+        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss]
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    numpy = _numpy_if_imported()
+    if "numpy" in state and numpy is not None:
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        numpy.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+
+
+def _numpy_if_imported():
+    import sys
+
+    return sys.modules.get("numpy")
+
+
+def _fsync_directory(directory: Path) -> None:
+    # The rename is durable only once the directory entry itself reaches the disk.
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
