@@ -1,0 +1,56 @@
+"""Small measuring helpers shared by the sections: process RSS, CUDA availability, row building."""
+from __future__ import annotations
+
+import os
+import time
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    """Resident set of this process, from /proc/self/statm (includes shared memfd pages)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE_BYTES
+
+
+def cuda_unavailable_reason() -> str:
+    """Why CUDA rows cannot run here ('' when they can): torch must see a GPU and colo must be built for it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch here"
+    import colo
+
+    if not colo.cuda_available():
+        return f"colo cannot use CUDA: {colo.cuda_unavailable_reason()}"
+    return ""
+
+
+def skipped_row(section: str, case: str, device: str, why: str) -> dict:
+    return {"section": section, "case": case, "device": device, "note": why}
+
+
+def ratio(baseline_s: float, colo_s: float) -> float:
+    """baseline / colo, so >1 means colo is faster; inf would break JSON consumers, so clamp the divisor."""
+    return baseline_s / max(colo_s, 1e-12)
+
+
+class Stopwatch:
+    """`with Stopwatch() as sw: ...` then `sw.seconds`; optional `sync` runs before reading the clock
+    on both ends (torch.cuda.synchronize for asynchronous devices)."""
+
+    def __init__(self, sync=None):
+        self._sync = sync
+        self.seconds = 0.0
+
+    def __enter__(self):
+        if self._sync:
+            self._sync()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self._sync:
+            self._sync()
+        self.seconds = time.perf_counter() - self._start
+        return False

@@ -1,0 +1,203 @@
+"""Runs benchmark sections, prints each row as it is measured, and writes the results file.
+
+A section that is missing or cannot be imported yields a row whose `note` says so; a section that
+raises while running yields a row with the error and makes the run exit non-zero, after every
+other section has still run and the JSON has been written.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import math
+import os
+import shlex
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+from . import SECTIONS
+from .machine import describe, machine_info
+
+STANDARD_KEYS = ("section", "case", "device", "colo_s", "baseline", "baseline_s", "ratio", "note")
+
+
+def devices_for(choice: str) -> tuple[str, ...]:
+    return ("cpu", "cuda") if choice == "all" else (choice,)
+
+
+def make_progress(section: str):
+    """The `progress(iterable, desc)` callable handed to sections: a tqdm bar on stderr."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # a bar is a convenience, never a reason to fail
+        return lambda iterable, desc="", **kw: iterable
+
+    def progress(iterable, desc="", **kw):
+        # disable=None: a bar on a terminal only; in a log file it would be a wall of carriage returns.
+        return tqdm(iterable, desc=f"{section}: {desc}", leave=False, file=sys.stderr, dynamic_ncols=True,
+                    disable=None, **kw)
+
+    return progress
+
+
+def load_section(name: str):
+    """(module, '') or (None, why it cannot run)."""
+    module_name = f"{__package__}.{name}"
+    try:
+        return importlib.import_module(module_name), ""
+    except ModuleNotFoundError as e:
+        if e.name == module_name:
+            return None, f"section not available: module {module_name} does not exist yet"
+        return None, f"section could not be imported: {type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - any import failure becomes a row, not a crash
+        return None, f"section could not be imported: {type(e).__name__}: {e}"
+
+
+def run_section(name: str, quick: bool, devices: tuple[str, ...], progress=None) -> tuple[list[dict], bool]:
+    """Rows of one section and whether it failed (raised while running)."""
+    module, why = load_section(name)
+    if module is None:
+        return [{"section": name, "case": "(section)", "note": why}], False
+    progress = progress or make_progress(name)
+    kwargs = {"quick": quick, "progress": progress}
+    # Sections may take `devices` to skip work for devices not asked for; the rest are filtered below.
+    takes_devices = "devices" in inspect.signature(module.run).parameters
+    if takes_devices:
+        kwargs["devices"] = devices
+    try:
+        rows = list(module.run(**kwargs))
+    except Exception as e:  # noqa: BLE001
+        last = traceback.extract_tb(e.__traceback__)[-1]
+        where = f"{Path(last.filename).name}:{last.lineno}"
+        return [{"section": name, "case": "(section)", "note": f"failed: {type(e).__name__}: {e} ({where})"}], True
+    for row in rows:
+        row.setdefault("section", name)
+        row.setdefault("case", "")
+    if not takes_devices:
+        rows = [r for r in rows if r.get("device") in (None, *devices)]
+    if not rows:
+        rows = [{"section": name, "case": "(section)", "note": f"no rows for device(s) {', '.join(devices)}"}]
+    return rows, False
+
+
+# ---- printing ---------------------------------------------------------------------------------
+
+def format_seconds(s) -> str:
+    if not isinstance(s, (int, float)) or isinstance(s, bool) or not math.isfinite(s):
+        return "-"
+    if s < 1e-6:
+        return f"{s * 1e9:.0f} ns"
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} µs"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s:.2f} s"
+
+
+def format_value(key: str, value) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if key.endswith("_bytes") or key == "bytes_moved":
+        return f"{value / 2**20:.1f}MiB" if abs(value) >= 2**20 else f"{value:.0f}B"
+    if key.endswith("_s"):
+        return format_seconds(value)
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+_COLUMNS = (("section", 10), ("case", 38), ("device", 6), ("colo", 10), ("baseline", 36), ("baseline", 10),
+            ("ratio", 8))
+
+
+def header() -> str:
+    return " ".join(f"{title:<{width}}" for title, width in _COLUMNS) + " details"
+
+
+def format_row(row: dict) -> str:
+    ratio = row.get("ratio")
+    cells = (
+        row.get("section", ""), row.get("case", ""), row.get("device", ""),
+        format_seconds(row.get("colo_s")), row.get("baseline", "") or "", format_seconds(row.get("baseline_s")),
+        f"{ratio:.2f}x" if isinstance(ratio, (int, float)) and math.isfinite(ratio) else "-",
+    )
+    text = " ".join(f"{str(cell):<{width}}" for cell, (_, width) in zip(cells, _COLUMNS))
+    details = [f"{k}={format_value(k, v)}" for k, v in row.items() if k not in STANDARD_KEYS]
+    if row.get("note"):
+        details.append(f"note: {row['note']}")
+    return text + " " + " ".join(details)
+
+
+# ---- results file -----------------------------------------------------------------------------
+
+def _json_safe(value):
+    """NaN/inf are not JSON; write them as null rather than produce a file other tools reject."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def write_json(result: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_json_safe(result), indent=1, allow_nan=False) + "\n")
+    os.replace(tmp, path)  # never leave a half-written results file
+
+
+def colo_build_info() -> dict:
+    try:
+        import colo
+
+        return colo.build_info()
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal: the pool sections will say why they skipped
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def run(sections: list[str], quick: bool, device: str, argv: list[str], json_path: Path | None = None,
+        out=sys.stdout) -> tuple[dict, bool]:
+    """Run `sections` in order; returns (result, any_section_failed)."""
+    info = machine_info()
+    result = {
+        "command": shlex.join(["python", "-m", "colo.bench", *argv]),
+        "python_executable": sys.executable,
+        "cwd": os.getcwd(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "quick": quick,
+        "device": device,
+        "sections": list(sections),
+        "machine": info,
+        "build_info": colo_build_info(),
+        "section_seconds": {},
+        "rows": [],
+    }
+    print(f"# {describe(info)}", file=out)
+    print(f"# {'quick' if quick else 'full'} run, device(s): {device}; ratio = baseline / colo (>1: colo faster)",
+          file=out)
+    print(header(), file=out, flush=True)
+    failed = False
+    started = time.perf_counter()
+    for name in sections:
+        print(f"[colo.bench] running {name} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        rows, section_failed = run_section(name, quick, devices_for(device))
+        failed |= section_failed
+        result["section_seconds"][name] = round(time.perf_counter() - t0, 3)
+        result["rows"].extend(rows)
+        for row in rows:
+            print(format_row(row), file=out, flush=True)
+        if json_path is not None:
+            write_json(result, json_path)  # after every section, so a crash later keeps what was measured
+    result["total_seconds"] = round(time.perf_counter() - started, 3)
+    if json_path is not None:
+        write_json(result, json_path)
+    return result, failed
+
+
+__all__ = ["SECTIONS", "run", "run_section", "load_section", "write_json", "format_row", "devices_for"]
