@@ -1,0 +1,27 @@
+"""GRPO on one device: generate with an in-process vLLM engine, train the same weights, repeat.
+
+    from colo.grpo import GRPOScheduler, GRPOConfig
+    run = GRPOScheduler(model_dir, reward_fn, prompt_fn, GRPOConfig(num_generations=8), out_dir="ckpt")
+    run.run(steps=100)
+
+reward_fn(prompts, completions) -> one float per completion; prompt_fn(step, count) -> prompts
+(lists of token ids). The command line is `python -m colo.grpo` (see colo/grpo/cli.py).
+"""
+from .checkpoint import CheckpointError
+from .config import GRPOConfig
+from .loss import group_advantages, grpo_loss
+from .rollout_engine import EngineFailure
+from .toy_task import ToyTask, build_toy_model
+
+
+def __getattr__(name):
+    # The scheduler imports vLLM (slow); load it only when asked for.
+    if name == "GRPOScheduler":
+        from .scheduler import GRPOScheduler
+
+        return GRPOScheduler
+    raise AttributeError(name)
+
+
+__all__ = ["GRPOScheduler", "GRPOConfig", "CheckpointError", "EngineFailure", "ToyTask", "build_toy_model",
+           "group_advantages", "grpo_loss"]

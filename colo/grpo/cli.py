@@ -1,0 +1,170 @@
+"""`python -m colo.grpo`: a colocated GRPO run from the command line.
+
+    python -m colo.grpo --steps 40 --json log.jsonl --out ckpt/ [--resume] [--model PATH] [--trace trace.json]
+
+Without --model it trains a small random Qwen2 model (written to OUT/toy-model) on the toy task of
+colo.grpo.toy_task: reward = share of completion tokens that obey a token rule. With --model it trains
+that Hugging Face model on the same verifiable task. The run's settings are saved in OUT/run.json;
+--resume continues from the newest checkpoint in OUT with those settings.
+Exit status: 0 done, 2 bad arguments or unreadable checkpoint, 1 the run failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+from .config import GRPOConfig
+
+TOY_DEFAULTS = dict(prompts_per_step=8, num_generations=8, max_new_tokens=16, ignore_eos=True,
+                    learning_rate=3e-3, temperature=1.0)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m colo.grpo", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=_positive_int, required=True, help="total steps of the run (a resumed run counts those done)")
+    p.add_argument("--json", dest="log", required=True, metavar="LOG", help="JSON-lines file, one record per step")
+    p.add_argument("--out", required=True, metavar="CKPT_DIR", help="directory for checkpoints and run.json")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.add_argument("--model", metavar="PATH", help="Hugging Face causal LM directory (default: a small random Qwen2)")
+    p.add_argument("--trace", metavar="FILE", help="Chrome-trace/Perfetto timeline of the phases")
+    p.add_argument("--save-every", type=_non_negative_int, default=10, metavar="N", help="checkpoint period (0: only at the end)")
+    p.add_argument("--keep-checkpoints", type=_non_negative_int, default=2, metavar="K", help="newest checkpoints kept (0: all)")
+    p.add_argument("--prompts-per-step", type=_positive_int, default=TOY_DEFAULTS["prompts_per_step"])
+    p.add_argument("--num-generations", type=_positive_int, default=TOY_DEFAULTS["num_generations"])
+    p.add_argument("--max-new-tokens", type=_positive_int, default=TOY_DEFAULTS["max_new_tokens"])
+    p.add_argument("--lr", type=float, default=TOY_DEFAULTS["learning_rate"])
+    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _settings(args, parser) -> tuple[Path, GRPOConfig]:
+    """Model directory and config: from the flags for a new run, from OUT/run.json when resuming."""
+    out = Path(args.out)
+    run_file = out / "run.json"
+    if args.resume:
+        if not run_file.is_file():
+            parser.error(f"--resume: {run_file} not found; is {out} the --out of an earlier run?")
+        try:
+            saved = json.loads(run_file.read_text())
+            config = GRPOConfig.from_dict(saved["config"])
+            model_dir = Path(args.model) if args.model else Path(saved["model_dir"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            parser.error(f"--resume: cannot read {run_file}: {e}")
+        newest = latest_checkpoint(out)
+        if newest is None:
+            parser.error(f"--resume: no checkpoint (step-*.pt) in {out}")
+        try:
+            load_checkpoint(newest)  # fail here, with a clear message, before any engine starts
+        except CheckpointError as e:
+            parser.error(f"--resume: {e}")
+        return model_dir, config
+    if list_checkpoints(out):
+        parser.error(f"{out} already holds checkpoints of a run; pass --resume to continue it or choose another --out")
+    try:
+        config = GRPOConfig(**{**TOY_DEFAULTS, "prompts_per_step": args.prompts_per_step,
+                               "num_generations": args.num_generations, "max_new_tokens": args.max_new_tokens,
+                               "learning_rate": args.lr, "seed": args.seed, "save_every": args.save_every,
+                               "keep_checkpoints": args.keep_checkpoints})
+    except ValueError as e:
+        parser.error(str(e))
+    if args.model:
+        model_dir = Path(args.model)
+        if not model_dir.is_dir():
+            parser.error(f"--model: {model_dir} is not a directory")
+        if not (model_dir / "config.json").is_file():
+            parser.error(f"--model: {model_dir} is not a Hugging Face model directory (no config.json)")
+    else:
+        model_dir = out / "toy-model"
+    return model_dir, config
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    model_dir, config = _settings(args, parser)
+
+    from . import distributed as D
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    world = D.init_world("cuda" if _cuda() else "cpu")
+    out = Path(args.out)
+    if world.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not args.model and not args.resume:
+            from .toy_task import build_toy_model
+
+            build_toy_model(model_dir, seed=config.seed)
+        if not args.resume:
+            (out / "run.json").write_text(json.dumps({"model_dir": str(model_dir), "config": config.to_dict()}, indent=2))
+    D.barrier(world)
+
+    from .scheduler import GRPOScheduler
+    from .toy_task import ToyTask
+
+    vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
+    task = ToyTask(vocab, seed=config.seed)
+    scheduler = GRPOScheduler(model_dir, task.rewards, task.prompts, config, out_dir=out, log_path=args.log,
+                              trace_path=args.trace, resume=args.resume)
+    try:
+        if scheduler.step >= args.steps:
+            if world.is_main:
+                print(f"colo.grpo: the run in {out} has already done {scheduler.step} steps (--steps {args.steps})")
+            return 0
+        records = scheduler.run(args.steps, progress=not args.no_progress)
+    finally:
+        scheduler.close()
+    if world.is_main and records:
+        first, last = records[0], records[-1]
+        print(f"colo.grpo: steps {first['step']}-{last['step']} done; reward {first['reward_mean']:.3f} -> "
+              f"{last['reward_mean']:.3f}; checkpoints in {out}")
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run_cli(argv=None) -> int:
+    """main() with failures turned into a one-line message and exit status 1 (2 for bad checkpoints)."""
+    from .rollout_engine import EngineFailure
+
+    try:
+        return main(argv)
+    except CheckpointError as e:
+        print(f"colo.grpo: error: {e}", file=sys.stderr)
+        return 2
+    except (EngineFailure, FileNotFoundError, ValueError, MemoryError) as e:
+        print(f"colo.grpo: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("colo.grpo: interrupted; the last finished step is checkpointed, continue with --resume",
+              file=sys.stderr)
+        return 130

@@ -1,0 +1,70 @@
+"""The knobs of a GRPO run, checked once up front so a bad value fails before any engine starts.
+
+There is deliberately no memory-fraction knob: the KV cache gets what the weights, gradients and
+optimizer state leave of the pool (see scheduler.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class GRPOConfig:
+    prompts_per_step: int = 8          # over all ranks; each rank generates its even share
+    num_generations: int = 8           # completions per prompt (the GRPO group size)
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    ignore_eos: bool = False           # toy task: fixed-length completions
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    warmup_steps: int = 0              # linear learning-rate warm-up, then constant
+    max_grad_norm: float | None = 1.0  # None: no clipping
+    epsilon_low: float = 0.2           # PPO clip range below and above ratio 1
+    epsilon_high: float = 0.2
+    beta: float = 0.0                  # KL-to-reference weight; > 0 keeps a frozen reference copy
+    scale_rewards: bool = True         # divide advantages by the group std (False: Dr. GRPO)
+    micro_batch_size: int | None = None  # sequences per forward/backward; None: the whole rollout
+    offload_optimizer: bool = True     # optimizer state to host memory while generating
+    save_every: int = 10               # checkpoint period in steps (0: only at the end)
+    keep_checkpoints: int = 2          # newest ones kept (0: all)
+    seed: int = 0
+
+    def __post_init__(self):
+        self.adam_betas = tuple(self.adam_betas)
+        positive_ints = ("prompts_per_step", "num_generations", "max_new_tokens")
+        for name in positive_ints:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("warmup_steps", "save_every", "keep_checkpoints", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.micro_batch_size is not None and (not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1):
+            raise ValueError(f"micro_batch_size must be a positive integer or None, got {self.micro_batch_size!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if not (0 <= self.epsilon_low < 1 and self.epsilon_high >= 0):
+            raise ValueError(f"clip range needs 0 <= epsilon_low < 1 and epsilon_high >= 0, "
+                             f"got {self.epsilon_low}, {self.epsilon_high}")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["adam_betas"] = list(self.adam_betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GRPOConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})

@@ -1,0 +1,72 @@
+"""The little torch.distributed a colocated GRPO run needs: one engine per rank, prompts split evenly,
+gradients averaged with one all-reduce per flat buffer, small results summed or gathered.
+
+Works unchanged in a single process (world size 1), where every helper is the identity.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_world(device_type: str) -> World:
+    """Join the torchrun group if launched by torchrun (gloo on CPU, NCCL on GPU); else one rank."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size > 1 and not dist.is_initialized():
+        # vLLM's external launcher needs the default group to exist before the engine is built.
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    if dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    return World(0, 1, 0)
+
+
+def rank_slice(items: list, world: World) -> list:
+    """This rank's contiguous share of `items`; the count must divide evenly."""
+    if len(items) % world.size:
+        raise ValueError(f"{len(items)} prompts cannot be split evenly over {world.size} ranks")
+    share = len(items) // world.size
+    return items[world.rank * share:(world.rank + 1) * share]
+
+
+def average_(tensors: list[torch.Tensor], world: World) -> None:
+    """In-place mean over ranks (each tensor one collective: pass flat buffers, not parameters)."""
+    if world.size == 1:
+        return
+    for t in tensors:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t.div_(world.size)
+
+
+def sum_floats(values: list[float], world: World, device="cpu") -> list[float]:
+    if world.size == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def gather_objects(obj, world: World) -> list:
+    if world.size == 1:
+        return [obj]
+    out = [None] * world.size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier(world: World) -> None:
+    if world.size > 1:
+        dist.barrier()

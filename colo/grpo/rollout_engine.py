@@ -1,0 +1,121 @@
+"""The scheduler's view of the engine: build it in the pool, share the trainer's weights with it,
+generate whole rollout batches, publish updates, and rebuild it from the shared weights if it breaks.
+
+The building blocks are colo.engine (an in-process vLLM whose KV cache lives in the pool's kv_cache
+region) and colo.weights (one copy of the weights for trainer and engine); this file only decides
+how big the KV cache is and turns vLLM's outputs into plain token lists.
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import torch
+
+from .. import engine as colo_engine
+
+_KV_HEADROOM = 64 << 20  # room left in the pool for allocator rounding and small engine buffers
+
+
+class EngineFailure(RuntimeError):
+    """The engine failed to generate, also after being rebuilt from the shared weights."""
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float] | None  # the engine's log-probability of each sampled token (raw logits)
+
+
+def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token occupies over all layers."""
+    text = getattr(hf_config, "text_config", hf_config)
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class RolloutEngine:
+    """An in-process vLLM engine that serves the weights of `hf_model` (the same memory).
+
+    kv_tokens: the tokens the KV cache should hold (the whole rollout batch, so it runs as one
+    continuously batched call). The cache is that size, bounded by what the pool's other regions
+    leave, never by a user-tuned memory fraction.
+    """
+
+    def __init__(self, model_dir, hf_model, pool, *, world, seed: int, max_num_seqs: int,
+                 kv_tokens: int | None = None, max_model_len: int | None = None, **llm_kwargs):
+        self.model_dir, self.hf_model, self.pool, self.world = model_dir, hf_model, pool, world
+        self.seed = seed
+        config = hf_model.config
+        self.vocab_size = config.vocab_size
+        self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", 2048)
+        self.dtype = next(hf_model.parameters()).dtype
+        tokens = max(kv_tokens or 0, self.max_model_len)  # vLLM needs room for one full-length sequence
+        self.kv_cache_bytes = self._kv_budget(tokens * kv_bytes_per_token(config, self.dtype))
+        self._llm_kwargs = dict(skip_tokenizer_init=True, max_num_seqs=max_num_seqs, **llm_kwargs)
+        self.llm = self._build(load_format="auto")
+        self.shared = colo_share_weights(hf_model, self.llm, pool)
+
+    def _kv_budget(self, wanted: int) -> int:
+        if "kv_cache" in self.pool.regions:
+            return self.pool.regions["kv_cache"].budget
+        # The weights region does not exist yet (weights are shared after the engine starts):
+        # leave room for it, then the KV cache may take the rest.
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.hf_model.parameters())
+        left = self.pool.unbudgeted_bytes - weight_bytes - _KV_HEADROOM
+        if left < wanted:
+            raise MemoryError(f"the KV cache needs {wanted} bytes for the rollout batch but the pool has "
+                              f"only {max(left, 0)} left after weights, gradients and optimizer state")
+        return wanted
+
+    def _build(self, load_format: str):
+        return colo_engine.build_llm(self.model_dir, self.pool, dtype=self.dtype, seed=self.seed,
+                                     kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len,
+                                     load_format=load_format, **self._llm_kwargs)
+
+    @property
+    def kv_region(self):
+        return colo_engine.kv_cache_region(self.llm)
+
+    def generate(self, prompts: list[list[int]], sampling: list[dict]) -> list[Completion]:
+        """All prompts in one engine call; returns n completions per prompt, prompt after prompt."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = [SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **s) for s in sampling]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        completions = []
+        for out, s in zip(outputs, sampling):
+            if len(out.outputs) != s["n"]:
+                raise RuntimeError(f"engine returned {len(out.outputs)} completions for a prompt, expected {s['n']}")
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                logprobs = [step[t].logprob for step, t in zip(c.logprobs, ids)] if c.logprobs else None
+                completions.append(Completion(ids, logprobs))
+        return completions
+
+    def publish(self) -> dict:
+        return self.shared.publish()
+
+    def rebuild(self) -> None:
+        """Replace a broken engine by a fresh one serving the shared weights (nothing read from disk)."""
+        region = self.kv_region
+        self.llm = self.shared = None
+        gc.collect()  # the old engine's KV cache returns to the region before the new one asks for it
+        if region.asleep:
+            region.wake()
+        # "dummy" fills the new engine with placeholder weights instead of reading the checkpoint;
+        # sharing then points it at the trainer's live weights.
+        self.llm = self._build(load_format="dummy")
+        self.shared = colo_share_weights(self.hf_model, self.llm, self.pool)
+
+    def close(self) -> None:
+        self.llm = self.shared = None
+        gc.collect()
+
+
+def colo_share_weights(hf_model, llm, pool):
+    import colo
+
+    return colo.share_weights(hf_model, llm, pool=pool)

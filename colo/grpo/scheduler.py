@@ -1,0 +1,432 @@
+"""The GRPO phase machine: generate, reward, train, publish, one device, one pool, one copy of the weights.
+
+One step:
+
+    generate  KV region awake; the whole rollout batch in one engine call (n completions per prompt)
+    reward    the user's function scores every completion; advantages are normalised per prompt group
+    train     KV region asleep (resident bytes 0); gradients mapped; optimizer state copied back on
+              the copy stream while the forward and backward passes run; gradients averaged over
+              ranks; clip; optimizer step
+    publish   the engine serves the new weights (no bytes copied when layouts match); gradients
+              released and optimizer state offloaded to host before the KV cache wakes again
+
+Every rank of a torchrun job runs this same loop with its own engine and its share of the prompts.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import colo
+
+from . import distributed as D
+from .batch import completion_logprobs, pack
+from .checkpoint import (CheckpointError, capture_rng, latest_checkpoint, load_checkpoint, restore_rng,
+                         save_checkpoint)
+from .config import GRPOConfig
+from .loss import group_advantages, grpo_loss
+from .metrics import GpuMonitor, StepLog, Timeline
+from .rollout_engine import EngineFailure, RolloutEngine
+from .train_memory import TrainingMemory, adam_state_bytes
+
+PromptFn = Callable[[int, int], list]          # (step, count) -> list of prompts (token id lists)
+RewardFn = Callable[[list, list], list]        # (prompts, completions) -> one float per completion
+PHASES = ("generate", "train", "handoff")
+
+
+class GRPOScheduler:
+    """Runs GRPO steps on `model_dir` (a Hugging Face causal LM directory) colocated with a vLLM engine.
+
+    prompt_fn(step, count) returns `count` prompts (lists of token ids) for a step; it must depend only
+    on its arguments so a resumed run sees the same prompts. reward_fn(prompts, completions) returns
+    one float per completion, prompts repeated once per completion.
+    out_dir: where checkpoints go (None: no checkpoints). resume=True continues from its latest one.
+    """
+
+    def __init__(self, model_dir: str | Path, reward_fn: RewardFn, prompt_fn: PromptFn,
+                 config: GRPOConfig | None = None, *, out_dir: str | Path | None = None,
+                 log_path: str | Path | None = None, trace_path: str | Path | None = None,
+                 resume: bool = False, engine_options: dict | None = None):
+        self.config = config or GRPOConfig()
+        self.reward_fn, self.prompt_fn = reward_fn, prompt_fn
+        self.model_dir = Path(model_dir)
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self.world = D.init_world(device_type)
+        self.device = torch.device("cuda", self.world.local_rank) if device_type == "cuda" else torch.device("cpu")
+        if device_type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.config.prompts_per_step % self.world.size:
+            raise ValueError(f"prompts_per_step={self.config.prompts_per_step} does not split evenly over "
+                             f"{self.world.size} ranks")
+        resume_state = self._find_resume_state() if resume else None
+        torch.manual_seed(self.config.seed + self.world.rank)
+
+        self.pool = colo.Pool(self.device)
+        self.model = self._load_model()
+        self.reference = self._frozen_copy(self.model) if self.config.beta > 0 else None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        # Exact budgets for gradients and optimizer state first: the KV cache takes what is left.
+        self.memory = TrainingMemory(self.pool, params, optimizer_state_bytes=adam_state_bytes(params),
+                                     offload_optimizer=self.config.offload_optimizer)
+        self.optimizer = torch.optim.AdamW(params, lr=self.config.learning_rate, betas=self.config.adam_betas,
+                                           weight_decay=self.config.weight_decay)
+        warmup = self.config.warmup_steps
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
+        self.engine = RolloutEngine(self.model_dir, self.model, self.pool, world=self.world,
+                                    seed=self.config.seed, max_num_seqs=self._sequences_per_rank(),
+                                    kv_tokens=self._rollout_tokens(), **(engine_options or {}))
+        self.step = 0
+        if resume_state is not None:
+            self._restore(resume_state)
+        self.memory.sleep_for_generation()
+        self.log = StepLog(log_path if self.world.is_main else None,
+                           resume_after_step=self.step if resume else None)
+        self.timeline = Timeline(self._rank_path(trace_path), rank=self.world.rank, append=resume)
+        self.gpu = GpuMonitor(self.device)
+        self._last_saved_step = self.step if resume_state is not None else None
+        self._unsafe_to_save = False  # True while weights are being changed
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def _load_model(self):
+        from transformers import AutoModelForCausalLM
+
+        if not (self.model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"no Hugging Face model at {self.model_dir} (config.json missing)")
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        return model.to(self.device).train()
+
+    @staticmethod
+    def _frozen_copy(model):
+        reference = copy.deepcopy(model).eval()
+        for p in reference.parameters():
+            p.requires_grad_(False)
+        return reference
+
+    def _rollout_tokens(self) -> int:
+        """Tokens one rank's whole rollout batch occupies in the KV cache, from the first step's prompts."""
+        probe = self.prompt_fn(1, self.config.prompts_per_step)
+        longest = max((len(p) for p in probe), default=1)
+        return self._sequences_per_rank() * (longest + self.config.max_new_tokens)
+
+    def _sequences_per_rank(self) -> int:
+        return self.config.prompts_per_step // self.world.size * self.config.num_generations
+
+    def _rank_path(self, path):
+        if path is None or self.world.rank == 0:
+            return path
+        path = Path(path)
+        return path.with_name(f"{path.stem}.rank{self.world.rank}{path.suffix}")
+
+    def _find_resume_state(self) -> dict | None:
+        if self.out_dir is None:
+            raise ValueError("resume=True needs out_dir (the directory holding the checkpoints)")
+        path = latest_checkpoint(self.out_dir)
+        if path is None:
+            raise CheckpointError(f"nothing to resume: no checkpoint (step-*.pt) in {self.out_dir}")
+        state = load_checkpoint(path)
+        if len(state["rng"]) != self.world.size:
+            raise CheckpointError(f"{path} was written by {len(state['rng'])} ranks; resume it with as many "
+                                  f"(this run has {self.world.size})")
+        return state
+
+    def _restore(self, state: dict) -> None:
+        """Load a checkpoint into the live, weight-sharing model, then let the engine see it."""
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"checkpoint does not fit the model at {self.model_dir}: "
+                                  f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.memory.adopt_optimizer_state(self.optimizer)
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self.reference is not None and "reference" in state:
+            self.reference.load_state_dict(state["reference"])
+        restore_rng(state["rng"][self.world.rank])
+        self.step = int(state["step"])
+        self.engine.publish()
+
+    # -- the step ----------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        """Run one GRPO step (the next one) and return its metrics record."""
+        cfg, step = self.config, self.step + 1
+        record: dict = {"step": step}
+        started = time.perf_counter()
+        prompts, completions, engine_logprobs = self._generate_phase(step, record)
+        rewards = self._reward_phase(prompts, completions, record)
+        self._train_phase(step, prompts, completions, rewards, engine_logprobs, record)
+        self._handoff_phase(step, record)
+        record["step_s"] = time.perf_counter() - started
+        record["lr"] = self.lr_scheduler.get_last_lr()[0]
+        self.step = step
+        return record
+
+    def _generate_phase(self, step: int, record: dict):
+        cfg = self.config
+        all_prompts = self._checked_prompts(self.prompt_fn(step, cfg.prompts_per_step), step)
+        prompts = D.rank_slice(all_prompts, self.world)
+        first_index = self.world.rank * len(prompts)
+        with self.timeline.span("generate", step=step) as span:
+            switch = time.perf_counter()
+            self.engine.kv_region.wake()
+            record["phase_switch_s"] = time.perf_counter() - switch
+            error = None
+            try:
+                outputs = self._generate_with_retry(step, prompts, first_index, record)
+            except EngineFailure as e:
+                error = e
+            # All ranks fail together rather than leaving the others waiting in an all-reduce.
+            failed = D.sum_floats([1.0 if error else 0.0], self.world)[0]
+            if error is not None:
+                raise error
+            if failed:
+                raise EngineFailure(f"step {step}: generation failed on another rank (see its error)")
+            self._sample_residency("generate", record)
+        record["generate_s"] = span["seconds"]
+        expanded = [p for p in prompts for _ in range(cfg.num_generations)]
+        completions = [c.token_ids for c in outputs]
+        logprobs = [c.logprobs for c in outputs]
+        return expanded, completions, logprobs
+
+    def _generate_with_retry(self, step, prompts, first_index, record):
+        try:
+            return self.engine.generate(prompts, self._sampling(step, first_index))
+        except Exception as first:  # noqa: BLE001 - any engine error gets one rebuild
+            print(f"[colo.grpo] rank {self.world.rank} step {step}: engine raised {type(first).__name__}: "
+                  f"{first}; rebuilding it from the shared weights and retrying once", file=sys.stderr)
+            with self.timeline.span("engine_rebuild", step=step) as span:
+                self.engine.rebuild()
+            record["engine_rebuild_s"] = span["seconds"]
+            try:
+                return self.engine.generate(prompts, self._sampling(step, first_index))
+            except Exception as second:  # noqa: BLE001
+                raise EngineFailure(
+                    f"step {step}: generation failed twice on rank {self.world.rank}: first "
+                    f"{type(first).__name__}: {first}; after rebuilding the engine from the shared weights: "
+                    f"{type(second).__name__}: {second}") from second
+
+    def _sampling(self, step: int, first_index: int) -> list[dict]:
+        """Per-prompt sampling settings. Seeds depend on (run seed, step, prompt index) only, so a
+        resumed run, or a run with a different number of ranks, draws the same completions."""
+        cfg = self.config
+        per_step = cfg.prompts_per_step * cfg.num_generations
+        return [dict(n=cfg.num_generations, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                     top_p=cfg.top_p, ignore_eos=cfg.ignore_eos,
+                     seed=(cfg.seed * 1_000_003 * per_step + step * per_step
+                           + (first_index + i) * cfg.num_generations) % (2**63 - 1),
+                     logprobs=0)
+                for i in range(cfg.prompts_per_step // self.world.size)]
+
+    def _checked_prompts(self, prompts, step: int) -> list[list[int]]:
+        cfg = self.config
+        if not isinstance(prompts, (list, tuple)) or len(prompts) != cfg.prompts_per_step:
+            raise ValueError(f"prompt_fn({step}, {cfg.prompts_per_step}) must return a list of "
+                             f"{cfg.prompts_per_step} prompts, got {type(prompts).__name__} of "
+                             f"{len(prompts) if hasattr(prompts, '__len__') else '?'}")
+        vocab = self.engine.vocab_size
+        checked = []
+        for i, p in enumerate(prompts):
+            p = [int(t) for t in p]
+            if not p or min(p) < 0 or max(p) >= vocab:
+                raise ValueError(f"prompt {i} of step {step} must be a non-empty list of token ids in [0, {vocab})")
+            if len(p) + cfg.max_new_tokens > self.engine.max_model_len:
+                raise ValueError(f"prompt {i} of step {step} has {len(p)} tokens; with max_new_tokens="
+                                 f"{cfg.max_new_tokens} it exceeds the engine's max_model_len "
+                                 f"{self.engine.max_model_len}")
+            checked.append(p)
+        return checked
+
+    def _reward_phase(self, prompts, completions, record) -> torch.Tensor:
+        with self.timeline.span("reward") as span:
+            rewards = self.reward_fn(prompts, completions)
+            try:
+                rewards = torch.tensor([float(r) for r in rewards], dtype=torch.float32)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"reward_fn must return one number per completion: {e}") from e
+            if rewards.numel() != len(completions):
+                raise ValueError(f"reward_fn returned {rewards.numel()} rewards for {len(completions)} completions")
+        record["reward_s"] = span["seconds"]
+        n, total, squares, tokens = D.sum_floats(
+            [rewards.numel(), rewards.sum().item(), (rewards.double() ** 2).sum().item(),
+             sum(len(c) for c in completions)], self.world)
+        mean = total / n
+        record["reward_mean"] = mean
+        record["reward_std"] = math.sqrt(max(squares / n - mean * mean, 0.0))
+        record["tokens_generated"] = int(tokens)
+        return rewards
+
+    def _train_phase(self, step, prompts, completions, rewards, engine_logprobs, record) -> None:
+        cfg = self.config
+        advantages = group_advantages(rewards, cfg.num_generations, scale=cfg.scale_rewards)
+        batch = pack(prompts, completions).to(self.device)
+        with self.timeline.span("train", step=step) as span:
+            switch = time.perf_counter()
+            self.engine.kv_region.sleep(offload=False)
+            self.memory.wake_for_training()  # optimizer state starts coming back on the copy stream
+            record["phase_switch_s"] += time.perf_counter() - switch
+            self.timeline.counter("resident_bytes", self._resident())
+            local_tokens = float(batch.completion_mask.sum())
+            global_tokens = D.sum_floats([local_tokens], self.world)[0]
+            # Each rank divides by global_tokens / world size; averaging the gradients over ranks
+            # then yields the exact token-level mean over the whole batch.
+            denominator = global_tokens / self.world.size
+            micro = cfg.micro_batch_size or len(batch)
+            loss_sum = clip_sum = kl_sum = mismatch = 0.0
+            advantages = advantages.to(self.device)
+            for start in range(0, len(batch), micro):
+                part = batch.rows(start, start + micro)
+                logprobs = completion_logprobs(self.model, part, cfg.temperature)
+                ref = None
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref = completion_logprobs(self.reference, part, cfg.temperature)
+                parts = grpo_loss(logprobs, logprobs.detach(), advantages[start:start + micro],
+                                  part.completion_mask, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
+                                  beta=cfg.beta, ref_logprobs=ref, num_tokens=denominator)
+                self._sample_residency("train", record)
+                parts.loss.backward()
+                weight = float(part.completion_mask.sum()) / max(local_tokens, 1.0)
+                loss_sum += parts.loss.item()
+                clip_sum += parts.clip_fraction * weight
+                kl_sum += parts.kl_mean * weight
+                if cfg.temperature == 1.0:
+                    mismatch = max(mismatch, _engine_mismatch(logprobs.detach(), part.completion_mask,
+                                                              engine_logprobs[start:start + micro]))
+            self.memory.check_grads_attached()
+            D.average_(list(self.memory.flat_grads.values()), self.world)
+            record["grad_norm"] = self._clip_gradients()
+            self._sample_residency("train", record)
+            self._unsafe_to_save = True
+            self.memory.finish_prefetch()
+            self.optimizer.step()
+            self.memory.adopt_optimizer_state(self.optimizer)  # no-op after the first step
+            self.lr_scheduler.step()
+        record["train_s"] = span["seconds"]
+        record["loss"], record["clip_fraction"], record["kl"] = (
+            v / self.world.size for v in D.sum_floats([loss_sum, clip_sum, kl_sum], self.world))
+        if cfg.temperature == 1.0:
+            record["engine_logprob_max_abs_diff"] = mismatch
+
+    def _clip_gradients(self) -> float:
+        flats = list(self.memory.flat_grads.values())
+        norm = math.sqrt(sum(float(f.double().pow(2).sum()) for f in flats))
+        limit = self.config.max_grad_norm
+        if limit is not None and norm > limit:
+            for f in flats:
+                f.mul_(limit / (norm + 1e-6))
+        return norm
+
+    def _handoff_phase(self, step: int, record: dict) -> None:
+        with self.timeline.span("handoff", step=step) as span:
+            result = self.engine.publish()
+            self._sample_residency("handoff", record)
+        self._unsafe_to_save = False
+        record["handoff_s"] = span["seconds"]
+        record["handoff_bytes_copied"] = int(result.get("bytes_copied", 0))
+        switch = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # activations' cached blocks go back before the KV cache wakes
+        self.memory.sleep_for_generation()
+        record["phase_switch_s"] += time.perf_counter() - switch
+        self.timeline.counter("resident_bytes", self._resident())
+
+    # -- memory accounting -------------------------------------------------------------------------
+    def _resident(self) -> dict:
+        return {name: s["resident_bytes"] for name, s in self.pool.stats().items()}
+
+    def _sample_residency(self, phase: str, record: dict) -> None:
+        """Keep the largest resident size of each region seen during `phase`."""
+        for region, nbytes in self._resident().items():
+            key = f"{region}_resident_bytes_during_{phase}"
+            record[key] = max(record.get(key, 0), nbytes)
+        for key, value in self.gpu.sample().items():
+            record[f"{key}_{phase}"] = value
+
+    # -- the run -----------------------------------------------------------------------------------
+    def run(self, steps: int, progress: bool = True) -> list[dict]:
+        """Train until `steps` steps are done in total (a resumed run counts the steps already done)."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be a positive integer, got {steps!r}")
+        records = []
+        bar = self._progress_bar(steps) if progress and self.world.is_main else None
+        try:
+            while self.step < steps:
+                record = self.train_step()
+                self.log.write(record)
+                records.append(record)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{record['reward_mean']:.3f}", step_s=f"{record['step_s']:.2f}")
+                if self.config.save_every and self.step % self.config.save_every == 0:
+                    self.save()
+            self.save()
+        except BaseException:
+            # A failure before the optimizer touched the weights leaves the last finished step intact:
+            # keep it, so --resume loses nothing. (Under torchrun every rank reaches this together.)
+            if not self._unsafe_to_save and self.out_dir is not None and self.world.size == 1:
+                with contextlib.suppress(Exception):
+                    self.save()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return records
+
+    def _progress_bar(self, steps: int):
+        from tqdm import tqdm
+
+        return tqdm(total=steps, initial=self.step, desc="colo.grpo", unit="step", dynamic_ncols=True)
+
+    def save(self) -> Path | None:
+        """Write a checkpoint of the finished steps (all ranks call it; rank 0 writes)."""
+        if self.out_dir is None or self.step == self._last_saved_step or self.step == 0:
+            return None
+        rng = D.gather_objects(capture_rng(), self.world)
+        path = None
+        if self.world.is_main:
+            with self.timeline.span("checkpoint", step=self.step):
+                state = {"model": self.model.state_dict(), "optimizer": self._optimizer_state(),
+                         "lr_scheduler": self.lr_scheduler.state_dict(), "rng": rng,
+                         "config": self.config.to_dict(), "model_dir": str(self.model_dir)}
+                if self.reference is not None:
+                    state["reference"] = self.reference.state_dict()
+                path = save_checkpoint(self.out_dir, self.step, state, keep=self.config.keep_checkpoints)
+        D.barrier(self.world)
+        self._last_saved_step = self.step
+        return path
+
+    def _optimizer_state(self) -> dict:
+        """The optimizer's state dict, readable even while its region sleeps (from the host copy)."""
+        asleep = self.memory.optimizer_region.asleep
+        if asleep:
+            self.memory.finish_prefetch()  # wakes and copies back; sleeping again below
+        try:
+            return copy.deepcopy(self.optimizer.state_dict())
+        finally:
+            if asleep:
+                self.memory.offload_optimizer_state()
+
+    def close(self) -> None:
+        self.timeline.close()
+        self.engine.close()
+
+
+def _engine_mismatch(trainer_logprobs: torch.Tensor, mask: torch.Tensor, engine_logprobs: list) -> float:
+    """Largest |trainer - engine| log-probability of a sampled token: proof the engine runs the
+    weights being trained (0 up to float noise when the handoff is exact)."""
+    worst = 0.0
+    for row, sample in enumerate(engine_logprobs):
+        if not sample:
+            continue
+        engine = torch.tensor(sample, dtype=trainer_logprobs.dtype, device=trainer_logprobs.device)
+        n = engine.numel()
+        diff = (trainer_logprobs[row, :n] - engine).abs() * mask[row, :n]
+        worst = max(worst, float(diff.max()))
+    return worst

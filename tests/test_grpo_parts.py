@@ -1,0 +1,170 @@
+"""The GRPO scheduler's parts that need no engine: checkpoints, logs, timeline, batching,
+training memory in the pool, the toy task and the command line's argument checks (fast)."""
+import json
+import math
+
+import pytest
+import torch
+
+import colo
+from colo.grpo import cli
+from colo.grpo.batch import completion_logprobs, pack
+from colo.grpo.checkpoint import (CheckpointError, capture_rng, latest_checkpoint, list_checkpoints,
+                                  load_checkpoint, restore_rng, save_checkpoint)
+from colo.grpo.config import GRPOConfig
+from colo.grpo.metrics import StepLog, Timeline
+from colo.grpo.toy_task import ToyTask
+from colo.grpo.train_memory import TrainingMemory, adam_state_bytes
+
+
+def _state(value=1.0):
+    return {"model": {"w": torch.full((3,), value)}, "optimizer": {}, "rng": [capture_rng()], "config": {}}
+
+
+def test_checkpoints_are_atomic_numbered_and_pruned(tmp_path):
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, _state(step), keep=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3]
+    # A run killed mid-write leaves a .tmp file: never picked up, and removed by the next save.
+    (tmp_path / "step-000009.pt.tmp").write_bytes(b"partial")
+    assert latest_checkpoint(tmp_path).name == "step-000003.pt"
+    save_checkpoint(tmp_path, 4, _state(4), keep=2)
+    assert not list(tmp_path.glob("*.tmp"))
+    state = load_checkpoint(latest_checkpoint(tmp_path))
+    assert state["step"] == 4 and state["model"]["w"].tolist() == [4.0, 4.0, 4.0]
+
+
+def test_unreadable_or_foreign_checkpoint_is_a_clear_error(tmp_path):
+    bad = tmp_path / "step-000001.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+        load_checkpoint(bad)
+    torch.save({"something": "else"}, tmp_path / "step-000002.pt")
+    with pytest.raises(CheckpointError, match="not a colo GRPO checkpoint"):
+        load_checkpoint(tmp_path / "step-000002.pt")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "nope.pt")
+
+
+def test_rng_state_round_trips():
+    state = capture_rng()
+    expected = (torch.rand(3), __import__("random").random())
+    torch.rand(5)
+    restore_rng(state)
+    assert torch.equal(torch.rand(3), expected[0]) and __import__("random").random() == expected[1]
+
+
+def test_step_log_drops_records_past_the_resumed_checkpoint(tmp_path):
+    path = tmp_path / "log.jsonl"
+    log = StepLog(path)
+    for step in range(1, 6):
+        log.write({"step": step})
+    with open(path, "a") as f:
+        f.write('{"step": 6, "rew')  # the half-written line of a killed run
+    StepLog(path, resume_after_step=3).write({"step": 4, "again": True})
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and records[-1]["again"]
+
+
+def test_timeline_is_a_chrome_trace_even_without_closing(tmp_path):
+    path = tmp_path / "trace.json"
+    tl = Timeline(path, rank=0)
+    with tl.span("generate", step=1) as span:
+        pass
+    tl.counter("resident_bytes", {"kv_cache": 5})
+    tl.close()
+    events = json.loads(path.read_text().rstrip().rstrip(",") + "]")
+    spans = [e for e in events if e.get("ph") == "X"]
+    assert spans[0]["name"] == "generate" and spans[0]["dur"] >= 0 and span["seconds"] >= 0
+    assert any(e.get("ph") == "C" and e["args"] == {"kv_cache": 5} for e in events)
+
+
+def test_toy_task_rewards_and_deterministic_prompts():
+    task = ToyTask(vocab_size=64, prompt_len=5, modulus=4, seed=3)
+    assert task.prompts(7, 4) == task.prompts(7, 4) != task.prompts(8, 4)
+    assert all(len(p) == 5 and all(0 <= t < 64 for t in p) for p in task.prompts(1, 10))
+    assert task.rewards([[1]] * 3, [[0, 4, 8, 1], [1, 2, 3], []]) == [0.75, 0.0, 0.0]
+
+
+def _tiny_model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+    return Qwen2ForCausalLM(cfg).float()
+
+
+def test_packed_batch_logprobs_match_each_sequence_alone():
+    model = _tiny_model()
+    prompts, completions = [[5, 6, 7, 8], [9, 10]], [[11, 12, 13], [14]]
+    batch = pack(prompts, completions)
+    assert batch.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    together = completion_logprobs(model, batch, temperature=0.5)
+    for row, (p, c) in enumerate(zip(prompts, completions)):
+        logits = model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1:-1] / 0.5
+        alone = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None])[:, 0]
+        assert torch.allclose(together[row, :len(c)], alone, atol=1e-5)
+    with pytest.raises(ValueError, match="prompts but"):
+        pack(prompts, completions[:1])
+
+
+def test_training_memory_gradients_and_offloaded_optimizer_state_live_in_the_pool():
+    model = _tiny_model()
+    params = list(model.parameters())
+    pool = colo.Pool("cpu", capacity=1 << 30)
+    memory = TrainingMemory(pool, params, optimizer_state_bytes=adam_state_bytes(params))
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    ids = torch.randint(0, 64, (2, 6))
+    model(input_ids=ids, labels=ids).loss.backward()
+    memory.check_grads_attached()
+    assert all(memory.grads.contains(p.grad) for p in params)
+    optimizer.step()
+    memory.adopt_optimizer_state(optimizer)
+    moments = [optimizer.state[p]["exp_avg_sq"].clone() for p in params]
+    assert all(memory.optimizer_region.contains(optimizer.state[p]["exp_avg"]) for p in params)
+
+    memory.sleep_for_generation()
+    stats = pool.stats()
+    assert stats["grads"]["resident_bytes"] == 0 and stats["optimizer"]["resident_bytes"] == 0
+
+    memory.wake_for_training()
+    memory.finish_prefetch()
+    assert all(torch.equal(optimizer.state[p]["exp_avg_sq"], m) for p, m in zip(params, moments))
+    assert all(float(p.grad.abs().sum()) == 0 for p in params)  # gradients start from zero each step
+    p0 = params[0]
+    p0.grad = None
+    with pytest.raises(RuntimeError, match="no longer a view"):
+        memory.check_grads_attached()
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="num_generations"):
+        GRPOConfig(num_generations=0)
+    with pytest.raises(ValueError, match="temperature"):
+        GRPOConfig(temperature=0.0)
+    assert GRPOConfig.from_dict(GRPOConfig(seed=4).to_dict()) == GRPOConfig(seed=4)
+
+
+def _cli_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_cli_bad_arguments_fail_fast_with_a_message(tmp_path, capsys):
+    base = ["--json", str(tmp_path / "log.jsonl"), "--out", str(tmp_path / "out")]
+    assert "must be at least 1" in _cli_error(capsys, ["--steps", "0", *base])
+    assert "positive integer" in _cli_error(capsys, ["--steps", "x", *base])
+    assert "is not a directory" in _cli_error(capsys, ["--steps", "3", "--model", str(tmp_path / "missing"), *base])
+    (tmp_path / "empty").mkdir()
+    assert "no config.json" in _cli_error(capsys, ["--steps", "3", "--model", str(tmp_path / "empty"), *base])
+    assert "run.json" in _cli_error(capsys, ["--steps", "3", "--resume", *base])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"model_dir": str(tmp_path), "config": {}}))
+    (out / "step-000002.pt").write_bytes(b"garbage")
+    assert "cannot read checkpoint" in _cli_error(capsys, ["--steps", "3", "--resume", *base])
+    # A new run must not overwrite the checkpoints of another.
+    assert "already holds checkpoints" in _cli_error(capsys, ["--steps", "3", *base])
