@@ -1,0 +1,392 @@
+"""One copy of the weights for a Hugging Face causal LM and an in-process vLLM engine.
+
+    shared = colo.share_weights(hf_model, llm)     # both models' parameters become views of one store
+    ...optimizer.step() on hf_model...
+    shared.publish()                               # the engine serves the new weights; 0 bytes copied
+
+The store is one allocation in the pool's `weights` region, laid out in the engine's order: fused
+`qkv_proj` (rows q, k, v) and `gate_up_proj` (rows gate, up), embeddings padded to vLLM's multiple of
+64 rows. Every Hugging Face parameter is a contiguous row range of one engine tensor, so the trainer's
+`q_proj.weight` is literally rows [0, q) of the engine's `qkv_proj.weight`. Parameters keep their
+identity (`param.data` is re-pointed), so an optimizer built before sharing keeps working.
+
+When a parameter cannot alias (the trainer's dtype differs from the engine's, or the engine holds a
+tensor-parallel shard), the trainer keeps its own tensor and publish() copies/casts it into the
+store in a few large buckets (one `torch._foreach_copy_` per bucket, precomputed at share time).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .engine import engine_model, engine_pool, reset_prefix_cache
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Config fields that change what the same weights compute; parameter shapes cannot reveal them.
+_CONFIG_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+                  "rope_parameters", "rope_theta")
+_ALIGN_BYTES = 256        # each engine tensor starts on a 256-byte boundary in the store
+_REGION_CHUNK = 2 << 20   # region budgets are rounded to the pool's 2 MiB commit chunk
+_WEIGHTS_REGION = "weights"
+
+
+@dataclass
+class _Piece:
+    """One Hugging Face parameter's place in one engine tensor."""
+    hf_name: str
+    rows: tuple[int, int]                   # rows [start, stop) of the engine tensor it fills
+    hf_shape: tuple[int, ...]               # the full shape the engine expects of the HF parameter
+    shard: tuple[int, int, int] | None = None  # (dim, start, stop) of the HF tensor on this rank; None: all
+
+
+@dataclass
+class _EngineTensor:
+    name: str
+    param: torch.nn.Parameter
+    shape: tuple[int, ...]                  # its real shape (prepacked CPU weights are stored as empty)
+    dtype: torch.dtype
+    pieces: list[_Piece]
+    offset: int = 0                         # element offset in the store of its dtype
+
+
+@dataclass
+class _Source:
+    """A validated piece: the HF parameter that feeds it and whether it can alias the store."""
+    tensor: _EngineTensor
+    piece: _Piece
+    param: torch.nn.Parameter
+    alias: bool
+
+
+@dataclass
+class SharedWeights:
+    """The result of `share_weights`; call `publish()` after each optimizer step."""
+    hf_model: torch.nn.Module
+    llm: object
+    pool: object
+    stores: dict                            # dtype -> the store tensor in the `weights` region
+    aliased_bytes: int                      # HF bytes that are views of the store (never copied)
+    copy_bytes: int                         # bytes publish() copies each time (0 when all alias)
+    _buckets: list = field(repr=False, default_factory=list)      # [(dst views, src views)]
+    _watched: list = field(repr=False, default_factory=list)      # [(name, param, data_ptr)]
+    publish_count: int = 0
+
+    def publish(self) -> dict:
+        """Make the engine serve the trainer's current weights.
+
+        Orders the training stream before inference (copying/casting the non-aliased parameters on
+        the copy stream in between) and resets vLLM's prefix cache, whose KV was computed with the
+        old weights. Returns bytes_copied, seconds, aliased_bytes, copied_tensors, buckets.
+        """
+        start = time.perf_counter()
+        self._check_still_shared()
+        train, copy, infer = (self.pool.stream(role) for role in ("train", "copy", "infer"))
+        on_cuda = self.pool.device.type == "cuda"
+        if on_cuda:  # the optimizer ran on torch's current stream: make it part of the training stream
+            train.torch_stream().wait_stream(torch.cuda.current_stream(self.pool.device))
+        ready = train.record()
+        if self._buckets:
+            copy.wait(ready)
+            if not on_cuda:
+                ready.synchronize()  # host: the casts below run in this thread, after training's work
+            with _torch_stream(copy):
+                for dsts, srcs in self._buckets:
+                    torch._foreach_copy_(dsts, srcs)
+            ready = copy.record()
+        infer.wait(ready)
+        if on_cuda:  # vLLM launches on torch's current stream
+            torch.cuda.current_stream(self.pool.device).wait_stream(infer.torch_stream())
+        else:
+            ready.synchronize()  # vLLM runs in this thread on the host
+        reset_prefix_cache(self.llm)
+        self.publish_count += 1
+        return {
+            "bytes_copied": self.copy_bytes,
+            "seconds": time.perf_counter() - start,
+            "aliased_bytes": self.aliased_bytes,
+            "copied_tensors": sum(len(dsts) for dsts, _ in self._buckets),
+            "buckets": len(self._buckets),
+        }
+
+    def _check_still_shared(self) -> None:
+        for name, param, ptr in self._watched:
+            if param.data_ptr() != ptr:
+                raise RuntimeError(
+                    f"{name} was given new storage after share_weights (e.g. model.to(), .half(), or "
+                    "assigning param.data); the engine no longer sees it. Call colo.share_weights again."
+                )
+
+
+def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes: int = 256 << 20) -> SharedWeights:
+    """Make `hf_model` and the in-process engine of `llm` share one copy of the weights.
+
+    hf_model: a transformers causal LM (Llama, Qwen2, Qwen3 families) whose weights the engine will serve
+        (its current values are what the engine serves from now on).
+    llm: a vllm.LLM running in this process (see colo.engine.build_llm).
+    pool: the colo.Pool whose `weights` region holds the store (default: the engine's pool).
+    alias: False keeps every trainer parameter separate and copies in publish() (for comparisons).
+    bucket_bytes: the size of the copy buckets when parameters cannot alias.
+
+    Raises NotImplementedError for an unsupported architecture and ValueError, naming the first
+    mismatching parameter, when the model does not fit the engine; nothing is changed then.
+    """
+    if not isinstance(hf_model, torch.nn.Module):
+        raise TypeError(f"hf_model must be a transformers model (torch.nn.Module), not {type(hf_model).__name__}")
+    arch = type(hf_model).__name__
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise NotImplementedError(
+            f"colo.share_weights does not support the architecture {arch} (supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    model = engine_model(llm)
+    engine_dtype = llm.llm_engine.model_config.dtype
+    tensors, linears = _engine_layout(model, engine_dtype)
+    sources = _match(hf_model, tensors, alias=alias)
+    _check_config(hf_model, llm, model)
+
+    # Nothing has changed so far. Allocate and fill the store (new memory only), then re-point.
+    pool = pool if pool is not None else engine_pool(llm)
+    if pool is None:
+        import colo
+
+        pool = colo.Pool(next(model.parameters()).device.type)
+    stores = _allocate_stores(pool, tensors)
+    _fill_stores(stores, tensors, sources, bucket_bytes)
+    for t in tensors:
+        t.param.data = _store_view(stores, t)
+    for module in linears:  # prepacked CPU linears keep a private packed copy; read the shared view instead
+        module.cpu_linear = F.linear
+    for s in sources:
+        if s.alias:
+            s.param.data = _piece_view(stores, s.tensor, s.piece)
+
+    copies = [s for s in sources if not s.alias]
+    shared = SharedWeights(
+        hf_model=hf_model, llm=llm, pool=pool, stores=stores,
+        aliased_bytes=sum(_nbytes(s.param) for s in sources if s.alias),
+        copy_bytes=sum(_piece_view(stores, s.tensor, s.piece).nbytes for s in copies),
+        _buckets=_buckets(stores, copies, bucket_bytes),
+        _watched=[(s.piece.hf_name, s.param, s.param.data_ptr()) for s in sources],
+    )
+    reset_prefix_cache(llm)
+    return shared
+
+
+# --- the engine's layout ---------------------------------------------------------------------------
+
+def _engine_layout(model, engine_dtype):
+    """The engine's tensors in order, each with the HF pieces that fill it, and the CPU linears to re-point."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear, LinearBase, QKVParallelLinear, ReplicatedLinear, RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    tensors, linears, seen = [], [], set()
+    for module_name, module in model.named_modules():
+        if hasattr(module, "cpu_linear"):
+            linears.append(module)
+        for attr, param in module._parameters.items():
+            if param is None or id(param) in seen:  # a tied LM head is the embedding's own parameter
+                continue
+            seen.add(id(param))
+            name = f"{module_name}.{attr}" if module_name else attr
+            if isinstance(module, LinearBase):
+                if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
+                    raise NotImplementedError(f"{name}: colo cannot share a {type(module).__name__} yet")
+                shape, pieces = _linear_pieces(module, module_name, attr, packed,
+                                               ColumnParallelLinear, QKVParallelLinear, RowParallelLinear)
+                dtype = engine_dtype  # the CPU sgl kernel keeps biases in fp32; F.linear wants one dtype
+            elif isinstance(module, VocabParallelEmbedding):
+                shape, pieces = _embedding_pieces(module, name)
+                dtype = param.dtype
+            else:  # norms and other unfused parameters: same name and shape on both sides, replicated
+                shape, pieces = tuple(param.shape), [_Piece(name, (0, param.shape[0]) if param.dim() else (0, 1),
+                                                            tuple(param.shape))]
+                dtype = param.dtype
+            if param.numel() and tuple(param.shape) != shape:
+                raise RuntimeError(f"colo misread the engine's layout: {name} is {tuple(param.shape)}, expected {shape}")
+            tensors.append(_EngineTensor(name, param, shape, dtype, pieces))
+    return tensors, linears
+
+
+def _linear_pieces(module, module_name, attr, packed, ColumnParallel, QKVParallel, RowParallel):
+    rows_total = module.output_size_per_partition
+    cols = module.input_size_per_partition
+    shape = (rows_total, cols) if attr == "weight" else (rows_total,)
+    prefix, _, short = module_name.rpartition(".")
+    parts = packed.get(short, [short])
+    sizes = list(module.output_partition_sizes)
+    if len(parts) != len(sizes):
+        raise NotImplementedError(f"{module_name}: {len(sizes)} fused outputs but the mapping names {parts}")
+    tp_rank, tp_size = getattr(module, "tp_rank", 0), getattr(module, "tp_size", 1)
+    pieces, row = [], 0
+    for index, (part, size) in enumerate(zip(parts, sizes)):
+        hf_name = f"{prefix}.{part}.{attr}" if prefix else f"{part}.{attr}"
+        if isinstance(module, ColumnParallel):
+            shards, rank = tp_size, tp_rank
+            if isinstance(module, QKVParallel) and index > 0:  # k and v heads may be replicated across ranks
+                shards, rank = tp_size // module.num_kv_head_replicas, tp_rank // module.num_kv_head_replicas
+            hf_shape = (size * shards, cols) if attr == "weight" else (size * shards,)
+            shard = (0, rank * size, (rank + 1) * size) if shards > 1 else None
+        elif isinstance(module, RowParallel) and attr == "weight":
+            hf_shape = (size, cols * tp_size)
+            shard = (1, tp_rank * cols, (tp_rank + 1) * cols) if tp_size > 1 else None
+        else:  # replicated linear, or the bias of a row-parallel one
+            hf_shape, shard = (size, cols) if attr == "weight" else (size,), None
+        pieces.append(_Piece(hf_name, (row, row + size), hf_shape, shard))
+        row += size
+    return shape, pieces
+
+
+def _embedding_pieces(module, name):
+    idx = module.shard_indices
+    shape = (module.num_embeddings_per_partition, module.embedding_dim)
+    if idx.num_added_elements:
+        raise NotImplementedError(f"{name}: embeddings with added (LoRA) vocabulary are not supported")
+    rows = idx.num_org_elements
+    hf_shape = (module.org_vocab_size, module.embedding_dim)
+    shard = None if rows == module.org_vocab_size else (0, idx.org_vocab_start_index, idx.org_vocab_end_index)
+    return shape, [_Piece(name, (0, rows), hf_shape, shard)]
+
+
+# --- matching the Hugging Face model against it (no mutation) --------------------------------------
+
+def _match(hf_model, tensors, alias: bool) -> list[_Source]:
+    """Check every engine piece against the HF model; the first mismatch raises ValueError naming it."""
+    by_name = dict(hf_model.named_parameters(remove_duplicate=False))
+    names_of = {}
+    for name, param in by_name.items():
+        names_of.setdefault(id(param), []).append(name)
+    used, sources = {}, []
+    for t in tensors:
+        for piece in t.pieces:
+            param = by_name.get(piece.hf_name)
+            if param is None:
+                raise ValueError(f"{piece.hf_name}: the engine has {t.name} {t.shape} but the Hugging Face model "
+                                 "has no such parameter")
+            if id(param) in used:
+                raise ValueError(
+                    f"{piece.hf_name}: the Hugging Face model ties it to {used[id(param)]}, but the engine keeps "
+                    "them separate (tie_word_embeddings differs)")
+            if tuple(param.shape) != piece.hf_shape:
+                raise ValueError(f"{piece.hf_name}: shape {tuple(param.shape)} in the Hugging Face model, the engine "
+                                 f"expects {piece.hf_shape} (for {t.name})")
+            if not param.dtype.is_floating_point:
+                raise ValueError(f"{piece.hf_name}: dtype {param.dtype} is not a floating-point type")
+            used[id(param)] = piece.hf_name
+            can_alias = (alias and piece.shard is None and param.dtype == t.dtype
+                         and param.device == t.param.device)
+            sources.append(_Source(t, piece, param, can_alias))
+    for name, param in by_name.items():
+        if id(param) not in used:
+            raise ValueError(f"{name}: the Hugging Face model has this parameter {tuple(param.shape)} but the engine "
+                             "has no place for it (different architecture, layer count or tie_word_embeddings?)")
+    return sources
+
+
+def _check_config(hf_model, llm, model) -> None:
+    """Same weights, different meaning: compare the architecture and the fields shapes cannot reveal."""
+    arch = type(hf_model).__name__
+    if type(model).__name__ != arch:
+        raise ValueError(f"architecture: the Hugging Face model is {arch}, the engine serves {type(model).__name__}")
+    hf_config, engine_config = hf_model.config, llm.llm_engine.model_config.hf_config
+    missing = object()
+    for key in _CONFIG_FIELDS:
+        mine, theirs = getattr(hf_config, key, missing), getattr(engine_config, key, missing)
+        if mine is not missing and theirs is not missing and mine != theirs:
+            raise ValueError(f"config.{key}: {mine!r} in the Hugging Face model, {theirs!r} in the engine")
+
+
+# --- the store ------------------------------------------------------------------------------------
+
+def _allocate_stores(pool, tensors) -> dict:
+    """One store per dtype (one in practice), each engine tensor at an aligned offset."""
+    sizes = {}
+    for t in tensors:
+        align = _ALIGN_BYTES // _itemsize(t.dtype)
+        start = -(-sizes.get(t.dtype, 0) // align) * align
+        t.offset = start
+        sizes[t.dtype] = start + _numel(t.shape)
+    need = sum(-(-n * _itemsize(d) // 4096) * 4096 for d, n in sizes.items())
+    if _WEIGHTS_REGION in pool.regions:
+        region = pool.regions[_WEIGHTS_REGION]
+    else:
+        region = pool.region(_WEIGHTS_REGION, budget=max(_REGION_CHUNK, -(-need // _REGION_CHUNK) * _REGION_CHUNK))
+    return {dtype: region.empty((n,), dtype=dtype) for dtype, n in sizes.items()}
+
+
+def _fill_stores(stores, tensors, sources, bucket_bytes) -> None:
+    """Write the trainer's current values (and the engine's vocabulary padding rows) into the store."""
+    for dsts, srcs in _buckets(stores, sources, bucket_bytes):
+        torch._foreach_copy_(dsts, srcs)
+    for t in tensors:  # rows after the last piece are vLLM's vocabulary padding: keep the engine's
+        covered = t.pieces[-1].rows[1]
+        if not t.shape or covered >= t.shape[0]:
+            continue
+        padding, old = _store_view(stores, t)[covered:], t.param.detach()
+        if tuple(old.shape) == t.shape:
+            padding.copy_(old[covered:])
+        else:
+            padding.zero_()
+
+
+def _buckets(stores, sources, bucket_bytes) -> list:
+    """Group (store piece, trainer tensor) pairs into buckets of about `bucket_bytes` destination bytes."""
+    buckets, dsts, srcs, size = [], [], [], 0
+    for s in sources:
+        dst = _piece_view(stores, s.tensor, s.piece)
+        src = s.param.detach()
+        if s.piece.shard is not None:
+            dim, begin, end = s.piece.shard
+            src = src.narrow(dim, begin, end - begin)
+        dsts.append(dst)
+        srcs.append(src)
+        size += dst.nbytes
+        if size >= bucket_bytes:
+            buckets.append((dsts, srcs))
+            dsts, srcs, size = [], [], 0
+    if dsts:
+        buckets.append((dsts, srcs))
+    return buckets
+
+
+def _store_view(stores, t: _EngineTensor) -> torch.Tensor:
+    return stores[t.dtype][t.offset:t.offset + _numel(t.shape)].view(t.shape)
+
+
+def _piece_view(stores, t: _EngineTensor, piece: _Piece) -> torch.Tensor:
+    view = _store_view(stores, t)
+    if not t.shape:
+        return view
+    return view[piece.rows[0]:piece.rows[1]]
+
+
+@contextlib.contextmanager
+def _torch_stream(stream):
+    if stream.pool.device.type == "cuda":
+        with torch.cuda.stream(stream.torch_stream()):
+            yield
+    else:
+        yield
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
