@@ -73,6 +73,8 @@ class SharedWeights:
     copy_bytes: int                         # bytes publish() copies each time (0 when all alias)
     _buckets: list = field(repr=False, default_factory=list)      # [(dst views, src views)]
     _watched: list = field(repr=False, default_factory=list)      # [(name, param, data_ptr)]
+    _layout: tuple = field(repr=False, default=())                # where each engine tensor sits in the stores
+    superseded: bool = False                # a later share_weights on the same engine took the store over
     publish_count: int = 0
 
     def publish(self) -> dict:
@@ -83,6 +85,9 @@ class SharedWeights:
         old weights. Returns bytes_copied, seconds, aliased_bytes, copied_tensors, buckets.
         """
         start = time.perf_counter()
+        if self.superseded:
+            raise RuntimeError("a later colo.share_weights on this engine took its weights over; publish with "
+                               "the SharedWeights that call returned")
         self._check_still_shared()
         train, copy, infer = (self.pool.stream(role) for role in ("train", "copy", "infer"))
         on_cuda = self.pool.device.type == "cuda"
@@ -131,6 +136,11 @@ def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes:
     alias: False keeps every trainer parameter separate and copies in publish() (for comparisons).
     bucket_bytes: the size of the copy buckets when parameters cannot alias.
 
+    Sharing an engine again (e.g. with a new model) refills the store it already uses instead of
+    holding two: the earlier SharedWeights can no longer publish, and the earlier model's aliased
+    parameters see the new values. Replacing parameter storage after sharing (model.to(...),
+    param.data = ...) breaks the link; publish() detects it and raises.
+
     Raises NotImplementedError for an unsupported architecture and ValueError, naming the first
     mismatching parameter, when the model does not fit the engine; nothing is changed then.
     """
@@ -156,7 +166,12 @@ def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes:
         import colo
 
         pool = colo.Pool(next(model.parameters()).device.type)
-    stores = _allocate_stores(pool, tensors)
+    layout = _plan_stores(tensors)
+    previous = getattr(llm, "colo_shared_weights", None)
+    if previous is not None and previous.pool is pool and previous._layout == layout:
+        stores = previous.stores  # the engine's weights memory already: refill it rather than hold two copies
+    else:
+        stores = _allocate_stores(pool, layout)
     _fill_stores(stores, tensors, sources, bucket_bytes)
     for t in tensors:
         t.param.data = _store_view(stores, t)
@@ -173,7 +188,11 @@ def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes:
         copy_bytes=sum(_piece_view(stores, s.tensor, s.piece).nbytes for s in copies),
         _buckets=_buckets(stores, copies, bucket_bytes),
         _watched=[(s.piece.hf_name, s.param, s.param.data_ptr()) for s in sources],
+        _layout=layout,
     )
+    if previous is not None:
+        previous.superseded = True
+    llm.colo_shared_weights = shared
     reset_prefix_cache(llm)
     return shared
 
@@ -306,14 +325,18 @@ def _check_config(hf_model, llm, model) -> None:
 
 # --- the store ------------------------------------------------------------------------------------
 
-def _allocate_stores(pool, tensors) -> dict:
-    """One store per dtype (one in practice), each engine tensor at an aligned offset."""
+def _plan_stores(tensors) -> tuple:
+    """Place each engine tensor at an aligned offset in the store of its dtype (one store in practice)."""
     sizes = {}
     for t in tensors:
         align = _ALIGN_BYTES // _itemsize(t.dtype)
-        start = -(-sizes.get(t.dtype, 0) // align) * align
-        t.offset = start
-        sizes[t.dtype] = start + _numel(t.shape)
+        t.offset = -(-sizes.get(t.dtype, 0) // align) * align
+        sizes[t.dtype] = t.offset + _numel(t.shape)
+    return tuple(sorted(sizes.items(), key=str)) + tuple((t.name, t.shape, t.dtype, t.offset) for t in tensors)
+
+
+def _allocate_stores(pool, layout) -> dict:
+    sizes = {entry[0]: entry[1] for entry in layout if isinstance(entry[0], torch.dtype)}
     need = sum(-(-n * _itemsize(d) // 4096) * 4096 for d, n in sizes.items())
     if _WEIGHTS_REGION in pool.regions:
         region = pool.regions[_WEIGHTS_REGION]

@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny random Hugging Face models saved to disk, and in-process vLLM engines on them.
+
+Engines take seconds to start, so build few: `tiny_engine` is one session-wide Qwen2 engine that any
+test may use (tests must not assume its weights: colo.share_weights re-points them), and
+`build_engine` builds a private one when a test needs known weights.
+
+    def test_x(tiny_model_dir, build_engine, prompt_logprobs):
+        path = tiny_model_dir("llama", vocab_size=777, tie_word_embeddings=False)
+        llm = build_engine(path)                  # fp32, 16 MiB KV cache in a fresh colo.Pool
+        scores = prompt_logprobs(llm)             # log p(token | prefix) of fixed prompts
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# The engine must run in this process (colo re-points its weights); set before vLLM is imported.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+# head_dim 64: vLLM's CPU attention supports only some head sizes (32, 64, 80, ...).
+TINY_CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=64, max_position_embeddings=256)
+ARCHITECTURES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
+                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [500, 17, 4, 250, 3, 3, 99])
+MAX_MODEL_LEN = 256
+
+
+def tiny_hf_model(arch: str = "qwen2", *, vocab_size: int = 1000, tie_word_embeddings: bool = True,
+                  seed: int = 0, dtype=torch.float32, **overrides):
+    """A randomly initialised tiny causal LM of one of ARCHITECTURES (overrides change the config)."""
+    import transformers
+
+    config_name, model_name = ARCHITECTURES[arch]
+    config = getattr(transformers, config_name)(vocab_size=vocab_size, tie_word_embeddings=tie_word_embeddings,
+                                                **{**TINY_CONFIG, **overrides})
+    torch.manual_seed(seed)
+    return getattr(transformers, model_name)(config).to(dtype)
+
+
+def load_hf_model(path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: tiny_model_dir(arch="qwen2", vocab_size=1000, tie_word_embeddings=True, seed=0, **config)
+    -> the directory of that random model saved with save_pretrained (cached per arguments)."""
+    saved = {}
+
+    def make(arch: str = "qwen2", **kwargs):
+        key = (arch, tuple(sorted(kwargs.items())))
+        if key not in saved:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            tiny_hf_model(arch, **kwargs).save_pretrained(path)
+            saved[key] = path
+        return saved[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def build_engine():
+    """Factory: build_engine(model_dir, dtype="float32", pool=None, **llm_kwargs) -> a new in-process
+    vllm.LLM (colo.engine.build_llm) with a 16 MiB KV cache in a fresh colo.Pool."""
+    from colo.engine import build_llm
+
+    def build(model_dir, dtype="float32", pool=None, **llm_kwargs):
+        llm_kwargs.setdefault("kv_cache_bytes", 16 << 20)
+        llm_kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
+        llm_kwargs.setdefault("skip_tokenizer_init", True)
+        return build_llm(model_dir, pool, dtype=dtype, seed=0, **llm_kwargs)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir, build_engine):
+    """One fp32 Qwen2 engine (tied embeddings, vocab 1000) for the whole session; weights not guaranteed."""
+    return build_engine(tiny_model_dir("qwen2"))
+
+
+@pytest.fixture(scope="session")
+def prompt_logprobs():
+    """Function: prompt_logprobs(llm, prompts=PROMPTS) -> 1-D float64 tensor of log p(token_i | tokens_<i)
+    for every prompt token after the first, as the engine computes them (a full forward, no sampling)."""
+    def score(llm, prompts=PROMPTS):
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        values = []
+        for prompt, output in zip(prompts, outputs):
+            for token, entry in zip(prompt[1:], output.prompt_logprobs[1:]):
+                values.append(entry[token].logprob)
+        return torch.tensor(values, dtype=torch.float64)
+
+    return score
