@@ -1,0 +1,84 @@
+"""colo.engine: an in-process vLLM whose KV cache lives in the pool's kv_cache region."""
+from __future__ import annotations
+
+import builtins
+
+import pytest
+import torch
+
+import colo
+from colo import engine
+
+
+@pytest.fixture(scope="module")
+def pool_and_engine(tiny_model_dir, build_engine):
+    pool = colo.Pool("cpu")
+    return pool, build_engine(tiny_model_dir("qwen2"), pool=pool, kv_cache_bytes=8 << 20)
+
+
+@pytest.mark.slow
+def test_kv_cache_is_allocated_in_the_kv_cache_region(pool_and_engine):
+    pool, llm = pool_and_engine
+    region = engine.kv_cache_region(llm)
+    assert region is pool.regions["kv_cache"]
+    kv_caches = engine.engine_worker(llm).model_runner.kv_caches
+    assert kv_caches and all(region.contains(t) for t in kv_caches)
+    assert region.stats()["allocated_bytes"] == 8 << 20
+    assert isinstance(engine.engine_model(llm), torch.nn.Module)
+    assert engine.engine_pool(llm) is pool
+
+
+@pytest.mark.slow
+def test_sleep_releases_the_kv_cache_and_wake_serves_the_same_outputs(pool_and_engine, prompt_logprobs):
+    from vllm import SamplingParams
+
+    _, llm = pool_and_engine
+    region = engine.kv_cache_region(llm)
+    long_prompt = {"prompt_token_ids": list(range(1, 200))}
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
+    expected_scores = prompt_logprobs(llm)
+    expected = llm.generate([long_prompt], greedy, use_tqdm=False)[0].outputs[0]
+    assert llm.generate([long_prompt], greedy, use_tqdm=False)[0].num_cached_tokens > 0
+
+    engine.sleep_kv_cache(llm)
+    assert region.asleep and region.stats()["resident_bytes"] == 0
+    with pytest.raises(colo.RegionAsleepError, match="wake_kv_cache"):
+        llm.generate([long_prompt], greedy, use_tqdm=False)
+    assert llm.llm_engine.get_num_unfinished_requests() == 0  # the refused request left nothing behind
+
+    engine.wake_kv_cache(llm)
+    assert not region.asleep
+    again = llm.generate([long_prompt], greedy, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0, "KV lost in sleep must not be served from the prefix cache"
+    assert again.outputs[0].token_ids == expected.token_ids
+    assert again.outputs[0].cumulative_logprob == pytest.approx(expected.cumulative_logprob, abs=1e-4)
+    torch.testing.assert_close(prompt_logprobs(llm), expected_scores, atol=1e-5, rtol=0)
+
+
+def test_import_vllm_explains_the_broken_torchvision(monkeypatch):
+    real_import = builtins.__import__
+
+    def broken_import(name, *args, **kwargs):
+        if name == "vllm":
+            raise RuntimeError("operator torchvision::nms does not exist")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", broken_import)
+    with pytest.raises(ImportError, match="pip uninstall -y torchvision torchaudio torchcodec"):
+        engine.import_vllm()
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, True])
+def test_build_llm_rejects_a_bad_kv_cache_size(size, tmp_path):
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        engine.build_llm(tmp_path, colo.Pool("cpu"), kv_cache_bytes=size)
+
+
+def test_an_engine_not_built_by_colo_is_explained():
+    class OutOfProcessLLM:  # what a multiprocessing vllm.LLM looks like from here: no driver worker
+        llm_engine = object()
+
+    with pytest.raises(RuntimeError, match="in this process"):
+        engine.engine_model(OutOfProcessLLM())
+    with pytest.raises(RuntimeError, match="build_llm"):
+        engine.kv_cache_region(OutOfProcessLLM())
