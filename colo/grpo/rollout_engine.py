@@ -101,8 +101,17 @@ class RolloutEngine:
     def rebuild(self) -> None:
         """Replace a broken engine by a fresh one serving the shared weights (nothing read from disk)."""
         region = self.kv_region
+        # The trainer's parameters are views of the old engine's store. Give them a private copy for
+        # the moment, so the old store dies with the old engine and sharing can fill the new one.
+        with torch.no_grad():
+            for p in self.hf_model.parameters():
+                p.data = p.data.clone()
+        _release(self.llm)
         self.llm = self.shared = None
         gc.collect()  # the old engine's KV cache returns to the region before the new one asks for it
+        if region.stats()["allocated_bytes"]:
+            raise EngineFailure("the broken engine could not be freed (its KV cache is still allocated), "
+                                "so no new engine fits in the kv_cache region")
         if region.asleep:
             region.wake()
         # "dummy" fills the new engine with placeholder weights instead of reading the checkpoint;
@@ -111,8 +120,34 @@ class RolloutEngine:
         self.shared = colo_share_weights(self.hf_model, self.llm, self.pool)
 
     def close(self) -> None:
+        if self.llm is not None:
+            _release(self.llm)
         self.llm = self.shared = None
         gc.collect()
+
+
+def _release(llm) -> None:
+    """Make a dropped engine (and its KV cache) collectable, without vLLM's shutdown.
+
+    Three things keep an in-process engine alive after its last reference goes, all measured here:
+    - vLLM gc.freeze()s every object alive after start-up, engine and KV cache included, so the
+      collector never looks at them again; gc.unfreeze() undoes it.
+    - colo.engine guards an engine with closures over its own bound methods stored on the instance
+      (`llm._add_request`, `llm.llm_engine.step`), and colo.weights stores the SharedWeights on it;
+      removing those instance attributes breaks the cycles.
+    - The in-process client's finalizer calls EngineCore.shutdown(), which also destroys
+      torch.distributed's default process group, still in use by the scheduler (and under torchrun
+      by every other rank); it is detached, and the executor, which holds no process, needs no stop.
+    """
+    for attr in ("_add_request", "colo_shared_weights"):
+        vars(llm).pop(attr, None)
+    engine = getattr(llm, "llm_engine", None)
+    if engine is not None:
+        vars(engine).pop("step", None)
+        finalizer = getattr(getattr(engine, "engine_core", None), "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+    gc.unfreeze()
 
 
 def colo_share_weights(hf_model, llm, pool):

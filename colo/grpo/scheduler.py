@@ -198,19 +198,20 @@ class GRPOScheduler:
     def _generate_with_retry(self, step, prompts, first_index, record):
         try:
             return self.engine.generate(prompts, self._sampling(step, first_index))
-        except Exception as first:  # noqa: BLE001 - any engine error gets one rebuild
-            print(f"[colo.grpo] rank {self.world.rank} step {step}: engine raised {type(first).__name__}: "
-                  f"{first}; rebuilding it from the shared weights and retrying once", file=sys.stderr)
-            with self.timeline.span("engine_rebuild", step=step) as span:
-                self.engine.rebuild()
-            record["engine_rebuild_s"] = span["seconds"]
-            try:
-                return self.engine.generate(prompts, self._sampling(step, first_index))
-            except Exception as second:  # noqa: BLE001
-                raise EngineFailure(
-                    f"step {step}: generation failed twice on rank {self.world.rank}: first "
-                    f"{type(first).__name__}: {first}; after rebuilding the engine from the shared weights: "
-                    f"{type(second).__name__}: {second}") from second
+        except Exception as e:  # noqa: BLE001 - any engine error gets one rebuild
+            first = f"{type(e).__name__}: {e}"
+            # Rebuild outside this handler: the traceback's frames hold the broken engine alive.
+        print(f"[colo.grpo] rank {self.world.rank} step {step}: engine raised {first}; rebuilding it from "
+              f"the shared weights and retrying once", file=sys.stderr)
+        with self.timeline.span("engine_rebuild", step=step) as span:
+            self.engine.rebuild()
+        record["engine_rebuild_s"] = span["seconds"]
+        try:
+            return self.engine.generate(prompts, self._sampling(step, first_index))
+        except Exception as second:  # noqa: BLE001
+            raise EngineFailure(
+                f"step {step}: generation failed twice on rank {self.world.rank}: first {first}; after "
+                f"rebuilding the engine from the shared weights: {type(second).__name__}: {second}") from second
 
     def _sampling(self, step: int, first_index: int) -> list[dict]:
         """Per-prompt sampling settings. Seeds depend on (run seed, step, prompt index) only, so a
