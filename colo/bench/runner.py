@@ -100,7 +100,7 @@ def format_seconds(s) -> str:
 def format_value(key: str, value) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
-    if key.endswith("_bytes") or key == "bytes_moved":
+    if "bytes" in key:
         return f"{value / 2**20:.1f}MiB" if abs(value) >= 2**20 else f"{value:.0f}B"
     if key.endswith("_s"):
         return format_seconds(value)
