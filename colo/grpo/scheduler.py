@@ -368,10 +368,12 @@ class GRPOScheduler:
                 if self.config.save_every and self.step % self.config.save_every == 0:
                     self.save()
             self.save()
-        except BaseException:
+        except BaseException as e:
             # A failure before the optimizer touched the weights leaves the last finished step intact:
-            # keep it, so --resume loses nothing. (Under torchrun every rank reaches this together.)
-            if not self._unsafe_to_save and self.out_dir is not None and self.world.size == 1:
+            # keep it, so --resume loses nothing. Saving is collective, so with several ranks only
+            # for an engine failure, which every rank raises together.
+            together = self.world.size == 1 or isinstance(e, EngineFailure)
+            if not self._unsafe_to_save and self.out_dir is not None and together:
                 with contextlib.suppress(Exception):
                     self.save()
             raise
