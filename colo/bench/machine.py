@@ -89,15 +89,19 @@ def gpus() -> list[dict]:
 
 
 def git_revision(repo: Path) -> dict:
-    """Commit of the source tree that ran, and whether it had uncommitted changes."""
+    """Commit of the source tree that ran, and the files that differed from it (untracked ones too:
+    a section written but not yet committed still shapes the results)."""
     def git(*args: str) -> str:
         try:
             return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
+                                  timeout=10).stdout.rstrip("\n")  # keep status lines' leading blanks
         except (OSError, subprocess.SubprocessError):
             return ""
     commit = git("rev-parse", "HEAD")
-    return {"commit": commit, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))} if commit else {}
+    if not commit:
+        return {}
+    changed = [line[3:] for line in git("status", "--porcelain").splitlines()]
+    return {"commit": commit, "dirty": bool(changed), "changed_files": changed[:50]}
 
 
 def torch_info() -> dict:

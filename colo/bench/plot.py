@@ -15,7 +15,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-PHASE_ORDER = ("generate", "rewards", "train", "handoff", "publish", "sleep", "wake")
+PHASE_ORDER = ("generate", "reward", "rewards", "train", "handoff", "publish", "phase_switch", "sleep", "wake")
 
 
 def _number(value) -> float | None:
