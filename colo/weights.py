@@ -11,8 +11,10 @@ The store is one allocation in the pool's `weights` region, laid out in the engi
 identity (`param.data` is re-pointed), so an optimizer built before sharing keeps working.
 
 When a parameter cannot alias (the trainer's dtype differs from the engine's, or the engine holds a
-tensor-parallel shard), the trainer keeps its own tensor and publish() copies/casts it into the
-store in a few large buckets (one `torch._foreach_copy_` per bucket, precomputed at share time).
+tensor-parallel shard), the trainer keeps its own tensor and publish() copies it into the store on
+the pool's copy stream, from a plan made once at share time: same-dtype contiguous pieces as one
+batch of byte copies (`Stream.copy_async`), casts and strided shards as a few large
+`torch._foreach_copy_` buckets.
 """
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ class SharedWeights:
     stores: dict                            # dtype -> the store tensor in the `weights` region
     aliased_bytes: int                      # HF bytes that are views of the store (never copied)
     copy_bytes: int                         # bytes publish() copies each time (0 when all alias)
-    _buckets: list = field(repr=False, default_factory=list)      # [(dst views, src views)]
+    _copies: "_CopyPlan" = field(repr=False, default=None)        # what publish() copies, planned once
     _watched: list = field(repr=False, default_factory=list)      # [(name, param, data_ptr)]
     _layout: tuple = field(repr=False, default=())                # where each engine tensor sits in the stores
     superseded: bool = False                # a later share_weights on the same engine took the store over
@@ -89,19 +91,13 @@ class SharedWeights:
             raise RuntimeError("a later colo.share_weights on this engine took its weights over; publish with "
                                "the SharedWeights that call returned")
         self._check_still_shared()
-        train, copy, infer = (self.pool.stream(role) for role in ("train", "copy", "infer"))
+        train, infer = self.pool.stream("train"), self.pool.stream("infer")
         on_cuda = self.pool.device.type == "cuda"
         if on_cuda:  # the optimizer ran on torch's current stream: make it part of the training stream
             train.torch_stream().wait_stream(torch.cuda.current_stream(self.pool.device))
         ready = train.record()
-        if self._buckets:
-            copy.wait(ready)
-            if not on_cuda:
-                ready.synchronize()  # host: the casts below run in this thread, after training's work
-            with _torch_stream(copy):
-                for dsts, srcs in self._buckets:
-                    torch._foreach_copy_(dsts, srcs)
-            ready = copy.record()
+        if self._copies.count:
+            ready = self._copies.run(self.pool, after=ready)
         infer.wait(ready)
         if on_cuda:  # vLLM launches on torch's current stream
             torch.cuda.current_stream(self.pool.device).wait_stream(infer.torch_stream())
@@ -113,8 +109,8 @@ class SharedWeights:
             "bytes_copied": self.copy_bytes,
             "seconds": time.perf_counter() - start,
             "aliased_bytes": self.aliased_bytes,
-            "copied_tensors": sum(len(dsts) for dsts, _ in self._buckets),
-            "buckets": len(self._buckets),
+            "copied_tensors": self._copies.count,
+            "buckets": self._copies.batches,
         }
 
     def _check_still_shared(self) -> None:
@@ -172,7 +168,7 @@ def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes:
         stores = previous.stores  # the engine's weights memory already: refill it rather than hold two copies
     else:
         stores = _allocate_stores(pool, layout)
-    _fill_stores(stores, tensors, sources, bucket_bytes)
+    _fill_stores(pool, stores, tensors, sources, bucket_bytes)
     for t in tensors:
         t.param.data = _store_view(stores, t)
     for module in linears:  # prepacked CPU linears keep a private packed copy; read the shared view instead
@@ -186,7 +182,7 @@ def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes:
         hf_model=hf_model, llm=llm, pool=pool, stores=stores,
         aliased_bytes=sum(_nbytes(s.param) for s in sources if s.alias),
         copy_bytes=sum(_piece_view(stores, s.tensor, s.piece).nbytes for s in copies),
-        _buckets=_buckets(stores, copies, bucket_bytes),
+        _copies=_CopyPlan(stores, copies, bucket_bytes),
         _watched=[(s.piece.hf_name, s.param, s.param.data_ptr()) for s in sources],
         _layout=layout,
     )
@@ -345,10 +341,9 @@ def _allocate_stores(pool, layout) -> dict:
     return {dtype: region.empty((n,), dtype=dtype) for dtype, n in sizes.items()}
 
 
-def _fill_stores(stores, tensors, sources, bucket_bytes) -> None:
+def _fill_stores(pool, stores, tensors, sources, bucket_bytes) -> None:
     """Write the trainer's current values (and the engine's vocabulary padding rows) into the store."""
-    for dsts, srcs in _buckets(stores, sources, bucket_bytes):
-        torch._foreach_copy_(dsts, srcs)
+    _CopyPlan(stores, sources, bucket_bytes).run(pool).synchronize()
     for t in tensors:  # rows after the last piece are vLLM's vocabulary padding: keep the engine's
         covered = t.pieces[-1].rows[1]
         if not t.shape or covered >= t.shape[0]:
@@ -360,24 +355,47 @@ def _fill_stores(stores, tensors, sources, bucket_bytes) -> None:
             padding.zero_()
 
 
-def _buckets(stores, sources, bucket_bytes) -> list:
-    """Group (store piece, trainer tensor) pairs into buckets of about `bucket_bytes` destination bytes."""
-    buckets, dsts, srcs, size = [], [], [], 0
-    for s in sources:
-        dst = _piece_view(stores, s.tensor, s.piece)
-        src = s.param.detach()
-        if s.piece.shard is not None:
-            dim, begin, end = s.piece.shard
-            src = src.narrow(dim, begin, end - begin)
-        dsts.append(dst)
-        srcs.append(src)
-        size += dst.nbytes
-        if size >= bucket_bytes:
-            buckets.append((dsts, srcs))
-            dsts, srcs, size = [], [], 0
-    if dsts:
-        buckets.append((dsts, srcs))
-    return buckets
+class _CopyPlan:
+    """Copies from trainer tensors into store pieces, grouped once so that running them is a few calls:
+    same-dtype contiguous pairs as one batch of byte copies, the rest (casts, strided tensor-parallel
+    shards) as `torch._foreach_copy_` buckets of about `bucket_bytes`."""
+
+    def __init__(self, stores, sources, bucket_bytes: int):
+        self.byte_pairs, self.cast_buckets = [], []
+        dsts, srcs, size = [], [], 0
+        for s in sources:
+            dst, src = _piece_view(stores, s.tensor, s.piece), s.param.detach()
+            if s.piece.shard is not None:
+                dim, begin, end = s.piece.shard
+                src = src.narrow(dim, begin, end - begin)
+            if src.dtype == dst.dtype and src.is_contiguous() and src.device == dst.device:
+                self.byte_pairs.append((dst, src))
+                continue
+            dsts.append(dst)
+            srcs.append(src)
+            size += dst.nbytes
+            if size >= bucket_bytes:
+                self.cast_buckets.append((dsts, srcs))
+                dsts, srcs, size = [], [], 0
+        if dsts:
+            self.cast_buckets.append((dsts, srcs))
+        self.count = len(self.byte_pairs) + sum(len(d) for d, _ in self.cast_buckets)
+        self.batches = int(bool(self.byte_pairs)) + len(self.cast_buckets)
+
+    def run(self, pool, after=None):
+        """Enqueue the copies on the pool's copy stream (after event `after`); returns the copy stream's event."""
+        copy = pool.stream("copy")
+        if after is not None:
+            copy.wait(after)
+        if self.byte_pairs:
+            copy.copy_async(self.byte_pairs)
+        if self.cast_buckets:
+            if pool.device.type != "cuda" and after is not None:
+                after.synchronize()  # host: the casts run in this thread, so wait for training's work here
+            with _torch_stream(copy):
+                for dsts, srcs in self.cast_buckets:
+                    torch._foreach_copy_(dsts, srcs)
+        return copy.record()
 
 
 def _store_view(stores, t: _EngineTensor) -> torch.Tensor:
