@@ -27,6 +27,7 @@ class GRPOConfig:
     beta: float = 0.0                  # KL-to-reference weight; > 0 keeps a frozen reference copy
     scale_rewards: bool = True         # divide advantages by the group std (False: Dr. GRPO)
     micro_batch_size: int | None = None  # sequences per forward/backward; None: the whole rollout
+    memory_phases: bool = True         # KV cache asleep while training, gradients asleep while generating
     offload_optimizer: bool = True     # optimizer state to host memory while generating
     save_every: int = 10               # checkpoint period in steps (0: only at the end)
     keep_checkpoints: int = 2          # newest ones kept (0: all)

@@ -35,27 +35,42 @@ def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
     return 2 * text.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def default_block_size(device) -> int:
+    """vLLM's own default KV block size: 128 tokens on CPU (its CPU attention kernels prefer it), 16 on CUDA.
+    Passed explicitly so the KV budget can be counted in whole blocks."""
+    return 128 if device.type == "cpu" else 16
+
+
 class RolloutEngine:
     """An in-process vLLM engine that serves the weights of `hf_model` (the same memory).
 
-    kv_tokens: the tokens the KV cache should hold (the whole rollout batch, so it runs as one
-    continuously batched call). The cache is that size, bounded by what the pool's other regions
-    leave, never by a user-tuned memory fraction.
+    sequence_tokens: the longest prompt plus the completion length. The KV cache holds max_num_seqs
+    such sequences at once (the whole rollout batch, so it runs as one continuously batched call,
+    never preempted), bounded by what the pool's other regions leave, never by a user-tuned
+    memory fraction.
+    alias=False: the trainer keeps its own copy of the weights and publish() copies them into the
+    engine (colo.share_weights' copy path; for comparisons).
     """
 
     def __init__(self, model_dir, hf_model, pool, *, world, seed: int, max_num_seqs: int,
-                 kv_tokens: int | None = None, max_model_len: int | None = None, **llm_kwargs):
+                 sequence_tokens: int = 1, max_model_len: int | None = None, alias: bool = True,
+                 **llm_kwargs):
         self.model_dir, self.hf_model, self.pool, self.world = model_dir, hf_model, pool, world
-        self.seed = seed
+        self.seed, self.alias = seed, alias
         config = hf_model.config
         self.vocab_size = config.vocab_size
         self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", 2048)
         self.dtype = next(hf_model.parameters()).dtype
-        tokens = max(kv_tokens or 0, self.max_model_len)  # vLLM needs room for one full-length sequence
+        # vLLM hands out KV memory in whole blocks per sequence: a 24-token sequence takes a full
+        # 128-token block on CPU. Sizing by tokens alone left the toy batch 5x short of blocks here,
+        # and generation crawled through preemptions.
+        block = llm_kwargs.pop("block_size", None) or default_block_size(pool.device)
+        per_sequence = -(-sequence_tokens // block) * block
+        tokens = max(max_num_seqs * per_sequence, -(-self.max_model_len // block) * block)
         self.kv_cache_bytes = self._kv_budget(tokens * kv_bytes_per_token(config, self.dtype))
-        self._llm_kwargs = dict(skip_tokenizer_init=True, max_num_seqs=max_num_seqs, **llm_kwargs)
+        self._llm_kwargs = dict(skip_tokenizer_init=True, max_num_seqs=max_num_seqs, block_size=block, **llm_kwargs)
         self.llm = self._build(load_format="auto")
-        self.shared = colo_share_weights(hf_model, self.llm, pool)
+        self.shared = colo_share_weights(hf_model, self.llm, pool, alias)
 
     def _kv_budget(self, wanted: int) -> int:
         if "kv_cache" in self.pool.regions:
@@ -117,7 +132,7 @@ class RolloutEngine:
         # "dummy" fills the new engine with placeholder weights instead of reading the checkpoint;
         # sharing then points it at the trainer's live weights.
         self.llm = self._build(load_format="dummy")
-        self.shared = colo_share_weights(self.hf_model, self.llm, self.pool)
+        self.shared = colo_share_weights(self.hf_model, self.llm, self.pool, self.alias)
 
     def close(self) -> None:
         if self.llm is not None:
@@ -150,7 +165,7 @@ def _release(llm) -> None:
     gc.unfreeze()
 
 
-def colo_share_weights(hf_model, llm, pool):
+def colo_share_weights(hf_model, llm, pool, alias: bool = True):
     import colo
 
-    return colo.share_weights(hf_model, llm, pool=pool)
+    return colo.share_weights(hf_model, llm, pool=pool, alias=alias)

@@ -83,11 +83,12 @@ class GRPOScheduler:
             self.optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
         self.engine = RolloutEngine(self.model_dir, self.model, self.pool, world=self.world,
                                     seed=self.config.seed, max_num_seqs=self._sequences_per_rank(),
-                                    kv_tokens=self._rollout_tokens(), **(engine_options or {}))
+                                    sequence_tokens=self._longest_sequence(), **(engine_options or {}))
         self.step = 0
         if resume_state is not None:
             self._restore(resume_state)
-        self.memory.sleep_for_generation()
+        if self.config.memory_phases:
+            self.memory.sleep_for_generation()
         self.log = StepLog(log_path if self.world.is_main else None,
                            resume_after_step=self.step if resume else None)
         self.timeline = Timeline(self._rank_path(trace_path), rank=self.world.rank, append=resume)
@@ -111,11 +112,10 @@ class GRPOScheduler:
             p.requires_grad_(False)
         return reference
 
-    def _rollout_tokens(self) -> int:
-        """Tokens one rank's whole rollout batch occupies in the KV cache, from the first step's prompts."""
+    def _longest_sequence(self) -> int:
+        """Prompt plus completion tokens of the longest sequence, judged by the first step's prompts."""
         probe = self.prompt_fn(1, self.config.prompts_per_step)
-        longest = max((len(p) for p in probe), default=1)
-        return self._sequences_per_rank() * (longest + self.config.max_new_tokens)
+        return max((len(p) for p in probe), default=1) + self.config.max_new_tokens
 
     def _sequences_per_rank(self) -> int:
         return self.config.prompts_per_step // self.world.size * self.config.num_generations
@@ -175,7 +175,8 @@ class GRPOScheduler:
         first_index = self.world.rank * len(prompts)
         with self.timeline.span("generate", step=step) as span:
             switch = time.perf_counter()
-            self.engine.kv_region.wake()
+            if self.engine.kv_region.asleep:
+                self.engine.kv_region.wake()
             record["phase_switch_s"] = time.perf_counter() - switch
             error = None
             try:
@@ -269,7 +270,8 @@ class GRPOScheduler:
         batch = pack(prompts, completions).to(self.device)
         with self.timeline.span("train", step=step) as span:
             switch = time.perf_counter()
-            self.engine.kv_region.sleep(offload=False)
+            if cfg.memory_phases:
+                self.engine.kv_region.sleep(offload=False)
             self.memory.wake_for_training()  # optimizer state starts coming back on the copy stream
             record["phase_switch_s"] += time.perf_counter() - switch
             self.timeline.counter("resident_bytes", self._resident())
@@ -332,9 +334,10 @@ class GRPOScheduler:
         record["handoff_s"] = span["seconds"]
         record["handoff_bytes_copied"] = int(result.get("bytes_copied", 0))
         switch = time.perf_counter()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # activations' cached blocks go back before the KV cache wakes
-        self.memory.sleep_for_generation()
+        if self.config.memory_phases:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # activations' cached blocks go back before the KV cache wakes
+            self.memory.sleep_for_generation()
         record["phase_switch_s"] += time.perf_counter() - switch
         self.timeline.counter("resident_bytes", self._resident())
 
