@@ -4,6 +4,7 @@
     model = engine_model(llm)            # the engine's torch module (for colo.share_weights)
     sleep_kv_cache(llm)                  # training: KV memory released, addresses kept
     wake_kv_cache(llm)                   # before generation; also resets the prefix cache
+    release_llm(llm); del llm            # the engine and its KV cache are freed in this process
 
 One process, one device: the engine runs uni-process (or `external_launcher` under torchrun, one
 engine per rank), so its model is a plain module of this process that colo.weights can re-point.
@@ -11,7 +12,9 @@ engine per rank), so its model is a plain module of this process that colo.weigh
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
+import weakref
 
 import torch
 
@@ -124,6 +127,26 @@ def wake_kv_cache(llm) -> None:
     reset_prefix_cache(llm)
 
 
+def release_llm(llm) -> None:
+    """Let an in-process engine (and its KV cache, back into its region) be freed once the caller drops
+    its last reference, without vLLM's shutdown.
+
+    vLLM gc.freeze()s everything alive after start-up, so the collector never frees the engine; and
+    its shutdown finalizer also destroys torch.distributed's default process group, which the trainer
+    (and under torchrun every other rank) still uses. This undoes the first and detaches the second.
+    The engine must not be used afterwards. Parameters shared with a trainer keep the weights alive.
+    """
+    for attr in ("_add_request", "colo_shared_weights", "colo_pool"):
+        vars(llm).pop(attr, None)
+    engine = getattr(llm, "llm_engine", None)
+    if engine is not None:
+        vars(engine).pop("step", None)
+        finalizer = getattr(getattr(engine, "engine_core", None), "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+    gc.unfreeze()
+
+
 def _engine_device() -> str:
     from vllm.platforms import current_platform
 
@@ -211,21 +234,26 @@ def _region_for(pool, name: str, nbytes: int):
 
 
 def _refuse_work_while_kv_asleep(llm, region) -> None:
-    """Touching slept KV memory would crash the process; refuse new requests and steps instead."""
+    """Touching slept KV memory would crash the process; refuse new requests and steps instead.
+
+    The guards hold the engine weakly (class functions + weakrefs): a closure over a bound method
+    stored on the instance would make the engine reference itself and outlive its last user.
+    """
     def check():
         if region.asleep:
             raise RegionAsleepError("the engine's KV cache region is asleep; call colo.engine.wake_kv_cache(llm) "
                                     "before generating")
 
-    add_request, step = llm._add_request, llm.llm_engine.step
+    llm_ref, engine_ref = weakref.ref(llm), weakref.ref(llm.llm_engine)
+    add_request, step = type(llm)._add_request, type(llm.llm_engine).step
 
     def guarded_add_request(*args, **kwargs):
         check()
-        return add_request(*args, **kwargs)
+        return add_request(llm_ref(), *args, **kwargs)
 
     def guarded_step(*args, **kwargs):
         check()
-        return step(*args, **kwargs)
+        return step(engine_ref(), *args, **kwargs)
 
     llm._add_request = guarded_add_request
     llm.llm_engine.step = guarded_step

@@ -82,3 +82,22 @@ def test_an_engine_not_built_by_colo_is_explained():
         engine.engine_model(OutOfProcessLLM())
     with pytest.raises(RuntimeError, match="build_llm"):
         engine.kv_cache_region(OutOfProcessLLM())
+
+
+@pytest.mark.slow
+def test_a_released_engine_returns_its_kv_cache_to_the_region(tiny_model_dir, build_engine, caplog):
+    import gc
+    import logging
+
+    # pytest keeps this test's log records, and vLLM logs its whole config as a record argument at
+    # INFO and a traceback (frames, locals) with a WARNING: either keeps the engine alive until the test ends.
+    caplog.set_level(logging.ERROR, logger="vllm")
+    pool = colo.Pool("cpu")
+    llm = build_engine(tiny_model_dir("qwen2"), pool=pool, kv_cache_bytes=4 << 20)
+    region = pool.regions["kv_cache"]
+    assert region.stats()["allocated_bytes"] == 4 << 20
+    engine.release_llm(llm)
+    del llm
+    gc.collect()
+    assert region.stats()["allocated_bytes"] == 0
+    assert torch.distributed.is_initialized(), "releasing must not tear down the default process group"
