@@ -98,34 +98,51 @@ def test_timeline_has_every_phase_of_every_step(reference):
     assert any(e.get("ph") == "C" and e["args"].get("kv_cache") == 0 for e in events)
 
 
-def test_sigkill_and_resume_loses_and_repeats_no_step(reference, tmp_path):
-    out = tmp_path / "killed"
-    proc = subprocess.Popen(grpo_command(out, "--steps", str(STEPS), "--save-every", "3"), cwd=REPO, env=ENV,
+def start_and_wait_for_step(out: Path, step: int, *extra: str) -> subprocess.Popen:
+    """Start a run and return once its log holds a record of `step` (or later)."""
+    proc = subprocess.Popen(grpo_command(out, "--steps", str(STEPS), *extra), cwd=REPO, env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    try:
-        while time.time() < deadline and proc.poll() is None:
-            log = out / "log.jsonl"
-            if log.exists() and any(json.loads(line)["step"] >= 5 for line in log.read_text().splitlines()[:-1] or []
-                                    if line.strip()) or (log.exists() and len(log.read_text().splitlines()) >= 6):
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, f"run ended before it could be killed: {proc.stderr.read()[-2000:]}"
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stderr.close()
-    killed_at = max(r["step"] for r in records(out))
-    assert killed_at < STEPS
+    log, deadline = out / "log.jsonl", time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        lines = log.read_text().splitlines() if log.exists() else []
+        if any(json.loads(line)["step"] >= step for line in lines[:-1]) or len(lines) > step:
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"run ended or stalled before step {step}: {proc.communicate()[1][-2000:]}")
+
+
+def test_sigterm_stops_cleanly_and_sigkill_loses_no_step(reference, tmp_path):
+    out = tmp_path / "interrupted"
+    # SIGTERM: the run finishes its step, checkpoints exactly there and exits 143.
+    proc = start_and_wait_for_step(out, 3, "--save-every", "5")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert "stopped by SIGTERM" in err
+    stopped_at = max(r["step"] for r in records(out))
+    assert latest_checkpoint_step(out) == stopped_at < STEPS
+
+    # SIGKILL a resumed run between checkpoints: the steps since its last checkpoint are redone.
+    proc = start_and_wait_for_step(out, stopped_at + 3, "--resume")
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    proc.stderr.close()
+    assert max(r["step"] for r in records(out)) < STEPS
 
     run_grpo(out, "--steps", str(STEPS), "--resume")
     log = records(out)
     assert [r["step"] for r in log] == list(range(1, STEPS + 1))  # contiguous, no step twice
+    # Seeded generation and deterministic CPU training: the interrupted run is the reference run.
     expected = {r["step"]: r["reward_mean"] for r in records(reference)}
     assert [r["reward_mean"] for r in log] == pytest.approx([expected[s] for s in range(1, STEPS + 1)], abs=1e-6)
     assert_same_weights(out / f"step-{STEPS:06d}.pt", reference / f"step-{STEPS:06d}.pt", atol=1e-5)
+
+
+def latest_checkpoint_step(out: Path) -> int:
+    from colo.grpo.checkpoint import list_checkpoints
+
+    return list_checkpoints(out)[-1][0]
 
 
 def test_two_ranks_under_torchrun_train_like_one(reference, tmp_path):

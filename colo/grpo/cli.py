@@ -155,6 +155,7 @@ def _cuda() -> bool:
 def run_cli(argv=None) -> int:
     """main() with failures turned into a one-line message and exit status 1 (2 for bad checkpoints)."""
     from .rollout_engine import EngineFailure
+    from .scheduler import Terminated
 
     try:
         return main(argv)
@@ -164,6 +165,9 @@ def run_cli(argv=None) -> int:
     except (EngineFailure, FileNotFoundError, ValueError, MemoryError) as e:
         print(f"colo.grpo: error: {e}", file=sys.stderr)
         return 1
+    except Terminated as e:
+        print(f"colo.grpo: {e}; continue with --resume", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("colo.grpo: interrupted; the last finished step is checkpointed, continue with --resume",
               file=sys.stderr)

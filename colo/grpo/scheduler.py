@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -319,7 +321,7 @@ class GRPOScheduler:
 
     def _clip_gradients(self) -> float:
         flats = list(self.memory.flat_grads.values())
-        norm = math.sqrt(sum(float(f.double().pow(2).sum()) for f in flats))
+        norm = math.sqrt(sum(float(torch.linalg.vector_norm(f)) ** 2 for f in flats))
         limit = self.config.max_grad_norm
         if limit is not None and norm > limit:
             for f in flats:
@@ -360,6 +362,7 @@ class GRPOScheduler:
             raise ValueError(f"steps must be a positive integer, got {steps!r}")
         records = []
         bar = self._progress_bar(steps) if progress and self.world.is_main else None
+        terminate = _TerminationRequest()
         try:
             while self.step < steps:
                 record = self.train_step()
@@ -370,6 +373,11 @@ class GRPOScheduler:
                     bar.set_postfix(reward=f"{record['reward_mean']:.3f}", step_s=f"{record['step_s']:.2f}")
                 if self.config.save_every and self.step % self.config.save_every == 0:
                     self.save()
+                # Decided together, so every rank stops after the same step.
+                if D.sum_floats([float(terminate.requested)], self.world)[0]:
+                    self.save()
+                    raise Terminated(f"stopped by SIGTERM after step {self.step}; it is checkpointed in "
+                                     f"{self.out_dir}" if self.out_dir else f"stopped by SIGTERM after step {self.step}")
             self.save()
         except BaseException as e:
             # A failure before the optimizer touched the weights leaves the last finished step intact:
@@ -381,6 +389,7 @@ class GRPOScheduler:
                     self.save()
             raise
         finally:
+            terminate.restore()
             if bar is not None:
                 bar.close()
         return records
@@ -422,6 +431,29 @@ class GRPOScheduler:
     def close(self) -> None:
         self.timeline.close()
         self.engine.close()
+
+
+class Terminated(Exception):
+    """The run stopped at a step boundary because the process was asked to terminate (SIGTERM)."""
+
+
+class _TerminationRequest:
+    """Turns SIGTERM into a request to stop after the current step (main thread only; elsewhere a
+    no-op), instead of dying mid-step with the work since the last checkpoint lost."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._request)
+
+    def _request(self, signum, frame):
+        self.requested = True
+
+    def restore(self):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
 
 def _engine_mismatch(trainer_logprobs: torch.Tensor, mask: torch.Tensor, engine_logprobs: list) -> float:
