@@ -121,7 +121,7 @@ class RolloutEngine:
         with torch.no_grad():
             for p in self.hf_model.parameters():
                 p.data = p.data.clone()
-        _release(self.llm)
+        colo_engine.release_llm(self.llm)
         self.llm = self.shared = None
         gc.collect()  # the old engine's KV cache returns to the region before the new one asks for it
         if region.stats()["allocated_bytes"]:
@@ -136,33 +136,9 @@ class RolloutEngine:
 
     def close(self) -> None:
         if self.llm is not None:
-            _release(self.llm)
+            colo_engine.release_llm(self.llm)
         self.llm = self.shared = None
         gc.collect()
-
-
-def _release(llm) -> None:
-    """Make a dropped engine (and its KV cache) collectable, without vLLM's shutdown.
-
-    Three things keep an in-process engine alive after its last reference goes, all measured here:
-    - vLLM gc.freeze()s every object alive after start-up, engine and KV cache included, so the
-      collector never looks at them again; gc.unfreeze() undoes it.
-    - colo.engine guards an engine with closures over its own bound methods stored on the instance
-      (`llm._add_request`, `llm.llm_engine.step`), and colo.weights stores the SharedWeights on it;
-      removing those instance attributes breaks the cycles.
-    - The in-process client's finalizer calls EngineCore.shutdown(), which also destroys
-      torch.distributed's default process group, still in use by the scheduler (and under torchrun
-      by every other rank); it is detached, and the executor, which holds no process, needs no stop.
-    """
-    for attr in ("_add_request", "colo_shared_weights"):
-        vars(llm).pop(attr, None)
-    engine = getattr(llm, "llm_engine", None)
-    if engine is not None:
-        vars(engine).pop("step", None)
-        finalizer = getattr(getattr(engine, "engine_core", None), "_finalizer", None)
-        if finalizer is not None:
-            finalizer.detach()
-    gc.unfreeze()
 
 
 def colo_share_weights(hf_model, llm, pool, alias: bool = True):
