@@ -24,6 +24,13 @@ from .errors import OutOfMemoryError
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
 _STREAM_ROLES = ("train", "infer", "copy")
+# torch dtype -> DLPack (type code, bits), so the core hands out tensors of the right dtype in one
+# step; other dtypes (complex, float8) come out as bytes and are viewed.
+_DLPACK_DTYPES = {
+    torch.float16: (2, 16), torch.bfloat16: (4, 16), torch.float32: (2, 32), torch.float64: (2, 64),
+    torch.int8: (0, 8), torch.int16: (0, 16), torch.int32: (0, 32), torch.int64: (0, 64),
+    torch.uint8: (1, 8), torch.bool: (6, 8),
+}
 
 
 def _parse_device(device) -> torch.device:
@@ -154,8 +161,11 @@ class Region:
         numel = 1
         for n in shape:
             numel *= n
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        raw = torch.from_dlpack(self._native.allocate_dlpack(numel * itemsize))
+        nbytes = numel * dtype.itemsize
+        native = _DLPACK_DTYPES.get(dtype)
+        if native is not None:
+            return torch.from_dlpack(self._native.allocate_dlpack(nbytes, shape, *native))
+        raw = torch.from_dlpack(self._native.allocate_dlpack(nbytes, (nbytes,)))
         return raw.view(dtype).view(shape)
 
     def zeros(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -192,6 +202,8 @@ class Region:
 
 
 def _check_shape(shape) -> tuple[int, ...]:
+    if type(shape) is tuple and all(type(n) is int and n >= 0 for n in shape):
+        return shape  # the common case, checked cheaply
     if isinstance(shape, int) and not isinstance(shape, bool):
         shape = (shape,)
     if isinstance(shape, torch.Size):

@@ -27,7 +27,7 @@ void raise_colo_error(const char* python_name, PyObject* fallback, const char* m
 struct TensorContext {
   std::shared_ptr<Region> region;
   void* ptr = nullptr;
-  int64_t shape[1] = {0};
+  std::vector<int64_t> shape;
   DLManagedTensor managed{};
 };
 
@@ -49,8 +49,16 @@ void destroy_unconsumed_capsule(PyObject* capsule) {
   }
 }
 
-// A 1-D uint8 tensor of `bytes` bytes in `region`; Python views it as the requested dtype/shape.
-py::capsule allocate_dlpack(const std::shared_ptr<Region>& region, size_t bytes) {
+// A compact tensor of `shape` and DLPack dtype (code, bits) in `region`, `bytes` long.
+py::capsule allocate_dlpack(const std::shared_ptr<Region>& region, size_t bytes, std::vector<int64_t> shape,
+                            uint8_t code, uint8_t bits) {
+  int64_t numel = 1;
+  for (int64_t n : shape) {
+    COLO_EXPECTS(n >= 0, InvalidArgument, "tensor shape entries must be non-negative");
+    numel *= n;
+  }
+  COLO_EXPECTS(static_cast<size_t>(numel) * bits / 8 == bytes, InvalidArgument,
+               "tensor shape and dtype do not match the byte count");
   auto* ctx = new TensorContext();
   try {
     ctx->ptr = region->allocate(bytes);
@@ -59,14 +67,14 @@ py::capsule allocate_dlpack(const std::shared_ptr<Region>& region, size_t bytes)
     throw;
   }
   ctx->region = region;
-  ctx->shape[0] = static_cast<int64_t>(bytes);
+  ctx->shape = std::move(shape);
   DLTensor& t = ctx->managed.dl_tensor;
   t.data = ctx->ptr;
   bool cuda = region->backend().device_kind() == DeviceKind::kCuda;
   t.device = {cuda ? kDLCUDA : kDLCPU, cuda ? region->backend().device_index() : 0};
-  t.ndim = 1;
-  t.dtype = {kDLUInt, 8, 1};
-  t.shape = ctx->shape;
+  t.ndim = static_cast<int32_t>(ctx->shape.size());
+  t.dtype = {code, bits, 1};
+  t.shape = ctx->shape.data();
   t.strides = nullptr;  // compact
   t.byte_offset = 0;
   ctx->managed.manager_ctx = ctx;
@@ -165,7 +173,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("base_address", &Region::base_address)
       .def("allocate", [](Region& r, size_t bytes) { return reinterpret_cast<uintptr_t>(r.allocate(bytes)); })
       .def("free", [](Region& r, uintptr_t ptr) { r.free(reinterpret_cast<void*>(ptr)); })
-      .def("allocate_dlpack", &allocate_dlpack, py::arg("bytes"))
+      .def("allocate_dlpack", &allocate_dlpack, py::arg("bytes"), py::arg("shape"), py::arg("code") = static_cast<uint8_t>(kDLUInt),
+           py::arg("bits") = static_cast<uint8_t>(8))
       .def("contains", [](const Region& r, uintptr_t ptr) { return r.contains(reinterpret_cast<void*>(ptr)); })
       .def("sleep", &Region::sleep, py::arg("offload") = false, py::call_guard<py::gil_scoped_release>())
       .def("wake", &Region::wake, py::call_guard<py::gil_scoped_release>())

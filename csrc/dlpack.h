@@ -12,7 +12,7 @@ typedef struct {
   int32_t device_id;
 } DLDevice;
 
-typedef enum { kDLInt = 0U, kDLUInt = 1U, kDLFloat = 2U } DLDataTypeCode;
+typedef enum { kDLInt = 0U, kDLUInt = 1U, kDLFloat = 2U, kDLBfloat = 4U, kDLBool = 6U } DLDataTypeCode;
 
 typedef struct {
   uint8_t code;
