@@ -168,3 +168,36 @@ def test_cli_bad_arguments_fail_fast_with_a_message(tmp_path, capsys):
     assert "cannot read checkpoint" in _cli_error(capsys, ["--steps", "3", "--resume", *base])
     # A new run must not overwrite the checkpoints of another.
     assert "already holds checkpoints" in _cli_error(capsys, ["--steps", "3", *base])
+
+
+def test_micro_batches_add_up_to_the_whole_batch_gradient():
+    from colo.grpo.loss import group_advantages
+    from colo.grpo.update import accumulate_gradients
+
+    model = _tiny_model()
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+    completions = [[11, 12, 13, 14], [15], [16, 17], [18, 19, 20]]
+    batch = pack(prompts, completions)
+    advantages = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.25]), group_size=2)
+    tokens = float(batch.completion_mask.sum())
+
+    def gradient(micro_batch_size, beta=0.0, reference=None):
+        model.zero_grad(set_to_none=True)
+        cfg = GRPOConfig(micro_batch_size=micro_batch_size, beta=beta, temperature=0.8)
+        stats = accumulate_gradients(model, batch, advantages, cfg, num_tokens=tokens, reference=reference)
+        return torch.cat([p.grad.flatten() for p in model.parameters()]), stats
+
+    whole, whole_stats = gradient(None)
+    pieces, piece_stats = gradient(1)
+    assert whole.abs().sum() > 0
+    assert torch.allclose(whole, pieces, atol=1e-6)
+    assert piece_stats["loss"] == pytest.approx(whole_stats["loss"], abs=1e-6)
+    # With a KL term against a different reference the loss moves, and still adds up.
+    reference = _tiny_model()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.01)
+    kl_whole, kl_stats = gradient(None, beta=0.1, reference=reference)
+    kl_pieces, _ = gradient(3, beta=0.1, reference=reference)
+    assert kl_stats["kl"] > 0 and not torch.allclose(kl_whole, whole)
+    assert torch.allclose(kl_whole, kl_pieces, atol=1e-6)

@@ -6,7 +6,8 @@ Without --model it trains a small random Qwen2 model (written to OUT/toy-model) 
 colo.grpo.toy_task: reward = share of completion tokens that obey a token rule. With --model it trains
 that Hugging Face model on the same verifiable task. The run's settings are saved in OUT/run.json;
 --resume continues from the newest checkpoint in OUT with those settings.
-Exit status: 0 done, 2 bad arguments or unreadable checkpoint, 1 the run failed.
+Exit status: 0 done, 2 bad arguments or unreadable checkpoint, 1 the run failed, 143 stopped by
+SIGTERM after a checkpointed step (continue with --resume).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m colo.grpo", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m colo.grpo", description=__doc__.split("\n", 1)[1].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=_positive_int, required=True, help="total steps of the run (a resumed run counts those done)")
     p.add_argument("--json", dest="log", required=True, metavar="LOG", help="JSON-lines file, one record per step")
@@ -54,11 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="FILE", help="Chrome-trace/Perfetto timeline of the phases")
     p.add_argument("--save-every", type=_non_negative_int, default=10, metavar="N", help="checkpoint period (0: only at the end)")
     p.add_argument("--keep-checkpoints", type=_non_negative_int, default=2, metavar="K", help="newest checkpoints kept (0: all)")
-    p.add_argument("--prompts-per-step", type=_positive_int, default=TOY_DEFAULTS["prompts_per_step"])
-    p.add_argument("--num-generations", type=_positive_int, default=TOY_DEFAULTS["num_generations"])
-    p.add_argument("--max-new-tokens", type=_positive_int, default=TOY_DEFAULTS["max_new_tokens"])
-    p.add_argument("--lr", type=float, default=TOY_DEFAULTS["learning_rate"])
-    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--prompts-per-step", type=_positive_int, default=TOY_DEFAULTS["prompts_per_step"], metavar="P",
+                   help="prompts per step over all ranks (default %(default)s)")
+    p.add_argument("--num-generations", type=_positive_int, default=TOY_DEFAULTS["num_generations"], metavar="G",
+                   help="completions per prompt, the GRPO group (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=TOY_DEFAULTS["max_new_tokens"], metavar="T",
+                   help="completion length (default %(default)s)")
+    p.add_argument("--lr", type=float, default=TOY_DEFAULTS["learning_rate"], help="AdamW learning rate (default %(default)s)")
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="seeds the toy model, prompts and sampling")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 

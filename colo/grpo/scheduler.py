@@ -29,14 +29,15 @@ import torch
 import colo
 
 from . import distributed as D
-from .batch import completion_logprobs, pack
+from .batch import pack
 from .checkpoint import (CheckpointError, capture_rng, latest_checkpoint, load_checkpoint, restore_rng,
                          save_checkpoint)
 from .config import GRPOConfig
-from .loss import group_advantages, grpo_loss
+from .loss import group_advantages
 from .metrics import GpuMonitor, StepLog, Timeline
 from .rollout_engine import EngineFailure, RolloutEngine
 from .train_memory import TrainingMemory, adam_state_bytes
+from .update import accumulate_gradients
 
 PromptFn = Callable[[int, int], list]          # (step, count) -> list of prompts (token id lists)
 RewardFn = Callable[[list, list], list]        # (prompts, completions) -> one float per completion
@@ -158,11 +159,11 @@ class GRPOScheduler:
     # -- the step ----------------------------------------------------------------------------------
     def train_step(self) -> dict:
         """Run one GRPO step (the next one) and return its metrics record."""
-        cfg, step = self.config, self.step + 1
+        step = self.step + 1
         record: dict = {"step": step}
         started = time.perf_counter()
         prompts, completions, engine_logprobs = self._generate_phase(step, record)
-        rewards = self._reward_phase(prompts, completions, record)
+        rewards = self._reward_phase(step, prompts, completions, record)
         self._train_phase(step, prompts, completions, rewards, engine_logprobs, record)
         self._handoff_phase(step, record)
         record["step_s"] = time.perf_counter() - started
@@ -247,8 +248,8 @@ class GRPOScheduler:
             checked.append(p)
         return checked
 
-    def _reward_phase(self, prompts, completions, record) -> torch.Tensor:
-        with self.timeline.span("reward") as span:
+    def _reward_phase(self, step, prompts, completions, record) -> torch.Tensor:
+        with self.timeline.span("reward", step=step) as span:
             rewards = self.reward_fn(prompts, completions)
             try:
                 rewards = torch.tensor([float(r) for r in rewards], dtype=torch.float32)
@@ -277,33 +278,13 @@ class GRPOScheduler:
             self.memory.wake_for_training()  # optimizer state starts coming back on the copy stream
             record["phase_switch_s"] += time.perf_counter() - switch
             self.timeline.counter("resident_bytes", self._resident())
-            local_tokens = float(batch.completion_mask.sum())
-            global_tokens = D.sum_floats([local_tokens], self.world)[0]
+            global_tokens = D.sum_floats([float(batch.completion_mask.sum())], self.world)[0]
             # Each rank divides by global_tokens / world size; averaging the gradients over ranks
             # then yields the exact token-level mean over the whole batch.
-            denominator = global_tokens / self.world.size
-            micro = cfg.micro_batch_size or len(batch)
-            loss_sum = clip_sum = kl_sum = mismatch = 0.0
-            advantages = advantages.to(self.device)
-            for start in range(0, len(batch), micro):
-                part = batch.rows(start, start + micro)
-                logprobs = completion_logprobs(self.model, part, cfg.temperature)
-                ref = None
-                if self.reference is not None:
-                    with torch.no_grad():
-                        ref = completion_logprobs(self.reference, part, cfg.temperature)
-                parts = grpo_loss(logprobs, logprobs.detach(), advantages[start:start + micro],
-                                  part.completion_mask, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
-                                  beta=cfg.beta, ref_logprobs=ref, num_tokens=denominator)
-                self._sample_residency("train", record)
-                parts.loss.backward()
-                weight = float(part.completion_mask.sum()) / max(local_tokens, 1.0)
-                loss_sum += parts.loss.item()
-                clip_sum += parts.clip_fraction * weight
-                kl_sum += parts.kl_mean * weight
-                if cfg.temperature == 1.0:
-                    mismatch = max(mismatch, _engine_mismatch(logprobs.detach(), part.completion_mask,
-                                                              engine_logprobs[start:start + micro]))
+            stats = accumulate_gradients(
+                self.model, batch, advantages.to(self.device), cfg, num_tokens=global_tokens / self.world.size,
+                reference=self.reference, engine_logprobs=engine_logprobs if cfg.temperature == 1.0 else None,
+                after_forward=lambda: self._sample_residency("train", record))
             self.memory.check_grads_attached()
             D.average_(list(self.memory.flat_grads.values()), self.world)
             record["grad_norm"] = self._clip_gradients()
@@ -315,9 +296,9 @@ class GRPOScheduler:
             self.lr_scheduler.step()
         record["train_s"] = span["seconds"]
         record["loss"], record["clip_fraction"], record["kl"] = (
-            v / self.world.size for v in D.sum_floats([loss_sum, clip_sum, kl_sum], self.world))
-        if cfg.temperature == 1.0:
-            record["engine_logprob_max_abs_diff"] = mismatch
+            v / self.world.size for v in D.sum_floats([stats["loss"], stats["clip_fraction"], stats["kl"]], self.world))
+        if "engine_logprob_max_abs_diff" in stats:
+            record["engine_logprob_max_abs_diff"] = stats["engine_logprob_max_abs_diff"]
 
     def _clip_gradients(self) -> float:
         flats = list(self.memory.flat_grads.values())
@@ -454,17 +435,3 @@ class _TerminationRequest:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
-
-
-def _engine_mismatch(trainer_logprobs: torch.Tensor, mask: torch.Tensor, engine_logprobs: list) -> float:
-    """Largest |trainer - engine| log-probability of a sampled token: proof the engine runs the
-    weights being trained (0 up to float noise when the handoff is exact)."""
-    worst = 0.0
-    for row, sample in enumerate(engine_logprobs):
-        if not sample:
-            continue
-        engine = torch.tensor(sample, dtype=trainer_logprobs.dtype, device=trainer_logprobs.device)
-        n = engine.numel()
-        diff = (trainer_logprobs[row, :n] - engine).abs() * mask[row, :n]
-        worst = max(worst, float(diff.max()))
-    return worst
