@@ -60,6 +60,9 @@ def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_byt
     if kv_cache_bytes is not None and (isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int)
                                        or kv_cache_bytes <= 0):
         raise ValueError(f"kv_cache_bytes must be a positive int, got {kv_cache_bytes!r}")
+    path = os.fspath(model_dir)
+    if (os.path.isabs(path) or path.startswith(".")) and not os.path.isdir(path):
+        raise FileNotFoundError(f"build_llm: no model directory at {path}")
     if pool is None:
         pool = colo.Pool(_engine_device())
     # In-process engine: the model must be a module of this process (the external launcher forces it too).
@@ -75,9 +78,10 @@ def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_byt
     # vLLM's CPU platform lets the legacy env var override kv_cache_memory_bytes; an explicit size wins here.
     env_override = {"VLLM_CPU_KVCACHE_SPACE": None} if kv_cache_bytes is not None else {}
     with _patched_env(env_override), _kv_cache_in_region(pool):
-        llm = vllm.LLM(model=str(model_dir), dtype=dtype, seed=seed, enforce_eager=enforce_eager, **llm_kwargs)
+        llm = vllm.LLM(model=path, dtype=dtype, seed=seed, enforce_eager=enforce_eager, **llm_kwargs)
     llm.colo_pool = pool
-    _refuse_work_while_kv_asleep(llm, pool.region(_KV_REGION))
+    if _KV_REGION in pool.regions:  # models without attention layers have no KV cache to guard
+        _refuse_work_while_kv_asleep(llm, pool.regions[_KV_REGION])
     return llm
 
 

@@ -74,6 +74,11 @@ def test_build_llm_rejects_a_bad_kv_cache_size(size, tmp_path):
         engine.build_llm(tmp_path, colo.Pool("cpu"), kv_cache_bytes=size)
 
 
+def test_build_llm_names_a_missing_model_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        engine.build_llm(tmp_path / "no-such-model", colo.Pool("cpu"))
+
+
 def test_an_engine_not_built_by_colo_is_explained():
     class OutOfProcessLLM:  # what a multiprocessing vllm.LLM looks like from here: no driver worker
         llm_engine = object()
