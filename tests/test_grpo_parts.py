@@ -1,7 +1,6 @@
 """The GRPO scheduler's parts that need no engine: checkpoints, logs, timeline, batching,
 training memory in the pool, the toy task and the command line's argument checks (fast)."""
 import json
-import math
 
 import pytest
 import torch

@@ -41,7 +41,6 @@ from .update import accumulate_gradients
 
 PromptFn = Callable[[int, int], list]          # (step, count) -> list of prompts (token id lists)
 RewardFn = Callable[[list, list], list]        # (prompts, completions) -> one float per completion
-PHASES = ("generate", "train", "handoff")
 
 
 class GRPOScheduler:
@@ -208,7 +207,11 @@ class GRPOScheduler:
         print(f"[colo.grpo] rank {self.world.rank} step {step}: engine raised {first}; rebuilding it from "
               f"the shared weights and retrying once", file=sys.stderr)
         with self.timeline.span("engine_rebuild", step=step) as span:
-            self.engine.rebuild()
+            try:
+                self.engine.rebuild()
+            except Exception as e:  # noqa: BLE001 - reported as an EngineFailure, which ranks share
+                raise EngineFailure(f"step {step}: the engine raised {first} and could not be rebuilt from the "
+                                    f"shared weights: {type(e).__name__}: {e}") from e
         record["engine_rebuild_s"] = span["seconds"]
         try:
             return self.engine.generate(prompts, self._sampling(step, first_index))
@@ -385,6 +388,7 @@ class GRPOScheduler:
         if self.out_dir is None or self.step == self._last_saved_step or self.step == 0:
             return None
         rng = D.gather_objects(capture_rng(), self.world)
+        self._check_ranks_agree()
         path = None
         if self.world.is_main:
             with self.timeline.span("checkpoint", step=self.step):
@@ -397,6 +401,18 @@ class GRPOScheduler:
         D.barrier(self.world)
         self._last_saved_step = self.step
         return path
+
+    def _check_ranks_agree(self) -> None:
+        """Every rank applies the same averaged update, so their weights must be identical; rank 0's
+        checkpoint stands for all of them only if they are."""
+        if self.world.size == 1:
+            return
+        with torch.no_grad():
+            digest = float(sum(p.sum(dtype=torch.float64) for p in self.model.parameters()))
+        digests = D.gather_objects(digest, self.world)
+        if max(digests) - min(digests) > 1e-9 * max(1.0, abs(digest)):
+            raise RuntimeError(f"the ranks' weights diverged at step {self.step} (parameter sums {digests}); "
+                               "gradients were not averaged identically")
 
     def _optimizer_state(self) -> dict:
         """The optimizer's state dict, readable even while its region sleeps (from the host copy)."""
