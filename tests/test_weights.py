@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import colo
 from colo.engine import engine_model
@@ -77,8 +79,13 @@ def test_one_copy_of_the_weights_lives_in_the_weights_region(tiny_model_dir, bui
     path = tiny_model_dir("qwen2", vocab_size=1000, tie_word_embeddings=True)
     llm = build_engine(path, pool=pool)
     hf = load_hf_model(path)
+    model = engine_model(llm)
+    duplicates = [StorageWeakRef(p.untyped_storage()) for p in list(hf.parameters()) + list(model.parameters())
+                  if p.numel()]
     shared = colo.share_weights(hf, llm)
-    model, weights = engine_model(llm), pool.regions["weights"]
+    weights = pool.regions["weights"]
+    gc.collect()
+    assert all(ref.expired() for ref in duplicates), "the models' previous copies of the weights must be freed"
 
     for name, param in list(hf.named_parameters()) + list(model.named_parameters()):
         assert weights.contains(param), f"{name} is outside the weights region"
