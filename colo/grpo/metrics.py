@@ -64,6 +64,8 @@ class Timeline:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         fresh = not append or not path.exists() or path.stat().st_size == 0
+        if not fresh:
+            _reopen_array(path)
         self._file = open(path, "w" if fresh else "a")
         if fresh:
             self._file.write("[\n")
@@ -96,9 +98,24 @@ class Timeline:
             self._emit({"name": name, "ph": "C", "pid": self.rank, "ts": self._now_us(), "args": values})
 
     def close(self) -> None:
+        """End the array, so strict JSON readers accept the file too."""
         if self._file is not None:
+            self._file.write(json.dumps({"name": "trace_end", "ph": "i", "s": "g", "pid": self.rank, "tid": 0,
+                                         "ts": self._now_us()}) + "\n]\n")
             self._file.close()
             self._file = None
+
+
+def _reopen_array(path: Path) -> None:
+    """Make a closed trace (ending in ']') appendable again: replace the bracket by a comma."""
+    with open(path, "rb+") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 16))
+        tail = f.read()
+        stripped = tail.rstrip()
+        if stripped.endswith(b"]"):
+            f.seek(f.tell() - len(tail) + len(stripped) - 1)
+            f.truncate()
+            f.write(b",\n")
 
 
 class GpuMonitor:
