@@ -17,6 +17,7 @@ class World:
     rank: int
     size: int
     local_rank: int
+    device: str = "cpu"  # where small collectives run: NCCL takes only CUDA tensors
 
     @property
     def is_main(self) -> bool:
@@ -30,7 +31,9 @@ def init_world(device_type: str) -> World:
         # vLLM's external launcher needs the default group to exist before the engine is built.
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     if dist.is_initialized():
-        return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = f"cuda:{local_rank}" if dist.get_backend() == "nccl" else "cpu"
+        return World(dist.get_rank(), dist.get_world_size(), local_rank, device)
     return World(0, 1, 0)
 
 
@@ -51,10 +54,10 @@ def average_(tensors: list[torch.Tensor], world: World) -> None:
         t.div_(world.size)
 
 
-def sum_floats(values: list[float], world: World, device="cpu") -> list[float]:
+def sum_floats(values: list[float], world: World) -> list[float]:
     if world.size == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    t = torch.tensor(values, dtype=torch.float64, device=world.device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
 

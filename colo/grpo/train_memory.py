@@ -103,9 +103,11 @@ class TrainingMemory:
         if not self.offload_optimizer or not self._state_flat or self.optimizer_region.asleep:
             return
         self.finish_prefetch()
+        on_cuda = self.pool.device.type == "cuda"
         if not self._state_host:
-            pin = self.pool.device.type == "cuda"
-            self._state_host = [torch.empty(f.shape, dtype=f.dtype, pin_memory=pin) for f in self._state_flat]
+            self._state_host = [torch.empty(f.shape, dtype=f.dtype, pin_memory=on_cuda) for f in self._state_flat]
+        if on_cuda:  # the optimizer step ran on torch's stream; the copy stream knows nothing of it
+            torch.cuda.current_stream(self.pool.device).synchronize()
         self.pool.copy_async(list(zip(self._state_host, self._state_flat))).synchronize()
         self.optimizer_region.sleep(offload=False)
 
