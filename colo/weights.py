@@ -198,7 +198,7 @@ def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes:
 def _engine_layout(model, engine_dtype):
     """The engine's tensors in order, each with the HF pieces that fill it, and the CPU linears to re-point."""
     from vllm.model_executor.layers.linear import (
-        ColumnParallelLinear, LinearBase, QKVParallelLinear, ReplicatedLinear, RowParallelLinear,
+        ColumnParallelLinear, LinearBase, ReplicatedLinear, RowParallelLinear,
     )
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
@@ -215,8 +215,7 @@ def _engine_layout(model, engine_dtype):
             if isinstance(module, LinearBase):
                 if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
                     raise NotImplementedError(f"{name}: colo cannot share a {type(module).__name__} yet")
-                shape, pieces = _linear_pieces(module, module_name, attr, packed,
-                                               ColumnParallelLinear, QKVParallelLinear, RowParallelLinear)
+                shape, pieces = _linear_pieces(module, module_name, attr, packed)
                 dtype = engine_dtype  # the CPU sgl kernel keeps biases in fp32; F.linear wants one dtype
             elif isinstance(module, VocabParallelEmbedding):
                 shape, pieces = _embedding_pieces(module, name)
@@ -231,7 +230,10 @@ def _engine_layout(model, engine_dtype):
     return tensors, linears
 
 
-def _linear_pieces(module, module_name, attr, packed, ColumnParallel, QKVParallel, RowParallel):
+def _linear_pieces(module, module_name, attr, packed):
+    """The HF parameters behind one (possibly fused, possibly sharded) linear weight or bias."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
     rows_total = module.output_size_per_partition
     cols = module.input_size_per_partition
     shape = (rows_total, cols) if attr == "weight" else (rows_total,)
@@ -244,13 +246,13 @@ def _linear_pieces(module, module_name, attr, packed, ColumnParallel, QKVParalle
     pieces, row = [], 0
     for index, (part, size) in enumerate(zip(parts, sizes)):
         hf_name = f"{prefix}.{part}.{attr}" if prefix else f"{part}.{attr}"
-        if isinstance(module, ColumnParallel):
+        if isinstance(module, ColumnParallelLinear):
             shards, rank = tp_size, tp_rank
-            if isinstance(module, QKVParallel) and index > 0:  # k and v heads may be replicated across ranks
+            if isinstance(module, QKVParallelLinear) and index > 0:  # k and v heads may be replicated across ranks
                 shards, rank = tp_size // module.num_kv_head_replicas, tp_rank // module.num_kv_head_replicas
             hf_shape = (size * shards, cols) if attr == "weight" else (size * shards,)
             shard = (0, rank * size, (rank + 1) * size) if shards > 1 else None
-        elif isinstance(module, RowParallel) and attr == "weight":
+        elif isinstance(module, RowParallelLinear) and attr == "weight":
             hf_shape = (size, cols * tp_size)
             shard = (1, tp_rank * cols, (tp_rank + 1) * cols) if tp_size > 1 else None
         else:  # replicated linear, or the bias of a row-parallel one
@@ -276,9 +278,6 @@ def _embedding_pieces(module, name):
 def _match(hf_model, tensors, alias: bool) -> list[_Source]:
     """Check every engine piece against the HF model; the first mismatch raises ValueError naming it."""
     by_name = dict(hf_model.named_parameters(remove_duplicate=False))
-    names_of = {}
-    for name, param in by_name.items():
-        names_of.setdefault(id(param), []).append(name)
     used, sources = {}, []
     for t in tensors:
         for piece in t.pieces:
@@ -368,6 +367,8 @@ class _CopyPlan:
             if s.piece.shard is not None:
                 dim, begin, end = s.piece.shard
                 src = src.narrow(dim, begin, end - begin)
+            if src.data_ptr() == dst.data_ptr() and src.dtype == dst.dtype and src.stride() == dst.stride():
+                continue  # already the store itself (the same model shared again)
             if src.dtype == dst.dtype and src.is_contiguous() and src.device == dst.device:
                 self.byte_pairs.append((dst, src))
                 continue
