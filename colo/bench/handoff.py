@@ -6,6 +6,7 @@ save_pretrained and served by an in-process vLLM engine (colo.engine.build_llm):
 
 - colo: `shared.publish()` after `colo.share_weights(hf, llm)`: the trainer's parameters are views
   of the engine's, so nothing is copied; the time is stream ordering plus vLLM's prefix-cache reset.
+  `share_once_s` is the one-time cost of share_weights itself (checks, one copy into the store).
 
 Baselines, measured in the same run on the same engine:
 - per-parameter copy (TRL's pattern): TRL's colocate mode calls `model.load_weights([(name, param)])`
@@ -170,7 +171,9 @@ def measure_size(name: str, quick: bool, progress) -> list[dict]:
         gc.collect()
         next(steps, None)
 
+        start = time.perf_counter()
         shared = colo.share_weights(hf, llm)
+        share_s = time.perf_counter() - start
         publishes = [shared.publish() for _ in range(5 * repeats)]
         colo_s = statistics.median(p["seconds"] for p in publishes)
         colo_bytes = max(p["bytes_copied"] for p in publishes)
@@ -192,7 +195,7 @@ def measure_size(name: str, quick: bool, progress) -> list[dict]:
         next(steps, None)
 
     common = {"section": SECTION, "device": "cpu", "params": params, "model": name, "dtype": "bfloat16",
-              "colo_s": colo_s, "bytes_moved": colo_bytes, "rss_bytes_after": rss}
+              "colo_s": colo_s, "bytes_moved": colo_bytes, "share_once_s": share_s, "rss_bytes_after": rss}
     goal = params >= GOAL_PARAMS
     rows = [
         {**common, "case": f"publish {name}", "baseline": "per-parameter copy (TRL load_weights pattern)",
