@@ -89,9 +89,10 @@ def plot_grpo(ax, result: dict) -> None:
         ax.set_title("GRPO step breakdown")
         return
     bars = []  # (label, {phase: seconds})
+    baselines = sorted({str(r.get("baseline", "baseline")) for r in rows})
     for r in rows:
-        prefix = f"{r.get('case', '')} [{r.get('device', '')}]\n"
-        for side, label in (("colo", "colo"), ("baseline", r.get("baseline", "baseline"))):
+        prefix = f"{r.get('model') or r.get('case', '')} [{r.get('device', '')}]\n"
+        for side, label in (("colo", "colo"), ("baseline", "usual")):
             total = _number(r.get(f"{side}_s"))
             parts = phases(r, side)
             if total is None and not parts:
@@ -112,7 +113,7 @@ def plot_grpo(ax, result: dict) -> None:
         ax.text(x, bottom, f"{bottom:.3g} s", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=7)
     ax.set_ylabel("seconds per step")
-    ax.set_title("GRPO step breakdown")
+    ax.set_title(f"GRPO step breakdown (usual: {'; '.join(baselines)})", fontsize=10)
     ax.legend(fontsize=7)
     ax.grid(True, axis="y", alpha=0.3)
 
@@ -147,8 +148,10 @@ def write_plot(result: dict, path) -> None:
     matplotlib.use("Agg")  # no display on benchmark machines
     import matplotlib.pyplot as plt
 
-    fig = plt.figure(figsize=(16, 11))
-    grid = fig.add_gridspec(2, 2, height_ratios=[1, 1])
+    ratio_rows = sum(1 for r in result.get("rows", []) if _number(r.get("ratio")))
+    ratio_height = max(4.0, 0.22 * ratio_rows)  # inches: keep the comparison labels legible
+    fig = plt.figure(figsize=(16, 6 + ratio_height))
+    grid = fig.add_gridspec(2, 2, height_ratios=[6, ratio_height])
     plot_handoff(fig.add_subplot(grid[0, 0]), result)
     plot_grpo(fig.add_subplot(grid[0, 1]), result)
     plot_ratios(fig.add_subplot(grid[1, :]), result)
@@ -161,3 +164,13 @@ def write_plot(result: dict, path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    # Re-plot a results file: python -m colo.bench.plot RESULTS.json OUT.png
+    import json
+    import sys
+
+    if len(sys.argv) != 3 or not sys.argv[2].endswith(".png"):
+        sys.exit("usage: python -m colo.bench.plot RESULTS.json OUT.png")
+    write_plot(json.loads(Path(sys.argv[1]).read_text()), sys.argv[2])
