@@ -1,11 +1,29 @@
-"""colo: colocated RL training and vLLM serving on one device, one memory pool, one copy of the weights."""
+"""colo: colocated RL training and vLLM serving on one device, one memory pool, one copy of the weights.
+
+The compiled core (colo._C) is loaded on first use of a name that needs it, so tools that only
+parse arguments (`python -m colo.bench --help`) work even where the extension is not built.
+"""
 from __future__ import annotations
 
-from ._build import build_info, cuda_available, cuda_unavailable_reason
+import importlib
+
 from .errors import OutOfMemoryError, RegionAsleepError
-from .pool import Event, Pool, Region, Stream
 
 __version__ = "0.1.0"
+
+# name -> submodule that defines it (importing the submodule loads colo._C)
+_LAZY = {
+    "Pool": "pool", "Region": "pool", "Stream": "pool", "Event": "pool",
+    "build_info": "_build", "cuda_available": "_build", "cuda_unavailable_reason": "_build",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'colo' has no attribute {name!r}")
 
 
 def share_weights(hf_model, llm, **kwargs):
@@ -18,7 +36,4 @@ def share_weights(hf_model, llm, **kwargs):
     return _share_weights(hf_model, llm, **kwargs)
 
 
-__all__ = [
-    "Pool", "Region", "Stream", "Event", "OutOfMemoryError", "RegionAsleepError",
-    "build_info", "cuda_available", "cuda_unavailable_reason", "share_weights", "__version__",
-]
+__all__ = [*_LAZY, "OutOfMemoryError", "RegionAsleepError", "share_weights", "__version__"]

@@ -66,6 +66,10 @@ class Backend {
   // Host memory for offloaded bytes (pinned on CUDA, for async copies).
   virtual void* host_alloc(size_t bytes) = 0;
   virtual void host_free(void* ptr, size_t bytes) = 0;
+  // Whether a region keeps its offload buffer after wake for the next sleep. CUDA: yes, pinning
+  // host memory costs more than the copy and host RAM is not the scarce resource. Host: no, the
+  // buffer would double the region's footprint in the very memory the region lives in.
+  virtual bool keep_offload_buffer() const = 0;
 
   virtual std::shared_ptr<Stream> create_stream(StreamRole role) = 0;
 };

@@ -97,6 +97,7 @@ py::dict stats_dict(const RegionStats& s) {
   d["reserved_bytes"] = s.reserved_bytes;
   d["resident_bytes"] = s.resident_bytes;
   d["offloaded_bytes"] = s.offloaded_bytes;
+  d["offload_buffer_bytes"] = s.offload_buffer_bytes;
   d["num_allocations"] = s.num_allocations;
   d["largest_free_block"] = s.largest_free_block;
   d["sleep_count"] = s.sleep_count;

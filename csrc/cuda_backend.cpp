@@ -199,6 +199,7 @@ class CudaBackend final : public Backend {
     return p;
   }
   void host_free(void* ptr, size_t) override { d_->cuMemFreeHost(ptr); }
+  bool keep_offload_buffer() const override { return true; }
 
   std::shared_ptr<Stream> create_stream(StreamRole role) override {
     current();

