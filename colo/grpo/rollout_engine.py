@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import engine as colo_engine
+from ..weights import share_weights
 
 _KV_HEADROOM = 64 << 20  # room left in the pool for allocator rounding and small engine buffers
 
@@ -52,10 +53,10 @@ class RolloutEngine:
     engine (colo.share_weights' copy path; for comparisons).
     """
 
-    def __init__(self, model_dir, hf_model, pool, *, world, seed: int, max_num_seqs: int,
+    def __init__(self, model_dir, hf_model, pool, *, seed: int, max_num_seqs: int,
                  sequence_tokens: int = 1, max_model_len: int | None = None, alias: bool = True,
                  **llm_kwargs):
-        self.model_dir, self.hf_model, self.pool, self.world = model_dir, hf_model, pool, world
+        self.model_dir, self.hf_model, self.pool = model_dir, hf_model, pool
         self.seed, self.alias = seed, alias
         config = hf_model.config
         self.vocab_size = config.vocab_size
@@ -70,7 +71,7 @@ class RolloutEngine:
         self.kv_cache_bytes = self._kv_budget(tokens * kv_bytes_per_token(config, self.dtype))
         self._llm_kwargs = dict(skip_tokenizer_init=True, max_num_seqs=max_num_seqs, block_size=block, **llm_kwargs)
         self.llm = self._build(load_format="auto")
-        self.shared = colo_share_weights(hf_model, self.llm, pool, alias)
+        self.shared = share_weights(hf_model, self.llm, pool, alias=alias)
 
     def _kv_budget(self, wanted: int) -> int:
         if "kv_cache" in self.pool.regions:
@@ -132,7 +133,7 @@ class RolloutEngine:
         # "dummy" fills the new engine with placeholder weights instead of reading the checkpoint;
         # sharing then points it at the trainer's live weights.
         self.llm = self._build(load_format="dummy")
-        self.shared = colo_share_weights(self.hf_model, self.llm, self.pool, self.alias)
+        self.shared = share_weights(self.hf_model, self.llm, self.pool, alias=self.alias)
 
     def close(self) -> None:
         if self.llm is not None:
@@ -140,8 +141,3 @@ class RolloutEngine:
         self.llm = self.shared = None
         gc.collect()
 
-
-def colo_share_weights(hf_model, llm, pool, alias: bool = True):
-    import colo
-
-    return colo.share_weights(hf_model, llm, pool=pool, alias=alias)

@@ -83,8 +83,8 @@ class GRPOScheduler:
         warmup = self.config.warmup_steps
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
-        self.engine = RolloutEngine(self.model_dir, self.model, self.pool, world=self.world,
-                                    seed=self.config.seed, max_num_seqs=self._sequences_per_rank(),
+        self.engine = RolloutEngine(self.model_dir, self.model, self.pool, seed=self.config.seed,
+                                    max_num_seqs=self._sequences_per_rank(),
                                     sequence_tokens=self._longest_sequence(), **(engine_options or {}))
         self.step = 0
         if resume_state is not None:

@@ -59,9 +59,6 @@ class TrainingMemory:
         for flat in self.flat_grads.values():
             flat.zero_()
 
-    def grads_asleep(self) -> bool:
-        return self.grads.asleep
-
     def check_grads_attached(self) -> None:
         """Something (optimizer.zero_grad(set_to_none=True), a user hook) may have dropped our views."""
         for p in self.params:
