@@ -140,6 +140,7 @@ def release_llm(llm) -> None:
     (and under torchrun every other rank) still uses. This undoes the first and detaches the second.
     The engine must not be used afterwards. Parameters shared with a trainer keep the weights alive.
     """
+    _drop_engine_tensors(llm)
     for attr in ("_add_request", "colo_shared_weights", "colo_pool"):
         vars(llm).pop(attr, None)
     engine = getattr(llm, "llm_engine", None)
@@ -149,6 +150,27 @@ def release_llm(llm) -> None:
         if finalizer is not None:
             finalizer.detach()
     gc.unfreeze()
+
+
+def _drop_engine_tensors(llm) -> None:
+    """Detach the engine's KV cache and parameters, so their memory returns to the pool even while
+    something keeps the engine's Python objects alive: vLLM logs its config object as a log-record
+    argument, and a handler that keeps records (pytest's log capture, a MemoryHandler) then holds the
+    config -> attention layers -> KV cache views, and the model, indefinitely."""
+    from vllm.v1.worker.utils import clear_layer_kv_caches
+
+    try:
+        runner = engine_worker(llm).model_runner
+    except RuntimeError:
+        return
+    clear_layer_kv_caches(runner.vllm_config.compilation_config.static_forward_context.values())
+    if isinstance(getattr(runner, "kv_caches", None), list):
+        runner.kv_caches.clear()
+    model = getattr(runner, "model", None)
+    if isinstance(model, torch.nn.Module):
+        # The trainer's own Parameter objects are untouched: shared weights stay alive through them.
+        for param in model.parameters():
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
 def _engine_device() -> str:

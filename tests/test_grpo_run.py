@@ -182,6 +182,7 @@ def test_failing_engine_is_rebuilt_from_the_shared_weights_then_fails_clearly(tm
     try:
         run.train_step()
         broken_engine = weakref.ref(run.engine.llm)
+        kv_bytes_one_engine = run.engine.kv_region.stats()["allocated_bytes"]
         real_generate, calls = RolloutEngine.generate, []
 
         def fails_once(self, *args, **kwargs):
@@ -193,7 +194,16 @@ def test_failing_engine_is_rebuilt_from_the_shared_weights_then_fails_clearly(tm
         monkeypatch.setattr(RolloutEngine, "generate", fails_once)
         record = run.train_step()
         assert len(calls) == 2 and record["engine_rebuild_s"] > 0
-        assert broken_engine() is None  # the old engine (and its KV cache) was really freed
+        # The old engine's memory really came back: the region holds one KV cache, not two, and the
+        # old engine holds no tensors. (Its Python shell may outlive this: vLLM logs its config as a
+        # record argument and pytest's log capture keeps records, so object death is not asserted.)
+        assert run.engine.kv_region.stats()["allocated_bytes"] == kv_bytes_one_engine
+        broken = broken_engine()
+        if broken is not None:
+            from colo.engine import engine_model
+
+            assert all(p.numel() == 0 for p in engine_model(broken).parameters())
+            del broken
         # The new engine started from placeholder weights; serving the trained ones proves it shares them.
         assert record["engine_logprob_max_abs_diff"] < 1e-4
 
