@@ -100,16 +100,21 @@ def call_overheads(repeats: int = 5, calls: int = 20000) -> dict:
     return {"ctypes_call_s": per_call(labs), "harness_per_op_s": harness}
 
 
+def workload(quick: bool):
+    """(ops, repeats, window, sizes, plan, budget): the same size sequence for every allocator."""
+    ops, repeats, window = (2048, 5, 32) if quick else (16384, 9, 64)
+    sizes = size_mix(ops)
+    # Room for the largest possible window; the budget is virtual until chunks are committed.
+    budget = 1 << math.ceil(math.log2(window * max(sizes) * 2))
+    return ops, repeats, window, sizes, make_plan(sizes, window), budget
+
+
 def cpu_rows(quick: bool, progress) -> list[dict]:
     import torch
 
     import colo
 
-    ops, repeats, window = (2048, 5, 32) if quick else (16384, 9, 64)
-    sizes = size_mix(ops)
-    plan = make_plan(sizes, window)
-    # Room for the largest possible window; the budget is virtual until chunks are committed.
-    budget = 1 << math.ceil(math.log2(window * max(sizes) * 2))
+    ops, repeats, window, sizes, plan, budget = workload(quick)
     region = colo.Pool("cpu", capacity=budget).region("bench_alloc", budget=budget)
     malloc, libc_free, _ = libc_allocator()
     native = region._native  # the core's allocate/free without the tensor wrapping (same package)
@@ -147,10 +152,7 @@ def cuda_rows(quick: bool, progress) -> list[dict]:
 
     import colo
 
-    ops, repeats, window = (2048, 5, 32) if quick else (16384, 9, 64)
-    sizes = size_mix(ops)
-    plan = make_plan(sizes, window)
-    budget = 1 << math.ceil(math.log2(window * max(sizes) * 2))
+    ops, repeats, window, sizes, plan, budget = workload(quick)
     region = colo.Pool("cuda", capacity=budget).region("bench_alloc", budget=budget)
     # Neither side synchronises: both hand out device memory without waiting for the GPU.
     region_empty = best_per_op(lambda n: region.empty((n,), torch.uint8), _drop, plan, repeats, progress,
