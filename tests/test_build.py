@@ -55,8 +55,10 @@ def test_cuda_availability_is_consistent_with_the_machine():
         assert reason and ("libcuda" in reason or "built without" in reason or "no CUDA device" in reason)
         with pytest.raises(ValueError, match="CUDA is unavailable"):
             colo.Pool("cuda")
-    else:
-        assert colo.cuda_unavailable_reason() == "" or not colo.cuda_available()
+    elif colo.build_info()["cuda_compiled"]:
+        # A driver is present and the backend is built: CUDA must be usable, with no excuse given.
+        assert colo.cuda_available(), colo.cuda_unavailable_reason()
+        assert colo.cuda_unavailable_reason() == ""
 
 
 def test_python_dash_m_colo_reports_the_build():
