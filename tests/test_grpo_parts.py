@@ -150,7 +150,10 @@ def test_config_rejects_bad_values():
         GRPOConfig(num_generations=0)
     with pytest.raises(ValueError, match="temperature"):
         GRPOConfig(temperature=0.0)
+    with pytest.raises(ValueError, match="offload_optimizer"):
+        GRPOConfig(offload_optimizer="yes")
     assert GRPOConfig.from_dict(GRPOConfig(seed=4).to_dict()) == GRPOConfig(seed=4)
+    assert GRPOConfig.from_dict(GRPOConfig(offload_optimizer=True).to_dict()).offload_optimizer is True
 
 
 def _cli_error(capsys, argv) -> str:

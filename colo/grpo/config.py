@@ -28,7 +28,9 @@ class GRPOConfig:
     scale_rewards: bool = True         # divide advantages by the group std (False: Dr. GRPO)
     micro_batch_size: int | None = None  # sequences per forward/backward; None: the whole rollout
     memory_phases: bool = True         # KV cache asleep while training, gradients asleep while generating
-    offload_optimizer: bool = True     # optimizer state to host memory while generating
+    # Optimizer state to host memory while generating. None: only when the pool is on a GPU; on a
+    # host pool the "host copy" is the same RAM, so offloading frees nothing and costs two copies.
+    offload_optimizer: bool | None = None
     save_every: int = 10               # checkpoint period in steps (0: only at the end)
     keep_checkpoints: int = 2          # newest ones kept (0: all)
     seed: int = 0
@@ -57,6 +59,8 @@ class GRPOConfig:
         if not (0 <= self.epsilon_low < 1 and self.epsilon_high >= 0):
             raise ValueError(f"clip range needs 0 <= epsilon_low < 1 and epsilon_high >= 0, "
                              f"got {self.epsilon_low}, {self.epsilon_high}")
+        if self.offload_optimizer not in (None, True, False):
+            raise ValueError(f"offload_optimizer must be True, False or None (on a GPU only), got {self.offload_optimizer!r}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
 

@@ -8,7 +8,8 @@ One step:
               the copy stream while the forward and backward passes run; gradients averaged over
               ranks; clip; optimizer step
     publish   the engine serves the new weights (no bytes copied when layouts match); gradients
-              released and optimizer state offloaded to host before the KV cache wakes again
+              released and (on a GPU, by default) optimizer state offloaded to host before the
+              KV cache wakes again
 
 Every rank of a torchrun job runs this same loop with its own engine and its share of the prompts.
 """
@@ -76,8 +77,9 @@ class GRPOScheduler:
         self.reference = self._frozen_copy(self.model) if self.config.beta > 0 else None
         params = [p for p in self.model.parameters() if p.requires_grad]
         # Exact budgets for gradients and optimizer state first: the KV cache takes what is left.
+        offload = self.config.offload_optimizer
         self.memory = TrainingMemory(self.pool, params, optimizer_state_bytes=adam_state_bytes(params),
-                                     offload_optimizer=self.config.offload_optimizer)
+                                     offload_optimizer=self.device.type == "cuda" if offload is None else offload)
         self.optimizer = torch.optim.AdamW(params, lr=self.config.learning_rate, betas=self.config.adam_betas,
                                            weight_decay=self.config.weight_decay)
         warmup = self.config.warmup_steps
