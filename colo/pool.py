@@ -48,6 +48,9 @@ def _parse_device(device) -> torch.device:
     if dev.type == "cuda":
         if not cuda_available():
             raise ValueError(f"colo.Pool({str(device)!r}): CUDA is unavailable: {cuda_unavailable_reason()}")
+        if not torch.backends.cuda.is_built():  # a GPU machine with a CPU-only torch wheel
+            raise ValueError(f"colo.Pool({str(device)!r}): the NVIDIA driver is present but torch {torch.__version__} "
+                             "was built without CUDA; install a CUDA build of torch")
         dev = torch.device("cuda", dev.index if dev.index is not None else 0)
     return dev
 

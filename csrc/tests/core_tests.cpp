@@ -1,9 +1,13 @@
 // C++ tests of the core, without Python or torch, so CI can run them under AddressSanitizer:
-// the block allocator against a reference model, regions on both host backends (alloc/free,
-// sleep/wake at stable addresses, offload round trip, budgets), streams, the torch C entry points.
+// the block allocator against a reference model, regions (alloc/free, sleep/wake at stable
+// addresses, offload round trip, budgets), threads, streams, the torch C entry points, on both host
+// backends and, when a CUDA driver is present, on the CUDA VMM backend. CI runs them a second time
+// with csrc/tests/fake_cuda_driver.cpp as libcuda.so.1 and COLO_REQUIRE_CUDA_TESTS=1.
+#include <dlfcn.h>
 #include <sys/types.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <random>
@@ -75,8 +79,9 @@ static void test_block_allocator_against_reference() {
   CHECK(throws<colo::InvalidArgument>([&] { blocks.free(12345); }));
 }
 
-static void test_region(const std::string& kind) {
-  auto backend = colo::make_host_backend(kind);
+using BackendPtr = std::shared_ptr<colo::Backend>;
+
+static void test_region(const BackendPtr& backend) {
   auto region = std::make_shared<colo::Region>(backend, "test", 32u << 20);
   std::vector<std::pair<unsigned char*, size_t>> live;
   for (size_t i = 0; i < 40; ++i) {
@@ -108,8 +113,9 @@ static void test_region(const std::string& kind) {
   CHECK(throws<colo::InvalidArgument>([&] { region->free(reinterpret_cast<void*>(0x10)); }));
 }
 
-static void test_region_threads() {
-  auto region = std::make_shared<colo::Region>(colo::make_host_backend("anon"), "threads", 256u << 20);
+static void test_region_threads(const BackendPtr& backend) {
+  // On CUDA the threads have no current context of their own: the backend must set it per call.
+  auto region = std::make_shared<colo::Region>(backend, "threads", 256u << 20);
   auto work = [&](unsigned seed) {
     std::mt19937 rng(seed);
     std::vector<void*> mine;
@@ -129,20 +135,25 @@ static void test_region_threads() {
   CHECK(region->stats().allocated_bytes == 0);
 }
 
-static void test_stream_copies_and_events() {
-  auto backend = colo::make_host_backend("anon");
+static void test_stream_copies_and_events(const BackendPtr& backend) {
+  // host -> region on the copy stream; another stream waits for it, then region -> host.
+  auto region = std::make_shared<colo::Region>(backend, "streams", 4u << 20);
   auto copy = backend->create_stream(colo::StreamRole::kCopy);
   auto other = backend->create_stream(colo::StreamRole::kInfer);
-  std::vector<char> a(1 << 20, 'x'), b(1 << 20, 0), c(1 << 20, 0);
-  copy->copy_batch({{b.data(), a.data(), a.size()}});
+  std::vector<char> a(1 << 20, 'x'), c(1 << 20, 0);
+  void* middle = region->allocate(a.size());
+  copy->copy_batch({{middle, a.data(), a.size()}});
   other->wait(copy->record());
-  other->copy_batch({{c.data(), b.data(), b.size()}});
-  other->synchronize();
+  other->copy_batch({{c.data(), middle, a.size()}});
+  auto done = other->record();
+  done->synchronize();
+  CHECK(done->query());
   CHECK(std::memcmp(a.data(), c.data(), a.size()) == 0);
+  region->free(middle);
 }
 
-static void test_torch_entry_points() {
-  auto region = std::make_shared<colo::Region>(colo::make_host_backend("anon"), "torch", 8u << 20);
+static void test_torch_entry_points(const BackendPtr& backend) {
+  auto region = std::make_shared<colo::Region>(backend, "torch", 8u << 20);
   CHECK(colo_torch_alloc(1024, 7, nullptr) == nullptr);  // no current region for device 7
   colo::set_current_region(7, region);
   void* p = colo_torch_alloc(1024, 7, nullptr);
@@ -153,13 +164,84 @@ static void test_torch_entry_points() {
   CHECK(region->stats().allocated_bytes == 0);
 }
 
+static void run_backend_tests(const BackendPtr& backend) {
+  test_region(backend);
+  test_region_threads(backend);
+  test_stream_copies_and_events(backend);
+  test_torch_entry_points(backend);
+}
+
+// The fake driver's counters (device bytes in use, mappings, reservations, pinned host buffers);
+// nullptr with a real driver.
+using FakeCounters = void (*)(size_t*, size_t*, size_t*, size_t*);
+static FakeCounters fake_cuda_counters() {
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  return lib ? reinterpret_cast<FakeCounters>(dlsym(lib, "colo_fake_cuda_counters")) : nullptr;
+}
+
+// What only the fake driver can show: device memory really goes back on sleep, running out of it
+// is a clean OutOfMemory that changes nothing, and a destroyed region leaves nothing behind.
+static void test_cuda_device_memory_accounting(FakeCounters counters) {
+  // Relative to the start: regions made current for torch (above) stay alive until exit by design.
+  size_t used0 = 0, mappings0 = 0, reservations0 = 0, host0 = 0, used = 0, mappings = 0, reservations = 0, host = 0;
+  counters(&used0, &mappings0, &reservations0, &host0);
+  auto backend = colo::make_cuda_backend(0);
+  {
+    auto region = std::make_shared<colo::Region>(backend, "device", size_t{4} << 30);  // more than the device has
+    void* a = region->allocate(100u << 20);
+    std::memset(a, 1, 100u << 20);
+    counters(&used, &mappings, &reservations, &host);
+    CHECK(used - used0 == region->stats().reserved_bytes && used - used0 >= (100u << 20));
+    region->sleep(/*offload=*/true);
+    counters(&used, &mappings, &reservations, &host);
+    CHECK(used == used0 && mappings == mappings0 && host == host0 + 1);  // offloaded to one pinned buffer
+    region->wake();
+    CHECK(static_cast<unsigned char*>(a)[12345] == 1);
+    std::vector<void*> blocks;
+    bool refused = false;
+    std::string message;
+    for (int i = 0; i < 64 && !refused; ++i) {
+      auto before = region->stats();
+      try {
+        blocks.push_back(region->allocate(64u << 20));
+      } catch (const colo::OutOfMemory& e) {
+        refused = true;
+        message = e.what();
+        CHECK(region->stats().allocated_bytes == before.allocated_bytes);
+        CHECK(region->stats().reserved_bytes == before.reserved_bytes);
+      }
+    }
+    CHECK(refused);
+    CHECK(message.find("no physical memory left") != std::string::npos);
+    for (void* p : blocks) region->free(p);
+    region->free(a);
+  }
+  counters(&used, &mappings, &reservations, &host);
+  CHECK(used == used0 && mappings == mappings0 && reservations == reservations0 && host == host0);
+}
+
+static void test_cuda_backend() {
+  auto probe = colo::probe_cuda();
+  if (!probe.available) {
+    std::printf("CUDA backend cases skipped: %s\n", probe.reason.c_str());
+    if (std::getenv("COLO_REQUIRE_CUDA_TESTS")) {
+      std::fprintf(stderr, "FAILED: COLO_REQUIRE_CUDA_TESTS is set but CUDA is unavailable\n");
+      ++failures;
+    }
+    return;
+  }
+  FakeCounters counters = fake_cuda_counters();
+  std::printf("CUDA backend cases on %s\n", counters ? "the fake driver (host memory)" : "a real driver");
+  CHECK(throws<colo::InvalidArgument>([&] { colo::make_cuda_backend(probe.device_count); }));
+  run_backend_tests(colo::make_cuda_backend(0));
+  if (counters) test_cuda_device_memory_accounting(counters);
+}
+
 int main() {
   test_block_allocator_against_reference();
-  test_region("anon");
-  test_region("memfd");
-  test_region_threads();
-  test_stream_copies_and_events();
-  test_torch_entry_points();
+  test_region(colo::make_host_backend("memfd"));
+  run_backend_tests(colo::make_host_backend("anon"));
+  test_cuda_backend();
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;

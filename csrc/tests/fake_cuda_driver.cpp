@@ -1,0 +1,534 @@
+// A stand-in libcuda.so.1 backed by host memory, so CI machines without a GPU can run colo's CUDA
+// backend (csrc/cuda_backend.cpp) under AddressSanitizer. It implements only the driver calls colo
+// makes, and enforces the rules of the real VMM API that colo relies on:
+//   - sizes and addresses are multiples of the allocation granularity;
+//   - memory is inaccessible between cuMemMap and cuMemSetAccess;
+//   - cuMemUnmap takes whole mappings; physical memory is freed once unmapped *and* released;
+//   - cuMemCreate fails with CUDA_ERROR_OUT_OF_MEMORY past the device's capacity;
+//   - every call that needs a context fails unless one is current on the calling thread;
+//   - streams run their work asynchronously, in order, on their own thread; events order streams.
+// "Device" memory is host memory mapped from a memfd, so tests can read it directly. This checks
+// colo's bookkeeping and call order; it says nothing about the real driver's speed or behaviour
+// beyond these rules. Built with COLO_BUILD_TESTS only, never installed. Environment:
+// COLO_FAKE_CUDA_MEMORY (bytes of device memory, default 1 GiB), COLO_FAKE_CUDA_DEVICES (default 1).
+#include <cuda.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <thread>
+
+namespace {
+
+constexpr size_t kGranularity = 2u << 20;
+constexpr int kMaxDevices = 8;
+
+struct Physical {
+  int fd;
+  size_t bytes;
+  int mappings = 0;
+  bool released = false;
+};
+
+struct Mapping {
+  size_t bytes;
+  Physical* physical;
+  bool accessible = false;
+};
+
+struct Driver {
+  std::mutex mutex;
+  bool initialised = false;
+  int devices = 1;
+  size_t capacity = 1u << 30;
+  size_t used = 0;
+  std::map<uintptr_t, size_t> reservations;  // base -> bytes
+  std::map<uintptr_t, Mapping> mappings;     // start -> mapping
+  std::set<Physical*> handles;
+  std::map<void*, size_t> host_allocations;
+  std::atomic<int> sticky{CUDA_SUCCESS};     // an asynchronous failure, reported by later syncs
+};
+
+Driver& driver() {
+  static Driver* d = new Driver;  // never destroyed: streams may run during static destruction
+  return *d;
+}
+
+int context_tags[kMaxDevices];
+thread_local CUcontext current_context = nullptr;
+
+bool valid_context(CUcontext ctx) {
+  for (int i = 0; i < driver().devices; ++i)
+    if (ctx == reinterpret_cast<CUcontext>(&context_tags[i])) return true;
+  return false;
+}
+
+CUresult need_context() {
+  if (!driver().initialised) return CUDA_ERROR_NOT_INITIALIZED;
+  return valid_context(current_context) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+}
+
+size_t env_size(const char* name, size_t fallback) {
+  const char* text = std::getenv(name);
+  return text && *text ? std::strtoull(text, nullptr, 10) : fallback;
+}
+
+// Caller holds the mutex. True when [p, p+n) is either outside every reservation (host memory)
+// or entirely covered by accessible mappings.
+bool accessible(uintptr_t p, size_t n) {
+  Driver& d = driver();
+  auto r = d.reservations.upper_bound(p);
+  if (r == d.reservations.begin() || p >= std::prev(r)->first + std::prev(r)->second) return true;
+  uintptr_t at = p, end = p + n;
+  auto m = d.mappings.upper_bound(at);
+  if (m == d.mappings.begin()) return false;
+  for (--m; at < end; ++m) {
+    if (m == d.mappings.end() || m->first > at || at >= m->first + m->second.bytes || !m->second.accessible) return false;
+    at = m->first + m->second.bytes;
+  }
+  return true;
+}
+
+void free_if_unused(Physical* physical) {  // caller holds the mutex
+  if (!physical->released || physical->mappings > 0) return;
+  close(physical->fd);
+  driver().used -= physical->bytes;
+  driver().handles.erase(physical);
+  delete physical;
+}
+
+struct Event {
+  std::mutex mutex;
+  std::condition_variable done;
+  uint64_t recorded = 0, completed = 0;
+  void complete(uint64_t mark) {
+    std::lock_guard<std::mutex> lock(mutex);
+    completed = std::max(completed, mark);
+    done.notify_all();
+  }
+  void wait_for(uint64_t mark) {
+    std::unique_lock<std::mutex> lock(mutex);
+    done.wait(lock, [&] { return completed >= mark; });
+  }
+};
+struct EventHandle {
+  std::shared_ptr<Event> event = std::make_shared<Event>();
+};
+
+class Stream {
+ public:
+  Stream() : worker_([this] { run(); }) {}
+  ~Stream() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    worker_.join();
+  }
+  void enqueue(std::function<void()> work) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(std::move(work));
+    ++pending_;
+    wake_.notify_all();
+  }
+  void synchronize() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    idle_.wait(lock, [this] { return pending_ == 0; });
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::function<void()> work;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        work = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      work();
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--pending_ == 0) idle_.notify_all();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable wake_, idle_;
+  std::deque<std::function<void()>> queue_;
+  size_t pending_ = 0;
+  bool stopping_ = false;
+  std::thread worker_;
+};
+
+std::mutex streams_mutex;
+std::set<Stream*> streams;
+
+CUresult sticky_or_success() { return static_cast<CUresult>(driver().sticky.load()); }
+
+}  // namespace
+
+extern "C" {
+
+// Test hook, absent from the real driver: device bytes in use and live objects.
+void colo_fake_cuda_counters(size_t* used, size_t* mappings, size_t* reservations, size_t* host_allocations) {
+  Driver& d = driver();
+  std::lock_guard<std::mutex> lock(d.mutex);
+  *used = d.used;
+  *mappings = d.mappings.size();
+  *reservations = d.reservations.size();
+  *host_allocations = d.host_allocations.size();
+}
+
+CUresult CUDAAPI cuInit(unsigned int flags) {
+  if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  Driver& d = driver();
+  std::lock_guard<std::mutex> lock(d.mutex);
+  d.devices = static_cast<int>(std::min<size_t>(env_size("COLO_FAKE_CUDA_DEVICES", 1), kMaxDevices));
+  d.capacity = env_size("COLO_FAKE_CUDA_MEMORY", 1u << 30);
+  d.initialised = true;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDriverGetVersion(int* version) {
+  if (!version) return CUDA_ERROR_INVALID_VALUE;
+  *version = CUDA_VERSION;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDeviceGetCount(int* count) {
+  if (!driver().initialised) return CUDA_ERROR_NOT_INITIALIZED;
+  *count = driver().devices;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDeviceGet(CUdevice* device, int ordinal) {
+  if (!driver().initialised) return CUDA_ERROR_NOT_INITIALIZED;
+  if (ordinal < 0 || ordinal >= driver().devices) return CUDA_ERROR_INVALID_DEVICE;
+  *device = ordinal;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice device) {
+  if (!driver().initialised) return CUDA_ERROR_NOT_INITIALIZED;
+  if (device < 0 || device >= driver().devices) return CUDA_ERROR_INVALID_DEVICE;
+  *ctx = reinterpret_cast<CUcontext>(&context_tags[device]);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuCtxSetCurrent(CUcontext ctx) {
+  if (!driver().initialised) return CUDA_ERROR_NOT_INITIALIZED;
+  if (ctx != nullptr && !valid_context(ctx)) return CUDA_ERROR_INVALID_CONTEXT;
+  current_context = ctx;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuCtxSynchronize(void) {
+  if (CUresult r = need_context()) return r;
+  std::lock_guard<std::mutex> lock(streams_mutex);
+  for (Stream* s : streams) s->synchronize();
+  return sticky_or_success();
+}
+
+CUresult CUDAAPI cuCtxGetStreamPriorityRange(int* least, int* greatest) {
+  if (CUresult r = need_context()) return r;
+  *least = 0;
+  *greatest = -5;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuGetErrorString(CUresult error, const char** text) {
+  static const std::map<int, const char*> names = {
+      {CUDA_SUCCESS, "no error"},
+      {CUDA_ERROR_INVALID_VALUE, "invalid argument"},
+      {CUDA_ERROR_OUT_OF_MEMORY, "out of memory"},
+      {CUDA_ERROR_NOT_INITIALIZED, "initialization error"},
+      {CUDA_ERROR_INVALID_DEVICE, "invalid device ordinal"},
+      {CUDA_ERROR_INVALID_CONTEXT, "invalid device context"},
+      {CUDA_ERROR_INVALID_HANDLE, "invalid resource handle"},
+      {CUDA_ERROR_NOT_READY, "device not ready"},
+      {CUDA_ERROR_ILLEGAL_ADDRESS, "an illegal memory access was encountered"},
+  };
+  auto it = names.find(error);
+  *text = it == names.end() ? nullptr : it->second;
+  return it == names.end() ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+  if (CUresult r = need_context()) return r;
+  Driver& d = driver();
+  std::lock_guard<std::mutex> lock(d.mutex);
+  *free_bytes = d.capacity - d.used;
+  *total_bytes = d.capacity;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemGetAllocationGranularity(size_t* granularity, const CUmemAllocationProp* prop,
+                                               CUmemAllocationGranularity_flags) {
+  if (!driver().initialised) return CUDA_ERROR_NOT_INITIALIZED;
+  if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+    return CUDA_ERROR_INVALID_VALUE;
+  *granularity = kGranularity;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr, unsigned long long) {
+  if (CUresult r = need_context()) return r;
+  if (size == 0 || size % kGranularity || (alignment & (alignment - 1))) return CUDA_ERROR_INVALID_VALUE;
+  size_t align = std::max(alignment, kGranularity), padded = size + align;
+  void* raw = mmap(nullptr, padded, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  auto start = reinterpret_cast<uintptr_t>(raw), base = (start + align - 1) / align * align;
+  if (base > start) munmap(raw, base - start);
+  if (start + padded > base + size) munmap(reinterpret_cast<void*>(base + size), start + padded - base - size);
+  std::lock_guard<std::mutex> lock(driver().mutex);
+  driver().reservations[base] = size;
+  *ptr = base;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  if (CUresult r = need_context()) return r;
+  Driver& d = driver();
+  std::lock_guard<std::mutex> lock(d.mutex);
+  auto it = d.reservations.find(ptr);
+  if (it == d.reservations.end() || it->second != size) return CUDA_ERROR_INVALID_VALUE;
+  auto m = d.mappings.lower_bound(ptr);
+  if (m != d.mappings.end() && m->first < ptr + size) return CUDA_ERROR_INVALID_VALUE;  // still mapped
+  munmap(reinterpret_cast<void*>(ptr), size);
+  d.reservations.erase(it);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const CUmemAllocationProp* prop,
+                             unsigned long long flags) {
+  if (CUresult r = need_context()) return r;
+  Driver& d = driver();
+  if (!prop || flags != 0 || size == 0 || size % kGranularity || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
+      prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id < 0 || prop->location.id >= d.devices)
+    return CUDA_ERROR_INVALID_VALUE;
+  std::lock_guard<std::mutex> lock(d.mutex);
+  if (d.used + size > d.capacity) return CUDA_ERROR_OUT_OF_MEMORY;
+  int fd = memfd_create("colo-fake-cuda", MFD_CLOEXEC);
+  if (fd < 0 || ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    if (fd >= 0) close(fd);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  auto* physical = new Physical{fd, size};
+  d.handles.insert(physical);
+  d.used += size;
+  *handle = reinterpret_cast<CUmemGenericAllocationHandle>(physical);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
+  if (CUresult r = need_context()) return r;
+  Driver& d = driver();
+  std::lock_guard<std::mutex> lock(d.mutex);
+  auto* physical = reinterpret_cast<Physical*>(handle);
+  if (!d.handles.count(physical) || physical->released) return CUDA_ERROR_INVALID_HANDLE;
+  physical->released = true;
+  free_if_unused(physical);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                          unsigned long long flags) {
+  if (CUresult r = need_context()) return r;
+  Driver& d = driver();
+  std::lock_guard<std::mutex> lock(d.mutex);
+  auto* physical = reinterpret_cast<Physical*>(handle);
+  if (!d.handles.count(physical) || physical->released) return CUDA_ERROR_INVALID_HANDLE;
+  if (flags != 0 || size == 0 || ptr % kGranularity || size % kGranularity || offset % kGranularity ||
+      offset + size > physical->bytes)
+    return CUDA_ERROR_INVALID_VALUE;
+  auto r = d.reservations.upper_bound(ptr);
+  if (r == d.reservations.begin() || ptr + size > std::prev(r)->first + std::prev(r)->second)
+    return CUDA_ERROR_INVALID_VALUE;  // not inside one reservation
+  auto next = d.mappings.lower_bound(ptr);
+  if (next != d.mappings.end() && next->first < ptr + size) return CUDA_ERROR_INVALID_VALUE;
+  if (next != d.mappings.begin() && std::prev(next)->first + std::prev(next)->second.bytes > ptr)
+    return CUDA_ERROR_INVALID_VALUE;
+  void* p = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_SHARED | MAP_FIXED, physical->fd,
+                 static_cast<off_t>(offset));
+  if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  d.mappings[ptr] = Mapping{size, physical};
+  ++physical->mappings;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
+  if (CUresult r = need_context()) return r;
+  Driver& d = driver();
+  if (!desc || count != 1 || desc->location.type != CU_MEM_LOCATION_TYPE_DEVICE || desc->location.id < 0 ||
+      desc->location.id >= d.devices)
+    return CUDA_ERROR_INVALID_VALUE;
+  std::lock_guard<std::mutex> lock(d.mutex);
+  // Every byte of the range must be mapped, by whole mappings.
+  uintptr_t at = ptr;
+  for (auto m = d.mappings.find(ptr); at < ptr + size; ++m) {
+    if (m == d.mappings.end() || m->first != at || at + m->second.bytes > ptr + size) return CUDA_ERROR_INVALID_VALUE;
+    at += m->second.bytes;
+  }
+  int prot = desc->flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE ? PROT_READ | PROT_WRITE
+             : desc->flags == CU_MEM_ACCESS_FLAGS_PROT_READ    ? PROT_READ
+                                                               : PROT_NONE;
+  if (mprotect(reinterpret_cast<void*>(ptr), size, prot) != 0) return CUDA_ERROR_INVALID_VALUE;
+  for (auto m = d.mappings.find(ptr); m != d.mappings.end() && m->first < ptr + size; ++m)
+    m->second.accessible = prot != PROT_NONE;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  if (CUresult r = need_context()) return r;
+  Driver& d = driver();
+  std::lock_guard<std::mutex> lock(d.mutex);
+  uintptr_t at = ptr;
+  for (auto m = d.mappings.find(ptr); at < ptr + size; ++m) {  // whole mappings only
+    if (m == d.mappings.end() || m->first != at || at + m->second.bytes > ptr + size) return CUDA_ERROR_INVALID_VALUE;
+    at += m->second.bytes;
+  }
+  void* p = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
+                 -1, 0);
+  if (p == MAP_FAILED) return CUDA_ERROR_INVALID_VALUE;
+  for (auto m = d.mappings.find(ptr); m != d.mappings.end() && m->first < ptr + size;) {
+    Physical* physical = m->second.physical;
+    m = d.mappings.erase(m);
+    --physical->mappings;
+    free_if_unused(physical);
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemHostAlloc(void** ptr, size_t size, unsigned int) {
+  if (CUresult r = need_context()) return r;
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  std::lock_guard<std::mutex> lock(driver().mutex);
+  driver().host_allocations[p] = size;
+  *ptr = p;
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuMemFreeHost(void* ptr) {
+  if (CUresult r = need_context()) return r;
+  Driver& d = driver();
+  std::lock_guard<std::mutex> lock(d.mutex);
+  auto it = d.host_allocations.find(ptr);
+  if (it == d.host_allocations.end()) return CUDA_ERROR_INVALID_VALUE;
+  munmap(ptr, it->second);
+  d.host_allocations.erase(it);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuStreamCreateWithPriority(CUstream* stream, unsigned int, int) {
+  if (CUresult r = need_context()) return r;
+  auto* s = new Stream;
+  std::lock_guard<std::mutex> lock(streams_mutex);
+  streams.insert(s);
+  *stream = reinterpret_cast<CUstream>(s);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuStreamDestroy(CUstream stream) {
+  if (CUresult r = need_context()) return r;
+  auto* s = reinterpret_cast<Stream*>(stream);
+  {
+    std::lock_guard<std::mutex> lock(streams_mutex);
+    if (!streams.erase(s)) return CUDA_ERROR_INVALID_HANDLE;
+  }
+  delete s;  // finishes its queued work first, as the real driver does before freeing the stream
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuStreamSynchronize(CUstream stream) {
+  if (CUresult r = need_context()) return r;
+  reinterpret_cast<Stream*>(stream)->synchronize();
+  return sticky_or_success();
+}
+
+CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
+  if (CUresult r = need_context()) return r;
+  {
+    std::lock_guard<std::mutex> lock(driver().mutex);
+    if (!accessible(dst, bytes) || !accessible(src, bytes)) return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (!stream) return CUDA_ERROR_INVALID_HANDLE;  // colo always names its stream
+  reinterpret_cast<Stream*>(stream)->enqueue([dst, src, bytes] {
+    // Still mapped when the copy runs? Otherwise the real device faults; here the error is sticky.
+    std::lock_guard<std::mutex> lock(driver().mutex);
+    if (!accessible(dst, bytes) || !accessible(src, bytes)) {
+      driver().sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
+      return;
+    }
+    std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
+  });
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuEventCreate(CUevent* event, unsigned int) {
+  if (CUresult r = need_context()) return r;
+  *event = reinterpret_cast<CUevent>(new EventHandle);
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuEventDestroy(CUevent event) {
+  if (CUresult r = need_context()) return r;
+  delete reinterpret_cast<EventHandle*>(event);  // queued work keeps its own reference
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuEventRecord(CUevent event, CUstream stream) {
+  if (CUresult r = need_context()) return r;
+  std::shared_ptr<Event> e = reinterpret_cast<EventHandle*>(event)->event;
+  uint64_t mark;
+  {
+    std::lock_guard<std::mutex> lock(e->mutex);
+    mark = ++e->recorded;
+  }
+  reinterpret_cast<Stream*>(stream)->enqueue([e, mark] { e->complete(mark); });
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuEventQuery(CUevent event) {
+  if (CUresult r = need_context()) return r;
+  Event& e = *reinterpret_cast<EventHandle*>(event)->event;
+  std::lock_guard<std::mutex> lock(e.mutex);
+  return e.completed >= e.recorded ? sticky_or_success() : CUDA_ERROR_NOT_READY;
+}
+
+CUresult CUDAAPI cuEventSynchronize(CUevent event) {
+  if (CUresult r = need_context()) return r;
+  std::shared_ptr<Event> e = reinterpret_cast<EventHandle*>(event)->event;
+  uint64_t mark;
+  {
+    std::lock_guard<std::mutex> lock(e->mutex);
+    mark = e->recorded;
+  }
+  e->wait_for(mark);
+  return sticky_or_success();
+}
+
+CUresult CUDAAPI cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int) {
+  if (CUresult r = need_context()) return r;
+  std::shared_ptr<Event> e = reinterpret_cast<EventHandle*>(event)->event;
+  uint64_t mark;
+  {
+    std::lock_guard<std::mutex> lock(e->mutex);
+    mark = e->recorded;  // the work recorded so far, not later records
+  }
+  reinterpret_cast<Stream*>(stream)->enqueue([e, mark] { e->wait_for(mark); });
+  return CUDA_SUCCESS;
+}
+
+}  // extern "C"

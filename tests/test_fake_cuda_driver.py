@@ -1,0 +1,120 @@
+"""colo's Python layer on a machine where a CUDA driver answers, using the host-memory stand-in
+libcuda.so.1 of csrc/tests/fake_cuda_driver.cpp (built here with CMake; LD_LIBRARY_PATH points the
+extension's dlopen at it in a subprocess). What it shows without a GPU: build_info and the probe
+report the driver, a `cuda` pool with a CPU-only torch is a clear error, and the compiled CUDA VMM
+backend allocates, sleeps (device memory released), wakes at the same addresses and restores
+offloaded bytes through the bindings. The C++ core tests run the same backend under ASan in CI.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import colo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def fake_driver_dir(tmp_path_factory) -> Path:
+    if not colo.build_info()["cuda_compiled"]:
+        pytest.skip("colo was built without the CUDA backend (no CUDA toolkit): nothing to drive")
+    build = tmp_path_factory.mktemp("fake-cuda-build")
+    for cmd in (["cmake", "-S", str(ROOT), "-B", str(build), "-G", "Ninja", "-DCOLO_BUILD_PYTHON=OFF",
+                 "-DCOLO_BUILD_TESTS=ON", "-DCMAKE_BUILD_TYPE=Release"],
+                ["cmake", "--build", str(build), "--target", "colo_fake_cuda"]):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (build / "fake_cuda" / "libcuda.so.1").exists()
+    return build / "fake_cuda"
+
+
+def run_with_fake_driver(fake_driver_dir: Path, script: str) -> str:
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{fake_driver_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+           "COLO_FAKE_CUDA_DEVICES": "2", "COLO_FAKE_CUDA_MEMORY": str(256 << 20)}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_probe_and_build_info_report_the_driver(fake_driver_dir):
+    out = run_with_fake_driver(fake_driver_dir, """
+        import colo
+        info = colo.build_info()
+        assert info["cuda_available"] and colo.cuda_available(), info
+        assert info["cuda_unavailable_reason"] == "" and colo.cuda_unavailable_reason() == ""
+        assert info["cuda_device_count"] == 2 and info["cuda_driver_version"] > 0, info
+        print("probe ok")
+    """)
+    assert "probe ok" in out
+
+
+def test_cuda_pool_with_a_cpu_only_torch_is_a_clear_error(fake_driver_dir):
+    import torch
+
+    if torch.backends.cuda.is_built():
+        pytest.skip("this torch has CUDA; the error is for CPU-only torch builds")
+    out = run_with_fake_driver(fake_driver_dir, """
+        import colo
+        try:
+            colo.Pool("cuda")
+        except ValueError as e:
+            assert "built without CUDA" in str(e) and "driver is present" in str(e), e
+            print("refused:", e)
+        else:
+            raise AssertionError("colo.Pool('cuda') accepted a CPU-only torch")
+    """)
+    assert "refused:" in out
+
+
+def test_cuda_vmm_backend_through_the_bindings(fake_driver_dir):
+    out = run_with_fake_driver(fake_driver_dir, """
+        import ctypes
+        from colo import _C
+
+        backend = _C.make_cuda_backend(1)
+        try:
+            _C.make_cuda_backend(2)
+        except ValueError as e:
+            assert "out of range" in str(e), e
+        else:
+            raise AssertionError("device 2 of 2 accepted")
+
+        region = _C.Region(backend, "kv_cache", 96 << 20)
+        blocks = [region.allocate(8 << 20) for _ in range(6)]
+        for i, p in enumerate(blocks):
+            ctypes.memset(p, i + 1, 8 << 20)          # fake device memory is host-readable
+        stats = region.stats()
+        assert stats["resident_bytes"] >= 48 << 20, stats
+
+        region.sleep(True)                             # offload to pinned host memory, release
+        assert region.stats()["resident_bytes"] == 0
+        region.free(blocks.pop())                      # freed while asleep: not restored
+        region.wake()
+        assert region.stats()["resident_bytes"] > 0
+        for i, p in enumerate(blocks):                 # same addresses, same bytes
+            assert ctypes.string_at(p + 12345, 4) == bytes([i + 1]) * 4
+
+        try:
+            region.allocate(200 << 20)                 # over the region's budget
+        except MemoryError as e:
+            assert "kv_cache" in str(e), e
+        else:
+            raise AssertionError("over-budget allocation accepted")
+        big = _C.Region(backend, "train", 1 << 30)    # budget above the 256 MiB device
+        try:
+            big.allocate(512 << 20)
+        except MemoryError as e:
+            assert "no physical memory left" in str(e), e
+        else:
+            raise AssertionError("allocation beyond the device's memory accepted")
+        assert big.stats()["allocated_bytes"] == 0 and big.stats()["resident_bytes"] == 0
+        print("vmm ok")
+    """)
+    assert "vmm ok" in out
