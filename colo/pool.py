@@ -150,11 +150,11 @@ class Region:
 
     @property
     def budget(self) -> int:
-        return self._native.stats()["budget_bytes"]
+        return self._native.budget_bytes
 
     @property
     def asleep(self) -> bool:
-        return self._native.stats()["asleep"]
+        return self._native.asleep
 
     def empty(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """An uninitialised tensor in this region; its memory returns to the region when it dies."""
@@ -183,8 +183,21 @@ class Region:
         self._native.sleep(bool(offload))
 
     def wake(self) -> None:
-        """Map fresh physical memory at the same addresses and restore offloaded bytes."""
-        self._native.wake()
+        """Map fresh physical memory at the same addresses and restore offloaded bytes.
+
+        Raises OutOfMemoryError, and stays asleep, when this region's budget does not fit in the
+        pool's capacity beside the regions awake now: asleep regions lend their budgets to others.
+        """
+        with self.pool._lock:
+            if not self.asleep:
+                return
+            left = self.pool._awake_headroom(exclude=self)
+            if self.budget > left:
+                raise OutOfMemoryError(
+                    f"region {self.name!r} cannot wake: its budget of {self.budget} bytes does not fit beside "
+                    f"the awake regions ({self.pool._describe_awake(exclude=self)}), which leave {left} of the "
+                    f"pool's {self.pool.capacity} bytes; put one of them to sleep first")
+            self._native.wake()
 
     def trim(self) -> None:
         """Release committed memory that holds no live allocation."""
@@ -224,9 +237,11 @@ def _check_shape(shape) -> tuple[int, ...]:
 class Pool:
     """One memory pool per device, carved into named regions.
 
-    capacity: the bytes the regions' budgets may add up to (default: physical memory on the host,
-    free device memory at creation on CUDA). A region created without a budget gets what the
-    others leave, so nobody tunes a memory-utilisation fraction by hand.
+    capacity: the bytes the budgets of the regions *awake at the same time* may add up to (default:
+    physical memory on the host, free device memory at creation on CUDA). Regions time-share it: an
+    asleep region's budget is free for others (the KV cache can use the gradients' bytes during
+    generation), and waking is refused while the region would not fit. A region created without
+    a budget gets what the awake ones leave, so nobody tunes a memory-utilisation fraction by hand.
     host_backend: 'anon' (default, transparent huge pages, fast release) or 'memfd'.
     """
 
@@ -256,8 +271,15 @@ class Pool:
 
     @property
     def unbudgeted_bytes(self) -> int:
-        """Capacity not yet promised to any region."""
-        return self.capacity - sum(r.budget for r in self._regions.values())
+        """Capacity not promised to an awake region: what a new region, or one waking, may have."""
+        return self._awake_headroom()
+
+    def _awake_headroom(self, exclude: Region | None = None) -> int:
+        return self.capacity - sum(r.budget for r in self._regions.values() if r is not exclude and not r.asleep)
+
+    def _describe_awake(self, exclude: Region | None = None) -> str:
+        awake = [f"{r.name}={r.budget}" for r in self._regions.values() if r is not exclude and not r.asleep]
+        return ", ".join(awake) or "none"
 
     def region(self, name: str, budget: int | None = None, *, chunk_bytes: int | None = None) -> Region:
         """The region called `name`, created on first use with `budget` bytes (None: what is left)."""
@@ -280,7 +302,8 @@ class Pool:
             budget = _check_bytes(budget, f"region {name!r} budget")
             if budget > left:
                 raise ValueError(f"region {name!r} budget of {budget} bytes exceeds what the pool has left "
-                                 f"({left} of {self.capacity} bytes)")
+                                 f"({left} of {self.capacity} bytes beside the awake regions: "
+                                 f"{self._describe_awake()}; asleep ones lend theirs)")
             chunk = 0 if chunk_bytes is None else _check_bytes(chunk_bytes, "chunk_bytes")
             region = Region(self, name, _C.Region(self._backend, name, budget, chunk))
             self._regions[name] = region

@@ -171,6 +171,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<std::shared_ptr<Backend>, std::string, size_t, size_t, size_t>(), py::arg("backend"),
            py::arg("name"), py::arg("budget_bytes"), py::arg("chunk_bytes") = 0, py::arg("alignment") = 256)
       .def_property_readonly("name", &Region::name)
+      .def_property_readonly("asleep", &Region::asleep)  // cheap, unlike stats() (resident bytes)
+      .def_property_readonly("budget_bytes", &Region::budget)
       .def_property_readonly("base_address", &Region::base_address)
       .def("allocate", [](Region& r, size_t bytes) { return reinterpret_cast<uintptr_t>(r.allocate(bytes)); })
       .def("free", [](Region& r, uintptr_t ptr) { r.free(reinterpret_cast<void*>(ptr)); })

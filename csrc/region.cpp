@@ -250,6 +250,11 @@ void Region::trim() {
   }
 }
 
+bool Region::asleep() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return asleep_;
+}
+
 RegionStats Region::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   RegionStats s;

@@ -53,6 +53,8 @@ class Region : public std::enable_shared_from_this<Region> {
   void trim();
 
   RegionStats stats() const;
+  bool asleep() const;
+  size_t budget() const { return budget_; }
   const std::string& name() const { return name_; }
   Backend& backend() const { return *backend_; }
   bool contains(const void* ptr) const;

@@ -56,7 +56,7 @@ def assert_same_weights(a: Path, b: Path, atol: float) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("grpo-reference")
-    # Offload forced on (the CPU default is off): the other runs, with the default, must match it.
+    # Offload forced on (the CPU default is off); the 2-rank run, with the default, must match it.
     run_grpo(out, "--steps", str(STEPS), "--save-every", "1", "--keep-checkpoints", "0",
              "--trace", str(out / "trace.json"), "--offload-optimizer", "on")
     return out
@@ -115,7 +115,8 @@ def start_and_wait_for_step(out: Path, step: int, *extra: str) -> subprocess.Pop
 def test_sigterm_stops_cleanly_and_sigkill_loses_no_step(reference, tmp_path):
     out = tmp_path / "interrupted"
     # SIGTERM: the run finishes its step, checkpoints exactly there and exits 143.
-    proc = start_and_wait_for_step(out, 3, "--save-every", "5")
+    # Offload on, as in the reference run: resuming then restores optimizer state into a sleeping region.
+    proc = start_and_wait_for_step(out, 3, "--save-every", "5", "--offload-optimizer", "on")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err[-2000:]
@@ -238,3 +239,46 @@ def test_bench_baseline_step_is_a_correct_grpo_step(tmp_path):
     assert second["handoff_bytes_copied"] == weight_bytes  # every parameter copied, tied head once
     assert second["engine_logprob_max_abs_diff"] < 1e-4     # ... into the right engine rows
     assert second["kv_cache_resident_bytes_during_train"] > 0  # nothing sleeps
+
+
+def test_kv_cache_time_shares_the_training_memory(tmp_path, monkeypatch):
+    """With a pool too small for every region at once, the run still trains: the KV cache uses the
+    gradients' and optimizer state's bytes while they sleep (generation), and they get them back
+    while it sleeps (training). Checkpointing between steps brings the optimizer state back for a
+    moment, putting the KV cache to sleep first when both do not fit."""
+    from colo import engine as colo_engine
+    from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask, build_toy_model
+    from colo.grpo import rollout_engine
+
+    monkeypatch.setattr(rollout_engine, "_KV_HEADROOM", 0)  # exact budgets, so the arithmetic below holds
+    model_dir = build_toy_model(tmp_path / "model")
+    task = ToyTask(512)
+    # 64 sequences: a KV cache larger than the gradients, so the optimizer state cannot wake beside it.
+    config = GRPOConfig(prompts_per_step=8, num_generations=8, ignore_eos=True, learning_rate=3e-3,
+                        save_every=0, offload_optimizer=True)
+    probe = GRPOScheduler(model_dir, task.rewards, task.prompts, config)
+    budgets = {name: region.budget for name, region in probe.pool.regions.items()}
+    probe.close()
+    assert set(budgets) == {"weights", "kv_cache", "grads", "optimizer"}
+    training = budgets["grads"] + budgets["optimizer"]
+    capacity = budgets["weights"] + max(budgets["kv_cache"], training)  # each phase fits, not all at once
+    assert sum(budgets.values()) > capacity
+
+    run = GRPOScheduler(model_dir, task.rewards, task.prompts, config, out_dir=tmp_path / "out",
+                        pool_capacity=capacity)
+    try:
+        assert {name: region.budget for name, region in run.pool.regions.items()} == budgets
+        records = [run.train_step() for _ in range(2)]
+        colo_engine.wake_kv_cache(run.engine.llm)  # as if a user checkpoints with the KV cache awake
+        assert budgets["optimizer"] > run.pool.unbudgeted_bytes
+        assert run.save().name == "step-000002.pt"
+        assert run.engine.kv_region.asleep  # made room for the optimizer state
+        assert run.memory.optimizer_region.asleep  # offloaded again after the checkpoint
+        records.append(run.train_step())
+    finally:
+        run.close()
+    for r in records:
+        assert r["kv_cache_resident_bytes_during_train"] == 0 and r["kv_cache_resident_bytes_during_generate"] > 0
+        assert r["grads_resident_bytes_during_generate"] == 0 and r["grads_resident_bytes_during_train"] > 0
+        assert r["engine_logprob_max_abs_diff"] < 1e-4  # the engine serves the trained weights
+    assert all(r["optimizer_resident_bytes_during_generate"] == 0 for r in records[1:])

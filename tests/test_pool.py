@@ -162,6 +162,31 @@ def test_pool_capacity_is_shared_between_region_budgets():
         pool.region("weights", budget=10 * MiB)
 
 
+def test_asleep_regions_lend_their_budgets_to_awake_ones():
+    pool = colo.Pool("cpu", capacity=100 * MiB)
+    pool.region("weights", budget=30 * MiB)
+    grads = pool.region("grads", budget=50 * MiB)
+    g = grads.zeros((MiB,), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="awake regions: weights=.*grads="):
+        pool.region("kv_cache", budget=60 * MiB)
+    grads.sleep()
+    assert pool.unbudgeted_bytes == 70 * MiB  # the sleeping gradients' 50 MiB are free for others
+    kv = pool.region("kv_cache", budget=60 * MiB)  # 30 + 50 + 60 > 100: they time-share
+    kv.zeros((MiB,), dtype=torch.uint8)
+    with pytest.raises(colo.OutOfMemoryError, match="'grads' cannot wake.*kv_cache=") as info:
+        grads.wake()
+    assert "put one of them to sleep" in str(info.value)
+    assert grads.asleep and g.data_ptr()  # refused: still asleep, its tensor still registered
+    kv.sleep()
+    grads.wake()
+    g.fill_(3)
+    assert int(g.sum()) == 3 * MiB
+    with pytest.raises(colo.OutOfMemoryError, match="'kv_cache' cannot wake"):
+        kv.wake()
+    grads.wake()  # waking an awake region is a no-op, not a capacity check
+    assert not grads.asleep and kv.asleep
+
+
 @pytest.mark.parametrize(
     "name, budget, error",
     [

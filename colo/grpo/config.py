@@ -1,7 +1,8 @@
 """The knobs of a GRPO run, checked once up front so a bad value fails before any engine starts.
 
-There is deliberately no memory-fraction knob: the KV cache gets what the weights, gradients and
-optimizer state leave of the pool (see scheduler.py).
+There is deliberately no memory-fraction knob: the KV cache gets what the weights and the regions
+awake during generation leave of the pool; the training memory asleep then lends it its bytes
+(see scheduler.py and colo.Pool).
 """
 from __future__ import annotations
 

@@ -77,12 +77,13 @@ class RolloutEngine:
         if "kv_cache" in self.pool.regions:
             return self.pool.regions["kv_cache"].budget
         # The weights region does not exist yet (weights are shared after the engine starts):
-        # leave room for it, then the KV cache may take the rest.
+        # leave room for it. Regions asleep now (the training memory, while generating) do not count.
         weight_bytes = sum(p.numel() * p.element_size() for p in self.hf_model.parameters())
         left = self.pool.unbudgeted_bytes - weight_bytes - _KV_HEADROOM
         if left < wanted:
             raise MemoryError(f"the KV cache needs {wanted} bytes for the rollout batch but the pool has "
-                              f"only {max(left, 0)} left after weights, gradients and optimizer state")
+                              f"only {max(left, 0)} left after the weights and the regions awake during "
+                              f"generation ({self.pool.capacity}-byte capacity)")
         return wanted
 
     def _build(self, load_format: str):

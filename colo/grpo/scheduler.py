@@ -29,6 +29,7 @@ import torch
 
 import colo
 
+from .. import engine as colo_engine
 from . import distributed as D
 from .batch import pack
 from .checkpoint import (CheckpointError, capture_rng, latest_checkpoint, load_checkpoint, restore_rng,
@@ -51,12 +52,15 @@ class GRPOScheduler:
     on its arguments so a resumed run sees the same prompts. reward_fn(prompts, completions) returns
     one float per completion, prompts repeated once per completion.
     out_dir: where checkpoints go (None: no checkpoints). resume=True continues from its latest one.
+    pool_capacity: bytes of the device (or RAM) this run's pool may use; default: all that is free.
+    The regions time-share it: the KV cache may use the bytes of the training memory that sleeps
+    while generating (see colo.Pool).
     """
 
     def __init__(self, model_dir: str | Path, reward_fn: RewardFn, prompt_fn: PromptFn,
                  config: GRPOConfig | None = None, *, out_dir: str | Path | None = None,
                  log_path: str | Path | None = None, trace_path: str | Path | None = None,
-                 resume: bool = False, engine_options: dict | None = None):
+                 resume: bool = False, engine_options: dict | None = None, pool_capacity: int | None = None):
         self.config = config or GRPOConfig()
         self.reward_fn, self.prompt_fn = reward_fn, prompt_fn
         self.model_dir = Path(model_dir)
@@ -72,11 +76,12 @@ class GRPOScheduler:
         resume_state = self._find_resume_state() if resume else None
         torch.manual_seed(self.config.seed + self.world.rank)
 
-        self.pool = colo.Pool(self.device)
+        self.pool = colo.Pool(self.device, capacity=pool_capacity)
         self.model = self._load_model()
         self.reference = self._frozen_copy(self.model) if self.config.beta > 0 else None
         params = [p for p in self.model.parameters() if p.requires_grad]
-        # Exact budgets for gradients and optimizer state first: the KV cache takes what is left.
+        # Exact budgets for gradients and optimizer state first; the KV cache takes what is left
+        # beside the regions awake while generating.
         offload = self.config.offload_optimizer
         self.memory = TrainingMemory(self.pool, params, optimizer_state_bytes=adam_state_bytes(params),
                                      offload_optimizer=self.device.type == "cuda" if offload is None else offload)
@@ -85,14 +90,14 @@ class GRPOScheduler:
         warmup = self.config.warmup_steps
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
+        if self.config.memory_phases:
+            self.memory.sleep_for_generation()  # first, so the KV cache may use their bytes
         self.engine = RolloutEngine(self.model_dir, self.model, self.pool, seed=self.config.seed,
                                     max_num_seqs=self._sequences_per_rank(),
                                     sequence_tokens=self._longest_sequence(), **(engine_options or {}))
         self.step = 0
         if resume_state is not None:
             self._restore(resume_state)
-        if self.config.memory_phases:
-            self.memory.sleep_for_generation()
         self.log = StepLog(log_path if self.world.is_main else None,
                            resume_after_step=self.step if resume else None)
         self.timeline = Timeline(self._rank_path(trace_path), rank=self.world.rank, append=resume)
@@ -149,7 +154,8 @@ class GRPOScheduler:
             raise CheckpointError(f"checkpoint does not fit the model at {self.model_dir}: "
                                   f"missing {missing[:3]}, unexpected {unexpected[:3]}")
         self.optimizer.load_state_dict(state["optimizer"])
-        self.memory.adopt_optimizer_state(self.optimizer)
+        with self._optimizer_region_awake():
+            self.memory.adopt_optimizer_state(self.optimizer)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if self.reference is not None and "reference" in state:
             self.reference.load_state_dict(state["reference"])
@@ -180,7 +186,7 @@ class GRPOScheduler:
         with self.timeline.span("generate", step=step) as span:
             switch = time.perf_counter()
             if self.engine.kv_region.asleep:
-                self.engine.kv_region.wake()
+                colo_engine.wake_kv_cache(self.engine.llm)  # also forgets prefixes whose KV was lost
             record["phase_switch_s"] = time.perf_counter() - switch
             error = None
             try:
@@ -418,11 +424,21 @@ class GRPOScheduler:
 
     def _optimizer_state(self) -> dict:
         """The optimizer's state dict, readable even while its region sleeps (from the host copy)."""
+        with self._optimizer_region_awake():
+            return copy.deepcopy(self.optimizer.state_dict())
+
+    @contextlib.contextmanager
+    def _optimizer_region_awake(self):
+        """Between steps: bring the optimizer state back for a moment, and put it to sleep again after.
+        If its budget does not fit beside the awake KV cache (they time-share the pool), the KV cache
+        sleeps first; its contents are disposable between steps and the next generate phase wakes it."""
         asleep = self.memory.optimizer_region.asleep
         if asleep:
-            self.memory.finish_prefetch()  # wakes and copies back; sleeping again below
+            if self.memory.optimizer_region.budget > self.pool.unbudgeted_bytes and not self.engine.kv_region.asleep:
+                self.engine.kv_region.sleep(offload=False)
+            self.memory.finish_prefetch()  # wakes and copies back
         try:
-            return copy.deepcopy(self.optimizer.state_dict())
+            yield
         finally:
             if asleep:
                 self.memory.offload_optimizer_state()

@@ -8,7 +8,9 @@
   sleeps; before the optimizer step they are copied back on the pool's copy stream, started early so
   the copy overlaps the forward and backward passes.
 
-Budgets are exact (what the buffers need), so the KV cache region can take whatever is left.
+Budgets are exact (what the buffers need). Both regions sleep while the engine generates (the
+optimizer's only when it is offloaded), and the pool lends asleep budgets to awake regions, so the KV
+cache may use these bytes during generation.
 """
 from __future__ import annotations
 
@@ -96,16 +98,18 @@ class TrainingMemory:
             self._state_flat.append(flat)
 
     def offload_optimizer_state(self) -> None:
-        """Copy the optimizer state to host memory and release the region's physical memory."""
-        if not self.offload_optimizer or not self._state_flat or self.optimizer_region.asleep:
+        """Copy the optimizer state to host memory and release the region's physical memory (before
+        the optimizer's first step there is no state yet: the region just sleeps, lending its budget)."""
+        if not self.offload_optimizer or self.optimizer_region.asleep:
             return
         self.finish_prefetch()
-        on_cuda = self.pool.device.type == "cuda"
-        if not self._state_host:
-            self._state_host = [torch.empty(f.shape, dtype=f.dtype, pin_memory=on_cuda) for f in self._state_flat]
-        if on_cuda:  # the optimizer step ran on torch's stream; the copy stream knows nothing of it
-            torch.cuda.current_stream(self.pool.device).synchronize()
-        self.pool.copy_async(list(zip(self._state_host, self._state_flat))).synchronize()
+        if self._state_flat:
+            on_cuda = self.pool.device.type == "cuda"
+            if not self._state_host:
+                self._state_host = [torch.empty(f.shape, dtype=f.dtype, pin_memory=on_cuda) for f in self._state_flat]
+            if on_cuda:  # the optimizer step ran on torch's stream; the copy stream knows nothing of it
+                torch.cuda.current_stream(self.pool.device).synchronize()
+            self.pool.copy_async(list(zip(self._state_host, self._state_flat))).synchronize()
         self.optimizer_region.sleep(offload=False)
 
     def start_prefetch(self) -> None:
