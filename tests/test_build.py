@@ -1,5 +1,4 @@
 """The package imports, build_info tells the truth, and build failures read clearly."""
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -9,15 +8,9 @@ from pathlib import Path
 import pytest
 
 import colo
+from build_helpers import load_cmake_build
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_cmake_build():
-    spec = importlib.util.spec_from_file_location("colo_cmake_build", ROOT / "buildtools" / "cmake_build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _linked_libraries() -> str:
@@ -70,7 +63,7 @@ def test_python_dash_m_colo_reports_the_build():
 
 
 def test_cmake_configure_failure_is_readable(tmp_path):
-    cmake_build = _load_cmake_build()
+    cmake_build = load_cmake_build()
     source = tmp_path / "src"
     source.mkdir()
     (source / "CMakeLists.txt").write_text(
@@ -85,6 +78,6 @@ def test_cmake_configure_failure_is_readable(tmp_path):
 
 
 def test_cmake_configure_of_a_missing_source_dir_is_readable(tmp_path):
-    cmake_build = _load_cmake_build()
+    cmake_build = load_cmake_build()
     with pytest.raises(cmake_build.CMakeConfigureError, match="could not configure"):
         cmake_build.configure(tmp_path / "nowhere", tmp_path / "build")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import colo
+from build_helpers import load_cmake_build
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,11 +26,9 @@ def fake_driver_dir(tmp_path_factory) -> Path:
     if not colo.build_info()["cuda_compiled"]:
         pytest.skip("colo was built without the CUDA backend (no CUDA toolkit): nothing to drive")
     build = tmp_path_factory.mktemp("fake-cuda-build")
-    for cmd in (["cmake", "-S", str(ROOT), "-B", str(build), "-G", "Ninja", "-DCOLO_BUILD_PYTHON=OFF",
-                 "-DCOLO_BUILD_TESTS=ON", "-DCMAKE_BUILD_TYPE=Release"],
-                ["cmake", "--build", str(build), "--target", "colo_fake_cuda"]):
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    cmake_build = load_cmake_build()
+    cmake_build.configure(ROOT, build, ["-DCOLO_BUILD_PYTHON=OFF", "-DCOLO_BUILD_TESTS=ON", "-DCMAKE_BUILD_TYPE=Release"])
+    cmake_build.build(build, target="colo_fake_cuda")
     assert (build / "fake_cuda" / "libcuda.so.1").exists()
     return build / "fake_cuda"
 
