@@ -55,11 +55,17 @@ def _parse_device(device) -> torch.device:
     return dev
 
 
+_MAX_BYTES = 1 << 62  # the core's limit: far above any device, and keeps its rounding from overflowing
+_MAX_DIM = (1 << 63) - 1  # DLPack shapes are int64
+
+
 def _check_bytes(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int number of bytes, not {type(value).__name__}")
     if value <= 0:
         raise ValueError(f"{what} must be positive, got {value}")
+    if value > _MAX_BYTES:
+        raise ValueError(f"{what} of {value} bytes is larger than colo supports (2**62)")
     return value
 
 
@@ -165,6 +171,9 @@ class Region:
         for n in shape:
             numel *= n
         nbytes = numel * dtype.itemsize
+        if nbytes > self.budget:  # also keeps absurd sizes away from the core's size_t
+            raise OutOfMemoryError(f"region {self.name!r} cannot allocate {nbytes} bytes ({tuple(shape)} of {dtype}): "
+                                   f"more than its whole budget of {self.budget} bytes")
         native = _DLPACK_DTYPES.get(dtype)
         if native is not None:
             return torch.from_dlpack(self._native.allocate_dlpack(nbytes, shape, *native))
@@ -180,7 +189,9 @@ class Region:
         Tensors keep their addresses; without offload their contents are lost. Do not touch them
         until wake(): on the host the pages are inaccessible, on CUDA unmapped.
         """
-        self._native.sleep(bool(offload))
+        if not isinstance(offload, bool):
+            raise TypeError(f"Region.sleep: offload must be True or False, not {offload!r}")
+        self._native.sleep(offload)
 
     def wake(self) -> None:
         """Map fresh physical memory at the same addresses and restore offloaded bytes.
@@ -218,7 +229,7 @@ class Region:
 
 
 def _check_shape(shape) -> tuple[int, ...]:
-    if type(shape) is tuple and all(type(n) is int and n >= 0 for n in shape):
+    if type(shape) is tuple and all(type(n) is int and 0 <= n <= _MAX_DIM for n in shape):
         return shape  # the common case, checked cheaply
     if isinstance(shape, int) and not isinstance(shape, bool):
         shape = (shape,)
@@ -229,8 +240,8 @@ def _check_shape(shape) -> tuple[int, ...]:
     for n in shape:
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"shape entries must be ints, got {n!r} in {tuple(shape)}")
-        if n < 0:
-            raise ValueError(f"shape entries must be non-negative, got {tuple(shape)}")
+        if n < 0 or n > _MAX_DIM:
+            raise ValueError(f"shape entries must be in [0, 2**63), got {tuple(shape)}")
     return tuple(shape)
 
 
@@ -264,6 +275,12 @@ class Pool:
     @property
     def backend(self) -> str:
         return self._backend.name
+
+    @property
+    def granularity(self) -> int:
+        """Bytes in which physical memory is committed and released; a region's committed memory never
+        exceeds its budget rounded up to this."""
+        return self._backend.granularity
 
     @property
     def regions(self) -> dict[str, Region]:

@@ -39,8 +39,14 @@ size_t page_size() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
 // Reserve `bytes` of address space aligned to `align`, inaccessible and not backed.
 void* reserve_aligned(size_t bytes, size_t align) {
   size_t padded = bytes + align;
-  void* raw = mmap(nullptr, padded, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  COLO_SYSCALL(raw != MAP_FAILED, "mmap(PROT_NONE) reserving " + std::to_string(bytes) + " bytes");
+  void* raw = padded < bytes ? MAP_FAILED  // overflow: no address space is that large
+                             : mmap(nullptr, padded, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) {
+    int err = padded < bytes ? ENOMEM : errno;
+    std::string message = "mmap(PROT_NONE) reserving " + std::to_string(bytes) + " bytes failed: " + std::strerror(err);
+    if (err == ENOMEM) throw OutOfMemory(message + " (the process's address space is exhausted)");
+    throw SystemError(message);
+  }
   auto start = reinterpret_cast<uintptr_t>(raw);
   uintptr_t aligned = (start + align - 1) / align * align;
   if (aligned > start) munmap(raw, aligned - start);

@@ -31,6 +31,8 @@ size_t default_chunk(const Backend& backend) {
   return (chunk + g - 1) / g * g;
 }
 
+constexpr size_t kMaxBytes = size_t{1} << 62;  // far above any device; keeps the rounding below from overflowing
+
 size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 // The parts of `runs` (offset, bytes) that lie inside `live` (both sorted, disjoint).
@@ -54,13 +56,21 @@ Region::Region(std::shared_ptr<Backend> backend, std::string name, size_t budget
     : backend_(std::move(backend)),
       name_(std::move(name)),
       budget_(budget_bytes),
-      chunk_bytes_(chunk_bytes ? round_up(chunk_bytes, backend_->granularity()) : default_chunk(*backend_)),
-      virtual_bytes_(round_up(std::max<size_t>(budget_bytes, 1), chunk_bytes_)),
+      virtual_bytes_(round_up(std::max<size_t>(budget_bytes, 1), backend_->granularity())),
       blocks_(virtual_bytes_, alignment) {
   COLO_EXPECTS(budget_bytes > 0, InvalidArgument, "region budget must be positive");
   COLO_EXPECTS(alignment >= 256, InvalidArgument, "region alignment must be at least 256 bytes");
-  base_ = static_cast<char*>(backend_->reserve(virtual_bytes_));
-  size_t chunks = virtual_bytes_ / chunk_bytes_;
+  COLO_EXPECTS(budget_bytes <= kMaxBytes && chunk_bytes <= kMaxBytes, InvalidArgument,
+               "region budget and chunk size must be below 2^62 bytes");
+  chunk_bytes_ = std::min(chunk_bytes ? round_up(chunk_bytes, backend_->granularity()) : default_chunk(*backend_),
+                          virtual_bytes_);
+  try {
+    base_ = static_cast<char*>(backend_->reserve(virtual_bytes_));
+  } catch (const OutOfMemory& e) {
+    throw OutOfMemory("region '" + name_ + "' cannot reserve " + human(virtual_bytes_) + " of address space for its " +
+                      "budget: " + e.what());
+  }
+  size_t chunks = (virtual_bytes_ + chunk_bytes_ - 1) / chunk_bytes_;
   chunk_live_bytes_.assign(chunks, 0);
   chunk_committed_.assign(chunks, false);
   copy_stream_ = backend_->create_stream(StreamRole::kCopy);
@@ -97,9 +107,9 @@ void Region::commit_chunks_for(size_t offset, size_t bytes) {
   try {
     for (size_t c = chunk_of(offset); c * chunk_bytes_ < offset + bytes; ++c) {
       if (chunk_committed_[c]) continue;
-      backend_->commit(base_ + c * chunk_bytes_, chunk_bytes_);
+      backend_->commit(base_ + c * chunk_bytes_, chunk_size(c));
       chunk_committed_[c] = true;
-      ++committed_chunks_;
+      committed_bytes_ += chunk_size(c);
       committed_now.push_back(c);
     }
   } catch (...) {
@@ -115,9 +125,9 @@ void Region::free_offload_buffer() {
 }
 
 void Region::release_chunk(size_t chunk) {
-  backend_->release(base_ + chunk * chunk_bytes_, chunk_bytes_);
+  backend_->release(base_ + chunk * chunk_bytes_, chunk_size(chunk));
   chunk_committed_[chunk] = false;
-  --committed_chunks_;
+  committed_bytes_ -= chunk_size(chunk);
 }
 
 void Region::release_all_chunks() {
@@ -206,9 +216,9 @@ void Region::wake() {
   try {
     for (size_t c = 0; c < chunk_live_bytes_.size(); ++c) {
       if (chunk_live_bytes_[c] == 0) continue;  // only what live allocations need
-      backend_->commit(base_ + c * chunk_bytes_, chunk_bytes_);
+      backend_->commit(base_ + c * chunk_bytes_, chunk_size(c));
       chunk_committed_[c] = true;
-      ++committed_chunks_;
+      committed_bytes_ += chunk_size(c);
       committed_now.push_back(c);
     }
   } catch (...) {
@@ -263,7 +273,7 @@ RegionStats Region::stats() const {
   s.chunk_bytes = chunk_bytes_;
   s.allocated_bytes = blocks_.allocated_bytes();
   s.peak_allocated_bytes = peak_allocated_;
-  s.reserved_bytes = committed_chunks_ * chunk_bytes_;
+  s.reserved_bytes = committed_bytes_;
   // Measure resident memory over runs of committed chunks (one call per run).
   for (size_t c = 0; c < chunk_committed_.size();) {
     if (!chunk_committed_[c]) {
@@ -272,7 +282,8 @@ RegionStats Region::stats() const {
     }
     size_t first = c;
     while (c < chunk_committed_.size() && chunk_committed_[c]) ++c;
-    s.resident_bytes += backend_->resident_bytes(base_ + first * chunk_bytes_, (c - first) * chunk_bytes_);
+    size_t end = std::min(c * chunk_bytes_, virtual_bytes_);
+    s.resident_bytes += backend_->resident_bytes(base_ + first * chunk_bytes_, end - first * chunk_bytes_);
   }
   s.offloaded_bytes = offload_bytes_;
   s.offload_buffer_bytes = offload_capacity_;

@@ -3,6 +3,7 @@
 // Sleep releases every chunk (optionally copying live bytes to host first); wake maps fresh chunks
 // at the same addresses and restores what was offloaded, so pointers handed out stay valid.
 #pragma once
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <memory>
@@ -37,6 +38,10 @@ struct RegionStats {
 class Region : public std::enable_shared_from_this<Region> {
  public:
   // chunk_bytes == 0 picks the backend default (host: 2 MiB; CUDA: 32 MiB, fewer driver handles).
+  // The reservation is the budget rounded up to the backend's granularity and the last chunk may
+  // be shorter than the others, so committed memory never exceeds that rounded budget: the pool's
+  // promise that awake budgets fit in its capacity holds for physical memory, not only for bytes
+  // handed out.
   Region(std::shared_ptr<Backend> backend, std::string name, size_t budget_bytes, size_t chunk_bytes = 0,
          size_t alignment = 256);
   ~Region();
@@ -62,6 +67,7 @@ class Region : public std::enable_shared_from_this<Region> {
 
  private:
   size_t chunk_of(size_t offset) const { return offset / chunk_bytes_; }
+  size_t chunk_size(size_t chunk) const { return std::min(chunk_bytes_, virtual_bytes_ - chunk * chunk_bytes_); }
   void commit_chunks_for(size_t offset, size_t bytes);   // commit uncommitted chunks overlapping
   void add_live(size_t offset, size_t bytes, bool add);  // per-chunk live byte counts
   void release_chunk(size_t chunk);
@@ -80,7 +86,7 @@ class Region : public std::enable_shared_from_this<Region> {
   BlockAllocator blocks_;
   std::vector<size_t> chunk_live_bytes_;
   std::vector<bool> chunk_committed_;
-  size_t committed_chunks_ = 0;
+  size_t committed_bytes_ = 0;
   size_t peak_allocated_ = 0;
   bool asleep_ = false;
   size_t sleep_count_ = 0;

@@ -208,6 +208,31 @@ def test_bad_region_arguments(name, budget, error):
     assert pool.regions == {}
 
 
+def test_absurd_sizes_are_clear_errors_not_binding_failures():
+    with pytest.raises(ValueError, match="larger than colo supports"):
+        colo.Pool("cpu", capacity=1 << 70)
+    pool = colo.Pool("cpu", capacity=1 << 62)
+    with pytest.raises(ValueError, match="chunk_bytes .* larger than colo supports"):
+        pool.region("r", budget=MiB, chunk_bytes=1 << 70)
+    with pytest.raises(colo.OutOfMemoryError, match="'huge' cannot reserve"):
+        pool.region("huge", budget=1 << 60)  # more address space than the process has
+    assert "huge" not in pool.regions
+
+
+@pytest.mark.parametrize("chunk", [None, 8 * MiB, 64 * MiB])
+def test_committed_memory_never_exceeds_the_budget(pool, chunk):
+    # A budget that is no multiple of the chunk: the last chunk is shorter, not a whole chunk more.
+    granule = pool.granularity
+    region = pool.region("tight", budget=5 * MiB + 1, chunk_bytes=chunk)
+    limit = -(-region.budget // granule) * granule
+    held = [region.zeros((MiB // 4,), dtype=torch.uint8) for _ in range(20)]
+    assert region.stats()["reserved_bytes"] <= limit
+    assert region.stats()["resident_bytes"] <= limit
+    del held[::2]
+    held += [region.zeros((MiB // 4,), dtype=torch.uint8) for _ in range(10)]
+    assert region.stats()["reserved_bytes"] <= limit
+
+
 @pytest.mark.parametrize(
     "shape, dtype, error",
     [
@@ -216,6 +241,9 @@ def test_bad_region_arguments(name, budget, error):
         ("12", torch.float32, TypeError),
         ((2, 3), "float32", TypeError),
         ((2, 3), float, TypeError),
+        ((0, 1 << 64), torch.float32, ValueError),
+        ((1 << 40, 1 << 40), torch.float32, colo.OutOfMemoryError),
+        ((1 << 62,), torch.bfloat16, colo.OutOfMemoryError),
     ],
 )
 def test_bad_tensor_arguments(shape, dtype, error):
@@ -229,6 +257,13 @@ def test_bad_tensor_arguments(shape, dtype, error):
 def test_bad_devices(device, error):
     with pytest.raises(error):
         colo.Pool(device)
+
+
+def test_sleep_takes_a_real_bool():
+    region = colo.Pool("cpu").region("r", budget=MiB)
+    with pytest.raises(TypeError, match="offload must be True or False"):
+        region.sleep(offload="no")
+    assert not region.asleep
 
 
 def test_bad_host_backend_and_stream_role():

@@ -164,8 +164,52 @@ static void test_torch_entry_points(const BackendPtr& backend) {
   CHECK(region->stats().allocated_bytes == 0);
 }
 
+// Committed memory never exceeds the budget rounded up to the granularity, whatever the chunk size
+// (the last chunk is shorter), so awake budgets that fit in the pool's capacity fit physically too.
+static void test_committed_memory_stays_within_budget(const BackendPtr& backend) {
+  size_t g = backend->granularity();
+  for (size_t chunk : {size_t{0}, 4 * g, 64 * g}) {  // backend default, several granules, far above the budget
+    size_t budget = 5 * g / 2 + 1;
+    size_t limit = (budget + g - 1) / g * g;
+    auto region = std::make_shared<colo::Region>(backend, "tight", budget, chunk);
+    CHECK(region->stats().chunk_bytes <= limit && region->stats().virtual_bytes == limit);
+    std::mt19937 rng(7);
+    struct Block {
+      unsigned char* p;
+      size_t n;
+      unsigned char fill;
+    };
+    std::vector<Block> live;
+    for (int i = 0; i < 400; ++i) {
+      if (!live.empty() && rng() % 3 == 0) {
+        size_t k = rng() % live.size();
+        region->free(live[k].p);
+        live.erase(live.begin() + static_cast<long>(k));
+      } else {
+        size_t n = 256 + rng() % (g / 2);
+        try {
+          auto* p = static_cast<unsigned char*>(region->allocate(n));
+          auto fill = static_cast<unsigned char>(i);
+          std::memset(p, fill, n);
+          live.push_back({p, n, fill});
+        } catch (const colo::OutOfMemory&) {
+        }
+      }
+      CHECK(region->stats().reserved_bytes <= limit);
+    }
+    region->sleep(/*offload=*/true);  // round trip through the short last chunk
+    region->wake();
+    CHECK(region->stats().reserved_bytes <= limit);
+    for (const auto& block : live) CHECK(block.p[0] == block.fill && block.p[block.n - 1] == block.fill);
+    for (const auto& block : live) region->free(block.p);
+    region->trim();
+    CHECK(region->stats().reserved_bytes == 0);
+  }
+}
+
 static void run_backend_tests(const BackendPtr& backend) {
   test_region(backend);
+  test_committed_memory_stays_within_budget(backend);
   test_region_threads(backend);
   test_stream_copies_and_events(backend);
   test_torch_entry_points(backend);
