@@ -122,6 +122,15 @@ class SharedWeights:
                 )
 
 
+def check_architecture(arch: str) -> None:
+    """Raise NotImplementedError naming `arch` unless colo can share its weights with vLLM."""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise NotImplementedError(
+            f"colo.share_weights does not support the architecture {arch} (supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+
 def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes: int = 256 << 20) -> SharedWeights:
     """Make `hf_model` and the in-process engine of `llm` share one copy of the weights.
 
@@ -142,12 +151,7 @@ def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes:
     """
     if not isinstance(hf_model, torch.nn.Module):
         raise TypeError(f"hf_model must be a transformers model (torch.nn.Module), not {type(hf_model).__name__}")
-    arch = type(hf_model).__name__
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise NotImplementedError(
-            f"colo.share_weights does not support the architecture {arch} (supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    check_architecture(type(hf_model).__name__)
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
     model = engine_model(llm)

@@ -170,6 +170,10 @@ def test_cli_bad_arguments_fail_fast_with_a_message(tmp_path, capsys):
     assert "is not a directory" in _cli_error(capsys, ["--steps", "3", "--model", str(tmp_path / "missing"), *base])
     (tmp_path / "empty").mkdir()
     assert "no config.json" in _cli_error(capsys, ["--steps", "3", "--model", str(tmp_path / "empty"), *base])
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    assert "does not support the architecture GPT2LMHeadModel" in _cli_error(
+        capsys, ["--steps", "3", "--model", str(tmp_path / "gpt2"), *base])
     assert "run.json" in _cli_error(capsys, ["--steps", "3", "--resume", *base])
     out = tmp_path / "out"
     out.mkdir()
@@ -211,3 +215,16 @@ def test_micro_batches_add_up_to_the_whole_batch_gradient():
     kl_pieces, _ = gradient(3, beta=0.1, reference=reference)
     assert kl_stats["kl"] > 0 and not torch.allclose(kl_whole, whole)
     assert torch.allclose(kl_whole, kl_pieces, atol=1e-6)
+
+
+def test_scheduler_refuses_an_unsupported_architecture_before_starting_an_engine(tmp_path, monkeypatch):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from colo.grpo import scheduler as scheduler_module
+
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64)).save_pretrained(tmp_path)
+    started = []
+    monkeypatch.setattr(scheduler_module, "RolloutEngine", lambda *a, **k: started.append(1))
+    with pytest.raises(NotImplementedError, match="GPT2LMHeadModel"):
+        scheduler_module.GRPOScheduler(tmp_path, lambda p, c: [0.0] * len(c), lambda step, n: [[1, 2]] * n)
+    assert not started

@@ -107,9 +107,25 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
             parser.error(f"--model: {model_dir} is not a directory")
         if not (model_dir / "config.json").is_file():
             parser.error(f"--model: {model_dir} is not a Hugging Face model directory (no config.json)")
+        _check_model_architecture(model_dir, parser)
     else:
         model_dir = out / "toy-model"
     return model_dir, config
+
+
+def _check_model_architecture(model_dir: Path, parser) -> None:
+    """Refuse a model colo cannot share with the engine now, rather than after the engine has started."""
+    from ..weights import check_architecture
+
+    try:
+        architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError) as e:
+        parser.error(f"--model: cannot read {model_dir / 'config.json'}: {e}")
+    for arch in architectures:
+        try:
+            check_architecture(arch)
+        except NotImplementedError as e:
+            parser.error(f"--model: {model_dir}: {e}")
 
 
 def main(argv=None) -> int:
@@ -170,7 +186,7 @@ def run_cli(argv=None) -> int:
     except CheckpointError as e:
         print(f"colo.grpo: error: {e}", file=sys.stderr)
         return 2
-    except (EngineFailure, FileNotFoundError, ValueError, MemoryError) as e:
+    except (EngineFailure, FileNotFoundError, ValueError, MemoryError, NotImplementedError) as e:
         print(f"colo.grpo: error: {e}", file=sys.stderr)
         return 1
     except Terminated as e:

@@ -30,6 +30,7 @@ import torch
 import colo
 
 from .. import engine as colo_engine
+from ..weights import check_architecture
 from . import distributed as D
 from .batch import pack
 from .checkpoint import (CheckpointError, capture_rng, latest_checkpoint, load_checkpoint, restore_rng,
@@ -112,6 +113,7 @@ class GRPOScheduler:
         if not (self.model_dir / "config.json").is_file():
             raise FileNotFoundError(f"no Hugging Face model at {self.model_dir} (config.json missing)")
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        check_architecture(type(model).__name__)  # before an engine starts, not after
         return model.to(self.device).train()
 
     @staticmethod
