@@ -162,6 +162,12 @@ class Region:
     def asleep(self) -> bool:
         return self._native.asleep
 
+    @property
+    def wakes_zeroed(self) -> bool:
+        """Whether memory woken without offload reads as zeros (host pools: yes, fresh pages; CUDA:
+        no guarantee), so a caller that wants zeros after wake() need not write them."""
+        return self.pool._backend.commits_zeroed
+
     def empty(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """An uninitialised tensor in this region; its memory returns to the region when it dies."""
         shape = _check_shape(shape)
@@ -194,7 +200,8 @@ class Region:
         self._native.sleep(offload)
 
     def wake(self) -> None:
-        """Map fresh physical memory at the same addresses and restore offloaded bytes.
+        """Map fresh physical memory at the same addresses and restore offloaded bytes. The memory is
+        faulted in on the pool's copy stream, asynchronously, so first touches after wake are cheap.
 
         Raises OutOfMemoryError, and stays asleep, when this region's budget does not fit in the
         pool's capacity beside the regions awake now: asleep regions lend their budgets to others.

@@ -62,6 +62,14 @@ class Backend {
   virtual size_t resident_bytes(void* addr, size_t bytes) const = 0;
   // Wait for all work on the device, so a range can be unmapped safely.
   virtual void synchronize_device() = 0;
+  // Make committed memory present before its first use, as work on `stream`; returns at once, so the
+  // page-fault cost leaves the caller's path (host: faulted in on the stream's worker thread). The
+  // caller must synchronize the stream before releasing the range. CUDA: nothing to do, cuMemCreate
+  // allocated the physical memory already.
+  virtual void prefault_async(Stream& stream, void* addr, size_t bytes) = 0;
+  // Whether freshly committed memory reads as zeros (host: new anonymous pages or punched holes;
+  // CUDA: no such guarantee).
+  virtual bool commits_zeroed() const = 0;
 
   // Host memory for offloaded bytes (pinned on CUDA, for async copies).
   virtual void* host_alloc(size_t bytes) = 0;

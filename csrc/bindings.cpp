@@ -161,6 +161,7 @@ PYBIND11_MODULE(_C, m) {
                              [](const Backend& b) { return b.device_kind() == DeviceKind::kCuda ? "cuda" : "cpu"; })
       .def_property_readonly("device_index", &Backend::device_index)
       .def_property_readonly("granularity", &Backend::granularity)
+      .def_property_readonly("commits_zeroed", &Backend::commits_zeroed)
       .def("create_stream", [](Backend& b, const std::string& role) { return b.create_stream(parse_role(role)); })
       .def("synchronize_device", &Backend::synchronize_device, py::call_guard<py::gil_scoped_release>());
 

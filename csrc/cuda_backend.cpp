@@ -125,6 +125,8 @@ class CudaBackend final : public Backend {
   DeviceKind device_kind() const override { return DeviceKind::kCuda; }
   int device_index() const override { return index_; }
   size_t granularity() const override { return granularity_; }
+  void prefault_async(Stream&, void*, size_t) override {}  // cuMemCreate allocated it already
+  bool commits_zeroed() const override { return false; }
 
   void* reserve(size_t bytes) override {
     current();

@@ -72,6 +72,13 @@ class HostBackendBase : public Backend {
   size_t granularity() const override { return kHugePage; }
   size_t resident_bytes(void* addr, size_t bytes) const override { return mincore_resident(addr, bytes); }
   void synchronize_device() override {}  // host copies are ordered by the streams' own waits
+  void prefault_async(Stream& stream, void* addr, size_t bytes) override {
+    auto* host = dynamic_cast<HostStream*>(&stream);
+    COLO_EXPECTS(host != nullptr, InvalidArgument, "a host backend prefaults on a host stream");
+    // Advisory (Linux 5.14+): where it is missing, pages fault in on first touch as before.
+    host->enqueue([addr, bytes] { madvise(addr, bytes, MADV_POPULATE_WRITE); });
+  }
+  bool commits_zeroed() const override { return true; }
   void* host_alloc(size_t bytes) override {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw OutOfMemory("could not allocate " + std::to_string(bytes) + " bytes of host memory for offload");

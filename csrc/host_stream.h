@@ -32,9 +32,10 @@ class HostStream : public Stream {
   void wait(const std::shared_ptr<Event>& event) override;
   void synchronize() override;
   uintptr_t native_handle() const override { return 0; }
+  // Run `work` on the worker thread after everything enqueued before it.
+  void enqueue(std::function<void()> work);
 
  private:
-  void enqueue(std::function<void()> work);
   void run();
 
   std::mutex mutex_;

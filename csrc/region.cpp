@@ -177,6 +177,7 @@ void Region::sleep(bool offload) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (asleep_) return;
   auto start = std::chrono::steady_clock::now();
+  copy_stream_->synchronize();  // a prefault still running from wake() must not outlive the memory
   if (offload && blocks_.allocated_bytes() > 0) {
     auto runs = blocks_.live_runs();
     size_t total = 0;
@@ -246,13 +247,27 @@ void Region::wake() {
     offload_runs_.clear();
     if (!backend_->keep_offload_buffer()) free_offload_buffer();
   }
+  prefault(committed_now);
   asleep_ = false;
   last_wake_s_ = seconds_since(start);
+}
+
+void Region::prefault(const std::vector<size_t>& chunks) {
+  // One call per run of adjacent chunks, on the copy stream: the faults happen off the caller's
+  // path (on the host, on the worker thread while training or generation starts).
+  for (size_t i = 0; i < chunks.size();) {
+    size_t first = chunks[i];
+    size_t end = first + 1;
+    while (++i < chunks.size() && chunks[i] == end) ++end;
+    size_t stop = std::min(end * chunk_bytes_, virtual_bytes_);
+    backend_->prefault_async(*copy_stream_, base_ + first * chunk_bytes_, stop - first * chunk_bytes_);
+  }
 }
 
 void Region::trim() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (asleep_) return;  // asleep, the offload buffer holds the region's contents
+  copy_stream_->synchronize();  // no prefault may run on chunks released below
   free_offload_buffer();
   backend_->synchronize_device();
   for (size_t c = 0; c < chunk_committed_.size(); ++c) {

