@@ -3,6 +3,7 @@
 // host (anonymous THP or memfd) and CUDA driver VMM. Everything above (regions, the sub-allocator,
 // sleep/wake) is written once against this.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -63,10 +64,12 @@ class Backend {
   // Wait for all work on the device, so a range can be unmapped safely.
   virtual void synchronize_device() = 0;
   // Make committed memory present before its first use, as work on `stream`; returns at once, so the
-  // page-fault cost leaves the caller's path (host: faulted in on the stream's worker thread). The
-  // caller must synchronize the stream before releasing the range. CUDA: nothing to do, cuMemCreate
-  // allocated the physical memory already.
-  virtual void prefault_async(Stream& stream, void* addr, size_t bytes) = 0;
+  // page-fault cost leaves the caller's path (host: faulted in on the stream's worker thread, a huge
+  // page at a time, stopping early once `cancelled` is set). Before releasing the range the caller
+  // sets `cancelled` and synchronizes the stream. CUDA: nothing to do, cuMemCreate allocated the
+  // physical memory already.
+  virtual void prefault_async(Stream& stream, void* addr, size_t bytes,
+                              std::shared_ptr<const std::atomic<bool>> cancelled) = 0;
   // Whether freshly committed memory reads as zeros (host: new anonymous pages or punched holes;
   // CUDA: no such guarantee).
   virtual bool commits_zeroed() const = 0;

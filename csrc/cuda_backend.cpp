@@ -125,7 +125,7 @@ class CudaBackend final : public Backend {
   DeviceKind device_kind() const override { return DeviceKind::kCuda; }
   int device_index() const override { return index_; }
   size_t granularity() const override { return granularity_; }
-  void prefault_async(Stream&, void*, size_t) override {}  // cuMemCreate allocated it already
+  void prefault_async(Stream&, void*, size_t, std::shared_ptr<const std::atomic<bool>>) override {}  // nothing to fault
   bool commits_zeroed() const override { return false; }
 
   void* reserve(size_t bytes) override {

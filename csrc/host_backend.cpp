@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <map>
@@ -72,11 +73,19 @@ class HostBackendBase : public Backend {
   size_t granularity() const override { return kHugePage; }
   size_t resident_bytes(void* addr, size_t bytes) const override { return mincore_resident(addr, bytes); }
   void synchronize_device() override {}  // host copies are ordered by the streams' own waits
-  void prefault_async(Stream& stream, void* addr, size_t bytes) override {
+  void prefault_async(Stream& stream, void* addr, size_t bytes,
+                      std::shared_ptr<const std::atomic<bool>> cancelled) override {
     auto* host = dynamic_cast<HostStream*>(&stream);
     COLO_EXPECTS(host != nullptr, InvalidArgument, "a host backend prefaults on a host stream");
-    // Advisory (Linux 5.14+): where it is missing, pages fault in on first touch as before.
-    host->enqueue([addr, bytes] { madvise(addr, bytes, MADV_POPULATE_WRITE); });
+    host->enqueue([addr, bytes, cancelled] {
+      // A huge page per call: MADV_POPULATE_WRITE holds the process's mmap lock for its whole range,
+      // which would stall the caller's own mmap/mprotect calls, and a sleep() waiting on us stops
+      // us between pieces. Advisory (Linux 5.14+): without it, pages fault in on first touch.
+      auto* p = static_cast<char*>(addr);
+      for (size_t at = 0; at < bytes && !cancelled->load(std::memory_order_relaxed); at += kHugePage) {
+        madvise(p + at, std::min(kHugePage, bytes - at), MADV_POPULATE_WRITE);
+      }
+    });
   }
   bool commits_zeroed() const override { return true; }
   void* host_alloc(size_t bytes) override {

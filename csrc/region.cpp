@@ -78,6 +78,7 @@ Region::Region(std::shared_ptr<Backend> backend, std::string name, size_t budget
 
 Region::~Region() {
   try {
+    stop_prefault();
     copy_stream_.reset();
     if (!asleep_) release_all_chunks();
     free_offload_buffer();
@@ -177,7 +178,7 @@ void Region::sleep(bool offload) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (asleep_) return;
   auto start = std::chrono::steady_clock::now();
-  copy_stream_->synchronize();  // a prefault still running from wake() must not outlive the memory
+  stop_prefault();
   if (offload && blocks_.allocated_bytes() > 0) {
     auto runs = blocks_.live_runs();
     size_t total = 0;
@@ -255,19 +256,27 @@ void Region::wake() {
 void Region::prefault(const std::vector<size_t>& chunks) {
   // One call per run of adjacent chunks, on the copy stream: the faults happen off the caller's
   // path (on the host, on the worker thread while training or generation starts).
+  prefault_cancelled_ = std::make_shared<std::atomic<bool>>(false);
   for (size_t i = 0; i < chunks.size();) {
     size_t first = chunks[i];
     size_t end = first + 1;
     while (++i < chunks.size() && chunks[i] == end) ++end;
     size_t stop = std::min(end * chunk_bytes_, virtual_bytes_);
-    backend_->prefault_async(*copy_stream_, base_ + first * chunk_bytes_, stop - first * chunk_bytes_);
+    backend_->prefault_async(*copy_stream_, base_ + first * chunk_bytes_, stop - first * chunk_bytes_,
+                             prefault_cancelled_);
   }
+}
+
+void Region::stop_prefault() {
+  // Memory about to be released need not be faulted in; what is mid-flight finishes its piece.
+  if (prefault_cancelled_) prefault_cancelled_->store(true, std::memory_order_relaxed);
+  copy_stream_->synchronize();
 }
 
 void Region::trim() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (asleep_) return;  // asleep, the offload buffer holds the region's contents
-  copy_stream_->synchronize();  // no prefault may run on chunks released below
+  stop_prefault();
   free_offload_buffer();
   backend_->synchronize_device();
   for (size_t c = 0; c < chunk_committed_.size(); ++c) {

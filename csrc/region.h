@@ -4,6 +4,7 @@
 // at the same addresses and restores what was offloaded, so pointers handed out stay valid.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <memory>
@@ -74,6 +75,7 @@ class Region : public std::enable_shared_from_this<Region> {
   void add_live(size_t offset, size_t bytes, bool add);  // per-chunk live byte counts
   void release_chunk(size_t chunk);
   void prefault(const std::vector<size_t>& chunks);  // sorted chunk indices, made present asynchronously
+  void stop_prefault();  // before releasing memory: stop a running prefault and wait for the copy stream
   void release_all_chunks();
   std::string describe_request(size_t bytes) const;
 
@@ -84,6 +86,7 @@ class Region : public std::enable_shared_from_this<Region> {
   size_t virtual_bytes_;
   char* base_ = nullptr;
   std::shared_ptr<Stream> copy_stream_;
+  std::shared_ptr<std::atomic<bool>> prefault_cancelled_;  // the latest wake's prefault stops when set
 
   mutable std::mutex mutex_;
   BlockAllocator blocks_;

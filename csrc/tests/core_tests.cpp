@@ -207,9 +207,29 @@ static void test_committed_memory_stays_within_budget(const BackendPtr& backend)
   }
 }
 
+// wake() faults memory in on the copy stream; a sleep() right after must stop that and wait, so no
+// page is populated again behind the release (resident stays 0 while asleep).
+static void test_sleep_right_after_wake_leaves_nothing_resident(const BackendPtr& backend) {
+  auto region = std::make_shared<colo::Region>(backend, "prefault", 64u << 20);
+  void* p = region->allocate(60u << 20);
+  std::memset(p, 3, 60u << 20);
+  for (int round = 0; round < 20; ++round) {
+    region->sleep(/*offload=*/false);
+    CHECK(region->stats().resident_bytes == 0);
+    region->wake();
+  }
+  region->sleep(/*offload=*/false);
+  CHECK(region->stats().resident_bytes == 0);
+  region->wake();
+  std::memset(p, 4, 60u << 20);  // usable after all of that
+  CHECK(static_cast<unsigned char*>(p)[(60u << 20) - 1] == 4);
+  region->free(p);
+}
+
 static void run_backend_tests(const BackendPtr& backend) {
   test_region(backend);
   test_committed_memory_stays_within_budget(backend);
+  test_sleep_right_after_wake_leaves_nothing_resident(backend);
   test_region_threads(backend);
   test_stream_copies_and_events(backend);
   test_torch_entry_points(backend);
