@@ -25,6 +25,14 @@ _KV_REGION = "kv_cache"
 _REGION_CHUNK = 2 << 20  # the pool commits memory in 2 MiB chunks; budgets are rounded to them
 
 
+def quiet_vllm_logs() -> None:
+    """Send vLLM's logs to stderr, warnings and up, unless the user set VLLM_LOGGING_STREAM or
+    VLLM_LOGGING_LEVEL: by default vLLM writes INFO lines to stdout, one per publish() among them,
+    which would bury a command's own output. Takes effect only before vLLM is first imported."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
 def import_vllm():
     """`import vllm`, with a fix-it message for the known broken torchvision/torchaudio/torchcodec."""
     try:

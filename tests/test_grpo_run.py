@@ -57,9 +57,16 @@ def assert_same_weights(a: Path, b: Path, atol: float) -> None:
 def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("grpo-reference")
     # Offload forced on (the CPU default is off); the 2-rank run, with the default, must match it.
-    run_grpo(out, "--steps", str(STEPS), "--save-every", "1", "--keep-checkpoints", "0",
-             "--trace", str(out / "trace.json"), "--offload-optimizer", "on")
+    done = run_grpo(out, "--steps", str(STEPS), "--save-every", "1", "--keep-checkpoints", "0",
+                    "--trace", str(out / "trace.json"), "--offload-optimizer", "on")
+    (out / "stdout.txt").write_text(done.stdout)
     return out
+
+
+def test_stdout_has_the_summary_not_vllm_logs(reference):
+    stdout = (reference / "stdout.txt").read_text()
+    assert f"steps 1-{STEPS} done" in stdout
+    assert "INFO" not in stdout and "reset prefix cache" not in stdout, stdout[:2000]
 
 
 def test_short_run_improves_reward_with_the_engine_on_the_trained_weights(reference):

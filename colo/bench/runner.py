@@ -151,13 +151,6 @@ def write_json(result: dict, path: Path) -> None:
     os.replace(tmp, path)  # never leave a half-written results file
 
 
-def keep_stdout_for_the_table() -> None:
-    """vLLM logs INFO lines to stdout by default; send its logs to stderr, warnings and up, unless the user
-    chose otherwise. Must run before vLLM is first imported."""
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
 def colo_build_info() -> dict:
     try:
         import colo
@@ -170,7 +163,9 @@ def colo_build_info() -> dict:
 def run(sections: list[str], quick: bool, device: str, argv: list[str], json_path: Path | None = None,
         out=sys.stdout) -> tuple[dict, bool]:
     """Run `sections` in order; returns (result, any_section_failed)."""
-    keep_stdout_for_the_table()
+    from colo.engine import quiet_vllm_logs
+
+    quiet_vllm_logs()  # stdout carries only the table
     info = machine_info()
     result = {
         "command": shlex.join(["python", "-m", "colo.bench", *argv]),

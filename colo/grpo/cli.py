@@ -133,8 +133,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     model_dir, config = _settings(args, parser)
 
+    from ..engine import quiet_vllm_logs
     from . import distributed as D
 
+    quiet_vllm_logs()  # the progress bar and the summary, not a vLLM INFO line per step
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     world = D.init_world("cuda" if _cuda() else "cpu")
     out = Path(args.out)
