@@ -40,10 +40,11 @@ size_t page_size() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
 // Reserve `bytes` of address space aligned to `align`, inaccessible and not backed.
 void* reserve_aligned(size_t bytes, size_t align) {
   size_t padded = bytes + align;
-  void* raw = padded < bytes ? MAP_FAILED  // overflow: no address space is that large
-                             : mmap(nullptr, padded, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  bool overflow = padded < bytes;  // no address space is that large
+  void* raw = overflow ? MAP_FAILED
+                       : mmap(nullptr, padded, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (raw == MAP_FAILED) {
-    int err = padded < bytes ? ENOMEM : errno;
+    int err = overflow ? ENOMEM : errno;
     std::string message = "mmap(PROT_NONE) reserving " + std::to_string(bytes) + " bytes failed: " + std::strerror(err);
     if (err == ENOMEM) throw OutOfMemory(message + " (the process's address space is exhausted)");
     throw SystemError(message);

@@ -108,9 +108,7 @@ void Region::commit_chunks_for(size_t offset, size_t bytes) {
   try {
     for (size_t c = chunk_of(offset); c * chunk_bytes_ < offset + bytes; ++c) {
       if (chunk_committed_[c]) continue;
-      backend_->commit(base_ + c * chunk_bytes_, chunk_size(c));
-      chunk_committed_[c] = true;
-      committed_bytes_ += chunk_size(c);
+      commit_chunk(c);
       committed_now.push_back(c);
     }
   } catch (...) {
@@ -123,6 +121,12 @@ void Region::free_offload_buffer() {
   if (offload_buffer_) backend_->host_free(offload_buffer_, offload_capacity_);
   offload_buffer_ = nullptr;
   offload_capacity_ = 0;
+}
+
+void Region::commit_chunk(size_t chunk) {
+  backend_->commit(base_ + chunk * chunk_bytes_, chunk_size(chunk));
+  chunk_committed_[chunk] = true;
+  committed_bytes_ += chunk_size(chunk);
 }
 
 void Region::release_chunk(size_t chunk) {
@@ -218,9 +222,7 @@ void Region::wake() {
   try {
     for (size_t c = 0; c < chunk_live_bytes_.size(); ++c) {
       if (chunk_live_bytes_[c] == 0) continue;  // only what live allocations need
-      backend_->commit(base_ + c * chunk_bytes_, chunk_size(c));
-      chunk_committed_[c] = true;
-      committed_bytes_ += chunk_size(c);
+      commit_chunk(c);
       committed_now.push_back(c);
     }
   } catch (...) {

@@ -73,6 +73,7 @@ class Region : public std::enable_shared_from_this<Region> {
   size_t chunk_size(size_t chunk) const { return std::min(chunk_bytes_, virtual_bytes_ - chunk * chunk_bytes_); }
   void commit_chunks_for(size_t offset, size_t bytes);   // commit uncommitted chunks overlapping
   void add_live(size_t offset, size_t bytes, bool add);  // per-chunk live byte counts
+  void commit_chunk(size_t chunk);
   void release_chunk(size_t chunk);
   void prefault(const std::vector<size_t>& chunks);  // sorted chunk indices, made present asynchronously
   void stop_prefault();  // before releasing memory: stop a running prefault and wait for the copy stream

@@ -39,8 +39,10 @@ def engine_device() -> str:
 
 def engine_unavailable_reason(device: str) -> str:
     """Why a section that needs a vLLM engine cannot measure on `device` here ('' when it can)."""
-    if device == "cuda" and cuda_unavailable_reason():
-        return cuda_unavailable_reason()
+    if device == "cuda":
+        why = cuda_unavailable_reason()
+        if why:
+            return why
     if engine_device() == device:
         return ""
     if device == "cuda":
