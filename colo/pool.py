@@ -201,7 +201,7 @@ class Region:
 
     def wake(self) -> None:
         """Map fresh physical memory at the same addresses and restore offloaded bytes. The memory is
-        faulted in on the pool's copy stream, asynchronously, so first touches after wake are cheap.
+        faulted in on the region's own copy stream, asynchronously, so first touches after wake are cheap.
 
         Raises OutOfMemoryError, and stays asleep, when this region's budget does not fit in the
         pool's capacity beside the regions awake now: asleep regions lend their budgets to others.
