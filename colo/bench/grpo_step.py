@@ -138,7 +138,7 @@ def measure_size(name: str, steps: int, progress, device: str = "cpu") -> dict:
         try:
             # Alternate the two sides step by step so that load from other processes on a shared
             # machine hits both alike, and swap which goes first each round: the side that runs
-            # right after the other's training measured a slower generate phase (1-25% here) with
+            # right after the other's training measured a slower generate phase (up to 10% here) with
             # identical kernels. The first WARMUP steps of each (vLLM's slow first calls) are dropped.
             sides = list(runs)
             for i in progress(range(WARMUP + steps), name):
