@@ -36,4 +36,14 @@ def share_weights(hf_model, llm, **kwargs):
     return _share_weights(hf_model, llm, **kwargs)
 
 
-__all__ = [*_LAZY, "OutOfMemoryError", "RegionAsleepError", "share_weights", "__version__"]
+def shared_model(llm, dtype=None, **kwargs):
+    """A Hugging Face model whose parameters are the in-process engine's own tensors (0 bytes copied).
+
+    See `colo.weights.shared_model`; imported lazily so `import colo` does not import vLLM.
+    """
+    from .weights import shared_model as _shared_model
+
+    return _shared_model(llm, dtype, **kwargs)
+
+
+__all__ = [*_LAZY, "OutOfMemoryError", "RegionAsleepError", "share_weights", "shared_model", "__version__"]

@@ -221,6 +221,24 @@ class Region:
         """Release committed memory that holds no live allocation."""
         self._native.trim()
 
+    def fit_budget(self) -> int:
+        """Shrink the budget to the memory this region holds now (after releasing what no live
+        allocation uses), so the rest of the pool's capacity is free for other regions. For a region
+        filled once, such as the engine's weights after loading; returns the new budget."""
+        with self.pool._lock:
+            self.trim()
+            s = self.stats()
+            self._native.set_budget(max(s["reserved_bytes"], s["allocated_bytes"], 1))
+            return self.budget
+
+    def grow_budget(self) -> int:
+        """Raise the budget to all the pool has left beside the awake regions (at most the address
+        range reserved when the region was made), e.g. before refilling a fitted region; returns it."""
+        with self.pool._lock:
+            left = self.pool._awake_headroom(exclude=self)
+            self._native.set_budget(min(max(self.budget, left), self._native.stats()["virtual_bytes"]))
+            return self.budget
+
     def stats(self) -> dict:
         """allocated_bytes, reserved_bytes, resident_bytes, peak_allocated_bytes, budget_bytes, asleep, ..."""
         return dict(self._native.stats())

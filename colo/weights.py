@@ -1,90 +1,78 @@
 """One copy of the weights for a Hugging Face causal LM and an in-process vLLM engine.
 
-    shared = colo.share_weights(hf_model, llm)     # both models' parameters become views of one store
-    ...optimizer.step() on hf_model...
+    shared = colo.shared_model(llm)                # a HF model whose parameters are the engine's tensors
+    model = shared.hf_model                        # train it with any torch optimizer
     shared.publish()                               # the engine serves the new weights; 0 bytes copied
 
-The store is one allocation in the pool's `weights` region, laid out in the engine's order: fused
-`qkv_proj` (rows q, k, v) and `gate_up_proj` (rows gate, up), embeddings padded to vLLM's multiple of
-64 rows. Every Hugging Face parameter is a contiguous row range of one engine tensor, so the trainer's
-`q_proj.weight` is literally rows [0, q) of the engine's `qkv_proj.weight`. Parameters keep their
-identity (`param.data` is re-pointed), so an optimizer built before sharing keeps working.
+    shared = colo.share_weights(hf_model, llm)     # or: an existing HF model's values go into the engine
+                                                   # once, then its parameters become views of it
+
+The engine's tensors never move: colo.engine.build_llm allocated them in the pool's `weights`
+region while vLLM loaded the model, and compiled code captured them there. Every Hugging Face
+parameter is a contiguous row range of one engine tensor (fused `qkv_proj` rows q, k, v; fused
+`gate_up_proj` rows gate, up; embeddings padded to vLLM's multiple of 64 rows), so the trainer's
+`q_proj.weight` is literally rows [0, q) of the engine's `qkv_proj.weight`. An existing model's
+parameters keep their identity (`param.data` is re-pointed), so an optimizer built before sharing
+keeps working.
 
 When a parameter cannot alias (the trainer's dtype differs from the engine's, or the engine holds a
-tensor-parallel shard), the trainer keeps its own tensor and publish() copies it into the store on
+tensor-parallel shard), the trainer keeps its own tensor and publish() copies it into the engine on
 the pool's copy stream, from a plan made once at share time: same-dtype contiguous pieces as one
 batch of byte copies (`Stream.copy_async`), casts and strided shards as a few large
-`torch._foreach_copy_` buckets.
+`torch._foreach_copy_` buckets. On CPU, where vLLM's GEMM kernels read a packed copy of each linear
+weight, publish() also repacks those copies in place from the shared weights (`bytes_repacked`).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from .engine import engine_model, engine_pool, reset_prefix_cache
+from . import vllm_compat as compat
+from .engine import reset_prefix_cache
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Config fields that change what the same weights compute; parameter shapes cannot reveal them.
 _CONFIG_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
                   "rope_parameters", "rope_theta")
-_ALIGN_BYTES = 256        # each engine tensor starts on a 256-byte boundary in the store
-_REGION_CHUNK = 2 << 20   # region budgets are rounded to the pool's 2 MiB commit chunk
-_WEIGHTS_REGION = "weights"
-
-
-@dataclass
-class _Piece:
-    """One Hugging Face parameter's place in one engine tensor."""
-    hf_name: str
-    rows: tuple[int, int]                   # rows [start, stop) of the engine tensor it fills
-    hf_shape: tuple[int, ...]               # the full shape the engine expects of the HF parameter
-    shard: tuple[int, int, int] | None = None  # (dim, start, stop) of the HF tensor on this rank; None: all
-
-
-@dataclass
-class _EngineTensor:
-    name: str
-    param: torch.nn.Parameter
-    shape: tuple[int, ...]                  # its real shape (prepacked CPU weights are stored as empty)
-    dtype: torch.dtype
-    pieces: list[_Piece]
-    offset: int = 0                         # element offset in the store of its dtype
 
 
 @dataclass
 class _Source:
-    """A validated piece: the HF parameter that feeds it and whether it can alias the store."""
-    tensor: _EngineTensor
-    piece: _Piece
+    """A validated piece: the HF parameter that feeds it and whether it can alias the engine tensor."""
+    tensor: compat.EngineTensor
+    piece: compat.Piece
     param: torch.nn.Parameter
     alias: bool
 
 
 @dataclass
 class SharedWeights:
-    """The result of `share_weights`; call `publish()` after each optimizer step."""
+    """The result of `share_weights` / `shared_model`; call `publish()` after each optimizer step."""
     hf_model: torch.nn.Module
     llm: object
     pool: object
-    stores: dict                            # dtype -> the store tensor in the `weights` region
-    aliased_bytes: int                      # HF bytes that are views of the store (never copied)
+    aliased_bytes: int                      # HF bytes that are views of the engine's tensors (never copied)
     copy_bytes: int                         # bytes publish() copies each time (0 when all alias)
+    packed_bytes: int                       # CPU: weight bytes publish() repacks into vLLM's kernel layouts
+    shared_once_bytes: int                  # bytes share_weights copied from the trainer into the engine
     _copies: "_CopyPlan" = field(repr=False, default=None)        # what publish() copies, planned once
     _watched: list = field(repr=False, default_factory=list)      # [(name, param, data_ptr)]
-    _layout: tuple = field(repr=False, default=())                # where each engine tensor sits in the stores
-    superseded: bool = False                # a later share_weights on the same engine took the store over
+    _repack: list = field(repr=False, default_factory=list)       # compat.CpuLinear whose packed copy goes stale
+    superseded: bool = False                # a later share_weights on the same engine took the weights over
     publish_count: int = 0
 
     def publish(self) -> dict:
         """Make the engine serve the trainer's current weights.
 
         Orders the training stream before inference (copying/casting the non-aliased parameters on
-        the copy stream in between) and resets vLLM's prefix cache, whose KV was computed with the
-        old weights. Returns bytes_copied, seconds, aliased_bytes, copied_tensors, buckets.
+        the copy stream in between), repacks vLLM's CPU kernel copies, and resets vLLM's prefix
+        cache, whose KV was computed with the old weights. Returns bytes_copied, bytes_repacked,
+        seconds, aliased_bytes, copied_tensors, buckets.
         """
         start = time.perf_counter()
         if self.superseded:
@@ -103,10 +91,12 @@ class SharedWeights:
             torch.cuda.current_stream(self.pool.device).wait_stream(infer.torch_stream())
         else:
             ready.synchronize()  # vLLM runs in this thread on the host
+        repacked = _repack(self._repack)
         reset_prefix_cache(self.llm)
         self.publish_count += 1
         return {
             "bytes_copied": self.copy_bytes,
+            "bytes_repacked": repacked,
             "seconds": time.perf_counter() - start,
             "aliased_bytes": self.aliased_bytes,
             "copied_tensors": self._copies.count,
@@ -131,18 +121,39 @@ def check_architecture(arch: str) -> None:
         )
 
 
+def shared_model(llm, dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20) -> SharedWeights:
+    """A Hugging Face model built from the engine's config whose parameters are the engine's own
+    tensors: nothing is read from disk and nothing is copied (in the engine's dtype). Its `.hf_model`
+    is in training mode, ready for an optimizer.
+
+    dtype: the trainer's dtype (default: the engine's). Parameters in another dtype than the
+    engine's cannot alias; they are the engine's values cast once, and publish() casts them back.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(compat.engine_hf_config(llm))
+    for arch in getattr(config, "architectures", None) or ():
+        check_architecture(arch)
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype or compat.engine_dtype(llm))
+    return share_weights(hf_model.train(), llm, bucket_bytes=bucket_bytes)
+
+
 def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes: int = 256 << 20) -> SharedWeights:
     """Make `hf_model` and the in-process engine of `llm` share one copy of the weights.
 
-    hf_model: a transformers causal LM (Llama, Qwen2, Qwen3 families) whose weights the engine will serve
-        (its current values are what the engine serves from now on).
-    llm: a vllm.LLM running in this process (see colo.engine.build_llm).
-    pool: the colo.Pool whose `weights` region holds the store (default: the engine's pool).
-    alias: False keeps every trainer parameter separate and copies in publish() (for comparisons).
+    hf_model: a transformers causal LM (Llama, Qwen2, Qwen3 families). Its current values are what
+        the engine serves from now on: they are written into the engine's tensors once (unless its
+        parameters are on the meta device, as in `shared_model`), then its parameters become views.
+    llm: a vllm.LLM running in this process, built by colo.engine.build_llm. An eager engine built
+        otherwise also works: its weights are first moved into `pool` (default: a new one) and its
+        CPU linears run torch.nn.functional.linear; a compiled one is refused (its compiled code
+        holds the tensors it would lose).
+    alias=False: the trainer keeps its own tensors and publish() copies them (for comparisons).
     bucket_bytes: the size of the copy buckets when parameters cannot alias.
 
-    Sharing an engine again (e.g. with a new model) refills the store it already uses instead of
-    holding two: the earlier SharedWeights can no longer publish, and the earlier model's aliased
+    Sharing an engine again (e.g. with a new model) writes that model's values into the same
+    tensors: the earlier SharedWeights can no longer publish, and the earlier model's aliased
     parameters see the new values. Replacing parameter storage after sharing (model.to(...),
     param.data = ...) breaks the link; publish() detects it and raises.
 
@@ -154,132 +165,50 @@ def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes:
     check_architecture(type(hf_model).__name__)
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-    model = engine_model(llm)
-    engine_dtype = llm.llm_engine.model_config.dtype
-    tensors, linears = _engine_layout(model, engine_dtype)
-    sources = _match(hf_model, tensors, alias=alias)
+    model = compat.engine_model(llm)
+    tensors, linear_modules = compat.engine_layout(model)
+    placement = compat.engine_placement(llm)
+    device = next(t.param.device for t in tensors if t.param.numel())
+    sources = _match(hf_model, tensors, alias=alias, device=device)
     _check_config(hf_model, llm, model)
+    if placement is None and compat.is_compiled(llm):
+        raise RuntimeError("this engine is compiled (torch.compile / CUDA graphs) and was not built by "
+                           "colo.engine.build_llm: its compiled code holds weight tensors colo would have to "
+                           "replace. Build it with colo.engine.build_llm, or with enforce_eager=True")
 
-    # Nothing has changed so far. Allocate and fill the store (new memory only), then re-point.
-    pool = pool if pool is not None else engine_pool(llm)
-    if pool is None:
-        import colo
-
-        pool = colo.Pool(next(model.parameters()).device.type)
-    layout = _plan_stores(tensors)
-    previous = getattr(llm, "colo_shared_weights", None)
-    if previous is not None and previous.pool is pool and previous._layout == layout:
-        stores = previous.stores  # the engine's weights memory already: refill it rather than hold two copies
+    # Nothing has changed so far.
+    if placement is None:
+        pool = pool if pool is not None else _foreign_engine_pool(llm, device)
+        _move_into_pool(pool, tensors, linear_modules)
+        repack = []
     else:
-        stores = _allocate_stores(pool, layout)
-    _fill_stores(pool, stores, tensors, sources, bucket_bytes)
-    for t in tensors:
-        t.param.data = _store_view(stores, t)
-    for module in linears:  # prepacked CPU linears keep a private packed copy; read the shared view instead
-        module.cpu_linear = F.linear
-    for s in sources:
-        if s.alias:
-            s.param.data = _piece_view(stores, s.tensor, s.piece)
-
+        pool = placement.pool
+        repack = [linear for linear in placement.linears if linear.stale_after_update]
+    once = _write_and_alias(hf_model, sources, bucket_bytes, pool)
     copies = [s for s in sources if not s.alias]
     shared = SharedWeights(
-        hf_model=hf_model, llm=llm, pool=pool, stores=stores,
-        aliased_bytes=sum(_nbytes(s.param) for s in sources if s.alias),
-        copy_bytes=sum(_piece_view(stores, s.tensor, s.piece).nbytes for s in copies),
-        _copies=_CopyPlan(stores, copies, bucket_bytes),
+        hf_model=hf_model, llm=llm, pool=pool,
+        aliased_bytes=sum(_piece_view(s.tensor, s.piece).nbytes for s in sources if s.alias),
+        copy_bytes=sum(_piece_view(s.tensor, s.piece).nbytes for s in copies),
+        packed_bytes=sum(linear.packed_bytes for linear in repack),
+        shared_once_bytes=once,
+        _copies=_CopyPlan(copies, bucket_bytes),
         _watched=[(s.piece.hf_name, s.param, s.param.data_ptr()) for s in sources],
-        _layout=layout,
+        _repack=repack,
     )
+    previous = getattr(llm, "colo_shared_weights", None)
     if previous is not None:
         previous.superseded = True
     llm.colo_shared_weights = shared
+    if once:
+        _repack(repack)
     reset_prefix_cache(llm)
     return shared
 
 
-# --- the engine's layout ---------------------------------------------------------------------------
+# --- matching the Hugging Face model against the engine (no mutation) ------------------------------
 
-def _engine_layout(model, engine_dtype):
-    """The engine's tensors in order, each with the HF pieces that fill it, and the CPU linears to re-point."""
-    from vllm.model_executor.layers.linear import (
-        ColumnParallelLinear, LinearBase, ReplicatedLinear, RowParallelLinear,
-    )
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    packed = getattr(model, "packed_modules_mapping", {}) or {}
-    tensors, linears, seen = [], [], set()
-    for module_name, module in model.named_modules():
-        if hasattr(module, "cpu_linear"):
-            linears.append(module)
-        for attr, param in module._parameters.items():
-            if param is None or id(param) in seen:  # a tied LM head is the embedding's own parameter
-                continue
-            seen.add(id(param))
-            name = f"{module_name}.{attr}" if module_name else attr
-            if isinstance(module, LinearBase):
-                if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
-                    raise NotImplementedError(f"{name}: colo cannot share a {type(module).__name__} yet")
-                shape, pieces = _linear_pieces(module, module_name, attr, packed)
-                dtype = engine_dtype  # the CPU sgl kernel keeps biases in fp32; F.linear wants one dtype
-            elif isinstance(module, VocabParallelEmbedding):
-                shape, pieces = _embedding_pieces(module, name)
-                dtype = param.dtype
-            else:  # norms and other unfused parameters: same name and shape on both sides, replicated
-                shape, pieces = tuple(param.shape), [_Piece(name, (0, param.shape[0]) if param.dim() else (0, 1),
-                                                            tuple(param.shape))]
-                dtype = param.dtype
-            if param.numel() and tuple(param.shape) != shape:
-                raise RuntimeError(f"colo misread the engine's layout: {name} is {tuple(param.shape)}, expected {shape}")
-            tensors.append(_EngineTensor(name, param, shape, dtype, pieces))
-    return tensors, linears
-
-
-def _linear_pieces(module, module_name, attr, packed):
-    """The HF parameters behind one (possibly fused, possibly sharded) linear weight or bias."""
-    from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-
-    rows_total = module.output_size_per_partition
-    cols = module.input_size_per_partition
-    shape = (rows_total, cols) if attr == "weight" else (rows_total,)
-    prefix, _, short = module_name.rpartition(".")
-    parts = packed.get(short, [short])
-    sizes = list(module.output_partition_sizes)
-    if len(parts) != len(sizes):
-        raise NotImplementedError(f"{module_name}: {len(sizes)} fused outputs but the mapping names {parts}")
-    tp_rank, tp_size = getattr(module, "tp_rank", 0), getattr(module, "tp_size", 1)
-    pieces, row = [], 0
-    for index, (part, size) in enumerate(zip(parts, sizes)):
-        hf_name = f"{prefix}.{part}.{attr}" if prefix else f"{part}.{attr}"
-        if isinstance(module, ColumnParallelLinear):
-            shards, rank = tp_size, tp_rank
-            if isinstance(module, QKVParallelLinear) and index > 0:  # k and v heads may be replicated across ranks
-                shards, rank = tp_size // module.num_kv_head_replicas, tp_rank // module.num_kv_head_replicas
-            hf_shape = (size * shards, cols) if attr == "weight" else (size * shards,)
-            shard = (0, rank * size, (rank + 1) * size) if shards > 1 else None
-        elif isinstance(module, RowParallelLinear) and attr == "weight":
-            hf_shape = (size, cols * tp_size)
-            shard = (1, tp_rank * cols, (tp_rank + 1) * cols) if tp_size > 1 else None
-        else:  # replicated linear, or the bias of a row-parallel one
-            hf_shape, shard = (size, cols) if attr == "weight" else (size,), None
-        pieces.append(_Piece(hf_name, (row, row + size), hf_shape, shard))
-        row += size
-    return shape, pieces
-
-
-def _embedding_pieces(module, name):
-    idx = module.shard_indices
-    shape = (module.num_embeddings_per_partition, module.embedding_dim)
-    if idx.num_added_elements:
-        raise NotImplementedError(f"{name}: embeddings with added (LoRA) vocabulary are not supported")
-    rows = idx.num_org_elements
-    hf_shape = (module.org_vocab_size, module.embedding_dim)
-    shard = None if rows == module.org_vocab_size else (0, idx.org_vocab_start_index, idx.org_vocab_end_index)
-    return shape, [_Piece(name, (0, rows), hf_shape, shard)]
-
-
-# --- matching the Hugging Face model against it (no mutation) --------------------------------------
-
-def _match(hf_model, tensors, alias: bool) -> list[_Source]:
+def _match(hf_model, tensors, alias: bool, device: torch.device) -> list[_Source]:
     """Check every engine piece against the HF model; the first mismatch raises ValueError naming it."""
     by_name = dict(hf_model.named_parameters(remove_duplicate=False))
     used, sources = {}, []
@@ -298,9 +227,13 @@ def _match(hf_model, tensors, alias: bool) -> list[_Source]:
                                  f"expects {piece.hf_shape} (for {t.name})")
             if not param.dtype.is_floating_point:
                 raise ValueError(f"{piece.hf_name}: dtype {param.dtype} is not a floating-point type")
+            if param.is_meta and piece.shard is not None:
+                raise NotImplementedError(f"{piece.hf_name}: the engine holds a tensor-parallel shard of it, so a "
+                                          "meta-device model cannot be filled from the engine; load the trainer's "
+                                          "model from disk and call colo.share_weights")
             used[id(param)] = piece.hf_name
             can_alias = (alias and piece.shard is None and param.dtype == t.dtype
-                         and param.device == t.param.device)
+                         and (param.is_meta or param.device == device))
             sources.append(_Source(t, piece, param, can_alias))
     for name, param in by_name.items():
         if id(param) not in used:
@@ -314,7 +247,7 @@ def _check_config(hf_model, llm, model) -> None:
     arch = type(hf_model).__name__
     if type(model).__name__ != arch:
         raise ValueError(f"architecture: the Hugging Face model is {arch}, the engine serves {type(model).__name__}")
-    hf_config, engine_config = hf_model.config, llm.llm_engine.model_config.hf_config
+    hf_config, engine_config = hf_model.config, compat.engine_hf_config(llm)
     missing = object()
     for key in _CONFIG_FIELDS:
         mine, theirs = getattr(hf_config, key, missing), getattr(engine_config, key, missing)
@@ -322,57 +255,111 @@ def _check_config(hf_model, llm, model) -> None:
             raise ValueError(f"config.{key}: {mine!r} in the Hugging Face model, {theirs!r} in the engine")
 
 
-# --- the store ------------------------------------------------------------------------------------
+# --- writing the trainer's values and aliasing -----------------------------------------------------
 
-def _plan_stores(tensors) -> tuple:
-    """Place each engine tensor at an aligned offset in the store of its dtype (one store in practice)."""
-    sizes = {}
-    for t in tensors:
-        align = _ALIGN_BYTES // _itemsize(t.dtype)
-        t.offset = -(-sizes.get(t.dtype, 0) // align) * align
-        sizes[t.dtype] = t.offset + _numel(t.shape)
-    return tuple(sorted(sizes.items(), key=str)) + tuple((t.name, t.shape, t.dtype, t.offset) for t in tensors)
+def _write_and_alias(hf_model, sources, bucket_bytes: int, pool) -> int:
+    """Write the trainer's values into the engine (skipped for meta parameters and for views of the
+    engine already), then make aliased parameters views; returns the bytes written."""
+    written = 0
+    replaced = {}  # id(meta parameter) -> the Parameter that replaces it
+    with torch.no_grad():
+        for s in sources:
+            view = _piece_view(s.tensor, s.piece)
+            if s.param.is_meta:
+                replaced[id(s.param)] = torch.nn.Parameter(
+                    view if s.alias else view.to(s.param.dtype, copy=True), requires_grad=s.param.requires_grad)
+            elif s.alias and s.param.data_ptr() != view.data_ptr():
+                view.copy_(s.param)
+                written += view.nbytes
+        unwritten = [s for s in sources if not s.alias and not s.param.is_meta]
+        if unwritten:
+            _CopyPlan(unwritten, bucket_bytes).run(pool).synchronize()
+            written += sum(_piece_view(s.tensor, s.piece).nbytes for s in unwritten)
+    for s in sources:
+        if s.alias and not s.param.is_meta:
+            s.param.data = _piece_view(s.tensor, s.piece)
+    if replaced:
+        _replace_parameters(hf_model, replaced)
+        for s in sources:
+            s.param = replaced.get(id(s.param), s.param)
+    _materialize_buffers(hf_model, sources[0].tensor.param.device)
+    return written
 
 
-def _allocate_stores(pool, layout) -> dict:
-    sizes = {entry[0]: entry[1] for entry in layout if isinstance(entry[0], torch.dtype)}
-    need = sum(-(-n * _itemsize(d) // 4096) * 4096 for d, n in sizes.items())
-    if _WEIGHTS_REGION in pool.regions:
-        region = pool.regions[_WEIGHTS_REGION]
-    else:
-        region = pool.region(_WEIGHTS_REGION, budget=max(_REGION_CHUNK, -(-need // _REGION_CHUNK) * _REGION_CHUNK))
-    return {dtype: region.empty((n,), dtype=dtype) for dtype, n in sizes.items()}
+def _replace_parameters(module: torch.nn.Module, replaced: dict) -> None:
+    """Swap Parameter objects everywhere they are registered (a tied one in two modules)."""
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None and id(param) in replaced:
+                sub._parameters[name] = replaced[id(param)]
 
 
-def _fill_stores(pool, stores, tensors, sources, bucket_bytes) -> None:
-    """Write the trainer's current values (and the engine's vocabulary padding rows) into the store."""
-    _CopyPlan(stores, sources, bucket_bytes).run(pool).synchronize()
-    for t in tensors:  # rows after the last piece are vLLM's vocabulary padding: keep the engine's
-        covered = t.pieces[-1].rows[1]
-        if not t.shape or covered >= t.shape[0]:
+def _materialize_buffers(hf_model, device) -> None:
+    """A meta-device model's buffers (rotary frequencies) computed for real, as transformers does when
+    it loads a checkpoint onto the meta device."""
+    for module in hf_model.modules():
+        meta = [name for name, b in module._buffers.items() if b is not None and b.is_meta]
+        if not meta:
             continue
-        padding, old = _store_view(stores, t)[covered:], t.param.detach()
-        if tuple(old.shape) == t.shape:
-            padding.copy_(old[covered:])
-        else:
-            padding.zero_()
+        if "RotaryEmbedding" not in type(module).__name__:
+            raise NotImplementedError(f"{type(module).__name__} has buffers colo cannot compute on the meta device "
+                                      f"({meta}); load the trainer's model from disk and call colo.share_weights")
+        for name in meta:
+            module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
+        hf_model._init_weights(module)
+
+
+def _foreign_engine_pool(llm, device):
+    import colo
+
+    return colo.Pool(device)
+
+
+def _move_into_pool(pool, tensors, linear_modules) -> None:
+    """An engine colo did not build: move its parameters into the pool's weights region (one copy,
+    parameter identity kept) and let its CPU linears read them through F.linear, since their packed
+    copies (and, for packed layers, the weights themselves) are gone. Only for eager engines."""
+    from .placement import adopt_into
+
+    region = pool.regions.get(compat.WEIGHTS_REGION)
+    if region is None:
+        need = sum(_numel(t.shape) * t.dtype.itemsize + 512 for t in tensors)
+        granularity = pool.granularity
+        region = pool.region(compat.WEIGHTS_REGION, budget=-(-need // granularity) * granularity)
+    linear_weight_dtypes = {id(m.bias): m.weight.dtype for m in linear_modules if getattr(m, "bias", None) is not None}
+    for t in tensors:
+        if t.param.numel() == 0 or t.param.dtype != linear_weight_dtypes.get(id(t.param), t.param.dtype):
+            # Emptied by a packing kernel (filled from the trainer below), or a bias the sgl kernel
+            # made fp32: F.linear wants the weight's dtype.
+            dtype = linear_weight_dtypes.get(id(t.param), t.param.dtype)
+            old = t.param.detach()
+            t.param.data = region.empty(t.shape, dtype)
+            if old.numel():
+                t.param.data.copy_(old)
+            else:
+                t.param.data.zero_()
+    adopt_into(region, [t.param for t in tensors])
+    for module in linear_modules:
+        module.cpu_linear = F.linear
+
+
+def _repack(linears) -> int:
+    return sum(linear.repack() for linear in linears)
 
 
 class _CopyPlan:
-    """Copies from trainer tensors into store pieces, grouped once so that running them is a few calls:
-    same-dtype contiguous pairs as one batch of byte copies, the rest (casts, strided tensor-parallel
-    shards) as `torch._foreach_copy_` buckets of about `bucket_bytes`."""
+    """Copies from trainer tensors into engine pieces, grouped once so that running them is a few
+    calls: same-dtype contiguous pairs as one batch of byte copies, the rest (casts, strided
+    tensor-parallel shards) as `torch._foreach_copy_` buckets of about `bucket_bytes`."""
 
-    def __init__(self, stores, sources, bucket_bytes: int):
+    def __init__(self, sources, bucket_bytes: int):
         self.byte_pairs, self.cast_buckets = [], []
         dsts, srcs, size = [], [], 0
         for s in sources:
-            dst, src = _piece_view(stores, s.tensor, s.piece), s.param.detach()
+            dst, src = _piece_view(s.tensor, s.piece), s.param.detach()
             if s.piece.shard is not None:
                 dim, begin, end = s.piece.shard
                 src = src.narrow(dim, begin, end - begin)
-            if src.data_ptr() == dst.data_ptr() and src.dtype == dst.dtype and src.stride() == dst.stride():
-                continue  # already the store itself (the same model shared again)
             if src.dtype == dst.dtype and src.is_contiguous() and src.device == dst.device:
                 self.byte_pairs.append((dst, src))
                 continue
@@ -387,28 +374,28 @@ class _CopyPlan:
         self.count = len(self.byte_pairs) + sum(len(d) for d, _ in self.cast_buckets)
         self.batches = int(bool(self.byte_pairs)) + len(self.cast_buckets)
 
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every (engine piece, trainer tensor) this plan copies."""
+        return self.byte_pairs + [pair for dsts, srcs in self.cast_buckets for pair in zip(dsts, srcs)]
+
     def run(self, pool, after=None):
         """Enqueue the copies on the pool's copy stream (after event `after`); returns the copy stream's event."""
-        copy = pool.stream("copy")
+        copy_stream = pool.stream("copy")
         if after is not None:
-            copy.wait(after)
+            copy_stream.wait(after)
         if self.byte_pairs:
-            copy.copy_async(self.byte_pairs)
+            copy_stream.copy_async(self.byte_pairs)
         if self.cast_buckets:
             if pool.device.type != "cuda" and after is not None:
                 after.synchronize()  # host: the casts run in this thread, so wait for training's work here
-            with _torch_stream(copy):
+            with _torch_stream(copy_stream):
                 for dsts, srcs in self.cast_buckets:
                     torch._foreach_copy_(dsts, srcs)
-        return copy.record()
+        return copy_stream.record()
 
 
-def _store_view(stores, t: _EngineTensor) -> torch.Tensor:
-    return stores[t.dtype][t.offset:t.offset + _numel(t.shape)].view(t.shape)
-
-
-def _piece_view(stores, t: _EngineTensor, piece: _Piece) -> torch.Tensor:
-    view = _store_view(stores, t)
+def _piece_view(t: compat.EngineTensor, piece: compat.Piece) -> torch.Tensor:
+    view = t.param.detach()
     if not t.shape:
         return view
     return view[piece.rows[0]:piece.rows[1]]
@@ -428,11 +415,3 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _itemsize(dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

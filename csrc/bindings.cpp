@@ -183,6 +183,7 @@ PYBIND11_MODULE(_C, m) {
       .def("sleep", &Region::sleep, py::arg("offload") = false, py::call_guard<py::gil_scoped_release>())
       .def("wake", &Region::wake, py::call_guard<py::gil_scoped_release>())
       .def("trim", &Region::trim, py::call_guard<py::gil_scoped_release>())
+      .def("set_budget", &Region::set_budget, py::arg("bytes"))
       .def("stats", [](const Region& r) { return stats_dict(r.stats()); });
 
   m.def("set_current_region", &set_current_region, py::arg("device"), py::arg("region"));

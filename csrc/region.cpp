@@ -92,7 +92,7 @@ std::string Region::describe_request(size_t bytes) const {
   return "region '" + name_ + "' cannot allocate " + human(bytes) + " (" + std::to_string(bytes) + " bytes): " +
          human(blocks_.allocated_bytes()) + " allocated of a " + human(budget_) + " budget, " +
          human(budget_ - std::min(budget_, blocks_.allocated_bytes())) + " free (largest free block " +
-         human(std::min(blocks_.largest_free_block(), budget_)) + ")";
+         human(std::min(blocks_.largest_free_block(), budget_ - std::min(budget_, blocks_.allocated_bytes()))) + ")";
 }
 
 void Region::add_live(size_t offset, size_t bytes, bool add) {
@@ -101,6 +101,18 @@ void Region::add_live(size_t offset, size_t bytes, bool add) {
     size_t lo = std::max(offset, c * chunk_bytes_), hi = std::min(end, (c + 1) * chunk_bytes_);
     if (add) chunk_live_bytes_[c] += hi - lo; else chunk_live_bytes_[c] -= hi - lo;
   }
+}
+
+bool Region::overlaps(size_t chunk, size_t offset, size_t bytes) const {
+  return chunk * chunk_bytes_ < offset + bytes && offset < chunk * chunk_bytes_ + chunk_size(chunk);
+}
+
+size_t Region::uncommitted_bytes_in(size_t offset, size_t bytes) const {
+  size_t total = 0;
+  for (size_t c = chunk_of(offset); c * chunk_bytes_ < offset + bytes; ++c) {
+    if (!chunk_committed_[c]) total += chunk_size(c);
+  }
+  return total;
 }
 
 void Region::commit_chunks_for(size_t offset, size_t bytes) {
@@ -148,6 +160,20 @@ void* Region::allocate(size_t bytes) {
   if (blocks_.allocated_bytes() + need > budget_) throw OutOfMemory(describe_request(bytes));
   auto offset = blocks_.allocate(need);
   if (!offset) throw OutOfMemory(describe_request(bytes));
+  size_t commit_limit = round_up(budget_, backend_->granularity());
+  if (committed_bytes_ + uncommitted_bytes_in(*offset, need) > commit_limit) {
+    // Only after set_budget lowered the budget below the reservation: give back committed chunks
+    // that hold nothing (free() keeps them as a cache) before refusing.
+    stop_prefault();
+    backend_->synchronize_device();
+    for (size_t c = 0; c < chunk_committed_.size(); ++c) {
+      if (chunk_committed_[c] && chunk_live_bytes_[c] == 0 && !overlaps(c, *offset, need)) release_chunk(c);
+    }
+    if (committed_bytes_ + uncommitted_bytes_in(*offset, need) > commit_limit) {
+      blocks_.free(*offset);
+      throw OutOfMemory(describe_request(bytes) + "; committing it would exceed the budget");
+    }
+  }
   try {
     commit_chunks_for(*offset, need);
   } catch (const OutOfMemory& e) {
@@ -284,6 +310,17 @@ void Region::trim() {
   for (size_t c = 0; c < chunk_committed_.size(); ++c) {
     if (chunk_committed_[c] && chunk_live_bytes_[c] == 0) release_chunk(c);
   }
+}
+
+void Region::set_budget(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  COLO_EXPECTS(bytes > 0 && bytes <= virtual_bytes_, InvalidArgument,
+               "region '" + name_ + "' budget must be in [1, " + std::to_string(virtual_bytes_) +
+                   "] bytes (its reservation), got " + std::to_string(bytes));
+  COLO_EXPECTS(bytes >= blocks_.allocated_bytes() && bytes >= committed_bytes_, InvalidArgument,
+               "region '" + name_ + "' cannot shrink its budget to " + human(bytes) + ": " +
+                   human(blocks_.allocated_bytes()) + " allocated, " + human(committed_bytes_) + " committed");
+  budget_ = bytes;
 }
 
 bool Region::asleep() const {

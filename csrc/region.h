@@ -59,6 +59,10 @@ class Region : public std::enable_shared_from_this<Region> {
   void wake();
   // Release committed chunks that hold no live allocation, and a kept offload buffer.
   void trim();
+  // Change the budget (e.g. fit it to what a model's load left committed, so the rest of the pool
+  // is free for others). At least the committed and allocated bytes, at most the reservation; from
+  // then on committed memory stays within the new budget rounded up to the granularity.
+  void set_budget(size_t bytes);
 
   RegionStats stats() const;
   bool asleep() const;
@@ -72,6 +76,8 @@ class Region : public std::enable_shared_from_this<Region> {
   size_t chunk_of(size_t offset) const { return offset / chunk_bytes_; }
   size_t chunk_size(size_t chunk) const { return std::min(chunk_bytes_, virtual_bytes_ - chunk * chunk_bytes_); }
   void commit_chunks_for(size_t offset, size_t bytes);   // commit uncommitted chunks overlapping
+  size_t uncommitted_bytes_in(size_t offset, size_t bytes) const;  // what commit_chunks_for would add
+  bool overlaps(size_t chunk, size_t offset, size_t bytes) const;
   void add_live(size_t offset, size_t bytes, bool add);  // per-chunk live byte counts
   void commit_chunk(size_t chunk);
   void release_chunk(size_t chunk);

@@ -11,6 +11,7 @@ test may use (tests must not assume its weights: colo.share_weights re-points th
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -65,15 +66,22 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def build_engine():
-    """Factory: build_engine(model_dir, dtype="float32", pool=None, **llm_kwargs) -> a new in-process
-    vllm.LLM (colo.engine.build_llm) with a 16 MiB KV cache in a fresh colo.Pool."""
-    from colo.engine import build_llm
+    """Factory: build_engine(model_dir, dtype="float32", pool=None, kernel=None, **llm_kwargs) -> a new
+    in-process vllm.LLM (colo.engine.build_llm) with a 16 MiB KV cache in a fresh colo.Pool.
 
-    def build(model_dir, dtype="float32", pool=None, **llm_kwargs):
+    Eager unless the test passes enforce_eager=False (compiling adds seconds per engine; the tests
+    about compiled engines ask for it). kernel: force vLLM's CPU GEMM choice ("sgl", "onednn",
+    "plain"; see colo.vllm_compat.forced_cpu_gemm), so one CPU kind covers the others' paths."""
+    from colo.engine import build_llm
+    from colo.vllm_compat import forced_cpu_gemm
+
+    def build(model_dir, dtype="float32", pool=None, kernel=None, **llm_kwargs):
         llm_kwargs.setdefault("kv_cache_bytes", 16 << 20)
         llm_kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
         llm_kwargs.setdefault("skip_tokenizer_init", True)
-        return build_llm(model_dir, pool, dtype=dtype, seed=0, **llm_kwargs)
+        llm_kwargs.setdefault("enforce_eager", True)
+        with forced_cpu_gemm(kernel) if kernel else contextlib.nullcontext():
+            return build_llm(model_dir, pool, dtype=dtype, seed=0, **llm_kwargs)
 
     return build
 

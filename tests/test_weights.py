@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import gc
 import os
 import subprocess
 import sys
@@ -10,8 +9,6 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.multiprocessing.reductions import StorageWeakRef
 
 import colo
 from colo.engine import engine_model
@@ -74,20 +71,23 @@ def test_publish_matches_a_fresh_engine_from_save_pretrained(case, tmp_path, tin
     torch.testing.assert_close(served_after, prompt_logprobs(fresh), atol=tol, rtol=0)
 
 
-def test_one_copy_of_the_weights_lives_in_the_weights_region(tiny_model_dir, build_engine):
+def test_shared_model_is_a_view_of_the_engine_tensors_which_never_move(tiny_model_dir, build_engine,
+                                                                         prompt_logprobs):
     pool = colo.Pool("cpu")
     path = tiny_model_dir("qwen2", vocab_size=1000, tie_word_embeddings=True)
     llm = build_engine(path, pool=pool)
-    hf = load_hf_model(path)
     model = engine_model(llm)
-    duplicates = [StorageWeakRef(p.untyped_storage()) for p in list(hf.parameters()) + list(model.parameters())
-                  if p.numel()]
-    shared = colo.share_weights(hf, llm)
+    addresses = {name: p.data_ptr() for name, p in model.named_parameters()}
+    served = prompt_logprobs(llm)
     weights = pool.regions["weights"]
-    gc.collect()
-    assert all(ref.expired() for ref in duplicates), "the models' previous copies of the weights must be freed"
+    allocated = weights.stats()["allocated_bytes"]
 
-    for name, param in list(hf.named_parameters()) + list(model.named_parameters()):
+    shared = colo.shared_model(llm)
+    hf = shared.hf_model
+    assert shared.shared_once_bytes == 0 and shared.copy_bytes == 0
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == addresses, "engine tensors moved"
+    assert weights.stats()["allocated_bytes"] == allocated, "sharing allocated weights"
+    for name, param in hf.named_parameters():
         assert weights.contains(param), f"{name} is outside the weights region"
     # HF q/k/v and gate/up are consecutive row ranges of the engine's fused tensors.
     attn, mlp = hf.model.layers[0].self_attn, hf.model.layers[0].mlp
@@ -101,23 +101,75 @@ def test_one_copy_of_the_weights_lives_in_the_weights_region(tiny_model_dir, bui
     assert tuple(model.model.embed_tokens.weight.shape) == (1024, 128)
     assert hf.model.embed_tokens.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert hf.lm_head.weight is hf.model.embed_tokens.weight
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    # Prepacked CPU linears were re-pointed: no private packed copy remains.
-    linears = [m for m in model.modules() if hasattr(m, "cpu_linear")]
-    assert linears and all(m.cpu_linear is F.linear for m in linears)
-    # One copy: the region holds the engine's tensors (with alignment), not two models' worth.
-    engine_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert engine_bytes <= weights.stats()["allocated_bytes"] <= engine_bytes + 64 * 256 + 4096
     assert shared.aliased_bytes == sum(p.numel() * p.element_size() for p in hf.parameters())
+    assert hf.training and all(p.requires_grad for p in hf.parameters())
+    # The trainer's model computes what the engine serves (its rotary buffers were computed, not loaded).
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(input_ids=ids).logits[0].double(), -1)
+    expected = logp[torch.arange(len(PROMPTS[0]) - 1), ids[0, 1:]]
+    torch.testing.assert_close(served[:len(expected)], expected, atol=1e-4, rtol=0)
 
-    # Sharing the engine again refills the same store; the earlier handle can no longer publish.
-    allocated = weights.stats()["allocated_bytes"]
-    again = colo.share_weights(load_hf_model(path), llm)
-    assert weights.stats()["allocated_bytes"] == allocated
-    assert again.stores[torch.float32].data_ptr() == shared.stores[torch.float32].data_ptr()
+    # Sharing a loaded model writes its values into the same tensors; the earlier handle is superseded.
+    loaded = load_hf_model(tiny_model_dir("qwen2", vocab_size=1000, tie_word_embeddings=True, seed=1))
+    again = colo.share_weights(loaded, llm)
+    assert again.shared_once_bytes == again.aliased_bytes > 0
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == addresses
+    assert hf.model.embed_tokens.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    torch.testing.assert_close(hf.model.norm.weight, loaded.model.norm.weight, atol=0, rtol=0)
     with pytest.raises(RuntimeError, match="later colo.share_weights"):
         shared.publish()
     assert again.publish()["bytes_copied"] == 0
+
+
+RSS_SCRIPT = """
+import gc, os, sys, torch
+import colo
+from colo.engine import build_llm
+from colo.vllm_compat import forced_cpu_gemm
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+path, how = sys.argv[1], sys.argv[2]
+with forced_cpu_gemm("plain"):  # no kernel-private packed copies: the weights are the only copy
+    llm = build_llm(path, colo.Pool("cpu"), dtype="float32", kv_cache_bytes=4 << 20, max_model_len=256,
+                    skip_tokenizer_init=True, enforce_eager=True)
+weight_bytes = colo.engine.weights_region(llm).stats()["allocated_bytes"]
+gc.collect()
+before = rss()
+if how == "shared_model":
+    model = colo.shared_model(llm).hf_model
+else:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+with torch.no_grad():  # touch every weight, as training does (transformers may map the file lazily)
+    sum(float(p.sum()) for p in model.parameters())
+gc.collect()
+print(f"RESULT {weight_bytes} {rss() - before}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["shared_model", "from_pretrained"])
+def test_the_trainer_model_adds_no_copy_of_the_weights(how, tmp_path, tiny_model_dir):
+    """Measured RSS: colo.shared_model adds nothing, where loading the trainer's own model adds a
+    second copy (the control, showing the measurement can see one)."""
+    path = tiny_model_dir("llama", vocab_size=32000, tie_word_embeddings=False, hidden_size=256,
+                          intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    script = tmp_path / "rss.py"
+    script.write_text(RSS_SCRIPT)
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
+    done = subprocess.run([sys.executable, str(script), str(path), how], capture_output=True, text=True,
+                          timeout=300, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    weight_bytes, grown = map(int, lines[0].split()[1:])
+    assert weight_bytes > 40 << 20
+    if how == "shared_model":
+        assert grown < 0.1 * weight_bytes, (grown, weight_bytes)
+    else:
+        assert grown > 0.9 * weight_bytes, (grown, weight_bytes)
 
 
 @pytest.mark.parametrize("make_optimizer", [
@@ -207,6 +259,55 @@ def test_bad_model_is_refused_and_the_engine_keeps_serving(bad, known_engine, pr
         assert after[name][0] is param and after[name][1] == ptr and after[name][2] == shape, name
     assert {n: m.cpu_linear for n, m in model.named_modules() if hasattr(m, "cpu_linear")} == linears_before
     torch.testing.assert_close(prompt_logprobs(known_engine), before, atol=0, rtol=0)
+
+
+@pytest.fixture
+def foreign_engine():
+    """Factory: foreign_engine(path, enforce_eager) -> a vllm.LLM built the stock way, not by colo (in
+    this process: conftest disables multiprocessing). Released after the test: collected later, its
+    shutdown would tear down vLLM's process groups under whichever engine is running then."""
+    from vllm import LLM
+
+    from colo.engine import release_llm
+
+    built = []
+
+    def build(path, enforce_eager: bool):
+        built.append(LLM(model=str(path), dtype="float32", seed=0, max_model_len=256, skip_tokenizer_init=True,
+                         kv_cache_memory_bytes=16 << 20, enforce_eager=enforce_eager))
+        return built[-1]
+
+    yield build
+    for llm in built:
+        release_llm(llm)
+
+
+def test_an_eager_engine_colo_did_not_build_is_moved_into_a_pool_and_shared(tmp_path, tiny_model_dir, build_engine,
+                                                                             foreign_engine, prompt_logprobs):
+    path = tiny_model_dir("qwen2", vocab_size=1000, tie_word_embeddings=False)
+    llm = foreign_engine(path, enforce_eager=True)
+    hf = load_hf_model(path)
+    optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-2)
+    pool = colo.Pool("cpu")
+    shared = colo.share_weights(hf, llm, pool=pool)
+    for name, param in engine_model(llm).named_parameters():
+        assert pool.regions["weights"].contains(param), name
+    train_steps(hf, optimizer)
+    assert shared.publish()["bytes_copied"] == 0
+    hf.save_pretrained(tmp_path / "updated")
+    torch.testing.assert_close(prompt_logprobs(llm), prompt_logprobs(build_engine(tmp_path / "updated")),
+                               atol=1e-4, rtol=0)
+
+
+def test_a_compiled_engine_colo_did_not_build_is_refused_unchanged(tiny_model_dir, foreign_engine, prompt_logprobs):
+    path = tiny_model_dir("qwen2", vocab_size=1000, tie_word_embeddings=False)
+    llm = foreign_engine(path, enforce_eager=False)
+    before = prompt_logprobs(llm)
+    addresses = [p.data_ptr() for p in engine_model(llm).parameters()]
+    with pytest.raises(RuntimeError, match="colo.engine.build_llm"):
+        colo.share_weights(load_hf_model(path), llm)
+    assert [p.data_ptr() for p in engine_model(llm).parameters()] == addresses
+    torch.testing.assert_close(prompt_logprobs(llm), before, atol=0, rtol=0)
 
 
 def test_bad_arguments_are_refused(tiny_model_dir, tiny_engine):

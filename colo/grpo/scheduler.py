@@ -29,7 +29,6 @@ import torch
 
 import colo
 
-from .. import engine as colo_engine
 from ..weights import check_architecture
 from . import distributed as D
 from .batch import pack
@@ -78,11 +77,18 @@ class GRPOScheduler:
         torch.manual_seed(self.config.seed + self.world.rank)
 
         self.pool = colo.Pool(self.device, capacity=pool_capacity)
-        self.model = self._load_model()
+        self._check_model_dir()
+        # The engine first: vLLM loads the weights into the pool, and the trainer's model is a view of them.
+        self.engine = RolloutEngine(self.model_dir, self.pool, seed=self.config.seed,
+                                    max_num_seqs=self._sequences_per_rank(),
+                                    sequence_tokens=self._longest_sequence(), **(engine_options or {}))
+        self.model = self.engine.hf_model
         self.reference = self._frozen_copy(self.model) if self.config.beta > 0 else None
         params = [p for p in self.model.parameters() if p.requires_grad]
-        # Exact budgets for gradients and optimizer state first; the KV cache takes what is left
-        # beside the regions awake while generating.
+        # The training memory gets exact budgets beside the weights while the KV cache sleeps (they
+        # time-share the pool), and sleeps itself before the first generation wakes the KV cache.
+        if self.config.memory_phases:
+            self.engine.sleep_kv_cache()
         offload = self.config.offload_optimizer
         self.memory = TrainingMemory(self.pool, params, optimizer_state_bytes=adam_state_bytes(params),
                                      offload_optimizer=self.device.type == "cuda" if offload is None else offload)
@@ -92,10 +98,7 @@ class GRPOScheduler:
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
         if self.config.memory_phases:
-            self.memory.sleep_for_generation()  # first, so the KV cache may use their bytes
-        self.engine = RolloutEngine(self.model_dir, self.model, self.pool, seed=self.config.seed,
-                                    max_num_seqs=self._sequences_per_rank(),
-                                    sequence_tokens=self._longest_sequence(), **(engine_options or {}))
+            self.memory.sleep_for_generation()
         self.step = 0
         if resume_state is not None:
             self._restore(resume_state)
@@ -107,14 +110,15 @@ class GRPOScheduler:
         self._unsafe_to_save = False  # True while weights are being changed
 
     # -- set-up ------------------------------------------------------------------------------------
-    def _load_model(self):
-        from transformers import AutoModelForCausalLM
+    def _check_model_dir(self) -> None:
+        """Refuse a missing model or an architecture colo cannot share before any engine starts."""
+        import json
 
-        if not (self.model_dir / "config.json").is_file():
+        config = self.model_dir / "config.json"
+        if not config.is_file():
             raise FileNotFoundError(f"no Hugging Face model at {self.model_dir} (config.json missing)")
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        check_architecture(type(model).__name__)  # before an engine starts, not after
-        return model.to(self.device).train()
+        for arch in json.loads(config.read_text()).get("architectures") or ():
+            check_architecture(arch)
 
     @staticmethod
     def _frozen_copy(model):
@@ -187,8 +191,8 @@ class GRPOScheduler:
         first_index = self.world.rank * len(prompts)
         with self.timeline.span("generate", step=step) as span:
             switch = time.perf_counter()
-            if self.engine.kv_region.asleep:
-                colo_engine.wake_kv_cache(self.engine.llm)  # also forgets prefixes whose KV was lost
+            if self.engine.kv_cache_asleep:
+                self.engine.wake_kv_cache()  # also forgets prefixes whose KV was lost
             record["phase_switch_s"] = time.perf_counter() - switch
             error = None
             try:
@@ -287,7 +291,7 @@ class GRPOScheduler:
         with self.timeline.span("train", step=step) as span:
             switch = time.perf_counter()
             if cfg.memory_phases:
-                self.engine.kv_region.sleep(offload=False)
+                self.engine.sleep_kv_cache()
             self.memory.wake_for_training()  # optimizer state starts coming back on the copy stream
             record["phase_switch_s"] += time.perf_counter() - switch
             self.timeline.counter("resident_bytes", self._resident())
@@ -436,8 +440,8 @@ class GRPOScheduler:
         sleeps first; its contents are disposable between steps and the next generate phase wakes it."""
         asleep = self.memory.optimizer_region.asleep
         if asleep:
-            if self.memory.optimizer_region.budget > self.pool.unbudgeted_bytes and not self.engine.kv_region.asleep:
-                self.engine.kv_region.sleep(offload=False)
+            if self.memory.optimizer_region.budget > self.pool.unbudgeted_bytes and not self.engine.kv_cache_asleep:
+                self.engine.sleep_kv_cache()
             self.memory.finish_prefetch()  # wakes and copies back
         try:
             yield

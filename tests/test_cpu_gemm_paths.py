@@ -1,0 +1,73 @@
+"""Every CPU GEMM kernel vLLM may pick, forced on this machine, with fp32 and bf16 engines, compiled as
+vLLM runs by default: the trainer shares the engine's weights, trains, publishes, and the engine
+then serves exactly what a fresh engine built from the saved weights serves on the same kernel.
+
+vLLM picks per layer and CPU kind (colo.vllm_compat.forced_cpu_gemm): AMX machines take sgl-kernel
+for small bf16 weights and oneDNN for the rest, AVX2 and AVX-512 machines oneDNN, and F.linear
+("plain") when neither applies. Forcing each here covers the other machine kinds in CI. The sgl
+kernels exist only in vLLM's AVX-512-BF16 build, so on an AVX2-only CPU that case cannot run: it
+is skipped there with the reason, and runs on every AVX-512-BF16 or AMX machine.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import colo
+from colo.engine import cpu_kernels, engine_model
+from colo.vllm_compat import sgl_unavailable_reason
+from conftest import PROMPTS
+
+pytestmark = pytest.mark.slow
+
+# (kernel forced, engine dtype) -> the kernels vLLM then uses (sgl never takes fp32: oneDNN does)
+CASES = {
+    ("sgl", "bfloat16"): {"sgl"}, ("sgl", "float32"): {"onednn"},
+    ("onednn", "bfloat16"): {"onednn"}, ("onednn", "float32"): {"onednn"},
+    ("plain", "bfloat16"): {"plain"}, ("plain", "float32"): {"plain"},
+}
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+def greedy_tokens(llm):
+    from vllm import SamplingParams
+
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS],
+                           SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.mark.parametrize("kernel,dtype", list(CASES), ids=[f"{k}-{d}" for k, d in CASES])
+def test_compiled_engine_serves_the_trained_weights_on_every_kernel(kernel, dtype, tmp_path, tiny_model_dir,
+                                                                   build_engine, prompt_logprobs):
+    if kernel == "sgl" and sgl_unavailable_reason():
+        pytest.skip(sgl_unavailable_reason())
+    path = tiny_model_dir("qwen2", vocab_size=1000, tie_word_embeddings=True)  # q/k/v biases: sgl makes them fp32
+    llm = build_engine(path, dtype=dtype, kernel=kernel, enforce_eager=False)
+    assert set(cpu_kernels(llm)) == CASES[kernel, dtype]
+    addresses = {name: p.data_ptr() for name, p in engine_model(llm).named_parameters()}
+    before = prompt_logprobs(llm)
+
+    shared = colo.shared_model(llm)
+    hf = shared.hf_model
+    optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        ids = torch.randint(0, 1000, (2, 12), generator=generator)
+        hf(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        report = shared.publish()
+        packed = kernel != "plain"
+        assert (report["bytes_repacked"] > 0) == packed
+        # Biases the sgl kernel keeps in fp32 cannot alias a bf16 trainer: they, and only they, are copied.
+        assert report["bytes_copied"] == (sum(p.numel() * 4 for n, p in hf.named_parameters() if n.endswith("bias"))
+                                          if kernel == "sgl" and dtype == "bfloat16" else 0)
+    assert {name: p.data_ptr() for name, p in engine_model(llm).named_parameters()} == addresses
+    served = prompt_logprobs(llm)
+    assert (served - before).abs().max() > 0.1, "the update should change what the engine serves"
+
+    hf.save_pretrained(tmp_path / "trained")
+    fresh = build_engine(tmp_path / "trained", dtype=dtype, kernel=kernel, enforce_eager=False)
+    assert greedy_tokens(llm) == greedy_tokens(fresh)
+    torch.testing.assert_close(served, prompt_logprobs(fresh), atol=TOLERANCE[dtype], rtol=0)
