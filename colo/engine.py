@@ -70,6 +70,9 @@ def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_byt
         llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
     if kv_cache_bytes is not None:
         llm_kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+    if pool.device.type == "cuda" and "gpu_memory_utilization" not in llm_kwargs:
+        free, total = torch.cuda.mem_get_info(pool.device)
+        llm_kwargs["gpu_memory_utilization"] = compat.startup_memory_fraction(free, total)
     if max_model_len is not None:
         llm_kwargs["max_model_len"] = max_model_len
 
@@ -80,6 +83,7 @@ def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_byt
     with _patched_env(env), compat.placing(placement) as worker_cls:
         llm = vllm.LLM(model=path, dtype=dtype, seed=seed, enforce_eager=enforce_eager, worker_cls=worker_cls,
                        **llm_kwargs)
+    compat.keep_process_groups(llm)  # several engines share them in one process (rebuilds, comparisons)
     if compat.KV_CACHE_REGION in pool.regions:  # models without attention layers have no KV cache to guard
         _refuse_work_while_kv_asleep(llm, pool.regions[compat.KV_CACHE_REGION])
     return llm

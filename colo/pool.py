@@ -51,7 +51,8 @@ def _parse_device(device) -> torch.device:
         if not torch.backends.cuda.is_built():  # a GPU machine with a CPU-only torch wheel
             raise ValueError(f"colo.Pool({str(device)!r}): the NVIDIA driver is present but torch {torch.__version__} "
                              "was built without CUDA; install a CUDA build of torch")
-        dev = torch.device("cuda", dev.index if dev.index is not None else 0)
+        # "cuda" is the current device, as everywhere in torch: under torchrun each rank's own.
+        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
     return dev
 
 
@@ -270,6 +271,12 @@ def _check_shape(shape) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def torch_outside_bytes(reserved_now: int, reserved_at_start: int, routed_to_regions: int) -> int:
+    """What torch's CUDA caching allocator holds beyond what it held when a pool was made, less the
+    segments it took from colo's regions through MemPools (those are the regions' own bytes)."""
+    return max(0, reserved_now - reserved_at_start - routed_to_regions)
+
+
 class Pool:
     """One memory pool per device, carved into named regions.
 
@@ -288,6 +295,7 @@ class Pool:
         if self.device.type == "cuda":
             self._backend = _C.make_cuda_backend(self.device.index)
             default_capacity = torch.cuda.mem_get_info(self.device)[0] if capacity is None else None
+            self._torch_reserved_at_start = torch.cuda.memory_reserved(self.device)
         else:
             self._backend = _C.make_host_backend(host_backend)
             default_capacity = _physical_memory_bytes() if capacity is None else None
@@ -316,12 +324,25 @@ class Pool:
         """Capacity not promised to an awake region: what a new region, or one waking, may have."""
         return self._awake_headroom()
 
+    @property
+    def outside_bytes(self) -> int:
+        """Memory this pool's device gave others since the pool was made, which its capacity must
+        leave room for: on CUDA what torch's caching allocator took outside colo's regions
+        (activations, the trainer's temporaries, its cached blocks); 0 on the host, where the
+        capacity is a plain promise about RAM (the OS accounts for everything else)."""
+        if self.device.type != "cuda":
+            return 0
+        routed = sum(self._regions[name].stats()["allocated_bytes"] for name in self._torch_pools)
+        return torch_outside_bytes(torch.cuda.memory_reserved(self.device), self._torch_reserved_at_start, routed)
+
     def _awake_headroom(self, exclude: Region | None = None) -> int:
-        return self.capacity - sum(r.budget for r in self._regions.values() if r is not exclude and not r.asleep)
+        awake = sum(r.budget for r in self._regions.values() if r is not exclude and not r.asleep)
+        return self.capacity - awake - self.outside_bytes
 
     def _describe_awake(self, exclude: Region | None = None) -> str:
         awake = [f"{r.name}={r.budget}" for r in self._regions.values() if r is not exclude and not r.asleep]
-        return ", ".join(awake) or "none"
+        outside = self.outside_bytes
+        return ", ".join(awake + ([f"outside the regions={outside}"] if outside else [])) or "none"
 
     def region(self, name: str, budget: int | None = None, *, chunk_bytes: int | None = None) -> Region:
         """The region called `name`, created on first use with `budget` bytes (None: what is left)."""
@@ -394,8 +415,10 @@ class Pool:
     def _torch_pool(self, name: str):
         if name not in self._torch_pools:
             allocator = torch.cuda.memory.CUDAPluggableAllocator(_C.__file__, "colo_torch_alloc", "colo_torch_free")
-            self._torch_pools[name] = torch.cuda.MemPool(allocator.allocator())
-        return self._torch_pools[name]
+            # The MemPool holds only the raw allocator; the Python object owns the loaded entry points,
+            # so it lives as long as the MemPool does.
+            self._torch_pools[name] = (allocator, torch.cuda.MemPool(allocator.allocator()))
+        return self._torch_pools[name][1]
 
     def __repr__(self) -> str:
         return f"Pool({str(self.device)!r}, backend={self.backend!r}, regions={list(self._regions)})"

@@ -328,6 +328,36 @@ def is_compiled(llm) -> bool:
     return config.mode != CompilationMode.NONE or (graphs is not None and graphs != CUDAGraphMode.NONE)
 
 
+def served_dtype(model_dir) -> torch.dtype:
+    """The dtype vLLM serves `model_dir` in on this device when asked for "auto" (an fp32 checkpoint
+    is served in the platform's preferred 16-bit type: bf16 on x86 CPUs and recent GPUs)."""
+    import_vllm()
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=str(model_dir), dtype="auto", skip_tokenizer_init=True).dtype
+
+
+VLLM_DEFAULT_MEMORY_FRACTION = 0.92  # vLLM's own gpu_memory_utilization default
+
+
+def startup_memory_fraction(free_bytes: int, total_bytes: int) -> float:
+    """A gpu_memory_utilization that vLLM's start-up check accepts now.
+
+    vLLM's GPU worker refuses to start (`request_memory` in vllm/v1/worker/utils.py) when free device
+    memory is below gpu_memory_utilization x total, even when kv_cache_memory_bytes fixes the KV
+    size; colo builds its engine after the trainer's memory is on the device, so the default 0.92
+    fails whenever the trainer holds more than 8%. This is what is free now, less 1% of the device
+    for what the engine's start takes before vLLM looks, at most vLLM's default, rounded down.
+    """
+    if total_bytes <= 0 or free_bytes <= 0:
+        raise ValueError(f"no free device memory to start an engine ({free_bytes} of {total_bytes} bytes free)")
+    fraction = min(VLLM_DEFAULT_MEMORY_FRACTION, (free_bytes - 0.01 * total_bytes) / total_bytes)
+    if fraction <= 0.001:
+        raise ValueError(f"only {free_bytes} of the device's {total_bytes} bytes are free: too little to start "
+                         "an engine")
+    return int(fraction * 1000) / 1000
+
+
 def platform_device_type() -> str:
     from vllm.platforms import current_platform
 
@@ -353,6 +383,15 @@ def request_guard(llm, check) -> None:
 
     llm._add_request = guarded_add_request
     llm.llm_engine.step = guarded_step
+
+
+def keep_process_groups(llm) -> None:
+    """Stop vLLM's shutdown finalizer from running when the engine is garbage-collected: it destroys
+    vLLM's process-wide model-parallel groups and torch.distributed's default group, which the trainer
+    (under torchrun, every rank) and any other engine of this process still use."""
+    finalizer = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "_finalizer", None)
+    if finalizer is not None:
+        finalizer.detach()
 
 
 def release_engine(llm) -> None:
@@ -381,9 +420,7 @@ def release_engine(llm) -> None:
     engine = getattr(llm, "llm_engine", None)
     if engine is not None:
         vars(engine).pop("step", None)
-        finalizer = getattr(getattr(engine, "engine_core", None), "_finalizer", None)
-        if finalizer is not None:
-            finalizer.detach()
+    keep_process_groups(llm)
     gc.unfreeze()  # vLLM gc.freeze()s everything alive after start-up
 
 

@@ -383,6 +383,8 @@ class _CopyPlan:
         copy_stream = pool.stream("copy")
         if after is not None:
             copy_stream.wait(after)
+        elif pool.device.type == "cuda":  # the trainer's tensors were written on torch's stream
+            copy_stream.torch_stream().wait_stream(torch.cuda.current_stream(pool.device))
         if self.byte_pairs:
             copy_stream.copy_async(self.byte_pairs)
         if self.cast_buckets:

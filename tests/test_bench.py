@@ -39,7 +39,7 @@ def test_help_works_without_the_compiled_extension():
 
 @pytest.mark.parametrize("args, message", [
     (["--bogus"], "unrecognized arguments"),
-    (["--sections", "pool_alloc,nope"], "valid sections: pool_alloc, sleep_wake, handoff, grpo_step"),
+    (["--sections", "pool_alloc,nope"], "valid sections: pool_alloc, sleep_wake, handoff, grpo_step, memory"),
     (["--sections", ","], "no section named"),
     (["--device", "tpu"], "invalid choice"),
     (["--plot", "out.jpg"], "ending in .png"),
@@ -92,9 +92,9 @@ def test_cuda_rows_say_why_they_did_not_run():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the CUDA rows run instead")
-    from colo.bench import grpo_step, handoff, pool_alloc, sleep_wake
+    from colo.bench import grpo_step, handoff, memory, pool_alloc, sleep_wake
 
-    for section in (pool_alloc, sleep_wake, handoff, grpo_step):
+    for section in (pool_alloc, sleep_wake, handoff, grpo_step, memory):
         rows = section.run(quick=True, progress=lambda it, desc="": it, devices=("cuda",))
         assert len(rows) == 1 and rows[0]["device"] == "cuda"
         assert rows[0]["note"].startswith("CUDA case not run")
@@ -203,3 +203,20 @@ def test_grpo_step_row_of_one_model_size():
         assert set(row["baseline_cpu_kernels"]) == {"plain"} and UPDATABLE_VARIANT in row["baseline"]
     assert row["colo_kv_cache_resident_bytes_during_train"] == 0 < row["baseline_kv_cache_resident_bytes_during_train"]
     assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"])
+
+
+@pytest.mark.slow
+def test_memory_rows_count_bytes_per_parameter_in_each_phase():
+    from colo.bench import memory
+
+    rows = {r["case"].split(" (")[0]: r for r in memory.measure_size("qwen2-9M", lambda it, desc="": it, "cpu")}
+    assert set(rows) == {"colo bf16", "colo fp32", "usual way"}
+    bf16, fp32, usual = rows["colo bf16"], rows["colo fp32"], rows["usual way"]
+    # Generating: colo keeps only the weights (grads asleep, optimizer offloaded): 2 or 4 bytes per
+    # parameter plus the engine's vocabulary padding; the usual way keeps an fp32 trainer, its
+    # gradients and moments (16) beside a bf16 engine copy (2).
+    assert 2 <= bf16["bytes_per_param_generate"] < 2.5 and 4 <= fp32["bytes_per_param_generate"] < 4.5
+    assert 18 <= usual["bytes_per_param_generate"] < 19 and usual["trainer_weights_outside_pool_bytes"] > 0
+    # Training: bf16 weights 2 + fp32 main gradients 4 + masters 4 + moments 8.
+    assert 18 <= bf16["bytes_per_param_train"] < 19.5 and 16 <= fp32["bytes_per_param_train"] < 17.5
+    assert bf16["usual_way_ratio_generate"] > 7 and bf16["kv_cache_bytes_train"] == 0 < usual["kv_cache_bytes_train"]

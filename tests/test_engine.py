@@ -25,6 +25,9 @@ def test_the_weights_and_kv_cache_are_in_their_regions_from_load(pool_and_engine
     kv_caches = engine.engine_worker(llm).model_runner.kv_caches
     assert kv_caches and all(region.contains(t) for t in kv_caches)
     assert region.stats()["allocated_bytes"] == 8 << 20
+    # Allocated from the region directly (Region.empty), not through a torch MemPool, whose caching
+    # allocator would ask for a 20 MiB segment for any request of 1-10 MiB: the budget is the cache.
+    assert region.budget == -(-(8 << 20) // pool.granularity) * pool.granularity and not pool._torch_pools
     model = engine.engine_model(llm)
     weights = engine.weights_region(llm)
     assert weights is pool.regions["weights"]
@@ -174,3 +177,24 @@ def test_a_released_engine_returns_its_kv_cache_to_the_region(tiny_model_dir, bu
     gc.collect()
     assert region.stats()["allocated_bytes"] == 0
     assert torch.distributed.is_initialized(), "releasing must not tear down the default process group"
+
+
+def test_the_memory_fraction_given_to_a_gpu_engine_passes_vllms_start_up_check():
+    """vLLM's GPU worker checks free memory against gpu_memory_utilization x total before loading
+    (request_memory). With a trainer already holding half an 80 GB device, vLLM's default 0.92 fails
+    that check; the fraction colo computes from what is free passes it. vLLM's own function decides."""
+    from types import SimpleNamespace
+
+    from vllm.config import CacheConfig
+    from vllm.v1.worker.utils import request_memory
+
+    total, free = 80 << 30, 40 << 30
+    snapshot = SimpleNamespace(total_memory=total, free_memory=free, device_="cuda:0")
+    with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
+        request_memory(snapshot, CacheConfig(gpu_memory_utilization=compat.VLLM_DEFAULT_MEMORY_FRACTION))
+    fraction = compat.startup_memory_fraction(free, total)
+    assert 0.45 < fraction < 0.5
+    assert request_memory(snapshot, CacheConfig(gpu_memory_utilization=fraction)) <= free
+    assert compat.startup_memory_fraction(total, total) == compat.VLLM_DEFAULT_MEMORY_FRACTION
+    with pytest.raises(ValueError, match="too little"):
+        compat.startup_memory_fraction(1 << 20, total)

@@ -1,5 +1,6 @@
 """The GRPO scheduler's parts that need no engine: checkpoints, logs, timeline, batching,
 training memory in the pool, the toy task and the command line's argument checks (fast)."""
+import copy
 import json
 
 import pytest
@@ -13,7 +14,7 @@ from colo.grpo.checkpoint import (CheckpointError, capture_rng, latest_checkpoin
 from colo.grpo.config import GRPOConfig
 from colo.grpo.metrics import StepLog, Timeline
 from colo.grpo.toy_task import ToyTask
-from colo.grpo.train_memory import TrainingMemory, adam_state_bytes
+from colo.grpo.train_memory import TrainingMemory
 
 
 def _state(value=1.0):
@@ -120,8 +121,9 @@ def test_training_memory_gradients_and_offloaded_optimizer_state_live_in_the_poo
     model = _tiny_model()
     params = list(model.parameters())
     pool = colo.Pool("cpu", capacity=1 << 30)
-    memory = TrainingMemory(pool, params, optimizer_state_bytes=adam_state_bytes(params))
-    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    memory = TrainingMemory(pool, params, offload_optimizer=True)
+    optimizer = memory.build_optimizer(torch.optim.AdamW, lr=1e-2)
+    assert type(optimizer) is torch.optim.AdamW  # fp32 parameters: no master weights
     ids = torch.randint(0, 64, (2, 6))
     model(input_ids=ids, labels=ids).loss.backward()
     memory.check_grads_attached()
@@ -132,6 +134,7 @@ def test_training_memory_gradients_and_offloaded_optimizer_state_live_in_the_poo
     assert all(memory.optimizer_region.contains(optimizer.state[p]["exp_avg"]) for p in params)
 
     memory.sleep_for_generation()
+    memory.finish_offload()  # the generate phase does this right before the KV cache wakes
     stats = pool.stats()
     assert stats["grads"]["resident_bytes"] == 0 and stats["optimizer"]["resident_bytes"] == 0
 
@@ -145,6 +148,32 @@ def test_training_memory_gradients_and_offloaded_optimizer_state_live_in_the_poo
         memory.check_grads_attached()
 
 
+def test_bf16_training_memory_keeps_fp32_masters_and_main_grads_in_the_pool():
+    model = _tiny_model().to(torch.bfloat16)
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    pool = colo.Pool("cpu", capacity=1 << 30)
+    memory = TrainingMemory(pool, params, offload_optimizer=True)
+    optimizer = memory.build_optimizer(torch.optim.AdamW, lr=1e-2)
+    assert memory.grads.budget >= 4 * numel and memory.optimizer_region.budget >= 12 * numel
+    assert memory.optimizer_region.contains(optimizer.master_flat) and memory.grads.contains(optimizer.grad_flat)
+    ids = torch.randint(0, 64, (2, 6))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is None for p in params)  # added into the fp32 main gradients, then dropped
+    assert float(memory.flat_grads[torch.float32].abs().sum()) > 0
+    optimizer.step()
+    memory.adopt_optimizer_state(optimizer)
+    state = optimizer.state_dict()
+    memory.sleep_for_generation()  # masters and moments offloaded, gradients released
+    memory.finish_offload()
+    assert pool.stats()["optimizer"]["resident_bytes"] == 0 and pool.stats()["grads"]["resident_bytes"] == 0
+    memory.wake_for_training()
+    memory.finish_prefetch()
+    torch.testing.assert_close(optimizer.master_flat, state["master_weights"], atol=0, rtol=0)
+    for p, master in zip(params, optimizer.masters):
+        assert torch.equal(p, master.to(torch.bfloat16))
+
+
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="num_generations"):
         GRPOConfig(num_generations=0)
@@ -152,6 +181,9 @@ def test_config_rejects_bad_values():
         GRPOConfig(temperature=0.0)
     with pytest.raises(ValueError, match="offload_optimizer"):
         GRPOConfig(offload_optimizer="yes")
+    with pytest.raises(ValueError, match="dtype must be one of bf16, fp32"):
+        GRPOConfig(dtype="float16")
+    assert GRPOConfig(dtype="fp32").resolve_dtype("unused").dtype == "fp32"
     assert GRPOConfig.from_dict(GRPOConfig(seed=4).to_dict()) == GRPOConfig(seed=4)
     assert GRPOConfig.from_dict(GRPOConfig(offload_optimizer=True).to_dict()).offload_optimizer is True
 
@@ -228,3 +260,81 @@ def test_scheduler_refuses_an_unsupported_architecture_before_starting_an_engine
     with pytest.raises(NotImplementedError, match="GPT2LMHeadModel"):
         scheduler_module.GRPOScheduler(tmp_path, lambda p, c: [0.0] * len(c), lambda step, n: [[1, 2]] * n)
     assert not started
+
+
+def test_a_gpu_rank_sets_its_device_before_joining_nccl_and_names_it(monkeypatch):
+    """Under torchrun each rank's device is LOCAL_RANK, made current before the process group (and any
+    barrier) exists and given to NCCL as device_id, so nothing falls back to cuda:0."""
+    from colo.grpo import distributed as D
+
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+    monkeypatch.setattr(D.dist, "is_initialized", lambda: bool(calls) and calls[-1][0] == "init")
+    monkeypatch.setattr(D.dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend, kw)))
+    monkeypatch.setattr(D.dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(D.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(D.dist, "get_world_size", lambda: 2)
+    world = D.init_world("cuda")
+    assert calls == [("set_device", 1), ("init", "nccl", {"device_id": torch.device("cuda", 1)})]
+    assert world == D.World(rank=1, size=2, local_rank=1, device="cuda:1")
+
+
+def test_cuda_pool_means_the_current_device(monkeypatch):
+    from colo import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert pool_module._parse_device("cuda") == torch.device("cuda", 3)
+    assert pool_module._parse_device("cuda:1") == torch.device("cuda", 1)
+
+
+def test_optimizer_state_is_offloaded_only_where_the_pool_needs_it_and_without_waiting():
+    model = _tiny_model()
+    params = list(model.parameters())
+    state_bytes = 2 * sum(p.numel() * 4 for p in params)
+    roomy = colo.Pool("cpu", capacity=1 << 30)
+    assert not TrainingMemory(roomy, params).offload_optimizer  # auto: it fits beside the engine's regions
+    tight = colo.Pool("cpu", capacity=64 << 20)
+    kv = tight.region("kv_cache", budget=(64 << 20) - state_bytes - (1 << 20))  # the engine leaves too little
+    kv.sleep()  # as the scheduler does while the training memory is made
+    memory = TrainingMemory(tight, params)
+    assert memory.offload_optimizer
+
+    optimizer = memory.build_optimizer(torch.optim.AdamW, lr=1e-2)
+    ids = torch.randint(0, 64, (2, 6))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    memory.adopt_optimizer_state(optimizer)
+    moments = [optimizer.state[p]["exp_avg"].clone() for p in params]
+    memory.start_offload()  # returns at once; the copy runs on the copy stream
+    assert not memory.optimizer_region.asleep
+    memory.finish_offload()
+    assert memory.optimizer_region.asleep and memory.optimizer_region.stats()["resident_bytes"] == 0
+    memory.finish_prefetch()
+    assert all(torch.equal(optimizer.state[p]["exp_avg"], m) for p, m in zip(params, moments))
+
+
+def test_state_replaced_while_its_offload_is_in_flight_is_what_comes_back():
+    """A checkpoint restored between start_offload() and finish_offload() (as a resumed run does) must
+    not be overwritten by the stale copy that was on its way out."""
+    model = _tiny_model()
+    params = list(model.parameters())
+    memory = TrainingMemory(colo.Pool("cpu", capacity=1 << 30), params, offload_optimizer=True)
+    optimizer = memory.build_optimizer(torch.optim.AdamW, lr=1e-2)
+    ids = torch.randint(0, 64, (2, 6))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    memory.adopt_optimizer_state(optimizer)
+    saved = copy.deepcopy(optimizer.state_dict())
+    optimizer.step()  # the state moves on; then the run is "restored" to `saved`
+    memory.start_offload()
+    memory.finish_prefetch()  # what restoring does first
+    optimizer.load_state_dict(saved)
+    memory.adopt_optimizer_state(optimizer)
+    memory.offload_optimizer_state()
+    memory.finish_prefetch()
+    for index, p in enumerate(params):
+        assert torch.equal(optimizer.state[p]["exp_avg"], saved["state"][index]["exp_avg"])

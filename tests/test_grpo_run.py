@@ -56,9 +56,11 @@ def assert_same_weights(a: Path, b: Path, atol: float) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("grpo-reference")
-    # Offload forced on (the CPU default is off); the 2-rank run, with the default, must match it.
+    # bf16 weights shared with a bf16 engine, fp32 masters and moments with the optimizer (what vLLM
+    # serves here, so the default; explicit so the test means the same on every machine). Offload
+    # forced on (the CPU default is off); the 2-rank run, with the default, must match it.
     done = run_grpo(out, "--steps", str(STEPS), "--save-every", "1", "--keep-checkpoints", "0",
-                    "--trace", str(out / "trace.json"), "--offload-optimizer", "on")
+                    "--trace", str(out / "trace.json"), "--offload-optimizer", "on", "--dtype", "bf16")
     (out / "stdout.txt").write_text(done.stdout)
     return out
 
@@ -77,10 +79,11 @@ def test_short_run_improves_reward_with_the_engine_on_the_trained_weights(refere
     # A random policy scores ~0.25 on the toy rule; a dozen steps reach ~0.5 here.
     assert last > first + 0.12, [round(r["reward_mean"], 3) for r in log]
     for r in log:
-        # The engine's log-probabilities of its own samples equal the trainer's: it serves the
-        # weights being trained (each step's publish), without copying a byte.
-        assert r["engine_logprob_max_abs_diff"] < 1e-4
-        assert r["handoff_bytes_copied"] == 0
+        # The engine's log-probabilities of its own samples match the trainer's: it serves the
+        # weights being trained (each step's publish), without copying a byte. bf16 kernels of the
+        # two differ by a few 1e-2 (fp32: 1e-6, test_bf16_tracks_fp32); a stale weight by far more.
+        assert r["engine_logprob_max_abs_diff"] < 0.1
+        assert r["handoff_bytes_copied"] == 0 and r["dtype"] == "bf16"
         assert r["tokens_generated"] == 8 * 8 * 16
         for key in ("generate_s", "train_s", "handoff_s", "step_s", "reward_std", "loss", "grad_norm"):
             assert key in r and r[key] >= 0 or key == "loss"
@@ -95,6 +98,20 @@ def test_kv_cache_is_released_while_training(reference):
         if r["step"] > 1:  # the optimizer has state from its first step on, offloaded while generating
             assert r["optimizer_resident_bytes_during_generate"] == 0
             assert r["optimizer_resident_bytes_during_train"] > 0
+
+
+def test_bf16_checkpoints_hold_the_fp32_master_weights_and_moments(reference):
+    state = torch.load(reference / f"step-{STEPS:06d}.pt", weights_only=True)
+    weights = {name: t for name, t in state["model"].items() if name != "lm_head.weight"}  # tied to the embedding
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    masters = state["optimizer"]["master_weights"]
+    assert masters.dtype == torch.float32 and masters.numel() == sum(t.numel() for t in weights.values())
+    moments = state["optimizer"]["optimizer"]["state"]
+    assert len(moments) == len(weights)
+    assert all(m["exp_avg"].dtype == m["exp_avg_sq"].dtype == torch.float32 for m in moments.values())
+    # The weights the engine served are the masters rounded to bf16 (in parameter order).
+    rounded = masters.to(torch.bfloat16)
+    assert any(torch.equal(rounded[:t.numel()], t.flatten()) for t in weights.values())
 
 
 def test_timeline_has_every_phase_of_every_step(reference):
@@ -166,14 +183,23 @@ def test_two_ranks_under_torchrun_train_like_one(reference, tmp_path):
     assert log[0]["tokens_generated"] == 8 * 8 * 16
     assert log[0]["reward_mean"] == pytest.approx(records(reference)[0]["reward_mean"], abs=1e-9)
     # Averaged gradients (exact global token mean): the same update as one rank with all prompts.
-    # After one AdamW step exp_avg is 0.1 * gradient, so it compares the gradients themselves; the
-    # weights can differ by a few 1e-6 where Adam's first step turns rounding noise on a near-zero
-    # gradient into a +-lr move.
-    two, one = (torch.load(d / "step-000001.pt", weights_only=True)["optimizer"]["state"] for d in (out, reference))
+    # After one AdamW step exp_avg is 0.1 * gradient, so it compares the gradients themselves (a sum
+    # instead of a mean over ranks would be off by 2x). In bf16 each rank's forward over half the
+    # batch rounds differently from one forward over all of it: 0.4% apart here (relative L2).
+    ckpt = {d: torch.load(d / "step-000001.pt", weights_only=True)["optimizer"] for d in (out, reference)}
+    two, one = (ckpt[d]["optimizer"]["state"] for d in (out, reference))
     for index in one:
-        assert torch.allclose(two[index]["exp_avg"], one[index]["exp_avg"], rtol=1e-4, atol=1e-9), index
+        gap = (two[index]["exp_avg"] - one[index]["exp_avg"]).norm() / one[index]["exp_avg"].norm()
+        assert gap < 0.01, (index, float(gap))
+    # The fp32 masters: AdamW's first step moves each weight by about +-lr, and where that noise flips
+    # the sign of a near-zero gradient a weight lands 2 lr away; on average they agree to ~1% of lr.
+    lr = 3e-3
     for step in (1, 2):
-        assert_same_weights(out / f"step-{step:06d}.pt", reference / f"step-{step:06d}.pt", atol=2e-5)
+        a, b = (torch.load(d / f"step-{step:06d}.pt", weights_only=True)["optimizer"]["master_weights"]
+                for d in (out, reference))
+        assert float((a - b).abs().mean()) < 0.03 * lr and float((a - b).abs().max()) <= 2.5 * lr, step
+    assert [r["reward_mean"] for r in log] == pytest.approx([r["reward_mean"] for r in records(reference)[:2]],
+                                                             abs=0.02)
     assert (out / "trace.rank1.json").exists()
 
 
@@ -214,7 +240,7 @@ def test_failing_engine_is_rebuilt_from_the_shared_weights_then_fails_clearly(tm
             assert all(p.numel() == 0 for p in engine_model(broken).parameters())
             del broken
         # The new engine started from placeholder weights; serving the trained ones proves it shares them.
-        assert record["engine_logprob_max_abs_diff"] < 1e-4
+        assert record["engine_logprob_max_abs_diff"] < 0.1
 
         def always_fails(self, *args, **kwargs):
             raise RuntimeError("injected permanent fault")
@@ -244,7 +270,7 @@ def test_bench_baseline_step_is_a_correct_grpo_step(tmp_path):
         run.close()
     weight_bytes = sum(p.numel() * p.element_size() for p in run.model.parameters())
     assert second["handoff_bytes_copied"] == weight_bytes  # every parameter copied, tied head once
-    assert second["engine_logprob_max_abs_diff"] < 1e-4     # ... into the right engine rows
+    assert second["engine_logprob_max_abs_diff"] < 0.1      # ... into the right engine rows
     assert second["kv_cache_resident_bytes_during_train"] > 0  # nothing sleeps
 
 
@@ -287,5 +313,41 @@ def test_kv_cache_time_shares_the_training_memory(tmp_path, monkeypatch):
     for r in records:
         assert r["kv_cache_resident_bytes_during_train"] == 0 and r["kv_cache_resident_bytes_during_generate"] > 0
         assert r["grads_resident_bytes_during_generate"] == 0 and r["grads_resident_bytes_during_train"] > 0
-        assert r["engine_logprob_max_abs_diff"] < 1e-4  # the engine serves the trained weights
+        assert r["engine_logprob_max_abs_diff"] < 0.1  # the engine serves the trained weights
     assert all(r["optimizer_resident_bytes_during_generate"] == 0 for r in records[1:])
+
+
+def test_bf16_tracks_fp32_and_its_engine_serves_exactly_the_trainers_weights(tmp_path, build_engine,
+                                                                            prompt_logprobs):
+    """30 toy-task steps in bf16 (weights shared with a bf16 engine, fp32 masters and moments) and in
+    fp32, same seeds: the reward curves stay within 0.05 of each other at every step (seen here:
+    0.02). After the first and the last bf16 step the engine serves what a fresh bf16 engine built
+    from the trainer's saved weights serves."""
+    from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask, build_toy_model
+
+    model_dir = build_toy_model(tmp_path / "model")
+    task = ToyTask(512)
+    curves = {}
+    for dtype in ("fp32", "bf16"):
+        config = GRPOConfig(prompts_per_step=8, num_generations=8, ignore_eos=True, learning_rate=3e-3,
+                            save_every=0, dtype=dtype)
+        run = GRPOScheduler(model_dir, task.rewards, task.prompts, config)
+        try:
+            log = []
+            for step in range(1, 31):
+                log.append(run.train_step())
+                if dtype == "bf16" and step in (1, 30):
+                    assert {p.dtype for p in run.model.parameters()} == {torch.bfloat16}
+                    run.model.save_pretrained(tmp_path / f"bf16-step{step}")
+                    fresh = build_engine(tmp_path / f"bf16-step{step}", dtype="bfloat16", enforce_eager=False)
+                    run.engine.wake_kv_cache()  # it sleeps from training until the next generation
+                    torch.testing.assert_close(prompt_logprobs(run.engine.llm), prompt_logprobs(fresh),
+                                               atol=1e-3, rtol=0)
+        finally:
+            run.close()
+        assert all(r["dtype"] == dtype and r["handoff_bytes_copied"] == 0 for r in log)
+        curves[dtype] = [r["reward_mean"] for r in log]
+        if dtype == "fp32":
+            assert max(r["engine_logprob_max_abs_diff"] for r in log) < 1e-4
+    assert curves["bf16"][-1] > curves["bf16"][0] + 0.3
+    assert max(abs(a - b) for a, b in zip(curves["bf16"], curves["fp32"])) < 0.05, curves

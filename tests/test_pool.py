@@ -367,3 +367,22 @@ def test_two_threads_allocate_and_free_concurrently(pool):
         th.join()
     assert not errors, errors
     assert region.stats()["allocated_bytes"] == 0
+
+
+def test_memory_taken_outside_the_regions_counts_against_the_capacity(monkeypatch):
+    """On CUDA, what torch's caching allocator takes after the pool was made (activations, cached
+    blocks) is memory the regions cannot also have; the pool's fit checks leave room for it."""
+    from colo.pool import torch_outside_bytes
+
+    assert torch_outside_bytes(reserved_now=5 << 30, reserved_at_start=1 << 30, routed_to_regions=1 << 30) == 3 << 30
+    assert torch_outside_bytes(reserved_now=1 << 30, reserved_at_start=2 << 30, routed_to_regions=0) == 0
+    pool = colo.Pool("cpu", capacity=64 << 20)
+    kv = pool.region("kv", budget=32 << 20)
+    kv.sleep()
+    monkeypatch.setattr(type(pool), "outside_bytes", property(lambda self: 40 << 20))
+    assert pool.unbudgeted_bytes == 24 << 20
+    with pytest.raises(colo.OutOfMemoryError, match="outside the regions"):
+        kv.wake()
+    assert kv.asleep
+    with pytest.raises(ValueError, match="outside the regions"):
+        pool.region("grads", budget=32 << 20)

@@ -80,7 +80,9 @@ def new_run(model_dir: Path, max_new_tokens: int, colocated: bool):
         return GRPOScheduler(model_dir, task.rewards, task.prompts, config)
     on_cpu = not torch.cuda.is_available()
     with forced_cpu_gemm("plain") if on_cpu else contextlib.nullcontext():
-        run = GRPOScheduler(model_dir, task.rewards, task.prompts, config, engine_options={"alias": False})
+        # As TRL does: an fp32 trainer (fp32 AdamW), its weights pushed into a separate engine copy.
+        run = GRPOScheduler(model_dir, task.rewards, task.prompts, config,
+                            engine_options={"alias": False, "trainer_dtype": torch.float32})
     engine = run.engine
     engine.publish = lambda: trl_sync_weights(engine.llm, engine.hf_model)
     return run

@@ -1,16 +1,9 @@
 """Small measuring helpers shared by the sections: process RSS, CUDA availability, row building."""
 from __future__ import annotations
 
-import os
 import time
 
-_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss_bytes() -> int:
-    """Resident set of this process, from /proc/self/statm (includes shared memfd pages)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * _PAGE_BYTES
+from colo.grpo.metrics import rss_bytes  # noqa: F401 - re-exported for the sections
 
 
 def cuda_unavailable_reason() -> str:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
-from .config import GRPOConfig
+from .config import DTYPES, GRPOConfig
 
 OFFLOAD_CHOICES = {"auto": None, "on": True, "off": False}
 TOY_DEFAULTS = dict(prompts_per_step=8, num_generations=8, max_new_tokens=16, ignore_eos=True,
@@ -63,8 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="completion length (default %(default)s)")
     p.add_argument("--lr", type=float, default=TOY_DEFAULTS["learning_rate"], help="AdamW learning rate (default %(default)s)")
     p.add_argument("--offload-optimizer", choices=sorted(OFFLOAD_CHOICES), default="auto",
-                   help="optimizer state to host memory while generating (auto: on a GPU only, where it frees "
-                        "device memory; on the host it would copy RAM to RAM)")
+                   help="optimizer state to host memory while generating (auto: only where the pool cannot hold "
+                        "it beside the engine's weights and KV cache)")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="weights the engine serves and the trainer shares: bf16 (fp32 master weights and AdamW "
+                        "moments with the optimizer) or fp32; auto (default): what vLLM serves the model in on "
+                        "this device")
     p.add_argument("--seed", type=_non_negative_int, default=0, help="seeds the toy model, prompts and sampling")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -98,7 +102,8 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
                                "num_generations": args.num_generations, "max_new_tokens": args.max_new_tokens,
                                "learning_rate": args.lr, "seed": args.seed, "save_every": args.save_every,
                                "keep_checkpoints": args.keep_checkpoints,
-                               "offload_optimizer": OFFLOAD_CHOICES[args.offload_optimizer]})
+                               "offload_optimizer": OFFLOAD_CHOICES[args.offload_optimizer],
+                               "dtype": None if args.dtype == "auto" else args.dtype})
     except ValueError as e:
         parser.error(str(e))
     if args.model:
@@ -146,9 +151,15 @@ def main(argv=None) -> int:
             from .toy_task import build_toy_model
 
             build_toy_model(model_dir, seed=config.seed)
+    D.barrier(world)
+    chosen = config.dtype
+    config = config.resolve_dtype(model_dir)
+    if world.is_main:
+        how = ("as in run.json" if args.resume else "as asked") if chosen else \
+            "what vLLM serves this model in on this device; --dtype to choose"
+        print(f"colo.grpo: weights in {config.dtype} ({how})", flush=True)
         if not args.resume:
             (out / "run.json").write_text(json.dumps({"model_dir": str(model_dir), "config": config.to_dict()}, indent=2))
-    D.barrier(world)
 
     from .scheduler import GRPOScheduler
     from .toy_task import ToyTask

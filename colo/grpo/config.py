@@ -10,6 +10,9 @@ import dataclasses
 from dataclasses import dataclass
 
 
+DTYPES = ("bf16", "fp32")
+
+
 @dataclass
 class GRPOConfig:
     prompts_per_step: int = 8          # over all ranks; each rank generates its even share
@@ -29,9 +32,14 @@ class GRPOConfig:
     scale_rewards: bool = True         # divide advantages by the group std (False: Dr. GRPO)
     micro_batch_size: int | None = None  # sequences per forward/backward; None: the whole rollout
     memory_phases: bool = True         # KV cache asleep while training, gradients asleep while generating
-    # Optimizer state to host memory while generating. None: only when the pool is on a GPU; on a
-    # host pool the "host copy" is the same RAM, so offloading frees nothing and costs two copies.
+    # Optimizer state to host memory while generating. None: only where the pool cannot hold it beside
+    # the engine's weights and KV cache (TrainingMemory.must_offload); otherwise the copies would cost
+    # time for nothing (on a host pool the "host copy" is even the same RAM).
     offload_optimizer: bool | None = None
+    # The dtype of the weights the engine serves and the trainer shares: "bf16" (fp32 master weights
+    # and AdamW moments with the optimizer, fp32 gradient accumulation) or "fp32". None: what vLLM
+    # would serve the model in on this device (resolve_dtype), decided when the run starts.
+    dtype: str | None = None
     save_every: int = 10               # checkpoint period in steps (0: only at the end)
     keep_checkpoints: int = 2          # newest ones kept (0: all)
     seed: int = 0
@@ -61,9 +69,29 @@ class GRPOConfig:
             raise ValueError(f"clip range needs 0 <= epsilon_low < 1 and epsilon_high >= 0, "
                              f"got {self.epsilon_low}, {self.epsilon_high}")
         if self.offload_optimizer not in (None, True, False):
-            raise ValueError(f"offload_optimizer must be True, False or None (on a GPU only), got {self.offload_optimizer!r}")
+            raise ValueError(f"offload_optimizer must be True, False or None (where the pool needs it), got "
+                             f"{self.offload_optimizer!r}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.dtype not in (None, *DTYPES):
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or None (what vLLM serves), got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
+
+    def resolve_dtype(self, model_dir) -> "GRPOConfig":
+        """This config with `dtype` decided: as given, or what vLLM serves the model in on this device."""
+        if self.dtype is not None:
+            return self
+        from ..vllm_compat import served_dtype
+
+        import torch
+
+        # fp16 (GPUs without bf16) is not one colo trains in: fp32 there.
+        return dataclasses.replace(self, dtype="bf16" if served_dtype(model_dir) == torch.bfloat16 else "fp32")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

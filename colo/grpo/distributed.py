@@ -25,13 +25,22 @@ class World:
 
 
 def init_world(device_type: str) -> World:
-    """Join the torchrun group if launched by torchrun (gloo on CPU, NCCL on GPU); else one rank."""
+    """Join the torchrun group if launched by torchrun (gloo on CPU, NCCL on GPU); else one rank.
+
+    On a GPU the rank's device (LOCAL_RANK) is made current first and named to NCCL, so neither
+    the group nor anything after it (a barrier, the engine, colo.Pool("cuda")) guesses device 0.
+    """
     size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
     if size > 1 and not dist.is_initialized():
         # vLLM's external launcher needs the default group to exist before the engine is built.
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        if device_type == "cuda":
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        else:
+            dist.init_process_group("gloo")
     if dist.is_initialized():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         device = f"cuda:{local_rank}" if dist.get_backend() == "nccl" else "cpu"
         return World(dist.get_rank(), dist.get_world_size(), local_rank, device)
     return World(0, 1, 0)

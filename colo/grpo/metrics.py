@@ -14,6 +14,15 @@ import time
 from pathlib import Path
 
 
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    """Resident set of this process, from /proc/self/statm (includes shared memfd pages)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE_BYTES
+
+
 class StepLog:
     """One JSON object per line, one line per step. On resume, records past the checkpoint's step
     are dropped first, so the log of a killed-and-resumed run has each step exactly once."""

@@ -62,16 +62,21 @@ class RolloutEngine:
     sequence_tokens: the longest prompt plus the completion length. The KV cache holds max_num_seqs
     such sequences at once (the whole rollout batch, so it runs as one continuously batched call,
     never preempted), checked against what the pool has left, never a user-tuned memory fraction.
-    alias=False: the trainer loads its own copy of the weights from disk and publish() copies them
-    into the engine (colo.share_weights' copy path; for comparisons).
+    alias=False: the trainer loads its own copy of the weights from disk, in `trainer_dtype` (default:
+    `dtype`), and publish() copies them into the engine (colo.share_weights' copy path; the usual
+    way, for comparisons).
     """
 
     def __init__(self, model_dir, pool, *, seed: int, max_num_seqs: int, sequence_tokens: int = 1,
                  max_model_len: int | None = None, dtype: torch.dtype = torch.float32, alias: bool = True,
-                 **llm_kwargs):
+                 trainer_dtype: torch.dtype | None = None, **llm_kwargs):
         from transformers import AutoConfig
 
         self.model_dir, self.pool, self.seed, self.alias, self.dtype = model_dir, pool, seed, alias, dtype
+        if alias and trainer_dtype not in (None, dtype):
+            raise ValueError("a trainer that shares the engine's weights has the engine's dtype; trainer_dtype "
+                             "needs alias=False")
+        self.trainer_dtype = trainer_dtype or dtype
         config = AutoConfig.from_pretrained(model_dir)
         self.vocab_size = config.vocab_size
         self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", 2048)
@@ -111,7 +116,7 @@ class RolloutEngine:
             return shared_model(self.llm, self.dtype)
         from transformers import AutoModelForCausalLM
 
-        own = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype).to(self.pool.device).train()
+        own = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.trainer_dtype).to(self.pool.device).train()
         return share_weights(own, self.llm, alias=False)
 
     @property

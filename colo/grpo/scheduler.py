@@ -36,9 +36,9 @@ from .checkpoint import (CheckpointError, capture_rng, latest_checkpoint, load_c
                          save_checkpoint)
 from .config import GRPOConfig
 from .loss import group_advantages
-from .metrics import GpuMonitor, StepLog, Timeline
+from .metrics import GpuMonitor, StepLog, Timeline, rss_bytes
 from .rollout_engine import EngineFailure, RolloutEngine
-from .train_memory import TrainingMemory, adam_state_bytes
+from .train_memory import TrainingMemory
 from .update import accumulate_gradients
 
 PromptFn = Callable[[int, int], list]          # (step, count) -> list of prompts (token id lists)
@@ -66,10 +66,8 @@ class GRPOScheduler:
         self.model_dir = Path(model_dir)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        self.world = D.init_world(device_type)
+        self.world = D.init_world(device_type)  # on a GPU also makes this rank's device current
         self.device = torch.device("cuda", self.world.local_rank) if device_type == "cuda" else torch.device("cpu")
-        if device_type == "cuda":
-            torch.cuda.set_device(self.device)
         if self.config.prompts_per_step % self.world.size:
             raise ValueError(f"prompts_per_step={self.config.prompts_per_step} does not split evenly over "
                              f"{self.world.size} ranks")
@@ -78,8 +76,9 @@ class GRPOScheduler:
 
         self.pool = colo.Pool(self.device, capacity=pool_capacity)
         self._check_model_dir()
+        self.config = self.config.resolve_dtype(self.model_dir)
         # The engine first: vLLM loads the weights into the pool, and the trainer's model is a view of them.
-        self.engine = RolloutEngine(self.model_dir, self.pool, seed=self.config.seed,
+        self.engine = RolloutEngine(self.model_dir, self.pool, seed=self.config.seed, dtype=self.config.torch_dtype,
                                     max_num_seqs=self._sequences_per_rank(),
                                     sequence_tokens=self._longest_sequence(), **(engine_options or {}))
         self.model = self.engine.hf_model
@@ -89,14 +88,14 @@ class GRPOScheduler:
         # time-share the pool), and sleeps itself before the first generation wakes the KV cache.
         if self.config.memory_phases:
             self.engine.sleep_kv_cache()
-        offload = self.config.offload_optimizer
-        self.memory = TrainingMemory(self.pool, params, optimizer_state_bytes=adam_state_bytes(params),
-                                     offload_optimizer=self.device.type == "cuda" if offload is None else offload)
-        self.optimizer = torch.optim.AdamW(params, lr=self.config.learning_rate, betas=self.config.adam_betas,
-                                           weight_decay=self.config.weight_decay)
+        self.memory = TrainingMemory(self.pool, params, offload_optimizer=self.config.offload_optimizer)
+        # bf16 parameters: a colo.MasterWeightOptimizer stepping fp32 masters (optimizer region).
+        self.optimizer = self.memory.build_optimizer(torch.optim.AdamW, lr=self.config.learning_rate,
+                                                     betas=self.config.adam_betas,
+                                                     weight_decay=self.config.weight_decay)
         warmup = self.config.warmup_steps
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
+            getattr(self.optimizer, "optimizer", self.optimizer), lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
         if self.config.memory_phases:
             self.memory.sleep_for_generation()
         self.step = 0
@@ -159,8 +158,8 @@ class GRPOScheduler:
         if missing or unexpected:
             raise CheckpointError(f"checkpoint does not fit the model at {self.model_dir}: "
                                   f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-        self.optimizer.load_state_dict(state["optimizer"])
-        with self._optimizer_region_awake():
+        with self._optimizer_region_awake():  # bf16: the masters it restores live in the optimizer region
+            self.optimizer.load_state_dict(state["optimizer"])
             self.memory.adopt_optimizer_state(self.optimizer)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if self.reference is not None and "reference" in state:
@@ -173,7 +172,7 @@ class GRPOScheduler:
     def train_step(self) -> dict:
         """Run one GRPO step (the next one) and return its metrics record."""
         step = self.step + 1
-        record: dict = {"step": step}
+        record: dict = {"step": step, "dtype": self.config.dtype}
         started = time.perf_counter()
         prompts, completions, engine_logprobs = self._generate_phase(step, record)
         rewards = self._reward_phase(step, prompts, completions, record)
@@ -192,6 +191,7 @@ class GRPOScheduler:
         with self.timeline.span("generate", step=step) as span:
             switch = time.perf_counter()
             if self.engine.kv_cache_asleep:
+                self.memory.finish_offload()  # the optimizer state's copy out ends before the KV cache takes the room
                 self.engine.wake_kv_cache()  # also forgets prefixes whose KV was lost
             record["phase_switch_s"] = time.perf_counter() - switch
             error = None
@@ -347,7 +347,7 @@ class GRPOScheduler:
 
     def _sample_residency(self, phase: str, record: dict) -> None:
         """Keep the largest resident size of each region seen during `phase`."""
-        for region, nbytes in self._resident().items():
+        for region, nbytes in [*self._resident().items(), ("rss", rss_bytes())]:
             key = f"{region}_resident_bytes_during_{phase}"
             record[key] = max(record.get(key, 0), nbytes)
         for key, value in self.gpu.sample().items():
@@ -438,9 +438,10 @@ class GRPOScheduler:
         """Between steps: bring the optimizer state back for a moment, and put it to sleep again after.
         If its budget does not fit beside the awake KV cache (they time-share the pool), the KV cache
         sleeps first; its contents are disposable between steps and the next generate phase wakes it."""
-        asleep = self.memory.optimizer_region.asleep
+        asleep = self.memory.optimizer_state_away
         if asleep:
-            if self.memory.optimizer_region.budget > self.pool.unbudgeted_bytes and not self.engine.kv_cache_asleep:
+            region = self.memory.optimizer_region
+            if region.asleep and region.budget > self.pool.unbudgeted_bytes and not self.engine.kv_cache_asleep:
                 self.engine.sleep_kv_cache()
             self.memory.finish_prefetch()  # wakes and copies back
         try:

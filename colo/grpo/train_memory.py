@@ -2,11 +2,15 @@
 
 - `grads` region: one flat buffer per dtype; every parameter's `.grad` is a view of it, so autograd
   accumulates in place, gradient averaging is one all-reduce per buffer, and clipping is one norm.
-  Its contents are dead between steps, so it sleeps without offload while the engine generates.
-- `optimizer` region: the optimizer's parameter-shaped state tensors (Adam's two moments) moved into
-  one flat buffer per dtype. During generation they are copied to a host buffer and the region
-  sleeps; before the optimizer step they are copied back on the pool's copy stream, started early so
-  the copy overlaps the forward and backward passes.
+  With 16-bit parameters it holds fp32 main gradients instead (colo.MasterWeightOptimizer's hooks
+  add each 16-bit gradient into them). Its contents are dead between steps, so it sleeps without
+  offload while the engine generates.
+- `optimizer` region: the optimizer's parameter-shaped state tensors (AdamW's two moments) moved
+  into one flat buffer per dtype, and, with 16-bit parameters, the fp32 master weights. Where the
+  pool cannot hold them beside the engine's weights and KV cache, they are copied to a host buffer
+  while the engine generates (the copy starts after the optimizer step without waiting for it; the
+  region sleeps right before the KV cache wakes); before the next optimizer step they are copied
+  back on the pool's copy stream, started early so the copy overlaps forward and backward.
 
 Budgets are exact (what the buffers need). Both regions sleep while the engine generates (the
 optimizer's only when it is offloaded), and the pool lends asleep budgets to awake regions, so the KV
@@ -18,7 +22,11 @@ from collections import defaultdict
 
 import torch
 
+from ..mixed_precision import MasterWeightOptimizer
+
 _SLACK = 1 << 20  # per-allocation alignment and rounding inside a region
+_NOTHING_TO_COPY = object()  # an offload started before the optimizer had any state
+_MASTER_BYTES, _MAIN_GRAD_BYTES = 4, 4  # fp32 per parameter
 
 
 def _bytes(tensors) -> int:
@@ -26,35 +34,71 @@ def _bytes(tensors) -> int:
 
 
 def adam_state_bytes(params) -> int:
-    """Bytes of AdamW's two moment buffers for these parameters."""
-    return 2 * _bytes(params)
+    """Bytes of AdamW's two moment buffers for these parameters (in the dtype the optimizer steps in)."""
+    return 2 * sum(p.numel() * max(p.element_size(), 4) for p in params)
+
+
+def uses_master_weights(params) -> bool:
+    """16-bit parameters train through fp32 master weights."""
+    return any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
 
 
 class TrainingMemory:
-    """Owns the gradient and optimizer-state buffers of `params` inside `pool`."""
+    """Owns the gradient and optimizer-state buffers of `params` inside `pool`.
 
-    def __init__(self, pool, params, *, optimizer_state_bytes: int, offload_optimizer: bool = True):
+    offload_optimizer: None (auto) offloads the optimizer state while generating only where the pool
+    needs it (must_offload); True/False force it.
+    """
+
+    def __init__(self, pool, params, *, offload_optimizer: bool | None = None):
         self.pool = pool
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
+        self.master_weights = uses_master_weights(self.params)
+        numel = sum(p.numel() for p in self.params)
         by_dtype = defaultdict(list)
         for p in self.params:
             by_dtype[p.dtype].append(p)
-        self.grads = pool.region("grads", budget=_bytes(self.params) + _SLACK * len(by_dtype))
-        self.optimizer_region = pool.region("optimizer", budget=max(optimizer_state_bytes, 1) + 4 * _SLACK)
-        self.offload_optimizer = offload_optimizer
+        grad_bytes = numel * _MAIN_GRAD_BYTES if self.master_weights else _bytes(self.params)
+        state_bytes = adam_state_bytes(self.params) + (numel * _MASTER_BYTES if self.master_weights else 0)
+        self.grads = pool.region("grads", budget=grad_bytes + _SLACK * len(by_dtype))
+        self.optimizer_region = pool.region("optimizer", budget=state_bytes + 4 * _SLACK)
+        self.offload_optimizer = self.must_offload() if offload_optimizer is None else offload_optimizer
         self.flat_grads: dict[torch.dtype, torch.Tensor] = {}
-        for dtype, group in by_dtype.items():
-            flat = self.grads.zeros((sum(p.numel() for p in group),), dtype=dtype)
-            offset = 0
-            for p in group:
-                p.grad = flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-            self.flat_grads[dtype] = flat
+        if not self.master_weights:
+            for dtype, group in by_dtype.items():
+                flat = self.grads.zeros((sum(p.numel() for p in group),), dtype=dtype)
+                offset = 0
+                for p in group:
+                    p.grad = flat[offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                self.flat_grads[dtype] = flat
+        self._masters: torch.Tensor | None = None   # fp32 master weights in the region (16-bit parameters)
         self._state_flat: list[torch.Tensor] = []   # optimizer state buffers in the region
         self._state_host: list[torch.Tensor] = []   # their host copies while offloaded
         self._prefetch = None                        # colo.Event of the copy back, if in flight
+        self._offload = None                         # colo.Event of the copy out, if started
+
+    def must_offload(self) -> bool:
+        """Whether the optimizer state cannot stay in the pool while the engine generates: its budget
+        does not fit beside the regions awake then (the engine's weights and KV cache) and what lives
+        outside the regions. Offloading only then keeps 8-16 bytes per parameter off the critical path."""
+        generating = sum(r.budget for r in self.pool.regions.values() if r not in (self.grads, self.optimizer_region))
+        return self.optimizer_region.budget > self.pool.capacity - self.pool.outside_bytes - generating
+
+    def build_optimizer(self, optimizer_class=torch.optim.AdamW, **kwargs):
+        """The optimizer over these parameters: `optimizer_class` itself for fp32 parameters; for
+        16-bit ones a colo.MasterWeightOptimizer with its masters in the optimizer region and its fp32
+        main gradients in the grads region."""
+        if not self.master_weights:
+            return optimizer_class(self.params, **kwargs)
+        optimizer = MasterWeightOptimizer(self.params, optimizer_class, master_region=self.optimizer_region,
+                                          grad_region=self.grads, **kwargs)
+        self.flat_grads = {torch.float32: optimizer.grad_flat}
+        self._masters = optimizer.master_flat
+        self._state_flat = [self._masters]
+        return optimizer
 
     # -- gradients ---------------------------------------------------------------------------------
     def zero_grads(self) -> None:
@@ -63,13 +107,15 @@ class TrainingMemory:
 
     def check_grads_attached(self) -> None:
         """Something (optimizer.zero_grad(set_to_none=True), a user hook) may have dropped our views."""
+        if self.master_weights:
+            return  # the main gradients are the masters' .grad, which only MasterWeightOptimizer sets
         for p in self.params:
             if p.grad is None or not self.grads.contains(p.grad):
                 raise RuntimeError("a parameter's .grad is no longer a view of the grads region; "
                                    "call zero_grads() instead of optimizer.zero_grad()")
 
     # -- optimizer state ---------------------------------------------------------------------------
-    def adopt_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+    def adopt_optimizer_state(self, optimizer) -> None:
         """Move the optimizer's parameter-shaped state tensors into the optimizer region.
 
         Call after the optimizer created its state (its first step) and after load_state_dict,
@@ -78,15 +124,18 @@ class TrainingMemory:
         self.finish_prefetch()
         if self.optimizer_region.asleep:
             self.optimizer_region.wake()
+        inner = getattr(optimizer, "optimizer", optimizer)  # a MasterWeightOptimizer's state is its inner one's
         movable = defaultdict(list)  # dtype -> [(state dict, key, tensor)]
-        for p in self.params:
-            for key, value in optimizer.state.get(p, {}).items():
-                if torch.is_tensor(value) and value.shape == p.shape and value.is_floating_point():
-                    if not self.optimizer_region.contains(value):
-                        movable[value.dtype].append((optimizer.state[p], key, value))
+        for group in inner.param_groups:
+            for p in group["params"]:
+                for key, value in inner.state.get(p, {}).items():
+                    if torch.is_tensor(value) and value.shape == p.shape and value.is_floating_point():
+                        if not self.optimizer_region.contains(value):
+                            movable[value.dtype].append((inner.state[p], key, value))
         if not movable:
             return
-        self._state_flat, self._state_host = [], []  # old buffers die with their last view
+        # Old buffers die with their last view; the masters stay.
+        self._state_flat, self._state_host = ([self._masters] if self._masters is not None else []), []
         for dtype, entries in movable.items():
             flat = self.optimizer_region.empty((sum(v.numel() for _, _, v in entries),), dtype=dtype)
             offset = 0
@@ -97,23 +146,45 @@ class TrainingMemory:
                 offset += value.numel()
             self._state_flat.append(flat)
 
-    def offload_optimizer_state(self) -> None:
-        """Copy the optimizer state to host memory and release the region's physical memory (before
-        the optimizer's first step there is no state yet: the region just sleeps, lending its budget)."""
-        if not self.offload_optimizer or self.optimizer_region.asleep:
+    def start_offload(self) -> None:
+        """Start copying the optimizer state to host memory on the copy stream, ordered after the
+        optimizer step on torch's stream without waiting for it here; finish_offload() releases the
+        region once the copy is done."""
+        if not self.offload_optimizer or self.optimizer_region.asleep or self._offload is not None:
             return
         self.finish_prefetch()
+        self._offload = _NOTHING_TO_COPY
         if self._state_flat:
             on_cuda = self.pool.device.type == "cuda"
             if not self._state_host:
                 self._state_host = [torch.empty(f.shape, dtype=f.dtype, pin_memory=on_cuda) for f in self._state_flat]
-            if on_cuda:  # the optimizer step ran on torch's stream; the copy stream knows nothing of it
-                torch.cuda.current_stream(self.pool.device).synchronize()
-            self.pool.copy_async(list(zip(self._state_host, self._state_flat))).synchronize()
+            if on_cuda:  # the optimizer step was queued on torch's stream: order the copy after it
+                self.pool.stream("copy").torch_stream().wait_stream(torch.cuda.current_stream(self.pool.device))
+            self._offload = self.pool.copy_async(list(zip(self._state_host, self._state_flat)))
+
+    def finish_offload(self) -> None:
+        """Wait for the copy start_offload() began and release the region's physical memory (before
+        the optimizer's first step there may be no state yet: the region just sleeps, lending its budget)."""
+        if self._offload is None:
+            return
+        if self._offload is not _NOTHING_TO_COPY:
+            self._offload.synchronize()
+        self._offload = None
         self.optimizer_region.sleep(offload=False)
+
+    def offload_optimizer_state(self) -> None:
+        """start_offload() and finish_offload() at once."""
+        self.start_offload()
+        self.finish_offload()
+
+    @property
+    def optimizer_state_away(self) -> bool:
+        """Offloaded, or on its way out (start_offload() without finish_offload() yet)."""
+        return self.optimizer_region.asleep or self._offload is not None
 
     def start_prefetch(self) -> None:
         """Wake the optimizer region and start copying the state back on the copy stream."""
+        self.finish_offload()  # an offload still in flight ends first: its copy is what comes back
         if not self.optimizer_region.asleep:
             return
         self.optimizer_region.wake()
@@ -121,8 +192,9 @@ class TrainingMemory:
             self._prefetch = self.pool.copy_async(list(zip(self._state_flat, self._state_host)))
 
     def finish_prefetch(self) -> None:
-        """Block until the state is back; call right before optimizer.step()."""
-        if self.optimizer_region.asleep:
+        """Block until the state is back; call right before optimizer.step() or anything that reads
+        or replaces the state (an offload in flight is finished and undone first)."""
+        if self.optimizer_state_away:
             self.start_prefetch()
         if self._prefetch is not None:
             self._prefetch.synchronize()
@@ -130,8 +202,9 @@ class TrainingMemory:
 
     # -- phases ------------------------------------------------------------------------------------
     def sleep_for_generation(self) -> None:
-        """Release gradients (dead between steps) and offload the optimizer state."""
-        self.offload_optimizer_state()
+        """Release gradients (dead between steps) and start offloading the optimizer state; the
+        generate phase calls finish_offload() before the KV cache needs the memory."""
+        self.start_offload()
         if not self.grads.asleep:
             self.grads.sleep(offload=False)
 

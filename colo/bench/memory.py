@@ -1,0 +1,98 @@
+"""Section memory: bytes per parameter resident in each phase of a GRPO step, for colo in bf16, colo
+in fp32, and the usual way, measured on the same model and batch in the same run.
+
+- colo bf16: the engine serves bf16 weights and the trainer's parameters are those tensors; fp32
+  master weights and AdamW moments in the `optimizer` region, fp32 main gradients in `grads`.
+- colo fp32: the same with fp32 weights (no masters).
+- usual way (TRL's colocate mode): an fp32 trainer with fp32 gradients and AdamW moments, and a
+  separate bf16 copy of the weights in the engine, synced per parameter; nothing sleeps.
+
+Both colo rows run with the optimizer state offloaded while generating (`offload_optimizer=True`),
+the scheduler's default on a GPU, where it frees device memory; on a host pool "offloaded" lands
+in the same RAM, so the region figures show what a GPU would hold, and the process RSS
+(`rss_bytes_<phase>`) shows what this machine held. Figures come from the step log the scheduler
+writes (each region's resident bytes, sampled during each phase), second step of each run (the
+first creates the optimizer state). The trainer's own weights in the usual way live outside the
+pool and are counted from their tensors. The KV cache is reported on its own
+(`kv_cache_bytes_<phase>`): its size depends on the batch, not on the parameters.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import tempfile
+from pathlib import Path
+
+from .grpo_step import SIZES, build_model_dir
+from .measure import engine_unavailable_reason, skipped_row
+
+SECTION = "memory"
+PHASES = {"generate": "generate", "train": "train", "publish": "handoff"}  # row name -> step log name
+REGIONS = ("weights", "grads", "optimizer")
+QUICK_SIZES, FULL_SIZES = ("qwen2-9M",), ("qwen2-9M", "qwen2-45M")
+CONFIGS = ("colo bf16", "colo fp32", "usual way")
+
+
+def new_run(model_dir: Path, config_name: str):
+    from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask
+
+    from .grpo_step import new_run as grpo_step_run
+
+    if config_name == "usual way":
+        return grpo_step_run(model_dir, max_new_tokens=16, colocated=False)
+    task = ToyTask(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    config = GRPOConfig(max_new_tokens=16, ignore_eos=True, learning_rate=3e-3, save_every=0, offload_optimizer=True,
+                        dtype=config_name.split()[-1])
+    return GRPOScheduler(model_dir, task.rewards, task.prompts, config)
+
+
+def measure(model_dir: Path, params: int, config_name: str, device: str) -> dict:
+    run = new_run(model_dir, config_name)
+    try:
+        record = [run.train_step() for _ in range(2)][-1]
+        outside = 0 if config_name.startswith("colo") else sum(
+            p.numel() * p.element_size() for p in run.model.parameters())  # the usual way's trainer copy
+        dtype = record["dtype"]
+    finally:
+        run.close()
+        del run
+        gc.collect()
+    row = {"section": SECTION, "case": f"{config_name} ({dtype} engine)", "device": device, "params": params,
+           "trainer_weights_outside_pool_bytes": outside}
+    for name, phase in PHASES.items():
+        regions = {r: record.get(f"{r}_resident_bytes_during_{phase}", 0) for r in REGIONS}
+        row[f"bytes_per_param_{name}"] = (sum(regions.values()) + outside) / params
+        for region, nbytes in regions.items():
+            row[f"{region}_bytes_per_param_{name}"] = nbytes / params
+        row[f"kv_cache_bytes_{name}"] = record.get(f"kv_cache_resident_bytes_during_{phase}", 0)
+        row[f"rss_bytes_{name}"] = record.get(f"rss_resident_bytes_during_{phase}", 0)
+    return row
+
+
+def measure_size(name: str, progress, device: str = "cpu") -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="colo-memory-") as tmp:
+        model_dir = Path(tmp) / "model"
+        params = build_model_dir(model_dir, SIZES[name][0])
+        rows = [measure(model_dir, params, config, device) for config in progress(CONFIGS, name)]
+    usual = rows[-1]
+    for row in rows:
+        row["model"] = name
+        for phase in PHASES:
+            row[f"usual_way_ratio_{phase}"] = usual[f"bytes_per_param_{phase}"] / max(row[f"bytes_per_param_{phase}"], 1e-9)
+        row["note"] = ("bytes per parameter resident in weights+grads+optimizer regions (and, for the usual way, "
+                       "the trainer's own weights) during each phase of the second GRPO step; usual_way_ratio_<phase> "
+                       "= the usual way's bytes / this row's; colo rows offload the optimizer state while generating "
+                       "as on a GPU (on a host pool the copy stays in RAM: see rss_bytes_<phase>)")
+    return rows
+
+
+def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
+    rows = []
+    for device in devices:
+        why = engine_unavailable_reason(device)
+        if why:
+            rows.append(skipped_row(SECTION, "bytes per parameter", device, f"{device.upper()} case not run: {why}"))
+            continue
+        for name in (QUICK_SIZES if quick else FULL_SIZES):
+            rows += measure_size(name, progress, device)
+    return rows

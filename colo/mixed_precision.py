@@ -1,0 +1,137 @@
+"""Train 16-bit parameters with any torch optimizer stepping fp32 master weights.
+
+    model = colo.shared_model(llm).hf_model                 # bf16 parameters: the engine's own tensors
+    opt = colo.MasterWeightOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-5)
+    loss.backward()                                         # gradients accumulate in fp32 (main grads)
+    opt.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()   # fp32 step, rounded bf16 written in place
+    shared.publish()                                        # the engine serves the new bf16 weights
+
+The engine serves bf16 and the trainer's parameters are those bf16 tensors, so there is one copy of
+the weights; what needs fp32 lives with the optimizer: fp32 master weights (4 bytes per parameter)
+and the inner optimizer's state (AdamW: 8), and the gradients are accumulated in fp32 main-gradient
+buffers (4), as Megatron-LM does: autograd produces each 16-bit gradient, a hook adds it to the fp32
+buffer and drops it. After the inner step the masters are rounded (to nearest even) into the 16-bit
+parameters in place, so their addresses, and everything that reads them, stay.
+
+master_region / grad_region: colo.Region objects for the masters and the main gradients (e.g. the
+GRPO scheduler's `optimizer` and `grads` regions); None allocates them with torch.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+class MasterWeightOptimizer:
+    """`optimizer_class` over fp32 masters of 16-bit `params`; see the module docstring.
+
+    params: 16-bit tensors that require grad, or param-group dicts of them (torch's format).
+    The inner optimizer is `.optimizer` (give it to an LR scheduler); `.masters` are its parameters.
+    """
+
+    def __init__(self, params, optimizer_class=torch.optim.AdamW, *, master_region=None, grad_region=None,
+                 **optimizer_kwargs):
+        groups = _param_groups(params)
+        self.params = [p for g in groups for p in g["params"]]
+        if not self.params:
+            raise ValueError("MasterWeightOptimizer got no parameters")
+        for i, p in enumerate(self.params):
+            if not isinstance(p, torch.Tensor) or p.dtype not in _SIXTEEN_BIT:
+                raise TypeError(f"parameter {i}: MasterWeightOptimizer keeps fp32 masters of bfloat16/float16 "
+                                f"parameters, got {getattr(p, 'dtype', type(p).__name__)}; train fp32 parameters "
+                                "with the optimizer directly")
+            if not p.requires_grad:
+                raise ValueError(f"parameter {i} does not require grad")
+        if len({id(p) for p in self.params}) != len(self.params):
+            raise ValueError("a parameter appears twice in MasterWeightOptimizer's parameters")
+        numel = sum(p.numel() for p in self.params)
+        device = self.params[0].device
+        self.master_flat = _flat(master_region, numel, device)
+        self.grad_flat = _flat(grad_region, numel, device)
+        self.masters, self.main_grads = [], []
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                master = self.master_flat[offset:offset + p.numel()].view_as(p)
+                master.copy_(p)
+                self.masters.append(master)
+                self.main_grads.append(self.grad_flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.grad_flat.zero_()
+        for master, grad in zip(self.masters, self.main_grads):
+            master.grad = grad
+        index = {id(p): i for i, p in enumerate(self.params)}
+        inner_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                         "params": [self.masters[index[id(p)]] for p in g["params"]]} for g in groups]
+        self.optimizer = optimizer_class(inner_groups, **optimizer_kwargs)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate(i)) for i, p in enumerate(self.params)]
+
+    def _accumulate(self, i: int):
+        main = self.main_grads[i]
+
+        def hook(param):
+            main.add_(param.grad)  # in fp32; the 16-bit gradient is dropped at once
+            param.grad = None
+        return hook
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the fp32 main gradients (they stay allocated: the masters' .grad are views of them)."""
+        self.grad_flat.zero_()
+        for p in self.params:
+            p.grad = None
+
+    def clip_grad_norm_(self, max_norm: float | None) -> float:
+        """The fp32 L2 norm of all main gradients; scales them to `max_norm` when above it (None: no clip)."""
+        norm = float(torch.linalg.vector_norm(self.grad_flat, dtype=torch.float32))
+        if max_norm is not None and math.isfinite(norm) and norm > max_norm:
+            self.grad_flat.mul_(max_norm / (norm + 1e-6))
+        return norm
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Step the inner optimizer on the masters, then round them into the 16-bit parameters in place."""
+        self.optimizer.step()
+        torch._foreach_copy_([p.data for p in self.params], self.masters)
+
+    def state_dict(self) -> dict:
+        """The inner optimizer's state and the fp32 master weights (what resuming needs exactly)."""
+        return {"optimizer": self.optimizer.state_dict(), "master_weights": self.master_flat.detach().clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        masters = state.get("master_weights") if isinstance(state, dict) else None
+        if not isinstance(masters, torch.Tensor) or masters.shape != self.master_flat.shape:
+            raise ValueError(f"not a MasterWeightOptimizer state for these parameters (expected master_weights of "
+                             f"shape {tuple(self.master_flat.shape)})")
+        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            self.master_flat.copy_(masters)
+            torch._foreach_copy_([p.data for p in self.params], self.masters)
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def _param_groups(params) -> list[dict]:
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return [dict(g, params=list(g["params"])) for g in params]
+    return [{"params": params}]
+
+
+def _flat(region, numel: int, device) -> torch.Tensor:
+    if region is None:
+        return torch.empty(numel, dtype=torch.float32, device=device)
+    return region.empty((numel,), torch.float32)

@@ -1,0 +1,101 @@
+"""colo.MasterWeightOptimizer: 16-bit parameters trained through fp32 master weights."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import colo
+from colo import MasterWeightOptimizer
+
+
+def tiny_model(dtype=torch.float32):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+    return Qwen2ForCausalLM(config).to(dtype)
+
+
+def test_a_master_weight_step_is_an_fp32_adamw_step_on_the_same_gradients():
+    """Same starting values, same fp32 gradients: the masters take exactly the fp32 optimizer's step,
+    and the bf16 parameters are those masters rounded."""
+    bf16 = tiny_model(torch.bfloat16)
+    fp32 = copy.deepcopy(bf16).float()  # exactly the bf16 values, in fp32
+    opt = MasterWeightOptimizer(bf16.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    reference = torch.optim.AdamW(fp32.parameters(), lr=1e-2, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for p, main, q in zip(bf16.parameters(), opt.main_grads, fp32.parameters()):
+            g = torch.randn(p.shape, generator=generator)
+            main.copy_(g)
+            q.grad = g.clone()
+        opt.step()
+        reference.step()
+    for p, master, q in zip(bf16.parameters(), opt.masters, fp32.parameters()):
+        assert torch.equal(master, q.detach())                 # bit for bit the fp32 step
+        assert torch.equal(p.detach(), q.detach().to(torch.bfloat16))  # rounded into the bf16 weights
+
+
+def test_gradients_accumulate_in_fp32_across_backward_passes():
+    model = tiny_model(torch.bfloat16)
+    opt = MasterWeightOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    single = []
+    for _ in range(2):
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        single.append(opt.grad_flat.clone())
+    torch.testing.assert_close(single[0], single[1], atol=0, rtol=0)
+    model(input_ids=ids, labels=ids).loss.backward()  # a second micro-batch adds in fp32
+    torch.testing.assert_close(opt.grad_flat, 2 * single[0], atol=0, rtol=0)
+    assert all(p.grad is None for p in model.parameters())
+    norm = opt.clip_grad_norm_(1e-3)
+    assert norm > 1e-3 and float(torch.linalg.vector_norm(opt.grad_flat)) == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_parameters_keep_their_addresses_and_state_round_trips():
+    model = tiny_model(torch.bfloat16)
+    addresses = [p.data_ptr() for p in model.parameters()]
+    opt = MasterWeightOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    ids = torch.randint(0, 64, (2, 6))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert [p.data_ptr() for p in model.parameters()] == addresses
+    saved = copy.deepcopy(opt.state_dict())
+    opt.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    after_two = [p.detach().clone() for p in model.parameters()]
+
+    opt.load_state_dict(saved)  # back to after one step, masters included
+    opt.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    for p, expected in zip(model.parameters(), after_two):
+        assert torch.equal(p.detach(), expected)
+    with pytest.raises(ValueError, match="master_weights"):
+        opt.load_state_dict({"optimizer": saved["optimizer"]})
+
+
+def test_masters_and_main_grads_go_into_the_regions_given():
+    model = tiny_model(torch.bfloat16)
+    pool = colo.Pool("cpu", capacity=1 << 30)
+    numel = sum(p.numel() for p in model.parameters())
+    masters, grads = pool.region("optimizer", budget=8 * numel), pool.region("grads", budget=8 * numel)
+    opt = MasterWeightOptimizer(model.parameters(), master_region=masters, grad_region=grads, lr=1e-3)
+    assert masters.contains(opt.master_flat) and grads.contains(opt.grad_flat)
+    assert masters.stats()["allocated_bytes"] >= 4 * numel
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    (lambda m: list(m.float().parameters()), TypeError, "bfloat16/float16"),
+    (lambda m: [], ValueError, "no parameters"),
+    (lambda m: [next(m.parameters())] * 2, ValueError, "twice"),
+    (lambda m: [next(m.parameters()).requires_grad_(False)], ValueError, "does not require grad"),
+])
+def test_bad_parameters_are_refused(bad, error, message):
+    with pytest.raises(error, match=message):
+        MasterWeightOptimizer(bad(tiny_model(torch.bfloat16)), torch.optim.AdamW)
