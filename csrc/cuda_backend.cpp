@@ -1,6 +1,7 @@
-// CUDA driver VMM backend: reserve with cuMemAddressReserve, commit = cuMemCreate + cuMemMap +
-// cuMemSetAccess, release = cuMemUnmap + cuMemRelease. The driver is called from C++ with the
-// device's primary context current (the one torch uses), never from Python.
+// CUDA driver VMM backend: reserve with cuMemAddressReserve, map = cuMemCreate + cuMemMap (one per
+// chunk), make_accessible = cuMemSetAccess (one per run of adjacent chunks), release = cuMemUnmap +
+// cuMemRelease. The driver is called from C++ with the device's primary context current (the one
+// torch uses), never from Python.
 #include <algorithm>
 #include <map>
 #include <mutex>
@@ -139,7 +140,7 @@ class CudaBackend final : public Backend {
     d_->cuMemAddressFree(reinterpret_cast<CUdeviceptr>(base), bytes);
   }
 
-  void commit(void* addr, size_t bytes) override {
+  void map(void* addr, size_t bytes) override {
     current();
     CUmemGenericAllocationHandle handle;
     COLO_CU(d_->cuMemCreate(&handle, bytes, &prop_, 0));
@@ -149,17 +150,18 @@ class CudaBackend final : public Backend {
       d_->cuMemRelease(handle);
       COLO_CU(mapped);
     }
+    std::lock_guard<std::mutex> lock(mutex_);
+    handles_[ptr] = {handle, bytes};
+  }
+
+  void make_accessible(void* addr, size_t bytes) override {
+    // One call for the whole range: the driver accepts any fully mapped range, whatever the number
+    // of cuMemMap pieces in it.
+    current();
     CUmemAccessDesc access{};
     access.location = prop_.location;
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    CUresult granted = d_->cuMemSetAccess(ptr, bytes, &access, 1);
-    if (granted != CUDA_SUCCESS) {
-      d_->cuMemUnmap(ptr, bytes);
-      d_->cuMemRelease(handle);
-      COLO_CU(granted);
-    }
-    std::lock_guard<std::mutex> lock(mutex_);
-    handles_[ptr] = {handle, bytes};
+    COLO_CU(d_->cuMemSetAccess(reinterpret_cast<CUdeviceptr>(addr), bytes, &access, 1));
   }
 
   void release(void* addr, size_t bytes) override {

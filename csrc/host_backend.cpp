@@ -108,7 +108,8 @@ class AnonBackend final : public HostBackendBase {
   std::string name() const override { return "host-anon"; }
   void* reserve(size_t bytes) override { return reserve_aligned(bytes, kHugePage); }
   void unreserve(void* base, size_t bytes) override { munmap(base, bytes); }
-  void commit(void* addr, size_t bytes) override {
+  void map(void*, size_t) override {}  // anonymous memory gets its pages on first touch
+  void make_accessible(void* addr, size_t bytes) override {
     COLO_SYSCALL(mprotect(addr, bytes, PROT_READ | PROT_WRITE) == 0, "mprotect(READ|WRITE)");
     madvise(addr, bytes, MADV_HUGEPAGE);  // advisory: fine if THP is off
   }
@@ -155,13 +156,16 @@ class MemfdBackend final : public HostBackendBase {
     }
   }
 
-  void commit(void* addr, size_t bytes) override {
+  void map(void* addr, size_t bytes) override {
     auto [fd, offset] = locate(addr);
     if (fallocate(fd, 0, offset, static_cast<off_t>(bytes)) != 0) {
       throw OutOfMemory(std::string("fallocate(memfd) could not commit memory: ") + std::strerror(errno));
     }
-    void* p = mmap(addr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, offset);
+    void* p = mmap(addr, bytes, PROT_NONE, MAP_SHARED | MAP_FIXED, fd, offset);
     COLO_SYSCALL(p != MAP_FAILED, "mmap(MAP_SHARED|MAP_FIXED)");
+  }
+  void make_accessible(void* addr, size_t bytes) override {
+    COLO_SYSCALL(mprotect(addr, bytes, PROT_READ | PROT_WRITE) == 0, "mprotect(READ|WRITE)");
   }
 
   void release(void* addr, size_t bytes) override {

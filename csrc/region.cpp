@@ -25,15 +25,38 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-size_t default_chunk(const Backend& backend) {
-  size_t chunk = backend.device_kind() == DeviceKind::kCuda ? (32u << 20) : (2u << 20);
-  size_t g = backend.granularity();
-  return (chunk + g - 1) / g * g;
-}
-
 constexpr size_t kMaxBytes = size_t{1} << 62;  // far above any device; keeps the rounding below from overflowing
 
 size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+// Host: a huge page. CUDA: each chunk costs a cuMemCreate + cuMemMap on every wake (and an unmap +
+// release on every sleep), so the chunk grows with the region: at most kMaxCudaChunks of them (a
+// 40 GB KV cache wakes with 64 creates, not 1,280), and at least 32 MiB, few driver handles for
+// small regions. The price is coarser commits: up to one chunk more than live data needs.
+constexpr size_t kMaxCudaChunks = 64;
+size_t default_chunk(const Backend& backend, size_t virtual_bytes) {
+  size_t chunk = 2u << 20;
+  if (backend.device_kind() == DeviceKind::kCuda) {
+    chunk = std::max<size_t>(32u << 20, (virtual_bytes + kMaxCudaChunks - 1) / kMaxCudaChunks);
+  }
+  return round_up(chunk, backend.granularity());
+}
+
+// Maximal runs [first, end) of chunk indices in [lo, hi) for which keep(chunk) holds.
+template <typename Keep>
+std::vector<std::pair<size_t, size_t>> runs_where(size_t lo, size_t hi, Keep keep) {
+  std::vector<std::pair<size_t, size_t>> runs;
+  for (size_t c = lo; c < hi;) {
+    if (!keep(c)) {
+      ++c;
+      continue;
+    }
+    size_t first = c;
+    while (c < hi && keep(c)) ++c;
+    runs.emplace_back(first, c);
+  }
+  return runs;
+}
 
 // The parts of `runs` (offset, bytes) that lie inside `live` (both sorted, disjoint).
 std::vector<std::pair<size_t, size_t>> intersect(const std::vector<std::pair<size_t, size_t>>& runs,
@@ -62,7 +85,8 @@ Region::Region(std::shared_ptr<Backend> backend, std::string name, size_t budget
   COLO_EXPECTS(alignment >= 256, InvalidArgument, "region alignment must be at least 256 bytes");
   COLO_EXPECTS(budget_bytes <= kMaxBytes && chunk_bytes <= kMaxBytes, InvalidArgument,
                "region budget and chunk size must be below 2^62 bytes");
-  chunk_bytes_ = std::min(chunk_bytes ? round_up(chunk_bytes, backend_->granularity()) : default_chunk(*backend_),
+  chunk_bytes_ = std::min(chunk_bytes ? round_up(chunk_bytes, backend_->granularity())
+                                      : default_chunk(*backend_, virtual_bytes_),
                           virtual_bytes_);
   try {
     base_ = static_cast<char*>(backend_->reserve(virtual_bytes_));
@@ -116,17 +140,8 @@ size_t Region::uncommitted_bytes_in(size_t offset, size_t bytes) const {
 }
 
 void Region::commit_chunks_for(size_t offset, size_t bytes) {
-  std::vector<size_t> committed_now;
-  try {
-    for (size_t c = chunk_of(offset); c * chunk_bytes_ < offset + bytes; ++c) {
-      if (chunk_committed_[c]) continue;
-      commit_chunk(c);
-      committed_now.push_back(c);
-    }
-  } catch (...) {
-    for (size_t c : committed_now) release_chunk(c);  // leave the region as it was
-    throw;
-  }
+  size_t end = (offset + bytes + chunk_bytes_ - 1) / chunk_bytes_;
+  commit_runs(runs_where(chunk_of(offset), end, [&](size_t c) { return !chunk_committed_[c]; }));
 }
 
 void Region::free_offload_buffer() {
@@ -135,14 +150,29 @@ void Region::free_offload_buffer() {
   offload_capacity_ = 0;
 }
 
-void Region::commit_chunk(size_t chunk) {
-  backend_->commit(base_ + chunk * chunk_bytes_, chunk_size(chunk));
-  chunk_committed_[chunk] = true;
-  committed_bytes_ += chunk_size(chunk);
+void Region::commit_runs(const ChunkRuns& runs) {
+  // Physical memory chunk by chunk (each is released on its own later), access once per run.
+  std::vector<size_t> mapped;
+  try {
+    for (const auto& [first, end] : runs) {
+      for (size_t c = first; c < end; ++c) {
+        backend_->map(chunk_address(c), chunk_size(c));
+        mapped.push_back(c);
+      }
+      backend_->make_accessible(chunk_address(first), run_bytes(first, end));
+    }
+  } catch (...) {
+    for (size_t c : mapped) backend_->release(chunk_address(c), chunk_size(c));  // leave the region as it was
+    throw;
+  }
+  for (size_t c : mapped) {
+    chunk_committed_[c] = true;
+    committed_bytes_ += chunk_size(c);
+  }
 }
 
 void Region::release_chunk(size_t chunk) {
-  backend_->release(base_ + chunk * chunk_bytes_, chunk_size(chunk));
+  backend_->release(chunk_address(chunk), chunk_size(chunk));
   chunk_committed_[chunk] = false;
   committed_bytes_ -= chunk_size(chunk);
 }
@@ -244,17 +274,9 @@ void Region::wake() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!asleep_) return;
   auto start = std::chrono::steady_clock::now();
-  std::vector<size_t> committed_now;
-  try {
-    for (size_t c = 0; c < chunk_live_bytes_.size(); ++c) {
-      if (chunk_live_bytes_[c] == 0) continue;  // only what live allocations need
-      commit_chunk(c);
-      committed_now.push_back(c);
-    }
-  } catch (...) {
-    for (size_t c : committed_now) release_chunk(c);  // stay asleep, offloaded bytes kept
-    throw;
-  }
+  // Only what live allocations need; on failure nothing is committed: asleep, offloaded bytes kept.
+  auto runs = runs_where(0, chunk_live_bytes_.size(), [&](size_t c) { return chunk_live_bytes_[c] > 0; });
+  commit_runs(runs);
   if (offload_bytes_ > 0) {
     // Restore only what is still allocated: blocks freed while asleep may sit on released chunks.
     std::vector<CopyOp> ops;
@@ -276,22 +298,17 @@ void Region::wake() {
     offload_runs_.clear();
     if (!backend_->keep_offload_buffer()) free_offload_buffer();
   }
-  prefault(committed_now);
+  prefault(runs);
   asleep_ = false;
   last_wake_s_ = seconds_since(start);
 }
 
-void Region::prefault(const std::vector<size_t>& chunks) {
+void Region::prefault(const ChunkRuns& runs) {
   // One call per run of adjacent chunks, on the copy stream: the faults happen off the caller's
   // path (on the host, on the worker thread while training or generation starts).
   prefault_cancelled_ = std::make_shared<std::atomic<bool>>(false);
-  for (size_t i = 0; i < chunks.size();) {
-    size_t first = chunks[i];
-    size_t end = first + 1;
-    while (++i < chunks.size() && chunks[i] == end) ++end;
-    size_t stop = std::min(end * chunk_bytes_, virtual_bytes_);
-    backend_->prefault_async(*copy_stream_, base_ + first * chunk_bytes_, stop - first * chunk_bytes_,
-                             prefault_cancelled_);
+  for (const auto& [first, end] : runs) {
+    backend_->prefault_async(*copy_stream_, chunk_address(first), run_bytes(first, end), prefault_cancelled_);
   }
 }
 
@@ -338,15 +355,8 @@ RegionStats Region::stats() const {
   s.peak_allocated_bytes = peak_allocated_;
   s.reserved_bytes = committed_bytes_;
   // Measure resident memory over runs of committed chunks (one call per run).
-  for (size_t c = 0; c < chunk_committed_.size();) {
-    if (!chunk_committed_[c]) {
-      ++c;
-      continue;
-    }
-    size_t first = c;
-    while (c < chunk_committed_.size() && chunk_committed_[c]) ++c;
-    size_t end = std::min(c * chunk_bytes_, virtual_bytes_);
-    s.resident_bytes += backend_->resident_bytes(base_ + first * chunk_bytes_, end - first * chunk_bytes_);
+  for (const auto& [first, end] : runs_where(0, chunk_committed_.size(), [&](size_t c) { return chunk_committed_[c]; })) {
+    s.resident_bytes += backend_->resident_bytes(chunk_address(first), run_bytes(first, end));
   }
   s.offloaded_bytes = offload_bytes_;
   s.offload_buffer_bytes = offload_capacity_;

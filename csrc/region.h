@@ -38,7 +38,8 @@ struct RegionStats {
 
 class Region : public std::enable_shared_from_this<Region> {
  public:
-  // chunk_bytes == 0 picks the backend default (host: 2 MiB; CUDA: 32 MiB, fewer driver handles).
+  // chunk_bytes == 0 picks the backend default (host: 2 MiB; CUDA: at most 64 chunks per region and
+  // at least 32 MiB each, since every chunk costs driver calls on each wake).
   // The reservation is the budget rounded up to the backend's granularity and the last chunk may
   // be shorter than the others, so committed memory never exceeds that rounded budget: the pool's
   // promise that awake budgets fit in its capacity holds for physical memory, not only for bytes
@@ -73,15 +74,21 @@ class Region : public std::enable_shared_from_this<Region> {
   uintptr_t base_address() const { return reinterpret_cast<uintptr_t>(base_); }
 
  private:
+  using ChunkRuns = std::vector<std::pair<size_t, size_t>>;  // [first, end) ranges of adjacent chunks
+
   size_t chunk_of(size_t offset) const { return offset / chunk_bytes_; }
   size_t chunk_size(size_t chunk) const { return std::min(chunk_bytes_, virtual_bytes_ - chunk * chunk_bytes_); }
+  char* chunk_address(size_t chunk) const { return base_ + chunk * chunk_bytes_; }
+  size_t run_bytes(size_t first, size_t end) const {
+    return std::min(end * chunk_bytes_, virtual_bytes_) - first * chunk_bytes_;
+  }
   void commit_chunks_for(size_t offset, size_t bytes);   // commit uncommitted chunks overlapping
   size_t uncommitted_bytes_in(size_t offset, size_t bytes) const;  // what commit_chunks_for would add
   bool overlaps(size_t chunk, size_t offset, size_t bytes) const;
   void add_live(size_t offset, size_t bytes, bool add);  // per-chunk live byte counts
-  void commit_chunk(size_t chunk);
+  void commit_runs(const ChunkRuns& runs);  // all of them, or none on failure
   void release_chunk(size_t chunk);
-  void prefault(const std::vector<size_t>& chunks);  // sorted chunk indices, made present asynchronously
+  void prefault(const ChunkRuns& runs);  // made present asynchronously
   void stop_prefault();  // before releasing memory: stop a running prefault and wait for the copy stream
   void release_all_chunks();
   std::string describe_request(size_t bytes) const;

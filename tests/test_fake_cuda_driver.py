@@ -3,7 +3,7 @@ libcuda.so.1 of csrc/tests/fake_cuda_driver.cpp (built here with CMake; LD_LIBRA
 extension's dlopen at it in a subprocess). What it shows without a GPU: build_info and the probe
 report the driver, a `cuda` pool with a CPU-only torch is a clear error, and the compiled CUDA VMM
 backend allocates, sleeps (device memory released), wakes at the same addresses and restores
-offloaded bytes through the bindings. The C++ core tests run the same backend under ASan in CI.
+offloaded bytes through the bindings, in few driver calls for a large region. The C++ core tests run the same backend under ASan in CI.
 """
 from __future__ import annotations
 
@@ -33,10 +33,22 @@ def fake_driver_dir(tmp_path_factory) -> Path:
     return build / "fake_cuda"
 
 
-def run_with_fake_driver(fake_driver_dir: Path, script: str) -> str:
+# Prepended to every script: driver_calls(name), the fake driver's count of calls to an entry point
+# (the library loaded here is the one colo's dlopen then finds).
+DRIVER_CALLS = """
+import ctypes
+_fake = ctypes.CDLL("libcuda.so.1")
+_fake.colo_fake_cuda_call_count.restype = ctypes.c_size_t
+_fake.colo_fake_cuda_call_count.argtypes = [ctypes.c_char_p]
+def driver_calls(name):
+    return _fake.colo_fake_cuda_call_count(name.encode())
+"""
+
+
+def run_with_fake_driver(fake_driver_dir: Path, script: str, device_memory: int = 256 << 20) -> str:
     env = {**os.environ, "LD_LIBRARY_PATH": f"{fake_driver_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}",
-           "COLO_FAKE_CUDA_DEVICES": "2", "COLO_FAKE_CUDA_MEMORY": str(256 << 20)}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+           "COLO_FAKE_CUDA_DEVICES": "2", "COLO_FAKE_CUDA_MEMORY": str(device_memory)}
+    done = subprocess.run([sys.executable, "-c", DRIVER_CALLS + textwrap.dedent(script)], capture_output=True, text=True,
                           timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done.stdout
@@ -117,3 +129,25 @@ def test_cuda_vmm_backend_through_the_bindings(fake_driver_dir):
         print("vmm ok")
     """)
     assert "vmm ok" in out
+
+
+def test_a_large_region_wakes_in_few_driver_calls(fake_driver_dir):
+    # A 40 GiB KV cache on a 48 GiB fake device (its memory is host memory only where written, and
+    # nothing is): a chunk per 1/64 of the region, one cuMemCreate each, one cuMemSetAccess per wake.
+    out = run_with_fake_driver(fake_driver_dir, """
+        from colo import _C
+
+        region = _C.Region(_C.make_cuda_backend(0), "kv_cache", 40 << 30)
+        stats = region.stats()
+        chunks = -(-stats["virtual_bytes"] // stats["chunk_bytes"])
+        assert chunks <= 64, stats
+        kv = region.allocate(40 << 30)
+        region.sleep(False)
+        creates, accesses = driver_calls("cuMemCreate"), driver_calls("cuMemSetAccess")
+        region.wake()
+        assert driver_calls("cuMemCreate") - creates == chunks, (driver_calls("cuMemCreate") - creates, chunks)
+        assert driver_calls("cuMemSetAccess") - accesses == 1, driver_calls("cuMemSetAccess") - accesses
+        region.free(kv)
+        print("wake calls ok:", chunks, "chunks")
+    """, device_memory=48 << 30)
+    assert "wake calls ok: 64 chunks" in out

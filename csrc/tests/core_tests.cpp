@@ -284,6 +284,53 @@ static void test_cuda_device_memory_accounting(FakeCounters counters) {
   CHECK(used == used0 && mappings == mappings0 && reservations == reservations0 && host == host0);
 }
 
+using FakeCallCount = size_t (*)(const char*);
+static FakeCallCount fake_cuda_call_count() {
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  return lib ? reinterpret_cast<FakeCallCount>(dlsym(lib, "colo_fake_cuda_call_count")) : nullptr;
+}
+
+// Driver calls grow with chunks, not bytes: a large region is cut into at most 64 chunks (never
+// below 32 MiB; an explicit chunk size wins), each chunk is one cuMemCreate + cuMemMap, and access
+// is set once per run of adjacent chunks, both when an allocation commits and when wake() does.
+static void test_cuda_driver_calls_scale_with_chunks(FakeCallCount calls) {
+  auto backend = colo::make_cuda_backend(0);
+  CHECK(std::make_shared<colo::Region>(backend, "small", 100u << 20)->stats().chunk_bytes == (32u << 20));
+  for (size_t gib : {4, 40}) {  // address space only; the fake device has 1 GiB
+    auto s = std::make_shared<colo::Region>(backend, "big", gib << 30)->stats();
+    CHECK(s.chunk_bytes % backend->granularity() == 0);
+    CHECK((s.virtual_bytes + s.chunk_bytes - 1) / s.chunk_bytes <= 64);
+  }
+  CHECK(std::make_shared<colo::Region>(backend, "explicit", size_t{4} << 30, 8u << 20)->stats().chunk_bytes ==
+        (8u << 20));
+
+  auto region = std::make_shared<colo::Region>(backend, "kv", size_t{4} << 30);
+  size_t chunk = region->stats().chunk_bytes;
+  CHECK(chunk == (64u << 20));
+  std::map<std::string, size_t> before;
+  auto mark = [&] {
+    for (const char* name : {"cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease"})
+      before[name] = calls(name);
+  };
+  auto made = [&](const char* name) { return calls(name) - before[name]; };
+  mark();
+  void* a = region->allocate(3 * chunk);  // chunks 0-2
+  CHECK(made("cuMemCreate") == 3 && made("cuMemMap") == 3 && made("cuMemSetAccess") == 1);
+  void* b = region->allocate(chunk);      // chunk 3
+  void* c = region->allocate(2 * chunk);  // chunks 4-5
+  region->free(b);                        // chunk 3 holds nothing now: wake leaves it out
+  mark();
+  region->sleep(/*offload=*/false);
+  CHECK(made("cuMemUnmap") == 6 && made("cuMemRelease") == 6);
+  mark();
+  region->wake();  // two runs: chunks 0-2 and 4-5
+  CHECK(made("cuMemCreate") == 5 && made("cuMemMap") == 5 && made("cuMemSetAccess") == 2);
+  static_cast<char*>(a)[3 * chunk - 1] = 1;  // accessible to the last byte of each run
+  static_cast<char*>(c)[2 * chunk - 1] = 2;
+  region->free(a);
+  region->free(c);
+}
+
 static void test_cuda_backend() {
   auto probe = colo::probe_cuda();
   if (!probe.available) {
@@ -299,6 +346,7 @@ static void test_cuda_backend() {
   CHECK(throws<colo::InvalidArgument>([&] { colo::make_cuda_backend(probe.device_count); }));
   run_backend_tests(colo::make_cuda_backend(0));
   if (counters) test_cuda_device_memory_accounting(counters);
+  if (FakeCallCount calls = fake_cuda_call_count()) test_cuda_driver_calls_scale_with_chunks(calls);
 }
 
 int main() {

@@ -7,10 +7,13 @@
 //   - cuMemCreate fails with CUDA_ERROR_OUT_OF_MEMORY past the device's capacity;
 //   - every call that needs a context fails unless one is current on the calling thread;
 //   - streams run their work asynchronously, in order, on their own thread; events order streams.
-// "Device" memory is host memory mapped from a memfd, so tests can read it directly. This checks
+// "Device" memory is host memory mapped from a memfd, so tests can read it directly; only the pages
+// written take host memory, so a fake device of many GiB costs nothing until touched. This checks
 // colo's bookkeeping and call order; it says nothing about the real driver's speed or behaviour
 // beyond these rules. Built with COLO_BUILD_TESTS only, never installed. Environment:
 // COLO_FAKE_CUDA_MEMORY (bytes of device memory, default 1 GiB), COLO_FAKE_CUDA_DEVICES (default 1).
+// Test hooks (extern "C", found with dlsym): colo_fake_cuda_counters (objects alive),
+// colo_fake_cuda_call_count (calls per entry point).
 #include <cuda.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -26,6 +29,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <string>
 #include <thread>
 
 namespace {
@@ -176,9 +180,31 @@ std::set<Stream*> streams;
 
 CUresult sticky_or_success() { return static_cast<CUresult>(driver().sticky.load()); }
 
+// Calls per entry point, by exported name (cuda.h's #defines apply: cuMemGetInfo_v2), so tests can
+// assert how many driver calls colo makes. Never destroyed, like the driver.
+std::mutex& calls_mutex() {
+  static auto* m = new std::mutex;
+  return *m;
+}
+std::map<std::string, size_t>& calls() {
+  static auto* m = new std::map<std::string, size_t>;
+  return *m;
+}
+void count_call(const char* name) {
+  std::lock_guard<std::mutex> lock(calls_mutex());
+  ++calls()[name];
+}
+
 }  // namespace
 
 extern "C" {
+
+// Test hook, absent from the real driver: how many times `name` (e.g. "cuMemCreate") was called.
+size_t colo_fake_cuda_call_count(const char* name) {
+  std::lock_guard<std::mutex> lock(calls_mutex());
+  auto it = calls().find(name);
+  return it == calls().end() ? 0 : it->second;
+}
 
 // Test hook, absent from the real driver: device bytes in use and live objects.
 void colo_fake_cuda_counters(size_t* used, size_t* mappings, size_t* reservations, size_t* host_allocations) {
@@ -191,6 +217,7 @@ void colo_fake_cuda_counters(size_t* used, size_t* mappings, size_t* reservation
 }
 
 CUresult CUDAAPI cuInit(unsigned int flags) {
+  count_call(__func__);
   if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
   Driver& d = driver();
   std::lock_guard<std::mutex> lock(d.mutex);
@@ -201,18 +228,21 @@ CUresult CUDAAPI cuInit(unsigned int flags) {
 }
 
 CUresult CUDAAPI cuDriverGetVersion(int* version) {
+  count_call(__func__);
   if (!version) return CUDA_ERROR_INVALID_VALUE;
   *version = CUDA_VERSION;
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuDeviceGetCount(int* count) {
+  count_call(__func__);
   if (!driver().initialised) return CUDA_ERROR_NOT_INITIALIZED;
   *count = driver().devices;
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuDeviceGet(CUdevice* device, int ordinal) {
+  count_call(__func__);
   if (!driver().initialised) return CUDA_ERROR_NOT_INITIALIZED;
   if (ordinal < 0 || ordinal >= driver().devices) return CUDA_ERROR_INVALID_DEVICE;
   *device = ordinal;
@@ -220,6 +250,7 @@ CUresult CUDAAPI cuDeviceGet(CUdevice* device, int ordinal) {
 }
 
 CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice device) {
+  count_call(__func__);
   if (!driver().initialised) return CUDA_ERROR_NOT_INITIALIZED;
   if (device < 0 || device >= driver().devices) return CUDA_ERROR_INVALID_DEVICE;
   *ctx = reinterpret_cast<CUcontext>(&context_tags[device]);
@@ -227,6 +258,7 @@ CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice device) {
 }
 
 CUresult CUDAAPI cuCtxSetCurrent(CUcontext ctx) {
+  count_call(__func__);
   if (!driver().initialised) return CUDA_ERROR_NOT_INITIALIZED;
   if (ctx != nullptr && !valid_context(ctx)) return CUDA_ERROR_INVALID_CONTEXT;
   current_context = ctx;
@@ -234,6 +266,7 @@ CUresult CUDAAPI cuCtxSetCurrent(CUcontext ctx) {
 }
 
 CUresult CUDAAPI cuCtxSynchronize(void) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   std::lock_guard<std::mutex> lock(streams_mutex);
   for (Stream* s : streams) s->synchronize();
@@ -241,6 +274,7 @@ CUresult CUDAAPI cuCtxSynchronize(void) {
 }
 
 CUresult CUDAAPI cuCtxGetStreamPriorityRange(int* least, int* greatest) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   *least = 0;
   *greatest = -5;
@@ -248,6 +282,7 @@ CUresult CUDAAPI cuCtxGetStreamPriorityRange(int* least, int* greatest) {
 }
 
 CUresult CUDAAPI cuGetErrorString(CUresult error, const char** text) {
+  count_call(__func__);
   static const std::map<int, const char*> names = {
       {CUDA_SUCCESS, "no error"},
       {CUDA_ERROR_INVALID_VALUE, "invalid argument"},
@@ -265,6 +300,7 @@ CUresult CUDAAPI cuGetErrorString(CUresult error, const char** text) {
 }
 
 CUresult CUDAAPI cuMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   Driver& d = driver();
   std::lock_guard<std::mutex> lock(d.mutex);
@@ -275,6 +311,7 @@ CUresult CUDAAPI cuMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
 
 CUresult CUDAAPI cuMemGetAllocationGranularity(size_t* granularity, const CUmemAllocationProp* prop,
                                                CUmemAllocationGranularity_flags) {
+  count_call(__func__);
   if (!driver().initialised) return CUDA_ERROR_NOT_INITIALIZED;
   if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
     return CUDA_ERROR_INVALID_VALUE;
@@ -283,6 +320,7 @@ CUresult CUDAAPI cuMemGetAllocationGranularity(size_t* granularity, const CUmemA
 }
 
 CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr, unsigned long long) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   if (size == 0 || size % kGranularity || (alignment & (alignment - 1))) return CUDA_ERROR_INVALID_VALUE;
   size_t align = std::max(alignment, kGranularity), padded = size + align;
@@ -298,6 +336,7 @@ CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t align
 }
 
 CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   Driver& d = driver();
   std::lock_guard<std::mutex> lock(d.mutex);
@@ -312,6 +351,7 @@ CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
 
 CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const CUmemAllocationProp* prop,
                              unsigned long long flags) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   Driver& d = driver();
   if (!prop || flags != 0 || size == 0 || size % kGranularity || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
@@ -332,6 +372,7 @@ CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, 
 }
 
 CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   Driver& d = driver();
   std::lock_guard<std::mutex> lock(d.mutex);
@@ -344,6 +385,7 @@ CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
 
 CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                           unsigned long long flags) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   Driver& d = driver();
   std::lock_guard<std::mutex> lock(d.mutex);
@@ -368,6 +410,7 @@ CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGene
 }
 
 CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   Driver& d = driver();
   if (!desc || count != 1 || desc->location.type != CU_MEM_LOCATION_TYPE_DEVICE || desc->location.id < 0 ||
@@ -390,6 +433,7 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
 }
 
 CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   Driver& d = driver();
   std::lock_guard<std::mutex> lock(d.mutex);
@@ -411,6 +455,7 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
 }
 
 CUresult CUDAAPI cuMemHostAlloc(void** ptr, size_t size, unsigned int) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -421,6 +466,7 @@ CUresult CUDAAPI cuMemHostAlloc(void** ptr, size_t size, unsigned int) {
 }
 
 CUresult CUDAAPI cuMemFreeHost(void* ptr) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   Driver& d = driver();
   std::lock_guard<std::mutex> lock(d.mutex);
@@ -432,6 +478,7 @@ CUresult CUDAAPI cuMemFreeHost(void* ptr) {
 }
 
 CUresult CUDAAPI cuStreamCreateWithPriority(CUstream* stream, unsigned int, int) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   auto* s = new Stream;
   std::lock_guard<std::mutex> lock(streams_mutex);
@@ -441,6 +488,7 @@ CUresult CUDAAPI cuStreamCreateWithPriority(CUstream* stream, unsigned int, int)
 }
 
 CUresult CUDAAPI cuStreamDestroy(CUstream stream) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   auto* s = reinterpret_cast<Stream*>(stream);
   {
@@ -452,12 +500,14 @@ CUresult CUDAAPI cuStreamDestroy(CUstream stream) {
 }
 
 CUresult CUDAAPI cuStreamSynchronize(CUstream stream) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   reinterpret_cast<Stream*>(stream)->synchronize();
   return sticky_or_success();
 }
 
 CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   {
     std::lock_guard<std::mutex> lock(driver().mutex);
@@ -477,18 +527,21 @@ CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, C
 }
 
 CUresult CUDAAPI cuEventCreate(CUevent* event, unsigned int) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   *event = reinterpret_cast<CUevent>(new EventHandle);
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuEventDestroy(CUevent event) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   delete reinterpret_cast<EventHandle*>(event);  // queued work keeps its own reference
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuEventRecord(CUevent event, CUstream stream) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   std::shared_ptr<Event> e = reinterpret_cast<EventHandle*>(event)->event;
   uint64_t mark;
@@ -501,6 +554,7 @@ CUresult CUDAAPI cuEventRecord(CUevent event, CUstream stream) {
 }
 
 CUresult CUDAAPI cuEventQuery(CUevent event) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   Event& e = *reinterpret_cast<EventHandle*>(event)->event;
   std::lock_guard<std::mutex> lock(e.mutex);
@@ -508,6 +562,7 @@ CUresult CUDAAPI cuEventQuery(CUevent event) {
 }
 
 CUresult CUDAAPI cuEventSynchronize(CUevent event) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   std::shared_ptr<Event> e = reinterpret_cast<EventHandle*>(event)->event;
   uint64_t mark;
@@ -520,6 +575,7 @@ CUresult CUDAAPI cuEventSynchronize(CUevent event) {
 }
 
 CUresult CUDAAPI cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   std::shared_ptr<Event> e = reinterpret_cast<EventHandle*>(event)->event;
   uint64_t mark;
