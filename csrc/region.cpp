@@ -101,14 +101,19 @@ Region::Region(std::shared_ptr<Backend> backend, std::string name, size_t budget
 }
 
 Region::~Region() {
+  // Destructors must not throw; the process is usually exiting when this fails. A failed wait (a
+  // device error) still releases the memory: nothing can run on that device any more.
   try {
     stop_prefault();
+    backend_->synchronize_device();  // as sleep() and trim() do: no queued work may touch unmapped memory
+  } catch (...) {
+  }
+  try {
     copy_stream_.reset();
     if (!asleep_) release_all_chunks();
     free_offload_buffer();
     backend_->unreserve(base_, virtual_bytes_);
   } catch (...) {
-    // Destructors must not throw; the process is usually exiting when this fails.
   }
 }
 

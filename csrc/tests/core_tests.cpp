@@ -235,19 +235,30 @@ static void run_backend_tests(const BackendPtr& backend) {
   test_torch_entry_points(backend);
 }
 
-// The fake driver's counters (device bytes in use, mappings, reservations, pinned host buffers);
-// nullptr with a real driver.
-using FakeCounters = void (*)(size_t*, size_t*, size_t*, size_t*);
-static FakeCounters fake_cuda_counters() {
+// The fake driver's test hooks (csrc/tests/fake_cuda_driver.cpp); all nullptr with a real driver.
+struct FakeDriverHooks {
+  void (*counters)(size_t* used, size_t* mappings, size_t* reservations, size_t* host_allocations) = nullptr;
+  size_t (*call_count)(const char* name) = nullptr;
+  void (*hold_stream)(uintptr_t stream, int hold) = nullptr;  // queued work waits while held
+  size_t (*busy_unmaps)() = nullptr;  // cuMemUnmap calls made while a stream had queued work
+};
+static FakeDriverHooks fake_driver_hooks() {
+  FakeDriverHooks hooks;
   void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-  return lib ? reinterpret_cast<FakeCounters>(dlsym(lib, "colo_fake_cuda_counters")) : nullptr;
+  if (!lib) return hooks;
+  hooks.counters = reinterpret_cast<decltype(hooks.counters)>(dlsym(lib, "colo_fake_cuda_counters"));
+  hooks.call_count = reinterpret_cast<decltype(hooks.call_count)>(dlsym(lib, "colo_fake_cuda_call_count"));
+  hooks.hold_stream = reinterpret_cast<decltype(hooks.hold_stream)>(dlsym(lib, "colo_fake_cuda_hold_stream"));
+  hooks.busy_unmaps = reinterpret_cast<decltype(hooks.busy_unmaps)>(dlsym(lib, "colo_fake_cuda_busy_unmaps"));
+  return hooks;
 }
 
 // What only the fake driver can show: device memory really goes back on sleep, running out of it
 // is a clean OutOfMemory that changes nothing, and a destroyed region leaves nothing behind.
-static void test_cuda_device_memory_accounting(FakeCounters counters) {
+static void test_cuda_device_memory_accounting(const FakeDriverHooks& fake) {
   // Relative to the start: regions made current for torch (above) stay alive until exit by design.
   size_t used0 = 0, mappings0 = 0, reservations0 = 0, host0 = 0, used = 0, mappings = 0, reservations = 0, host = 0;
+  auto counters = fake.counters;
   counters(&used0, &mappings0, &reservations0, &host0);
   auto backend = colo::make_cuda_backend(0);
   {
@@ -284,16 +295,11 @@ static void test_cuda_device_memory_accounting(FakeCounters counters) {
   CHECK(used == used0 && mappings == mappings0 && reservations == reservations0 && host == host0);
 }
 
-using FakeCallCount = size_t (*)(const char*);
-static FakeCallCount fake_cuda_call_count() {
-  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-  return lib ? reinterpret_cast<FakeCallCount>(dlsym(lib, "colo_fake_cuda_call_count")) : nullptr;
-}
-
 // Driver calls grow with chunks, not bytes: a large region is cut into at most 64 chunks (never
 // below 32 MiB; an explicit chunk size wins), each chunk is one cuMemCreate + cuMemMap, and access
 // is set once per run of adjacent chunks, both when an allocation commits and when wake() does.
-static void test_cuda_driver_calls_scale_with_chunks(FakeCallCount calls) {
+static void test_cuda_driver_calls_scale_with_chunks(const FakeDriverHooks& fake) {
+  auto calls = fake.call_count;
   auto backend = colo::make_cuda_backend(0);
   CHECK(std::make_shared<colo::Region>(backend, "small", 100u << 20)->stats().chunk_bytes == (32u << 20));
   for (size_t gib : {4, 40}) {  // address space only; the fake device has 1 GiB
@@ -331,6 +337,25 @@ static void test_cuda_driver_calls_scale_with_chunks(FakeCallCount calls) {
   region->free(c);
 }
 
+// A region destroyed while device work is still queued waits for it before unmapping, as sleep()
+// and trim() do: on a GPU that work could be using the region's memory.
+static void test_cuda_region_destructor_synchronizes(const FakeDriverHooks& fake) {
+  auto backend = colo::make_cuda_backend(0);
+  auto stream = backend->create_stream(colo::StreamRole::kInfer);
+  size_t busy_before = fake.busy_unmaps();
+  std::shared_ptr<colo::Event> queued;
+  {
+    auto region = std::make_shared<colo::Region>(backend, "doomed", 64u << 20);
+    region->allocate(1u << 20);  // dies with a live allocation, as at exit
+    fake.hold_stream(stream->native_handle(), 1);
+    queued = stream->record();  // work the device has not run yet (an event: nothing to fault on)
+    CHECK(!queued->query());
+  }
+  CHECK(fake.busy_unmaps() == busy_before);
+  CHECK(queued->query());
+  fake.hold_stream(stream->native_handle(), 0);
+}
+
 static void test_cuda_backend() {
   auto probe = colo::probe_cuda();
   if (!probe.available) {
@@ -341,12 +366,14 @@ static void test_cuda_backend() {
     }
     return;
   }
-  FakeCounters counters = fake_cuda_counters();
-  std::printf("CUDA backend cases on %s\n", counters ? "the fake driver (host memory)" : "a real driver");
+  FakeDriverHooks fake = fake_driver_hooks();
+  std::printf("CUDA backend cases on %s\n", fake.counters ? "the fake driver (host memory)" : "a real driver");
   CHECK(throws<colo::InvalidArgument>([&] { colo::make_cuda_backend(probe.device_count); }));
   run_backend_tests(colo::make_cuda_backend(0));
-  if (counters) test_cuda_device_memory_accounting(counters);
-  if (FakeCallCount calls = fake_cuda_call_count()) test_cuda_driver_calls_scale_with_chunks(calls);
+  if (!fake.counters) return;  // the rest needs the fake driver's hooks
+  test_cuda_device_memory_accounting(fake);
+  test_cuda_driver_calls_scale_with_chunks(fake);
+  test_cuda_region_destructor_synchronizes(fake);
 }
 
 int main() {

@@ -6,14 +6,19 @@
 //   - cuMemUnmap takes whole mappings; physical memory is freed once unmapped *and* released;
 //   - cuMemCreate fails with CUDA_ERROR_OUT_OF_MEMORY past the device's capacity;
 //   - every call that needs a context fails unless one is current on the calling thread;
-//   - streams run their work asynchronously, in order, on their own thread; events order streams.
+//   - streams run their work asynchronously, in order, on their own thread; events order streams;
+//     stream 0 (and CU_STREAM_LEGACY / CU_STREAM_PER_THREAD) is one default stream, without the
+//     legacy stream's implicit synchronisation with other streams.
 // "Device" memory is host memory mapped from a memfd, so tests can read it directly; only the pages
 // written take host memory, so a fake device of many GiB costs nothing until touched. This checks
 // colo's bookkeeping and call order; it says nothing about the real driver's speed or behaviour
 // beyond these rules. Built with COLO_BUILD_TESTS only, never installed. Environment:
 // COLO_FAKE_CUDA_MEMORY (bytes of device memory, default 1 GiB), COLO_FAKE_CUDA_DEVICES (default 1).
 // Test hooks (extern "C", found with dlsym): colo_fake_cuda_counters (objects alive),
-// colo_fake_cuda_call_count (calls per entry point).
+// colo_fake_cuda_call_count (calls per entry point), colo_fake_cuda_hold_stream (a stream's work
+// waits, so its events stay not ready, until something waits for the device: "the GPU is behind"),
+// colo_fake_cuda_busy_unmaps (cuMemUnmap calls made while some stream still had queued work, which
+// on a GPU could still be using the range: colo synchronizes the device before unmapping).
 #include <cuda.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -136,6 +141,7 @@ class Stream {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stopping_ = true;
+      held_ = false;
     }
     wake_.notify_all();
     worker_.join();
@@ -148,7 +154,19 @@ class Stream {
   }
   void synchronize() {
     std::unique_lock<std::mutex> lock(mutex_);
+    held_ = false;  // waiting for held work lets it run: a real device always gets there
+    wake_.notify_all();
     idle_.wait(lock, [this] { return pending_ == 0; });
+  }
+  // While held, queued work waits (and events recorded here stay not ready).
+  void hold(bool on) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    held_ = on;
+    wake_.notify_all();
+  }
+  bool busy() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return pending_ > 0;
   }
 
  private:
@@ -157,7 +175,7 @@ class Stream {
       std::function<void()> work;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+        wake_.wait(lock, [this] { return stopping_ || (!queue_.empty() && !held_); });
         if (queue_.empty()) return;
         work = std::move(queue_.front());
         queue_.pop_front();
@@ -172,11 +190,52 @@ class Stream {
   std::deque<std::function<void()>> queue_;
   size_t pending_ = 0;
   bool stopping_ = false;
+  bool held_ = false;
   std::thread worker_;
 };
 
-std::mutex streams_mutex;
-std::set<Stream*> streams;
+// Live streams, never destroyed themselves: regions may synchronize during static destruction.
+std::mutex& streams_mutex() {
+  static auto* m = new std::mutex;
+  return *m;
+}
+std::set<Stream*>& streams() {
+  static auto* s = new std::set<Stream*>;
+  return *s;
+}
+
+bool is_default(CUstream handle) {
+  return handle == nullptr || handle == CU_STREAM_LEGACY || handle == CU_STREAM_PER_THREAD;
+}
+
+// The stream a handle names, or nullptr for an unknown handle. The default stream is made on
+// first use and never destroyed.
+Stream* find_stream(CUstream handle) {
+  static Stream* default_stream = nullptr;
+  std::lock_guard<std::mutex> lock(streams_mutex());
+  if (is_default(handle)) {
+    if (!default_stream) streams().insert(default_stream = new Stream);
+    return default_stream;
+  }
+  auto* s = reinterpret_cast<Stream*>(handle);
+  return streams().count(s) ? s : nullptr;
+}
+
+// A wait for the device (a context or event synchronize, a stream waiting on an event) lets every
+// held stream run: the fake does not track which stream an event was recorded on.
+void release_holds() {
+  std::lock_guard<std::mutex> lock(streams_mutex());
+  for (Stream* s : streams()) s->hold(false);
+}
+
+bool any_stream_busy() {
+  std::lock_guard<std::mutex> lock(streams_mutex());
+  for (Stream* s : streams())
+    if (s->busy()) return true;
+  return false;
+}
+
+std::atomic<size_t> busy_unmaps{0};
 
 CUresult sticky_or_success() { return static_cast<CUresult>(driver().sticky.load()); }
 
@@ -205,6 +264,15 @@ size_t colo_fake_cuda_call_count(const char* name) {
   auto it = calls().find(name);
   return it == calls().end() ? 0 : it->second;
 }
+
+// Test hook: hold (1) or let go (0) the work queued on `stream` (0: the default stream). Any wait
+// for the device lets it go too (see release_holds).
+void colo_fake_cuda_hold_stream(CUstream stream, int hold) {
+  if (Stream* s = find_stream(stream)) s->hold(hold != 0);
+}
+
+// Test hook: cuMemUnmap calls made while a stream still had queued work.
+size_t colo_fake_cuda_busy_unmaps() { return busy_unmaps.load(); }
 
 // Test hook, absent from the real driver: device bytes in use and live objects.
 void colo_fake_cuda_counters(size_t* used, size_t* mappings, size_t* reservations, size_t* host_allocations) {
@@ -268,8 +336,9 @@ CUresult CUDAAPI cuCtxSetCurrent(CUcontext ctx) {
 CUresult CUDAAPI cuCtxSynchronize(void) {
   count_call(__func__);
   if (CUresult r = need_context()) return r;
-  std::lock_guard<std::mutex> lock(streams_mutex);
-  for (Stream* s : streams) s->synchronize();
+  release_holds();  // first: a stream may be waiting on another's held work
+  std::lock_guard<std::mutex> lock(streams_mutex());
+  for (Stream* s : streams()) s->synchronize();
   return sticky_or_success();
 }
 
@@ -435,6 +504,8 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
 CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
   count_call(__func__);
   if (CUresult r = need_context()) return r;
+  // Before taking the driver's mutex: queued copies take it when they run.
+  if (any_stream_busy()) ++busy_unmaps;
   Driver& d = driver();
   std::lock_guard<std::mutex> lock(d.mutex);
   uintptr_t at = ptr;
@@ -481,8 +552,8 @@ CUresult CUDAAPI cuStreamCreateWithPriority(CUstream* stream, unsigned int, int)
   count_call(__func__);
   if (CUresult r = need_context()) return r;
   auto* s = new Stream;
-  std::lock_guard<std::mutex> lock(streams_mutex);
-  streams.insert(s);
+  std::lock_guard<std::mutex> lock(streams_mutex());
+  streams().insert(s);
   *stream = reinterpret_cast<CUstream>(s);
   return CUDA_SUCCESS;
 }
@@ -491,9 +562,10 @@ CUresult CUDAAPI cuStreamDestroy(CUstream stream) {
   count_call(__func__);
   if (CUresult r = need_context()) return r;
   auto* s = reinterpret_cast<Stream*>(stream);
+  if (is_default(stream)) return CUDA_ERROR_INVALID_HANDLE;
   {
-    std::lock_guard<std::mutex> lock(streams_mutex);
-    if (!streams.erase(s)) return CUDA_ERROR_INVALID_HANDLE;
+    std::lock_guard<std::mutex> lock(streams_mutex());
+    if (!streams().erase(s)) return CUDA_ERROR_INVALID_HANDLE;
   }
   delete s;  // finishes its queued work first, as the real driver does before freeing the stream
   return CUDA_SUCCESS;
@@ -502,7 +574,9 @@ CUresult CUDAAPI cuStreamDestroy(CUstream stream) {
 CUresult CUDAAPI cuStreamSynchronize(CUstream stream) {
   count_call(__func__);
   if (CUresult r = need_context()) return r;
-  reinterpret_cast<Stream*>(stream)->synchronize();
+  Stream* s = find_stream(stream);
+  if (!s) return CUDA_ERROR_INVALID_HANDLE;
+  s->synchronize();
   return sticky_or_success();
 }
 
@@ -513,8 +587,9 @@ CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, C
     std::lock_guard<std::mutex> lock(driver().mutex);
     if (!accessible(dst, bytes) || !accessible(src, bytes)) return CUDA_ERROR_INVALID_VALUE;
   }
-  if (!stream) return CUDA_ERROR_INVALID_HANDLE;  // colo always names its stream
-  reinterpret_cast<Stream*>(stream)->enqueue([dst, src, bytes] {
+  Stream* s = is_default(stream) ? nullptr : find_stream(stream);  // colo always names its stream
+  if (!s) return CUDA_ERROR_INVALID_HANDLE;
+  s->enqueue([dst, src, bytes] {
     // Still mapped when the copy runs? Otherwise the real device faults; here the error is sticky.
     std::lock_guard<std::mutex> lock(driver().mutex);
     if (!accessible(dst, bytes) || !accessible(src, bytes)) {
@@ -543,13 +618,15 @@ CUresult CUDAAPI cuEventDestroy(CUevent event) {
 CUresult CUDAAPI cuEventRecord(CUevent event, CUstream stream) {
   count_call(__func__);
   if (CUresult r = need_context()) return r;
+  Stream* s = find_stream(stream);
+  if (!s) return CUDA_ERROR_INVALID_HANDLE;
   std::shared_ptr<Event> e = reinterpret_cast<EventHandle*>(event)->event;
   uint64_t mark;
   {
     std::lock_guard<std::mutex> lock(e->mutex);
     mark = ++e->recorded;
   }
-  reinterpret_cast<Stream*>(stream)->enqueue([e, mark] { e->complete(mark); });
+  s->enqueue([e, mark] { e->complete(mark); });
   return CUDA_SUCCESS;
 }
 
@@ -570,6 +647,7 @@ CUresult CUDAAPI cuEventSynchronize(CUevent event) {
     std::lock_guard<std::mutex> lock(e->mutex);
     mark = e->recorded;
   }
+  release_holds();
   e->wait_for(mark);
   return sticky_or_success();
 }
@@ -577,13 +655,16 @@ CUresult CUDAAPI cuEventSynchronize(CUevent event) {
 CUresult CUDAAPI cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int) {
   count_call(__func__);
   if (CUresult r = need_context()) return r;
+  Stream* s = find_stream(stream);
+  if (!s) return CUDA_ERROR_INVALID_HANDLE;
   std::shared_ptr<Event> e = reinterpret_cast<EventHandle*>(event)->event;
   uint64_t mark;
   {
     std::lock_guard<std::mutex> lock(e->mutex);
     mark = e->recorded;  // the work recorded so far, not later records
   }
-  reinterpret_cast<Stream*>(stream)->enqueue([e, mark] { e->wait_for(mark); });
+  release_holds();
+  s->enqueue([e, mark] { e->wait_for(mark); });
   return CUDA_SUCCESS;
 }
 
