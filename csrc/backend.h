@@ -88,6 +88,10 @@ class Backend {
   virtual bool keep_offload_buffer() const = 0;
 
   virtual std::shared_ptr<Stream> create_stream(StreamRole role) = 0;
+  // An event marking the work queued so far on a stream colo did not create (CUDA: a CUstream such
+  // as torch's current stream; 0 is the legacy default stream), so memory that work uses can be
+  // reused once it is done. nullptr where no such work exists (host: tensors compute synchronously).
+  virtual std::shared_ptr<Event> record_event(uintptr_t stream) = 0;
 };
 
 // Host backends. "anon": private anonymous memory with transparent huge pages, released with

@@ -47,21 +47,38 @@ CudaProbe probe_cuda() {
 
 namespace {
 
+// Sets its context on every call: a region queries and drops events on whichever thread allocates
+// next, not necessarily the one that recorded them (torch's deleter frees on any thread).
 class CudaEvent final : public Event {
  public:
-  explicit CudaEvent(const CudaDriver* d) : d_(d) { COLO_CU(d_->cuEventCreate(&event_, CU_EVENT_DISABLE_TIMING)); }
-  ~CudaEvent() override { d_->cuEventDestroy(event_); }
-  void synchronize() override { COLO_CU(d_->cuEventSynchronize(event_)); }
+  CudaEvent(const CudaDriver* d, CUcontext ctx) : d_(d), ctx_(ctx) {
+    COLO_CU(d_->cuCtxSetCurrent(ctx_));
+    COLO_CU(d_->cuEventCreate(&event_, CU_EVENT_DISABLE_TIMING));
+  }
+  ~CudaEvent() override {
+    d_->cuCtxSetCurrent(ctx_);
+    d_->cuEventDestroy(event_);
+  }
+  void synchronize() override {
+    COLO_CU(d_->cuCtxSetCurrent(ctx_));
+    COLO_CU(d_->cuEventSynchronize(event_));
+  }
   bool query() override {
+    COLO_CU(d_->cuCtxSetCurrent(ctx_));
     CUresult r = d_->cuEventQuery(event_);
     if (r == CUDA_ERROR_NOT_READY) return false;
     COLO_CU(r);
     return true;
   }
+  void record(CUstream stream) {  // mark the work queued so far on `stream`
+    COLO_CU(d_->cuCtxSetCurrent(ctx_));
+    COLO_CU(d_->cuEventRecord(event_, stream));
+  }
   CUevent handle() const { return event_; }
 
  private:
   const CudaDriver* d_;
+  CUcontext ctx_;
   CUevent event_ = nullptr;
 };
 
@@ -84,9 +101,8 @@ class CudaStream final : public Stream {
     }
   }
   std::shared_ptr<Event> record() override {
-    COLO_CU(d_->cuCtxSetCurrent(ctx_));
-    auto event = std::make_shared<CudaEvent>(d_);
-    COLO_CU(d_->cuEventRecord(event->handle(), stream_));
+    auto event = std::make_shared<CudaEvent>(d_, ctx_);
+    event->record(stream_);
     return event;
   }
   void wait(const std::shared_ptr<Event>& event) override {
@@ -212,6 +228,12 @@ class CudaBackend final : public Backend {
     // Inference is latency-bound and copies should overlap compute: both above training.
     int priority = role == StreamRole::kTrain ? least : greatest;
     return std::make_shared<CudaStream>(d_, ctx_, priority);
+  }
+
+  std::shared_ptr<Event> record_event(uintptr_t stream) override {
+    auto event = std::make_shared<CudaEvent>(d_, ctx_);
+    event->record(reinterpret_cast<CUstream>(stream));
+    return event;
   }
 
  private:

@@ -100,6 +100,7 @@ class HostBackendBase : public Backend {
   void host_free(void* ptr, size_t bytes) override { munmap(ptr, bytes); }
   bool keep_offload_buffer() const override { return false; }
   std::shared_ptr<Stream> create_stream(StreamRole) override { return std::make_shared<HostStream>(); }
+  std::shared_ptr<Event> record_event(uintptr_t) override { return nullptr; }  // nothing runs behind the caller
 };
 
 // Private anonymous memory; commit = make accessible + ask for huge pages; release = drop pages.

@@ -191,6 +191,17 @@ void Region::release_all_chunks() {
 void* Region::allocate(size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (asleep_) throw RegionAsleep("region '" + name_ + "' is asleep: wake() it before allocating");
+  reap_pending_frees(/*wait=*/false);
+  try {
+    return allocate_locked(bytes);
+  } catch (const OutOfMemory&) {
+    if (pending_frees_.empty()) throw;
+    reap_pending_frees(/*wait=*/true);  // blocks freed on streams still running may make it fit
+    return allocate_locked(bytes);
+  }
+}
+
+void* Region::allocate_locked(size_t bytes) {
   size_t need = blocks_.round_up(bytes == 0 ? 1 : bytes);
   if (blocks_.allocated_bytes() + need > budget_) throw OutOfMemory(describe_request(bytes));
   auto offset = blocks_.allocate(need);
@@ -219,7 +230,7 @@ void* Region::allocate(size_t bytes) {
     throw;
   }
   add_live(*offset, need, true);
-  peak_allocated_ = std::max(peak_allocated_, blocks_.allocated_bytes());
+  peak_allocated_ = std::max(peak_allocated_, blocks_.allocated_bytes() - pending_free_bytes_);
   return base_ + *offset;
 }
 
@@ -228,15 +239,55 @@ bool Region::contains(const void* ptr) const {
   return p >= base && p < base + virtual_bytes_;
 }
 
-void Region::free(void* ptr) {
-  std::lock_guard<std::mutex> lock(mutex_);
+size_t Region::live_block_at(const void* ptr) const {
   COLO_EXPECTS(contains(ptr), InvalidArgument, "pointer does not belong to region '" + name_ + "'");
-  size_t offset = static_cast<size_t>(static_cast<char*>(ptr) - base_);
-  size_t bytes = blocks_.block_size(offset);
-  COLO_EXPECTS(bytes > 0, InvalidArgument, "free of a pointer region '" + name_ + "' did not hand out");
-  blocks_.free(offset);
+  size_t offset = static_cast<size_t>(static_cast<const char*>(ptr) - base_);
+  COLO_EXPECTS(blocks_.block_size(offset) > 0, InvalidArgument,
+               "free of a pointer region '" + name_ + "' did not hand out");
+  COLO_EXPECTS(!pending_blocks_.count(offset), InvalidArgument,
+               "free of a pointer region '" + name_ + "' has freed already (waiting for its stream)");
+  return offset;
+}
+
+void Region::release_block(size_t offset) {
+  size_t bytes = blocks_.free(offset);
   add_live(offset, bytes, false);
   // Committed chunks stay mapped (a cache for the next allocation); trim() or sleep() releases them.
+}
+
+void Region::free(void* ptr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  release_block(live_block_at(ptr));
+}
+
+void Region::free_after(void* ptr, uintptr_t stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t offset = live_block_at(ptr);
+  std::shared_ptr<Event> done = asleep_ ? nullptr : backend_->record_event(stream);
+  if (!done) {
+    release_block(offset);
+    return;
+  }
+  size_t bytes = blocks_.block_size(offset);
+  pending_frees_[stream].push_back({offset, std::move(done)});
+  pending_blocks_[offset] = bytes;
+  pending_free_bytes_ += bytes;
+}
+
+void Region::reap_pending_frees(bool wait) {
+  for (auto it = pending_frees_.begin(); it != pending_frees_.end();) {
+    auto& queue = it->second;
+    // Events on one stream complete in order: waiting for the last one waits for all.
+    if (wait) queue.back().done->synchronize();
+    while (!queue.empty() && (wait || queue.front().done->query())) {
+      size_t offset = queue.front().offset;
+      pending_free_bytes_ -= pending_blocks_[offset];
+      pending_blocks_.erase(offset);
+      release_block(offset);
+      queue.pop_front();
+    }
+    it = queue.empty() ? pending_frees_.erase(it) : std::next(it);
+  }
 }
 
 void Region::sleep(bool offload) {
@@ -244,6 +295,7 @@ void Region::sleep(bool offload) {
   if (asleep_) return;
   auto start = std::chrono::steady_clock::now();
   stop_prefault();
+  reap_pending_frees(/*wait=*/true);  // what they free need not be offloaded
   if (offload && blocks_.allocated_bytes() > 0) {
     auto runs = blocks_.live_runs();
     size_t total = 0;
@@ -327,6 +379,7 @@ void Region::trim() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (asleep_) return;  // asleep, the offload buffer holds the region's contents
   stop_prefault();
+  reap_pending_frees(/*wait=*/true);  // their chunks may hold nothing else
   free_offload_buffer();
   backend_->synchronize_device();
   for (size_t c = 0; c < chunk_committed_.size(); ++c) {
@@ -356,7 +409,8 @@ RegionStats Region::stats() const {
   s.budget_bytes = budget_;
   s.virtual_bytes = virtual_bytes_;
   s.chunk_bytes = chunk_bytes_;
-  s.allocated_bytes = blocks_.allocated_bytes();
+  s.allocated_bytes = blocks_.allocated_bytes() - pending_free_bytes_;
+  s.pending_free_bytes = pending_free_bytes_;
   s.peak_allocated_bytes = peak_allocated_;
   s.reserved_bytes = committed_bytes_;
   // Measure resident memory over runs of committed chunks (one call per run).
@@ -365,7 +419,7 @@ RegionStats Region::stats() const {
   }
   s.offloaded_bytes = offload_bytes_;
   s.offload_buffer_bytes = offload_capacity_;
-  s.num_allocations = blocks_.live_blocks();
+  s.num_allocations = blocks_.live_blocks() - pending_blocks_.size();
   s.largest_free_block = std::min(blocks_.largest_free_block(), budget_ - std::min(budget_, blocks_.allocated_bytes()));
   s.sleep_count = sleep_count_;
   s.last_sleep_seconds = last_sleep_s_;

@@ -3,7 +3,9 @@ libcuda.so.1 of csrc/tests/fake_cuda_driver.cpp (built here with CMake; LD_LIBRA
 extension's dlopen at it in a subprocess). What it shows without a GPU: build_info and the probe
 report the driver, a `cuda` pool with a CPU-only torch is a clear error, and the compiled CUDA VMM
 backend allocates, sleeps (device memory released), wakes at the same addresses and restores
-offloaded bytes through the bindings, in few driver calls for a large region. The C++ core tests run the same backend under ASan in CI.
+offloaded bytes through the bindings, wakes a large region in few driver calls, and keeps a dropped
+tensor's memory from reuse while work on its stream is queued. The C++ core tests run the same
+backend under ASan in CI.
 """
 from __future__ import annotations
 
@@ -151,3 +153,63 @@ def test_a_large_region_wakes_in_few_driver_calls(fake_driver_dir):
         print("wake calls ok:", chunks, "chunks")
     """, device_memory=48 << 30)
     assert "wake calls ok: 64 chunks" in out
+
+
+def test_a_tensor_freed_with_work_queued_on_its_stream_is_not_reused_until_that_work_ran(fake_driver_dir):
+    # The DLPack deleter (what runs when torch drops a region tensor) frees in order with the
+    # tensor's stream; the fake driver holds that stream's work back, as a busy GPU would.
+    out = run_with_fake_driver(fake_driver_dir, """
+        import ctypes
+        from colo import _C
+
+        _fake.colo_fake_cuda_hold_stream.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+        get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+
+        def data_ptr(capsule):  # DLManagedTensor starts with DLTensor, which starts with `data`
+            return ctypes.c_void_p.from_address(get_pointer(capsule, b"dltensor")).value
+
+        backend = _C.make_cuda_backend(0)
+        torch_stream = backend.create_stream("train")  # stands in for torch.cuda.current_stream()
+        half = 4 << 20
+        for stream in (torch_stream.native_handle, 0):  # 0: the legacy default stream
+            region = _C.Region(backend, "kv_cache", 2 * half)
+            tensor = region.allocate_dlpack(half, [half], 1, 8, stream)
+            a = data_ptr(tensor)
+            _fake.colo_fake_cuda_hold_stream(stream, 1)  # a kernel using the tensor is still queued
+            del tensor
+            assert region.stats()["pending_free_bytes"] == half, region.stats()
+            b = region.allocate(half)
+            assert b != a, "a block was handed out again while work on its stream was queued"
+            region.free(b)
+            backend.synchronize_device()  # the device catches up
+            c = region.allocate(1 << 20)
+            assert c == a and region.stats()["pending_free_bytes"] == 0, (hex(a), hex(c), region.stats())
+            region.free(c)
+            _fake.colo_fake_cuda_hold_stream(stream, 0)
+
+        # Without a stream (host pools, and the default), a dropped tensor's memory is reusable at once.
+        region = _C.Region(backend, "weights", half)
+        tensor = region.allocate_dlpack(half, [half], 1, 8)
+        a = data_ptr(tensor)
+        del tensor
+        assert region.stats()["pending_free_bytes"] == 0 and region.allocate(half) == a
+
+        # colo.Region of a CUDA pool hands the core torch's current stream. torch here is a CPU build:
+        # the pool is a stand-in, current_stream a stub, and the capsule never becomes a tensor.
+        import types
+        import torch
+        import colo.pool
+
+        pool = types.SimpleNamespace(device=torch.device("cuda", 0))
+        torch.cuda.current_stream = lambda device: types.SimpleNamespace(cuda_stream=torch_stream.native_handle)
+        native = _C.Region(backend, "kv_cache", half)
+        tensor = colo.pool.Region(pool, "kv_cache", native)._allocate_dlpack(half, (half,), 1, 8)
+        _fake.colo_fake_cuda_hold_stream(torch_stream.native_handle, 1)
+        del tensor
+        assert native.stats()["pending_free_bytes"] == half, native.stats()
+        backend.synchronize_device()
+        assert native.allocate(half) and native.stats()["pending_free_bytes"] == 0
+        print("ordered frees ok")
+    """)
+    assert "ordered frees ok" in out

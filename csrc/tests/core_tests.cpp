@@ -2,7 +2,9 @@
 // the block allocator against a reference model, regions (alloc/free, sleep/wake at stable
 // addresses, offload round trip, budgets), threads, streams, the torch C entry points, on both host
 // backends and, when a CUDA driver is present, on the CUDA VMM backend. CI runs them a second time
-// with csrc/tests/fake_cuda_driver.cpp as libcuda.so.1 and COLO_REQUIRE_CUDA_TESTS=1.
+// with csrc/tests/fake_cuda_driver.cpp as libcuda.so.1 and COLO_REQUIRE_CUDA_TESTS=1; its test hooks
+// add what only a fake can show: device memory accounting, driver call counts, and work held queued
+// (stream-ordered frees, synchronizing before unmapping).
 #include <dlfcn.h>
 #include <sys/types.h>
 
@@ -226,6 +228,15 @@ static void test_sleep_right_after_wake_leaves_nothing_resident(const BackendPtr
   region->free(p);
 }
 
+// Host memory has no queued device work: a stream-ordered free is an immediate one.
+static void test_host_free_after_is_immediate(const BackendPtr& backend) {
+  auto region = std::make_shared<colo::Region>(backend, "host", 4u << 20);
+  void* a = region->allocate(4u << 20);
+  region->free_after(a, 0);
+  CHECK(region->stats().allocated_bytes == 0 && region->stats().pending_free_bytes == 0);
+  CHECK(region->allocate(4u << 20) == a);
+}
+
 static void run_backend_tests(const BackendPtr& backend) {
   test_region(backend);
   test_committed_memory_stays_within_budget(backend);
@@ -233,6 +244,7 @@ static void run_backend_tests(const BackendPtr& backend) {
   test_region_threads(backend);
   test_stream_copies_and_events(backend);
   test_torch_entry_points(backend);
+  if (backend->device_kind() == colo::DeviceKind::kHost) test_host_free_after_is_immediate(backend);
 }
 
 // The fake driver's test hooks (csrc/tests/fake_cuda_driver.cpp); all nullptr with a real driver.
@@ -356,6 +368,59 @@ static void test_cuda_region_destructor_synchronizes(const FakeDriverHooks& fake
   fake.hold_stream(stream->native_handle(), 0);
 }
 
+// A block freed with free_after while work is still queued on its stream (held by the fake driver)
+// is not handed out again until that work ran: the next allocations look elsewhere, one that fits
+// only there waits for the work and then gets it, and once the work ran the next allocation takes
+// the block back without waiting. sleep(), trim() and the destructor wait for pending frees first.
+static void test_cuda_free_waits_for_its_stream(const FakeDriverHooks& fake) {
+  auto backend = colo::make_cuda_backend(0);
+  auto own = backend->create_stream(colo::StreamRole::kTrain);  // stands in for torch's current stream
+  const size_t half = 4u << 20;
+  for (uintptr_t stream : {own->native_handle(), uintptr_t{0}}) {  // 0: the legacy default stream
+    auto region = std::make_shared<colo::Region>(backend, "ordered", 2 * half);
+    auto pending = [&] { return region->stats().pending_free_bytes; };
+    void* a = region->allocate(half);
+    fake.hold_stream(stream, 1);  // a kernel using `a` is still queued
+    region->free_after(a, stream);
+    CHECK(pending() == half && region->stats().allocated_bytes == 0);
+    void* b = region->allocate(half);
+    CHECK(b != a);  // the other half
+    region->free(b);
+    CHECK(region->allocate(half) == b);  // again the other half, without waiting
+    CHECK(pending() == half);
+    CHECK(region->allocate(half) == a);  // fits only in `a`: waited for the stream, then reused
+    CHECK(pending() == 0);
+
+    region->free(b);
+    fake.hold_stream(stream, 1);
+    region->free_after(a, stream);
+    backend->record_event(stream)->synchronize();  // the device catches up
+    CHECK(pending() == half);                       // nobody has looked yet
+    void* c = region->allocate(1u << 20);
+    CHECK(pending() == 0 && c == a);  // collected by the allocation (lowest offset once coalesced)
+    region->free(c);
+
+    void* d = region->allocate(half);
+    fake.hold_stream(stream, 1);
+    region->free_after(d, stream);
+    region->trim();  // waits, then releases the chunk the freed block held
+    CHECK(pending() == 0 && region->stats().reserved_bytes == 0);
+    d = region->allocate(half);
+    fake.hold_stream(stream, 1);
+    region->free_after(d, stream);
+    region->sleep(/*offload=*/true);  // waits: the freed block is neither pending nor offloaded
+    CHECK(pending() == 0 && region->stats().offloaded_bytes == 0);
+    region->wake();
+    d = region->allocate(half);
+    fake.hold_stream(stream, 1);
+    region->free_after(d, stream);
+    size_t busy_before = fake.busy_unmaps();
+    region.reset();  // the destructor waits for it too
+    CHECK(fake.busy_unmaps() == busy_before);
+    fake.hold_stream(stream, 0);
+  }
+}
+
 static void test_cuda_backend() {
   auto probe = colo::probe_cuda();
   if (!probe.available) {
@@ -374,6 +439,7 @@ static void test_cuda_backend() {
   test_cuda_device_memory_accounting(fake);
   test_cuda_driver_calls_scale_with_chunks(fake);
   test_cuda_region_destructor_synchronizes(fake);
+  test_cuda_free_waits_for_its_stream(fake);
 }
 
 int main() {
