@@ -154,6 +154,7 @@ class Region:
 
     def __init__(self, pool: "Pool", name: str, native):
         self.pool, self.name, self._native = pool, name, native
+        self._cuda = pool.device.type == "cuda"
 
     @property
     def budget(self) -> int:
@@ -170,7 +171,9 @@ class Region:
         return self.pool._backend.commits_zeroed
 
     def empty(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """An uninitialised tensor in this region; its memory returns to the region when it dies."""
+        """An uninitialised tensor in this region; its memory returns to the region when it dies (CUDA:
+        once the work queued by then on the stream that was current when it was allocated has run, so
+        a kernel still queued never sees it reused; make that stream wait for uses on other streams)."""
         shape = _check_shape(shape)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"Region.empty: dtype must be a torch.dtype, not {type(dtype).__name__}")
@@ -183,9 +186,15 @@ class Region:
                                    f"more than its whole budget of {self.budget} bytes")
         native = _DLPACK_DTYPES.get(dtype)
         if native is not None:
-            return torch.from_dlpack(self._native.allocate_dlpack(nbytes, shape, *native))
-        raw = torch.from_dlpack(self._native.allocate_dlpack(nbytes, (nbytes,)))
+            return torch.from_dlpack(self._allocate_dlpack(nbytes, shape, *native))
+        raw = torch.from_dlpack(self._allocate_dlpack(nbytes, (nbytes,), *_DLPACK_DTYPES[torch.uint8]))
         return raw.view(dtype).view(shape)
+
+    def _allocate_dlpack(self, nbytes: int, shape, code: int, bits: int):
+        if self._cuda:  # the tensor's free waits for the work queued on this stream (0: legacy default)
+            stream = torch.cuda.current_stream(self.pool.device).cuda_stream
+            return self._native.allocate_dlpack(nbytes, shape, code, bits, stream)
+        return self._native.allocate_dlpack(nbytes, shape, code, bits)
 
     def zeros(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.empty(shape, dtype).zero_()

@@ -54,10 +54,15 @@ class Backend {
   // Address space only: no physical memory, not accessible.
   virtual void* reserve(size_t bytes) = 0;
   virtual void unreserve(void* base, size_t bytes) = 0;
-  // Back [addr, addr+bytes) (inside a reservation) with physical memory, readable and writable.
-  // Throws OutOfMemory when the device/OS has no memory left.
-  virtual void commit(void* addr, size_t bytes) = 0;
-  // Unmap and free the physical memory of [addr, addr+bytes); the addresses stay reserved.
+  // Committing memory takes two steps so that a run of adjacent chunks costs one access call
+  // (CUDA: one cuMemSetAccess per run instead of one per chunk).
+  // Back [addr, addr+bytes) (inside a reservation) with physical memory, as one piece that release()
+  // takes back whole; not accessible until make_accessible() covers it. Throws OutOfMemory when the
+  // device/OS has no memory left.
+  virtual void map(void* addr, size_t bytes) = 0;
+  // Make mapped memory [addr, addr+bytes) readable and writable; the range may span several map() pieces.
+  virtual void make_accessible(void* addr, size_t bytes) = 0;
+  // Unmap and free the physical memory of one map() piece, accessible or not; the addresses stay reserved.
   virtual void release(void* addr, size_t bytes) = 0;
   // Bytes of [addr, addr+bytes) that hold physical memory now (host: measured with mincore).
   virtual size_t resident_bytes(void* addr, size_t bytes) const = 0;
@@ -83,6 +88,10 @@ class Backend {
   virtual bool keep_offload_buffer() const = 0;
 
   virtual std::shared_ptr<Stream> create_stream(StreamRole role) = 0;
+  // An event marking the work queued so far on a stream colo did not create (CUDA: a CUstream such
+  // as torch's current stream; 0 is the legacy default stream), so memory that work uses can be
+  // reused once it is done. nullptr where no such work exists (host: tensors compute synchronously).
+  virtual std::shared_ptr<Event> record_event(uintptr_t stream) = 0;
 };
 
 // Host backends. "anon": private anonymous memory with transparent huge pages, released with

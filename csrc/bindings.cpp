@@ -3,6 +3,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
+
 #include "backend.h"
 #include "dlpack.h"
 #include "errors.h"
@@ -27,6 +29,7 @@ void raise_colo_error(const char* python_name, PyObject* fallback, const char* m
 struct TensorContext {
   std::shared_ptr<Region> region;
   void* ptr = nullptr;
+  std::optional<uintptr_t> stream;  // CUDA: where the tensor is used; its free waits for that work
   std::vector<int64_t> shape;
   DLManagedTensor managed{};
 };
@@ -34,7 +37,11 @@ struct TensorContext {
 void delete_tensor(DLManagedTensor* self) {
   auto* ctx = static_cast<TensorContext*>(self->manager_ctx);
   try {
-    ctx->region->free(ctx->ptr);
+    if (ctx->stream) {
+      ctx->region->free_after(ctx->ptr, *ctx->stream);
+    } else {
+      ctx->region->free(ctx->ptr);
+    }
   } catch (...) {
     // Called from torch's deleter, which cannot take an exception; the block leaks rather than crash.
   }
@@ -49,9 +56,11 @@ void destroy_unconsumed_capsule(PyObject* capsule) {
   }
 }
 
-// A compact tensor of `shape` and DLPack dtype (code, bits) in `region`, `bytes` long.
+// A compact tensor of `shape` and DLPack dtype (code, bits) in `region`, `bytes` long. `stream`
+// (CUDA: a CUstream, 0 the legacy default stream) orders its free after the work queued there by
+// then (Region::free_after); without one the memory is reusable as soon as the tensor dies.
 py::capsule allocate_dlpack(const std::shared_ptr<Region>& region, size_t bytes, std::vector<int64_t> shape,
-                            uint8_t code, uint8_t bits) {
+                            uint8_t code, uint8_t bits, std::optional<uintptr_t> stream) {
   int64_t numel = 1;
   for (int64_t n : shape) {
     COLO_EXPECTS(n >= 0, InvalidArgument, "tensor shape entries must be non-negative");
@@ -67,6 +76,7 @@ py::capsule allocate_dlpack(const std::shared_ptr<Region>& region, size_t bytes,
     throw;
   }
   ctx->region = region;
+  ctx->stream = stream;
   ctx->shape = std::move(shape);
   DLTensor& t = ctx->managed.dl_tensor;
   t.data = ctx->ptr;
@@ -93,6 +103,7 @@ py::dict stats_dict(const RegionStats& s) {
   d["virtual_bytes"] = s.virtual_bytes;
   d["chunk_bytes"] = s.chunk_bytes;
   d["allocated_bytes"] = s.allocated_bytes;
+  d["pending_free_bytes"] = s.pending_free_bytes;
   d["peak_allocated_bytes"] = s.peak_allocated_bytes;
   d["reserved_bytes"] = s.reserved_bytes;
   d["resident_bytes"] = s.resident_bytes;
@@ -178,7 +189,7 @@ PYBIND11_MODULE(_C, m) {
       .def("allocate", [](Region& r, size_t bytes) { return reinterpret_cast<uintptr_t>(r.allocate(bytes)); })
       .def("free", [](Region& r, uintptr_t ptr) { r.free(reinterpret_cast<void*>(ptr)); })
       .def("allocate_dlpack", &allocate_dlpack, py::arg("bytes"), py::arg("shape"), py::arg("code") = static_cast<uint8_t>(kDLUInt),
-           py::arg("bits") = static_cast<uint8_t>(8))
+           py::arg("bits") = static_cast<uint8_t>(8), py::arg("stream") = py::none())
       .def("contains", [](const Region& r, uintptr_t ptr) { return r.contains(reinterpret_cast<void*>(ptr)); })
       .def("sleep", &Region::sleep, py::arg("offload") = false, py::call_guard<py::gil_scoped_release>())
       .def("wake", &Region::wake, py::call_guard<py::gil_scoped_release>())

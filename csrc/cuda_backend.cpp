@@ -1,6 +1,7 @@
-// CUDA driver VMM backend: reserve with cuMemAddressReserve, commit = cuMemCreate + cuMemMap +
-// cuMemSetAccess, release = cuMemUnmap + cuMemRelease. The driver is called from C++ with the
-// device's primary context current (the one torch uses), never from Python.
+// CUDA driver VMM backend: reserve with cuMemAddressReserve, map = cuMemCreate + cuMemMap (one per
+// chunk), make_accessible = cuMemSetAccess (one per run of adjacent chunks), release = cuMemUnmap +
+// cuMemRelease. The driver is called from C++ with the device's primary context current (the one
+// torch uses), never from Python.
 #include <algorithm>
 #include <map>
 #include <mutex>
@@ -46,21 +47,38 @@ CudaProbe probe_cuda() {
 
 namespace {
 
+// Sets its context on every call: a region queries and drops events on whichever thread allocates
+// next, not necessarily the one that recorded them (torch's deleter frees on any thread).
 class CudaEvent final : public Event {
  public:
-  explicit CudaEvent(const CudaDriver* d) : d_(d) { COLO_CU(d_->cuEventCreate(&event_, CU_EVENT_DISABLE_TIMING)); }
-  ~CudaEvent() override { d_->cuEventDestroy(event_); }
-  void synchronize() override { COLO_CU(d_->cuEventSynchronize(event_)); }
+  CudaEvent(const CudaDriver* d, CUcontext ctx) : d_(d), ctx_(ctx) {
+    COLO_CU(d_->cuCtxSetCurrent(ctx_));
+    COLO_CU(d_->cuEventCreate(&event_, CU_EVENT_DISABLE_TIMING));
+  }
+  ~CudaEvent() override {
+    d_->cuCtxSetCurrent(ctx_);
+    d_->cuEventDestroy(event_);
+  }
+  void synchronize() override {
+    COLO_CU(d_->cuCtxSetCurrent(ctx_));
+    COLO_CU(d_->cuEventSynchronize(event_));
+  }
   bool query() override {
+    COLO_CU(d_->cuCtxSetCurrent(ctx_));
     CUresult r = d_->cuEventQuery(event_);
     if (r == CUDA_ERROR_NOT_READY) return false;
     COLO_CU(r);
     return true;
   }
+  void record(CUstream stream) {  // mark the work queued so far on `stream`
+    COLO_CU(d_->cuCtxSetCurrent(ctx_));
+    COLO_CU(d_->cuEventRecord(event_, stream));
+  }
   CUevent handle() const { return event_; }
 
  private:
   const CudaDriver* d_;
+  CUcontext ctx_;
   CUevent event_ = nullptr;
 };
 
@@ -83,9 +101,8 @@ class CudaStream final : public Stream {
     }
   }
   std::shared_ptr<Event> record() override {
-    COLO_CU(d_->cuCtxSetCurrent(ctx_));
-    auto event = std::make_shared<CudaEvent>(d_);
-    COLO_CU(d_->cuEventRecord(event->handle(), stream_));
+    auto event = std::make_shared<CudaEvent>(d_, ctx_);
+    event->record(stream_);
     return event;
   }
   void wait(const std::shared_ptr<Event>& event) override {
@@ -139,7 +156,7 @@ class CudaBackend final : public Backend {
     d_->cuMemAddressFree(reinterpret_cast<CUdeviceptr>(base), bytes);
   }
 
-  void commit(void* addr, size_t bytes) override {
+  void map(void* addr, size_t bytes) override {
     current();
     CUmemGenericAllocationHandle handle;
     COLO_CU(d_->cuMemCreate(&handle, bytes, &prop_, 0));
@@ -149,17 +166,18 @@ class CudaBackend final : public Backend {
       d_->cuMemRelease(handle);
       COLO_CU(mapped);
     }
+    std::lock_guard<std::mutex> lock(mutex_);
+    handles_[ptr] = {handle, bytes};
+  }
+
+  void make_accessible(void* addr, size_t bytes) override {
+    // One call for the whole range: the driver accepts any fully mapped range, whatever the number
+    // of cuMemMap pieces in it.
+    current();
     CUmemAccessDesc access{};
     access.location = prop_.location;
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    CUresult granted = d_->cuMemSetAccess(ptr, bytes, &access, 1);
-    if (granted != CUDA_SUCCESS) {
-      d_->cuMemUnmap(ptr, bytes);
-      d_->cuMemRelease(handle);
-      COLO_CU(granted);
-    }
-    std::lock_guard<std::mutex> lock(mutex_);
-    handles_[ptr] = {handle, bytes};
+    COLO_CU(d_->cuMemSetAccess(reinterpret_cast<CUdeviceptr>(addr), bytes, &access, 1));
   }
 
   void release(void* addr, size_t bytes) override {
@@ -210,6 +228,12 @@ class CudaBackend final : public Backend {
     // Inference is latency-bound and copies should overlap compute: both above training.
     int priority = role == StreamRole::kTrain ? least : greatest;
     return std::make_shared<CudaStream>(d_, ctx_, priority);
+  }
+
+  std::shared_ptr<Event> record_event(uintptr_t stream) override {
+    auto event = std::make_shared<CudaEvent>(d_, ctx_);
+    event->record(reinterpret_cast<CUstream>(stream));
+    return event;
   }
 
  private:

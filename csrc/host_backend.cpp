@@ -100,6 +100,7 @@ class HostBackendBase : public Backend {
   void host_free(void* ptr, size_t bytes) override { munmap(ptr, bytes); }
   bool keep_offload_buffer() const override { return false; }
   std::shared_ptr<Stream> create_stream(StreamRole) override { return std::make_shared<HostStream>(); }
+  std::shared_ptr<Event> record_event(uintptr_t) override { return nullptr; }  // nothing runs behind the caller
 };
 
 // Private anonymous memory; commit = make accessible + ask for huge pages; release = drop pages.
@@ -108,7 +109,8 @@ class AnonBackend final : public HostBackendBase {
   std::string name() const override { return "host-anon"; }
   void* reserve(size_t bytes) override { return reserve_aligned(bytes, kHugePage); }
   void unreserve(void* base, size_t bytes) override { munmap(base, bytes); }
-  void commit(void* addr, size_t bytes) override {
+  void map(void*, size_t) override {}  // anonymous memory gets its pages on first touch
+  void make_accessible(void* addr, size_t bytes) override {
     COLO_SYSCALL(mprotect(addr, bytes, PROT_READ | PROT_WRITE) == 0, "mprotect(READ|WRITE)");
     madvise(addr, bytes, MADV_HUGEPAGE);  // advisory: fine if THP is off
   }
@@ -155,13 +157,16 @@ class MemfdBackend final : public HostBackendBase {
     }
   }
 
-  void commit(void* addr, size_t bytes) override {
+  void map(void* addr, size_t bytes) override {
     auto [fd, offset] = locate(addr);
     if (fallocate(fd, 0, offset, static_cast<off_t>(bytes)) != 0) {
       throw OutOfMemory(std::string("fallocate(memfd) could not commit memory: ") + std::strerror(errno));
     }
-    void* p = mmap(addr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, offset);
+    void* p = mmap(addr, bytes, PROT_NONE, MAP_SHARED | MAP_FIXED, fd, offset);
     COLO_SYSCALL(p != MAP_FAILED, "mmap(MAP_SHARED|MAP_FIXED)");
+  }
+  void make_accessible(void* addr, size_t bytes) override {
+    COLO_SYSCALL(mprotect(addr, bytes, PROT_READ | PROT_WRITE) == 0, "mprotect(READ|WRITE)");
   }
 
   void release(void* addr, size_t bytes) override {

@@ -25,15 +25,38 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-size_t default_chunk(const Backend& backend) {
-  size_t chunk = backend.device_kind() == DeviceKind::kCuda ? (32u << 20) : (2u << 20);
-  size_t g = backend.granularity();
-  return (chunk + g - 1) / g * g;
-}
-
 constexpr size_t kMaxBytes = size_t{1} << 62;  // far above any device; keeps the rounding below from overflowing
 
 size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+// Host: a huge page. CUDA: each chunk costs a cuMemCreate + cuMemMap on every wake (and an unmap +
+// release on every sleep), so the chunk grows with the region: at most kMaxCudaChunks of them (a
+// 40 GB KV cache wakes with 64 creates, not 1,280), and at least 32 MiB, few driver handles for
+// small regions. The price is coarser commits: up to one chunk more than live data needs.
+constexpr size_t kMaxCudaChunks = 64;
+size_t default_chunk(const Backend& backend, size_t virtual_bytes) {
+  size_t chunk = 2u << 20;
+  if (backend.device_kind() == DeviceKind::kCuda) {
+    chunk = std::max<size_t>(32u << 20, (virtual_bytes + kMaxCudaChunks - 1) / kMaxCudaChunks);
+  }
+  return round_up(chunk, backend.granularity());
+}
+
+// Maximal runs [first, end) of chunk indices in [lo, hi) for which keep(chunk) holds.
+template <typename Keep>
+std::vector<std::pair<size_t, size_t>> runs_where(size_t lo, size_t hi, Keep keep) {
+  std::vector<std::pair<size_t, size_t>> runs;
+  for (size_t c = lo; c < hi;) {
+    if (!keep(c)) {
+      ++c;
+      continue;
+    }
+    size_t first = c;
+    while (c < hi && keep(c)) ++c;
+    runs.emplace_back(first, c);
+  }
+  return runs;
+}
 
 // The parts of `runs` (offset, bytes) that lie inside `live` (both sorted, disjoint).
 std::vector<std::pair<size_t, size_t>> intersect(const std::vector<std::pair<size_t, size_t>>& runs,
@@ -62,7 +85,8 @@ Region::Region(std::shared_ptr<Backend> backend, std::string name, size_t budget
   COLO_EXPECTS(alignment >= 256, InvalidArgument, "region alignment must be at least 256 bytes");
   COLO_EXPECTS(budget_bytes <= kMaxBytes && chunk_bytes <= kMaxBytes, InvalidArgument,
                "region budget and chunk size must be below 2^62 bytes");
-  chunk_bytes_ = std::min(chunk_bytes ? round_up(chunk_bytes, backend_->granularity()) : default_chunk(*backend_),
+  chunk_bytes_ = std::min(chunk_bytes ? round_up(chunk_bytes, backend_->granularity())
+                                      : default_chunk(*backend_, virtual_bytes_),
                           virtual_bytes_);
   try {
     base_ = static_cast<char*>(backend_->reserve(virtual_bytes_));
@@ -77,14 +101,19 @@ Region::Region(std::shared_ptr<Backend> backend, std::string name, size_t budget
 }
 
 Region::~Region() {
+  // Destructors must not throw; the process is usually exiting when this fails. A failed wait (a
+  // device error) still releases the memory: nothing can run on that device any more.
   try {
     stop_prefault();
+    backend_->synchronize_device();  // as sleep() and trim() do: no queued work may touch unmapped memory
+  } catch (...) {
+  }
+  try {
     copy_stream_.reset();
     if (!asleep_) release_all_chunks();
     free_offload_buffer();
     backend_->unreserve(base_, virtual_bytes_);
   } catch (...) {
-    // Destructors must not throw; the process is usually exiting when this fails.
   }
 }
 
@@ -116,17 +145,8 @@ size_t Region::uncommitted_bytes_in(size_t offset, size_t bytes) const {
 }
 
 void Region::commit_chunks_for(size_t offset, size_t bytes) {
-  std::vector<size_t> committed_now;
-  try {
-    for (size_t c = chunk_of(offset); c * chunk_bytes_ < offset + bytes; ++c) {
-      if (chunk_committed_[c]) continue;
-      commit_chunk(c);
-      committed_now.push_back(c);
-    }
-  } catch (...) {
-    for (size_t c : committed_now) release_chunk(c);  // leave the region as it was
-    throw;
-  }
+  size_t end = (offset + bytes + chunk_bytes_ - 1) / chunk_bytes_;
+  commit_runs(runs_where(chunk_of(offset), end, [&](size_t c) { return !chunk_committed_[c]; }));
 }
 
 void Region::free_offload_buffer() {
@@ -135,14 +155,29 @@ void Region::free_offload_buffer() {
   offload_capacity_ = 0;
 }
 
-void Region::commit_chunk(size_t chunk) {
-  backend_->commit(base_ + chunk * chunk_bytes_, chunk_size(chunk));
-  chunk_committed_[chunk] = true;
-  committed_bytes_ += chunk_size(chunk);
+void Region::commit_runs(const ChunkRuns& runs) {
+  // Physical memory chunk by chunk (each is released on its own later), access once per run.
+  std::vector<size_t> mapped;
+  try {
+    for (const auto& [first, end] : runs) {
+      for (size_t c = first; c < end; ++c) {
+        backend_->map(chunk_address(c), chunk_size(c));
+        mapped.push_back(c);
+      }
+      backend_->make_accessible(chunk_address(first), run_bytes(first, end));
+    }
+  } catch (...) {
+    for (size_t c : mapped) backend_->release(chunk_address(c), chunk_size(c));  // leave the region as it was
+    throw;
+  }
+  for (size_t c : mapped) {
+    chunk_committed_[c] = true;
+    committed_bytes_ += chunk_size(c);
+  }
 }
 
 void Region::release_chunk(size_t chunk) {
-  backend_->release(base_ + chunk * chunk_bytes_, chunk_size(chunk));
+  backend_->release(chunk_address(chunk), chunk_size(chunk));
   chunk_committed_[chunk] = false;
   committed_bytes_ -= chunk_size(chunk);
 }
@@ -156,6 +191,17 @@ void Region::release_all_chunks() {
 void* Region::allocate(size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (asleep_) throw RegionAsleep("region '" + name_ + "' is asleep: wake() it before allocating");
+  reap_pending_frees(/*wait=*/false);
+  try {
+    return allocate_locked(bytes);
+  } catch (const OutOfMemory&) {
+    if (pending_frees_.empty()) throw;
+    reap_pending_frees(/*wait=*/true);  // blocks freed on streams still running may make it fit
+    return allocate_locked(bytes);
+  }
+}
+
+void* Region::allocate_locked(size_t bytes) {
   size_t need = blocks_.round_up(bytes == 0 ? 1 : bytes);
   if (blocks_.allocated_bytes() + need > budget_) throw OutOfMemory(describe_request(bytes));
   auto offset = blocks_.allocate(need);
@@ -184,7 +230,7 @@ void* Region::allocate(size_t bytes) {
     throw;
   }
   add_live(*offset, need, true);
-  peak_allocated_ = std::max(peak_allocated_, blocks_.allocated_bytes());
+  peak_allocated_ = std::max(peak_allocated_, blocks_.allocated_bytes() - pending_free_bytes_);
   return base_ + *offset;
 }
 
@@ -193,15 +239,55 @@ bool Region::contains(const void* ptr) const {
   return p >= base && p < base + virtual_bytes_;
 }
 
-void Region::free(void* ptr) {
-  std::lock_guard<std::mutex> lock(mutex_);
+size_t Region::live_block_at(const void* ptr) const {
   COLO_EXPECTS(contains(ptr), InvalidArgument, "pointer does not belong to region '" + name_ + "'");
-  size_t offset = static_cast<size_t>(static_cast<char*>(ptr) - base_);
-  size_t bytes = blocks_.block_size(offset);
-  COLO_EXPECTS(bytes > 0, InvalidArgument, "free of a pointer region '" + name_ + "' did not hand out");
-  blocks_.free(offset);
+  size_t offset = static_cast<size_t>(static_cast<const char*>(ptr) - base_);
+  COLO_EXPECTS(blocks_.block_size(offset) > 0, InvalidArgument,
+               "free of a pointer region '" + name_ + "' did not hand out");
+  COLO_EXPECTS(!pending_blocks_.count(offset), InvalidArgument,
+               "free of a pointer region '" + name_ + "' has freed already (waiting for its stream)");
+  return offset;
+}
+
+void Region::release_block(size_t offset) {
+  size_t bytes = blocks_.free(offset);
   add_live(offset, bytes, false);
   // Committed chunks stay mapped (a cache for the next allocation); trim() or sleep() releases them.
+}
+
+void Region::free(void* ptr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  release_block(live_block_at(ptr));
+}
+
+void Region::free_after(void* ptr, uintptr_t stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t offset = live_block_at(ptr);
+  std::shared_ptr<Event> done = asleep_ ? nullptr : backend_->record_event(stream);
+  if (!done) {
+    release_block(offset);
+    return;
+  }
+  size_t bytes = blocks_.block_size(offset);
+  pending_frees_[stream].push_back({offset, std::move(done)});
+  pending_blocks_[offset] = bytes;
+  pending_free_bytes_ += bytes;
+}
+
+void Region::reap_pending_frees(bool wait) {
+  for (auto it = pending_frees_.begin(); it != pending_frees_.end();) {
+    auto& queue = it->second;
+    // Events on one stream complete in order: waiting for the last one waits for all.
+    if (wait) queue.back().done->synchronize();
+    while (!queue.empty() && (wait || queue.front().done->query())) {
+      size_t offset = queue.front().offset;
+      pending_free_bytes_ -= pending_blocks_[offset];
+      pending_blocks_.erase(offset);
+      release_block(offset);
+      queue.pop_front();
+    }
+    it = queue.empty() ? pending_frees_.erase(it) : std::next(it);
+  }
 }
 
 void Region::sleep(bool offload) {
@@ -209,6 +295,7 @@ void Region::sleep(bool offload) {
   if (asleep_) return;
   auto start = std::chrono::steady_clock::now();
   stop_prefault();
+  reap_pending_frees(/*wait=*/true);  // what they free need not be offloaded
   if (offload && blocks_.allocated_bytes() > 0) {
     auto runs = blocks_.live_runs();
     size_t total = 0;
@@ -244,17 +331,9 @@ void Region::wake() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!asleep_) return;
   auto start = std::chrono::steady_clock::now();
-  std::vector<size_t> committed_now;
-  try {
-    for (size_t c = 0; c < chunk_live_bytes_.size(); ++c) {
-      if (chunk_live_bytes_[c] == 0) continue;  // only what live allocations need
-      commit_chunk(c);
-      committed_now.push_back(c);
-    }
-  } catch (...) {
-    for (size_t c : committed_now) release_chunk(c);  // stay asleep, offloaded bytes kept
-    throw;
-  }
+  // Only what live allocations need; on failure nothing is committed: asleep, offloaded bytes kept.
+  auto runs = runs_where(0, chunk_live_bytes_.size(), [&](size_t c) { return chunk_live_bytes_[c] > 0; });
+  commit_runs(runs);
   if (offload_bytes_ > 0) {
     // Restore only what is still allocated: blocks freed while asleep may sit on released chunks.
     std::vector<CopyOp> ops;
@@ -276,22 +355,17 @@ void Region::wake() {
     offload_runs_.clear();
     if (!backend_->keep_offload_buffer()) free_offload_buffer();
   }
-  prefault(committed_now);
+  prefault(runs);
   asleep_ = false;
   last_wake_s_ = seconds_since(start);
 }
 
-void Region::prefault(const std::vector<size_t>& chunks) {
+void Region::prefault(const ChunkRuns& runs) {
   // One call per run of adjacent chunks, on the copy stream: the faults happen off the caller's
   // path (on the host, on the worker thread while training or generation starts).
   prefault_cancelled_ = std::make_shared<std::atomic<bool>>(false);
-  for (size_t i = 0; i < chunks.size();) {
-    size_t first = chunks[i];
-    size_t end = first + 1;
-    while (++i < chunks.size() && chunks[i] == end) ++end;
-    size_t stop = std::min(end * chunk_bytes_, virtual_bytes_);
-    backend_->prefault_async(*copy_stream_, base_ + first * chunk_bytes_, stop - first * chunk_bytes_,
-                             prefault_cancelled_);
+  for (const auto& [first, end] : runs) {
+    backend_->prefault_async(*copy_stream_, chunk_address(first), run_bytes(first, end), prefault_cancelled_);
   }
 }
 
@@ -305,6 +379,7 @@ void Region::trim() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (asleep_) return;  // asleep, the offload buffer holds the region's contents
   stop_prefault();
+  reap_pending_frees(/*wait=*/true);  // their chunks may hold nothing else
   free_offload_buffer();
   backend_->synchronize_device();
   for (size_t c = 0; c < chunk_committed_.size(); ++c) {
@@ -334,23 +409,17 @@ RegionStats Region::stats() const {
   s.budget_bytes = budget_;
   s.virtual_bytes = virtual_bytes_;
   s.chunk_bytes = chunk_bytes_;
-  s.allocated_bytes = blocks_.allocated_bytes();
+  s.allocated_bytes = blocks_.allocated_bytes() - pending_free_bytes_;
+  s.pending_free_bytes = pending_free_bytes_;
   s.peak_allocated_bytes = peak_allocated_;
   s.reserved_bytes = committed_bytes_;
   // Measure resident memory over runs of committed chunks (one call per run).
-  for (size_t c = 0; c < chunk_committed_.size();) {
-    if (!chunk_committed_[c]) {
-      ++c;
-      continue;
-    }
-    size_t first = c;
-    while (c < chunk_committed_.size() && chunk_committed_[c]) ++c;
-    size_t end = std::min(c * chunk_bytes_, virtual_bytes_);
-    s.resident_bytes += backend_->resident_bytes(base_ + first * chunk_bytes_, end - first * chunk_bytes_);
+  for (const auto& [first, end] : runs_where(0, chunk_committed_.size(), [&](size_t c) { return chunk_committed_[c]; })) {
+    s.resident_bytes += backend_->resident_bytes(chunk_address(first), run_bytes(first, end));
   }
   s.offloaded_bytes = offload_bytes_;
   s.offload_buffer_bytes = offload_capacity_;
-  s.num_allocations = blocks_.live_blocks();
+  s.num_allocations = blocks_.live_blocks() - pending_blocks_.size();
   s.largest_free_block = std::min(blocks_.largest_free_block(), budget_ - std::min(budget_, blocks_.allocated_bytes()));
   s.sleep_count = sleep_count_;
   s.last_sleep_seconds = last_sleep_s_;

@@ -7,6 +7,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -22,7 +24,8 @@ struct RegionStats {
   size_t budget_bytes = 0;
   size_t virtual_bytes = 0;
   size_t chunk_bytes = 0;
-  size_t allocated_bytes = 0;
+  size_t allocated_bytes = 0;       // handed out and not freed
+  size_t pending_free_bytes = 0;    // freed with free_after, not reusable until their stream's work ran
   size_t peak_allocated_bytes = 0;
   size_t reserved_bytes = 0;   // committed physical memory (0 while asleep)
   size_t resident_bytes = 0;   // physical memory present now (host: measured with mincore)
@@ -38,7 +41,8 @@ struct RegionStats {
 
 class Region : public std::enable_shared_from_this<Region> {
  public:
-  // chunk_bytes == 0 picks the backend default (host: 2 MiB; CUDA: 32 MiB, fewer driver handles).
+  // chunk_bytes == 0 picks the backend default (host: 2 MiB; CUDA: at most 64 chunks per region and
+  // at least 32 MiB each, since every chunk costs driver calls on each wake).
   // The reservation is the budget rounded up to the backend's granularity and the last chunk may
   // be shorter than the others, so committed memory never exceeds that rounded budget: the pool's
   // promise that awake budgets fit in its capacity holds for physical memory, not only for bytes
@@ -50,9 +54,18 @@ class Region : public std::enable_shared_from_this<Region> {
   Region& operator=(const Region&) = delete;
 
   // Throws OutOfMemory (over budget / no free block / device full) or RegionAsleep; a refused
-  // request changes nothing.
+  // request changes nothing. Blocks freed with free_after come back once their stream's work is
+  // done (checked here); when nothing else fits, allocate waits for them and tries again.
   void* allocate(size_t bytes);
+  // The block is reusable at once: the caller knows no queued device work uses it (host memory, a
+  // caller that orders its own frees, or after a synchronize).
   void free(void* ptr);
+  // Free `ptr` once the work queued so far on `stream` has run (CUDA: a CUstream, 0 the legacy
+  // default stream; an event is recorded there now), so a kernel still queued that uses the block
+  // never sees it handed out again. `stream` is where the block was used, e.g. torch's current
+  // stream when it was allocated; uses on other streams must be ordered before it by the caller.
+  // Host backends, or an asleep region (nothing runs on released memory): the same as free().
+  void free_after(void* ptr, uintptr_t stream);
   void sleep(bool offload);
   // Commits only the chunks that hold live allocations, and faults them in on the copy stream
   // (asynchronously) so the first touch after wake does not pay for it.
@@ -73,17 +86,27 @@ class Region : public std::enable_shared_from_this<Region> {
   uintptr_t base_address() const { return reinterpret_cast<uintptr_t>(base_); }
 
  private:
+  using ChunkRuns = std::vector<std::pair<size_t, size_t>>;  // [first, end) ranges of adjacent chunks
+
   size_t chunk_of(size_t offset) const { return offset / chunk_bytes_; }
   size_t chunk_size(size_t chunk) const { return std::min(chunk_bytes_, virtual_bytes_ - chunk * chunk_bytes_); }
+  char* chunk_address(size_t chunk) const { return base_ + chunk * chunk_bytes_; }
+  size_t run_bytes(size_t first, size_t end) const {
+    return std::min(end * chunk_bytes_, virtual_bytes_) - first * chunk_bytes_;
+  }
   void commit_chunks_for(size_t offset, size_t bytes);   // commit uncommitted chunks overlapping
   size_t uncommitted_bytes_in(size_t offset, size_t bytes) const;  // what commit_chunks_for would add
   bool overlaps(size_t chunk, size_t offset, size_t bytes) const;
   void add_live(size_t offset, size_t bytes, bool add);  // per-chunk live byte counts
-  void commit_chunk(size_t chunk);
+  void commit_runs(const ChunkRuns& runs);  // all of them, or none on failure
   void release_chunk(size_t chunk);
-  void prefault(const std::vector<size_t>& chunks);  // sorted chunk indices, made present asynchronously
+  void prefault(const ChunkRuns& runs);  // made present asynchronously
   void stop_prefault();  // before releasing memory: stop a running prefault and wait for the copy stream
   void release_all_chunks();
+  void* allocate_locked(size_t bytes);  // one attempt; the mutex is held
+  size_t live_block_at(const void* ptr) const;  // its offset; throws unless a live, not yet freed block
+  void release_block(size_t offset);           // back to the free list, chunk live counts updated
+  void reap_pending_frees(bool wait);          // free pending blocks whose work ran (wait: all of them)
   std::string describe_request(size_t bytes) const;
 
   std::shared_ptr<Backend> backend_;
@@ -101,6 +124,14 @@ class Region : public std::enable_shared_from_this<Region> {
   std::vector<bool> chunk_committed_;
   size_t committed_bytes_ = 0;
   size_t peak_allocated_ = 0;
+  // free_after's blocks: still allocated in blocks_ (and their chunks live) until their event is done.
+  struct PendingFree {
+    size_t offset;
+    std::shared_ptr<Event> done;
+  };
+  std::map<uintptr_t, std::deque<PendingFree>> pending_frees_;  // by stream: each completes in order
+  std::map<size_t, size_t> pending_blocks_;                     // offset -> bytes
+  size_t pending_free_bytes_ = 0;
   bool asleep_ = false;
   size_t sleep_count_ = 0;
   double last_sleep_s_ = 0, last_wake_s_ = 0;

@@ -3,7 +3,9 @@ libcuda.so.1 of csrc/tests/fake_cuda_driver.cpp (built here with CMake; LD_LIBRA
 extension's dlopen at it in a subprocess). What it shows without a GPU: build_info and the probe
 report the driver, a `cuda` pool with a CPU-only torch is a clear error, and the compiled CUDA VMM
 backend allocates, sleeps (device memory released), wakes at the same addresses and restores
-offloaded bytes through the bindings. The C++ core tests run the same backend under ASan in CI.
+offloaded bytes through the bindings, wakes a large region in few driver calls, and keeps a dropped
+tensor's memory from reuse while work on its stream is queued. The C++ core tests run the same
+backend under ASan in CI.
 """
 from __future__ import annotations
 
@@ -33,10 +35,22 @@ def fake_driver_dir(tmp_path_factory) -> Path:
     return build / "fake_cuda"
 
 
-def run_with_fake_driver(fake_driver_dir: Path, script: str) -> str:
+# Prepended to every script: driver_calls(name), the fake driver's count of calls to an entry point
+# (the library loaded here is the one colo's dlopen then finds).
+DRIVER_CALLS = """
+import ctypes
+_fake = ctypes.CDLL("libcuda.so.1")
+_fake.colo_fake_cuda_call_count.restype = ctypes.c_size_t
+_fake.colo_fake_cuda_call_count.argtypes = [ctypes.c_char_p]
+def driver_calls(name):
+    return _fake.colo_fake_cuda_call_count(name.encode())
+"""
+
+
+def run_with_fake_driver(fake_driver_dir: Path, script: str, device_memory: int = 256 << 20) -> str:
     env = {**os.environ, "LD_LIBRARY_PATH": f"{fake_driver_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}",
-           "COLO_FAKE_CUDA_DEVICES": "2", "COLO_FAKE_CUDA_MEMORY": str(256 << 20)}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+           "COLO_FAKE_CUDA_DEVICES": "2", "COLO_FAKE_CUDA_MEMORY": str(device_memory)}
+    done = subprocess.run([sys.executable, "-c", DRIVER_CALLS + textwrap.dedent(script)], capture_output=True, text=True,
                           timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done.stdout
@@ -117,3 +131,85 @@ def test_cuda_vmm_backend_through_the_bindings(fake_driver_dir):
         print("vmm ok")
     """)
     assert "vmm ok" in out
+
+
+def test_a_large_region_wakes_in_few_driver_calls(fake_driver_dir):
+    # A 40 GiB KV cache on a 48 GiB fake device (its memory is host memory only where written, and
+    # nothing is): a chunk per 1/64 of the region, one cuMemCreate each, one cuMemSetAccess per wake.
+    out = run_with_fake_driver(fake_driver_dir, """
+        from colo import _C
+
+        region = _C.Region(_C.make_cuda_backend(0), "kv_cache", 40 << 30)
+        stats = region.stats()
+        chunks = -(-stats["virtual_bytes"] // stats["chunk_bytes"])
+        assert chunks <= 64, stats
+        kv = region.allocate(40 << 30)
+        region.sleep(False)
+        creates, accesses = driver_calls("cuMemCreate"), driver_calls("cuMemSetAccess")
+        region.wake()
+        assert driver_calls("cuMemCreate") - creates == chunks, (driver_calls("cuMemCreate") - creates, chunks)
+        assert driver_calls("cuMemSetAccess") - accesses == 1, driver_calls("cuMemSetAccess") - accesses
+        region.free(kv)
+        print("wake calls ok:", chunks, "chunks")
+    """, device_memory=48 << 30)
+    assert "wake calls ok: 64 chunks" in out
+
+
+def test_a_tensor_freed_with_work_queued_on_its_stream_is_not_reused_until_that_work_ran(fake_driver_dir):
+    # The DLPack deleter (what runs when torch drops a region tensor) frees in order with the
+    # tensor's stream; the fake driver holds that stream's work back, as a busy GPU would.
+    out = run_with_fake_driver(fake_driver_dir, """
+        import ctypes
+        from colo import _C
+
+        _fake.colo_fake_cuda_hold_stream.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+        get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+
+        def data_ptr(capsule):  # DLManagedTensor starts with DLTensor, which starts with `data`
+            return ctypes.c_void_p.from_address(get_pointer(capsule, b"dltensor")).value
+
+        backend = _C.make_cuda_backend(0)
+        torch_stream = backend.create_stream("train")  # stands in for torch.cuda.current_stream()
+        half = 4 << 20
+        for stream in (torch_stream.native_handle, 0):  # 0: the legacy default stream
+            region = _C.Region(backend, "kv_cache", 2 * half)
+            tensor = region.allocate_dlpack(half, [half], 1, 8, stream)
+            a = data_ptr(tensor)
+            _fake.colo_fake_cuda_hold_stream(stream, 1)  # a kernel using the tensor is still queued
+            del tensor
+            assert region.stats()["pending_free_bytes"] == half, region.stats()
+            b = region.allocate(half)
+            assert b != a, "a block was handed out again while work on its stream was queued"
+            region.free(b)
+            backend.synchronize_device()  # the device catches up
+            c = region.allocate(1 << 20)
+            assert c == a and region.stats()["pending_free_bytes"] == 0, (hex(a), hex(c), region.stats())
+            region.free(c)
+            _fake.colo_fake_cuda_hold_stream(stream, 0)
+
+        # Without a stream (host pools, and the default), a dropped tensor's memory is reusable at once.
+        region = _C.Region(backend, "weights", half)
+        tensor = region.allocate_dlpack(half, [half], 1, 8)
+        a = data_ptr(tensor)
+        del tensor
+        assert region.stats()["pending_free_bytes"] == 0 and region.allocate(half) == a
+
+        # colo.Region of a CUDA pool hands the core torch's current stream. torch here is a CPU build:
+        # the pool is a stand-in, current_stream a stub, and the capsule never becomes a tensor.
+        import types
+        import torch
+        import colo.pool
+
+        pool = types.SimpleNamespace(device=torch.device("cuda", 0))
+        torch.cuda.current_stream = lambda device: types.SimpleNamespace(cuda_stream=torch_stream.native_handle)
+        native = _C.Region(backend, "kv_cache", half)
+        tensor = colo.pool.Region(pool, "kv_cache", native)._allocate_dlpack(half, (half,), 1, 8)
+        _fake.colo_fake_cuda_hold_stream(torch_stream.native_handle, 1)
+        del tensor
+        assert native.stats()["pending_free_bytes"] == half, native.stats()
+        backend.synchronize_device()
+        assert native.allocate(half) and native.stats()["pending_free_bytes"] == 0
+        print("ordered frees ok")
+    """)
+    assert "ordered frees ok" in out

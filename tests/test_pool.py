@@ -43,6 +43,21 @@ def test_tensor_death_returns_memory_and_trim_releases_it(pool):
     assert region.stats()["resident_bytes"] == 0
 
 
+def test_cpu_tensors_free_at_once_without_asking_torch_cuda_for_a_stream(monkeypatch):
+    # Only CUDA pools order frees after a stream's work; host tensors compute synchronously.
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("a CPU pool asked torch.cuda for its current stream")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", no_cuda)
+    region = colo.Pool("cpu").region("kv_cache", budget=4 * MiB)
+    for dtype in (torch.uint8, torch.complex64):  # a DLPack dtype, and one viewed from bytes
+        t = region.empty(MiB // 8, dtype=dtype)
+        address = t.data_ptr()
+        del t
+        assert region.stats()["pending_free_bytes"] == 0 and region.stats()["allocated_bytes"] == 0
+        assert region.empty(MiB // 8, dtype=dtype).data_ptr() == address
+
+
 def test_views_keep_memory_alive(pool):
     region = pool.region("kv_cache", budget=16 * MiB)
     view = region.empty((4, 1024)).view(-1)[100:200]

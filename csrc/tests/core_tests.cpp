@@ -2,7 +2,9 @@
 // the block allocator against a reference model, regions (alloc/free, sleep/wake at stable
 // addresses, offload round trip, budgets), threads, streams, the torch C entry points, on both host
 // backends and, when a CUDA driver is present, on the CUDA VMM backend. CI runs them a second time
-// with csrc/tests/fake_cuda_driver.cpp as libcuda.so.1 and COLO_REQUIRE_CUDA_TESTS=1.
+// with csrc/tests/fake_cuda_driver.cpp as libcuda.so.1 and COLO_REQUIRE_CUDA_TESTS=1; its test hooks
+// add what only a fake can show: device memory accounting, driver call counts, and work held queued
+// (stream-ordered frees, synchronizing before unmapping).
 #include <dlfcn.h>
 #include <sys/types.h>
 
@@ -226,6 +228,15 @@ static void test_sleep_right_after_wake_leaves_nothing_resident(const BackendPtr
   region->free(p);
 }
 
+// Host memory has no queued device work: a stream-ordered free is an immediate one.
+static void test_host_free_after_is_immediate(const BackendPtr& backend) {
+  auto region = std::make_shared<colo::Region>(backend, "host", 4u << 20);
+  void* a = region->allocate(4u << 20);
+  region->free_after(a, 0);
+  CHECK(region->stats().allocated_bytes == 0 && region->stats().pending_free_bytes == 0);
+  CHECK(region->allocate(4u << 20) == a);
+}
+
 static void run_backend_tests(const BackendPtr& backend) {
   test_region(backend);
   test_committed_memory_stays_within_budget(backend);
@@ -233,21 +244,33 @@ static void run_backend_tests(const BackendPtr& backend) {
   test_region_threads(backend);
   test_stream_copies_and_events(backend);
   test_torch_entry_points(backend);
+  if (backend->device_kind() == colo::DeviceKind::kHost) test_host_free_after_is_immediate(backend);
 }
 
-// The fake driver's counters (device bytes in use, mappings, reservations, pinned host buffers);
-// nullptr with a real driver.
-using FakeCounters = void (*)(size_t*, size_t*, size_t*, size_t*);
-static FakeCounters fake_cuda_counters() {
+// The fake driver's test hooks (csrc/tests/fake_cuda_driver.cpp); all nullptr with a real driver.
+struct FakeDriverHooks {
+  void (*counters)(size_t* used, size_t* mappings, size_t* reservations, size_t* host_allocations) = nullptr;
+  size_t (*call_count)(const char* name) = nullptr;
+  void (*hold_stream)(uintptr_t stream, int hold) = nullptr;  // queued work waits while held
+  size_t (*busy_unmaps)() = nullptr;  // cuMemUnmap calls made while a stream had queued work
+};
+static FakeDriverHooks fake_driver_hooks() {
+  FakeDriverHooks hooks;
   void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-  return lib ? reinterpret_cast<FakeCounters>(dlsym(lib, "colo_fake_cuda_counters")) : nullptr;
+  if (!lib) return hooks;
+  hooks.counters = reinterpret_cast<decltype(hooks.counters)>(dlsym(lib, "colo_fake_cuda_counters"));
+  hooks.call_count = reinterpret_cast<decltype(hooks.call_count)>(dlsym(lib, "colo_fake_cuda_call_count"));
+  hooks.hold_stream = reinterpret_cast<decltype(hooks.hold_stream)>(dlsym(lib, "colo_fake_cuda_hold_stream"));
+  hooks.busy_unmaps = reinterpret_cast<decltype(hooks.busy_unmaps)>(dlsym(lib, "colo_fake_cuda_busy_unmaps"));
+  return hooks;
 }
 
 // What only the fake driver can show: device memory really goes back on sleep, running out of it
 // is a clean OutOfMemory that changes nothing, and a destroyed region leaves nothing behind.
-static void test_cuda_device_memory_accounting(FakeCounters counters) {
+static void test_cuda_device_memory_accounting(const FakeDriverHooks& fake) {
   // Relative to the start: regions made current for torch (above) stay alive until exit by design.
   size_t used0 = 0, mappings0 = 0, reservations0 = 0, host0 = 0, used = 0, mappings = 0, reservations = 0, host = 0;
+  auto counters = fake.counters;
   counters(&used0, &mappings0, &reservations0, &host0);
   auto backend = colo::make_cuda_backend(0);
   {
@@ -284,6 +307,120 @@ static void test_cuda_device_memory_accounting(FakeCounters counters) {
   CHECK(used == used0 && mappings == mappings0 && reservations == reservations0 && host == host0);
 }
 
+// Driver calls grow with chunks, not bytes: a large region is cut into at most 64 chunks (never
+// below 32 MiB; an explicit chunk size wins), each chunk is one cuMemCreate + cuMemMap, and access
+// is set once per run of adjacent chunks, both when an allocation commits and when wake() does.
+static void test_cuda_driver_calls_scale_with_chunks(const FakeDriverHooks& fake) {
+  auto calls = fake.call_count;
+  auto backend = colo::make_cuda_backend(0);
+  CHECK(std::make_shared<colo::Region>(backend, "small", 100u << 20)->stats().chunk_bytes == (32u << 20));
+  for (size_t gib : {4, 40}) {  // address space only; the fake device has 1 GiB
+    auto s = std::make_shared<colo::Region>(backend, "big", gib << 30)->stats();
+    CHECK(s.chunk_bytes % backend->granularity() == 0);
+    CHECK((s.virtual_bytes + s.chunk_bytes - 1) / s.chunk_bytes <= 64);
+  }
+  CHECK(std::make_shared<colo::Region>(backend, "explicit", size_t{4} << 30, 8u << 20)->stats().chunk_bytes ==
+        (8u << 20));
+
+  auto region = std::make_shared<colo::Region>(backend, "kv", size_t{4} << 30);
+  size_t chunk = region->stats().chunk_bytes;
+  CHECK(chunk == (64u << 20));
+  std::map<std::string, size_t> before;
+  auto mark = [&] {
+    for (const char* name : {"cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease"})
+      before[name] = calls(name);
+  };
+  auto made = [&](const char* name) { return calls(name) - before[name]; };
+  mark();
+  void* a = region->allocate(3 * chunk);  // chunks 0-2
+  CHECK(made("cuMemCreate") == 3 && made("cuMemMap") == 3 && made("cuMemSetAccess") == 1);
+  void* b = region->allocate(chunk);      // chunk 3
+  void* c = region->allocate(2 * chunk);  // chunks 4-5
+  region->free(b);                        // chunk 3 holds nothing now: wake leaves it out
+  mark();
+  region->sleep(/*offload=*/false);
+  CHECK(made("cuMemUnmap") == 6 && made("cuMemRelease") == 6);
+  mark();
+  region->wake();  // two runs: chunks 0-2 and 4-5
+  CHECK(made("cuMemCreate") == 5 && made("cuMemMap") == 5 && made("cuMemSetAccess") == 2);
+  static_cast<char*>(a)[3 * chunk - 1] = 1;  // accessible to the last byte of each run
+  static_cast<char*>(c)[2 * chunk - 1] = 2;
+  region->free(a);
+  region->free(c);
+}
+
+// A region destroyed while device work is still queued waits for it before unmapping, as sleep()
+// and trim() do: on a GPU that work could be using the region's memory.
+static void test_cuda_region_destructor_synchronizes(const FakeDriverHooks& fake) {
+  auto backend = colo::make_cuda_backend(0);
+  auto stream = backend->create_stream(colo::StreamRole::kInfer);
+  size_t busy_before = fake.busy_unmaps();
+  std::shared_ptr<colo::Event> queued;
+  {
+    auto region = std::make_shared<colo::Region>(backend, "doomed", 64u << 20);
+    region->allocate(1u << 20);  // dies with a live allocation, as at exit
+    fake.hold_stream(stream->native_handle(), 1);
+    queued = stream->record();  // work the device has not run yet (an event: nothing to fault on)
+    CHECK(!queued->query());
+  }
+  CHECK(fake.busy_unmaps() == busy_before);
+  CHECK(queued->query());
+  fake.hold_stream(stream->native_handle(), 0);
+}
+
+// A block freed with free_after while work is still queued on its stream (held by the fake driver)
+// is not handed out again until that work ran: the next allocations look elsewhere, one that fits
+// only there waits for the work and then gets it, and once the work ran the next allocation takes
+// the block back without waiting. sleep(), trim() and the destructor wait for pending frees first.
+static void test_cuda_free_waits_for_its_stream(const FakeDriverHooks& fake) {
+  auto backend = colo::make_cuda_backend(0);
+  auto own = backend->create_stream(colo::StreamRole::kTrain);  // stands in for torch's current stream
+  const size_t half = 4u << 20;
+  for (uintptr_t stream : {own->native_handle(), uintptr_t{0}}) {  // 0: the legacy default stream
+    auto region = std::make_shared<colo::Region>(backend, "ordered", 2 * half);
+    auto pending = [&] { return region->stats().pending_free_bytes; };
+    void* a = region->allocate(half);
+    fake.hold_stream(stream, 1);  // a kernel using `a` is still queued
+    region->free_after(a, stream);
+    CHECK(pending() == half && region->stats().allocated_bytes == 0);
+    void* b = region->allocate(half);
+    CHECK(b != a);  // the other half
+    region->free(b);
+    CHECK(region->allocate(half) == b);  // again the other half, without waiting
+    CHECK(pending() == half);
+    CHECK(region->allocate(half) == a);  // fits only in `a`: waited for the stream, then reused
+    CHECK(pending() == 0);
+
+    region->free(b);
+    fake.hold_stream(stream, 1);
+    region->free_after(a, stream);
+    backend->record_event(stream)->synchronize();  // the device catches up
+    CHECK(pending() == half);                       // nobody has looked yet
+    void* c = region->allocate(1u << 20);
+    CHECK(pending() == 0 && c == a);  // collected by the allocation (lowest offset once coalesced)
+    region->free(c);
+
+    void* d = region->allocate(half);
+    fake.hold_stream(stream, 1);
+    region->free_after(d, stream);
+    region->trim();  // waits, then releases the chunk the freed block held
+    CHECK(pending() == 0 && region->stats().reserved_bytes == 0);
+    d = region->allocate(half);
+    fake.hold_stream(stream, 1);
+    region->free_after(d, stream);
+    region->sleep(/*offload=*/true);  // waits: the freed block is neither pending nor offloaded
+    CHECK(pending() == 0 && region->stats().offloaded_bytes == 0);
+    region->wake();
+    d = region->allocate(half);
+    fake.hold_stream(stream, 1);
+    region->free_after(d, stream);
+    size_t busy_before = fake.busy_unmaps();
+    region.reset();  // the destructor waits for it too
+    CHECK(fake.busy_unmaps() == busy_before);
+    fake.hold_stream(stream, 0);
+  }
+}
+
 static void test_cuda_backend() {
   auto probe = colo::probe_cuda();
   if (!probe.available) {
@@ -294,11 +431,15 @@ static void test_cuda_backend() {
     }
     return;
   }
-  FakeCounters counters = fake_cuda_counters();
-  std::printf("CUDA backend cases on %s\n", counters ? "the fake driver (host memory)" : "a real driver");
+  FakeDriverHooks fake = fake_driver_hooks();
+  std::printf("CUDA backend cases on %s\n", fake.counters ? "the fake driver (host memory)" : "a real driver");
   CHECK(throws<colo::InvalidArgument>([&] { colo::make_cuda_backend(probe.device_count); }));
   run_backend_tests(colo::make_cuda_backend(0));
-  if (counters) test_cuda_device_memory_accounting(counters);
+  if (!fake.counters) return;  // the rest needs the fake driver's hooks
+  test_cuda_device_memory_accounting(fake);
+  test_cuda_driver_calls_scale_with_chunks(fake);
+  test_cuda_region_destructor_synchronizes(fake);
+  test_cuda_free_waits_for_its_stream(fake);
 }
 
 int main() {

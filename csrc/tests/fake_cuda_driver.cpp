@@ -6,11 +6,19 @@
 //   - cuMemUnmap takes whole mappings; physical memory is freed once unmapped *and* released;
 //   - cuMemCreate fails with CUDA_ERROR_OUT_OF_MEMORY past the device's capacity;
 //   - every call that needs a context fails unless one is current on the calling thread;
-//   - streams run their work asynchronously, in order, on their own thread; events order streams.
-// "Device" memory is host memory mapped from a memfd, so tests can read it directly. This checks
+//   - streams run their work asynchronously, in order, on their own thread; events order streams;
+//     stream 0 (and CU_STREAM_LEGACY / CU_STREAM_PER_THREAD) is one default stream, without the
+//     legacy stream's implicit synchronisation with other streams.
+// "Device" memory is host memory mapped from a memfd, so tests can read it directly; only the pages
+// written take host memory, so a fake device of many GiB costs nothing until touched. This checks
 // colo's bookkeeping and call order; it says nothing about the real driver's speed or behaviour
 // beyond these rules. Built with COLO_BUILD_TESTS only, never installed. Environment:
 // COLO_FAKE_CUDA_MEMORY (bytes of device memory, default 1 GiB), COLO_FAKE_CUDA_DEVICES (default 1).
+// Test hooks (extern "C", found with dlsym): colo_fake_cuda_counters (objects alive),
+// colo_fake_cuda_call_count (calls per entry point), colo_fake_cuda_hold_stream (a stream's work
+// waits, so its events stay not ready, until something waits for the device: "the GPU is behind"),
+// colo_fake_cuda_busy_unmaps (cuMemUnmap calls made while some stream still had queued work, which
+// on a GPU could still be using the range: colo synchronizes the device before unmapping).
 #include <cuda.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -26,6 +34,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <string>
 #include <thread>
 
 namespace {
@@ -132,6 +141,7 @@ class Stream {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stopping_ = true;
+      held_ = false;
     }
     wake_.notify_all();
     worker_.join();
@@ -144,7 +154,19 @@ class Stream {
   }
   void synchronize() {
     std::unique_lock<std::mutex> lock(mutex_);
+    held_ = false;  // waiting for held work lets it run: a real device always gets there
+    wake_.notify_all();
     idle_.wait(lock, [this] { return pending_ == 0; });
+  }
+  // While held, queued work waits (and events recorded here stay not ready).
+  void hold(bool on) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    held_ = on;
+    wake_.notify_all();
+  }
+  bool busy() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return pending_ > 0;
   }
 
  private:
@@ -153,7 +175,7 @@ class Stream {
       std::function<void()> work;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+        wake_.wait(lock, [this] { return stopping_ || (!queue_.empty() && !held_); });
         if (queue_.empty()) return;
         work = std::move(queue_.front());
         queue_.pop_front();
@@ -168,17 +190,89 @@ class Stream {
   std::deque<std::function<void()>> queue_;
   size_t pending_ = 0;
   bool stopping_ = false;
+  bool held_ = false;
   std::thread worker_;
 };
 
-std::mutex streams_mutex;
-std::set<Stream*> streams;
+// Live streams, never destroyed themselves: regions may synchronize during static destruction.
+std::mutex& streams_mutex() {
+  static auto* m = new std::mutex;
+  return *m;
+}
+std::set<Stream*>& streams() {
+  static auto* s = new std::set<Stream*>;
+  return *s;
+}
+
+bool is_default(CUstream handle) {
+  return handle == nullptr || handle == CU_STREAM_LEGACY || handle == CU_STREAM_PER_THREAD;
+}
+
+// The stream a handle names, or nullptr for an unknown handle. The default stream is made on
+// first use and never destroyed.
+Stream* find_stream(CUstream handle) {
+  static Stream* default_stream = nullptr;
+  std::lock_guard<std::mutex> lock(streams_mutex());
+  if (is_default(handle)) {
+    if (!default_stream) streams().insert(default_stream = new Stream);
+    return default_stream;
+  }
+  auto* s = reinterpret_cast<Stream*>(handle);
+  return streams().count(s) ? s : nullptr;
+}
+
+// A wait for the device (a context or event synchronize, a stream waiting on an event) lets every
+// held stream run: the fake does not track which stream an event was recorded on.
+void release_holds() {
+  std::lock_guard<std::mutex> lock(streams_mutex());
+  for (Stream* s : streams()) s->hold(false);
+}
+
+bool any_stream_busy() {
+  std::lock_guard<std::mutex> lock(streams_mutex());
+  for (Stream* s : streams())
+    if (s->busy()) return true;
+  return false;
+}
+
+std::atomic<size_t> busy_unmaps{0};
 
 CUresult sticky_or_success() { return static_cast<CUresult>(driver().sticky.load()); }
+
+// Calls per entry point, by exported name (cuda.h's #defines apply: cuMemGetInfo_v2), so tests can
+// assert how many driver calls colo makes. Never destroyed, like the driver.
+std::mutex& calls_mutex() {
+  static auto* m = new std::mutex;
+  return *m;
+}
+std::map<std::string, size_t>& calls() {
+  static auto* m = new std::map<std::string, size_t>;
+  return *m;
+}
+void count_call(const char* name) {
+  std::lock_guard<std::mutex> lock(calls_mutex());
+  ++calls()[name];
+}
 
 }  // namespace
 
 extern "C" {
+
+// Test hook, absent from the real driver: how many times `name` (e.g. "cuMemCreate") was called.
+size_t colo_fake_cuda_call_count(const char* name) {
+  std::lock_guard<std::mutex> lock(calls_mutex());
+  auto it = calls().find(name);
+  return it == calls().end() ? 0 : it->second;
+}
+
+// Test hook: hold (1) or let go (0) the work queued on `stream` (0: the default stream). Any wait
+// for the device lets it go too (see release_holds).
+void colo_fake_cuda_hold_stream(CUstream stream, int hold) {
+  if (Stream* s = find_stream(stream)) s->hold(hold != 0);
+}
+
+// Test hook: cuMemUnmap calls made while a stream still had queued work.
+size_t colo_fake_cuda_busy_unmaps() { return busy_unmaps.load(); }
 
 // Test hook, absent from the real driver: device bytes in use and live objects.
 void colo_fake_cuda_counters(size_t* used, size_t* mappings, size_t* reservations, size_t* host_allocations) {
@@ -191,6 +285,7 @@ void colo_fake_cuda_counters(size_t* used, size_t* mappings, size_t* reservation
 }
 
 CUresult CUDAAPI cuInit(unsigned int flags) {
+  count_call(__func__);
   if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
   Driver& d = driver();
   std::lock_guard<std::mutex> lock(d.mutex);
@@ -201,18 +296,21 @@ CUresult CUDAAPI cuInit(unsigned int flags) {
 }
 
 CUresult CUDAAPI cuDriverGetVersion(int* version) {
+  count_call(__func__);
   if (!version) return CUDA_ERROR_INVALID_VALUE;
   *version = CUDA_VERSION;
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuDeviceGetCount(int* count) {
+  count_call(__func__);
   if (!driver().initialised) return CUDA_ERROR_NOT_INITIALIZED;
   *count = driver().devices;
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuDeviceGet(CUdevice* device, int ordinal) {
+  count_call(__func__);
   if (!driver().initialised) return CUDA_ERROR_NOT_INITIALIZED;
   if (ordinal < 0 || ordinal >= driver().devices) return CUDA_ERROR_INVALID_DEVICE;
   *device = ordinal;
@@ -220,6 +318,7 @@ CUresult CUDAAPI cuDeviceGet(CUdevice* device, int ordinal) {
 }
 
 CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice device) {
+  count_call(__func__);
   if (!driver().initialised) return CUDA_ERROR_NOT_INITIALIZED;
   if (device < 0 || device >= driver().devices) return CUDA_ERROR_INVALID_DEVICE;
   *ctx = reinterpret_cast<CUcontext>(&context_tags[device]);
@@ -227,6 +326,7 @@ CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice device) {
 }
 
 CUresult CUDAAPI cuCtxSetCurrent(CUcontext ctx) {
+  count_call(__func__);
   if (!driver().initialised) return CUDA_ERROR_NOT_INITIALIZED;
   if (ctx != nullptr && !valid_context(ctx)) return CUDA_ERROR_INVALID_CONTEXT;
   current_context = ctx;
@@ -234,13 +334,16 @@ CUresult CUDAAPI cuCtxSetCurrent(CUcontext ctx) {
 }
 
 CUresult CUDAAPI cuCtxSynchronize(void) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
-  std::lock_guard<std::mutex> lock(streams_mutex);
-  for (Stream* s : streams) s->synchronize();
+  release_holds();  // first: a stream may be waiting on another's held work
+  std::lock_guard<std::mutex> lock(streams_mutex());
+  for (Stream* s : streams()) s->synchronize();
   return sticky_or_success();
 }
 
 CUresult CUDAAPI cuCtxGetStreamPriorityRange(int* least, int* greatest) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   *least = 0;
   *greatest = -5;
@@ -248,6 +351,7 @@ CUresult CUDAAPI cuCtxGetStreamPriorityRange(int* least, int* greatest) {
 }
 
 CUresult CUDAAPI cuGetErrorString(CUresult error, const char** text) {
+  count_call(__func__);
   static const std::map<int, const char*> names = {
       {CUDA_SUCCESS, "no error"},
       {CUDA_ERROR_INVALID_VALUE, "invalid argument"},
@@ -265,6 +369,7 @@ CUresult CUDAAPI cuGetErrorString(CUresult error, const char** text) {
 }
 
 CUresult CUDAAPI cuMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   Driver& d = driver();
   std::lock_guard<std::mutex> lock(d.mutex);
@@ -275,6 +380,7 @@ CUresult CUDAAPI cuMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
 
 CUresult CUDAAPI cuMemGetAllocationGranularity(size_t* granularity, const CUmemAllocationProp* prop,
                                                CUmemAllocationGranularity_flags) {
+  count_call(__func__);
   if (!driver().initialised) return CUDA_ERROR_NOT_INITIALIZED;
   if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
     return CUDA_ERROR_INVALID_VALUE;
@@ -283,6 +389,7 @@ CUresult CUDAAPI cuMemGetAllocationGranularity(size_t* granularity, const CUmemA
 }
 
 CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr, unsigned long long) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   if (size == 0 || size % kGranularity || (alignment & (alignment - 1))) return CUDA_ERROR_INVALID_VALUE;
   size_t align = std::max(alignment, kGranularity), padded = size + align;
@@ -298,6 +405,7 @@ CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t align
 }
 
 CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   Driver& d = driver();
   std::lock_guard<std::mutex> lock(d.mutex);
@@ -312,6 +420,7 @@ CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
 
 CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const CUmemAllocationProp* prop,
                              unsigned long long flags) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   Driver& d = driver();
   if (!prop || flags != 0 || size == 0 || size % kGranularity || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
@@ -332,6 +441,7 @@ CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, 
 }
 
 CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   Driver& d = driver();
   std::lock_guard<std::mutex> lock(d.mutex);
@@ -344,6 +454,7 @@ CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
 
 CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                           unsigned long long flags) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   Driver& d = driver();
   std::lock_guard<std::mutex> lock(d.mutex);
@@ -368,6 +479,7 @@ CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGene
 }
 
 CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   Driver& d = driver();
   if (!desc || count != 1 || desc->location.type != CU_MEM_LOCATION_TYPE_DEVICE || desc->location.id < 0 ||
@@ -390,7 +502,10 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
 }
 
 CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
+  // Before taking the driver's mutex: queued copies take it when they run.
+  if (any_stream_busy()) ++busy_unmaps;
   Driver& d = driver();
   std::lock_guard<std::mutex> lock(d.mutex);
   uintptr_t at = ptr;
@@ -411,6 +526,7 @@ CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
 }
 
 CUresult CUDAAPI cuMemHostAlloc(void** ptr, size_t size, unsigned int) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -421,6 +537,7 @@ CUresult CUDAAPI cuMemHostAlloc(void** ptr, size_t size, unsigned int) {
 }
 
 CUresult CUDAAPI cuMemFreeHost(void* ptr) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   Driver& d = driver();
   std::lock_guard<std::mutex> lock(d.mutex);
@@ -432,39 +549,47 @@ CUresult CUDAAPI cuMemFreeHost(void* ptr) {
 }
 
 CUresult CUDAAPI cuStreamCreateWithPriority(CUstream* stream, unsigned int, int) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   auto* s = new Stream;
-  std::lock_guard<std::mutex> lock(streams_mutex);
-  streams.insert(s);
+  std::lock_guard<std::mutex> lock(streams_mutex());
+  streams().insert(s);
   *stream = reinterpret_cast<CUstream>(s);
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuStreamDestroy(CUstream stream) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   auto* s = reinterpret_cast<Stream*>(stream);
+  if (is_default(stream)) return CUDA_ERROR_INVALID_HANDLE;
   {
-    std::lock_guard<std::mutex> lock(streams_mutex);
-    if (!streams.erase(s)) return CUDA_ERROR_INVALID_HANDLE;
+    std::lock_guard<std::mutex> lock(streams_mutex());
+    if (!streams().erase(s)) return CUDA_ERROR_INVALID_HANDLE;
   }
   delete s;  // finishes its queued work first, as the real driver does before freeing the stream
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuStreamSynchronize(CUstream stream) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
-  reinterpret_cast<Stream*>(stream)->synchronize();
+  Stream* s = find_stream(stream);
+  if (!s) return CUDA_ERROR_INVALID_HANDLE;
+  s->synchronize();
   return sticky_or_success();
 }
 
 CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   {
     std::lock_guard<std::mutex> lock(driver().mutex);
     if (!accessible(dst, bytes) || !accessible(src, bytes)) return CUDA_ERROR_INVALID_VALUE;
   }
-  if (!stream) return CUDA_ERROR_INVALID_HANDLE;  // colo always names its stream
-  reinterpret_cast<Stream*>(stream)->enqueue([dst, src, bytes] {
+  Stream* s = is_default(stream) ? nullptr : find_stream(stream);  // colo always names its stream
+  if (!s) return CUDA_ERROR_INVALID_HANDLE;
+  s->enqueue([dst, src, bytes] {
     // Still mapped when the copy runs? Otherwise the real device faults; here the error is sticky.
     std::lock_guard<std::mutex> lock(driver().mutex);
     if (!accessible(dst, bytes) || !accessible(src, bytes)) {
@@ -477,30 +602,36 @@ CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, C
 }
 
 CUresult CUDAAPI cuEventCreate(CUevent* event, unsigned int) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   *event = reinterpret_cast<CUevent>(new EventHandle);
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuEventDestroy(CUevent event) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   delete reinterpret_cast<EventHandle*>(event);  // queued work keeps its own reference
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuEventRecord(CUevent event, CUstream stream) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
+  Stream* s = find_stream(stream);
+  if (!s) return CUDA_ERROR_INVALID_HANDLE;
   std::shared_ptr<Event> e = reinterpret_cast<EventHandle*>(event)->event;
   uint64_t mark;
   {
     std::lock_guard<std::mutex> lock(e->mutex);
     mark = ++e->recorded;
   }
-  reinterpret_cast<Stream*>(stream)->enqueue([e, mark] { e->complete(mark); });
+  s->enqueue([e, mark] { e->complete(mark); });
   return CUDA_SUCCESS;
 }
 
 CUresult CUDAAPI cuEventQuery(CUevent event) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   Event& e = *reinterpret_cast<EventHandle*>(event)->event;
   std::lock_guard<std::mutex> lock(e.mutex);
@@ -508,6 +639,7 @@ CUresult CUDAAPI cuEventQuery(CUevent event) {
 }
 
 CUresult CUDAAPI cuEventSynchronize(CUevent event) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
   std::shared_ptr<Event> e = reinterpret_cast<EventHandle*>(event)->event;
   uint64_t mark;
@@ -515,19 +647,24 @@ CUresult CUDAAPI cuEventSynchronize(CUevent event) {
     std::lock_guard<std::mutex> lock(e->mutex);
     mark = e->recorded;
   }
+  release_holds();
   e->wait_for(mark);
   return sticky_or_success();
 }
 
 CUresult CUDAAPI cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int) {
+  count_call(__func__);
   if (CUresult r = need_context()) return r;
+  Stream* s = find_stream(stream);
+  if (!s) return CUDA_ERROR_INVALID_HANDLE;
   std::shared_ptr<Event> e = reinterpret_cast<EventHandle*>(event)->event;
   uint64_t mark;
   {
     std::lock_guard<std::mutex> lock(e->mutex);
     mark = e->recorded;  // the work recorded so far, not later records
   }
-  reinterpret_cast<Stream*>(stream)->enqueue([e, mark] { e->wait_for(mark); });
+  release_holds();
+  s->enqueue([e, mark] { e->wait_for(mark); });
   return CUDA_SUCCESS;
 }
 
