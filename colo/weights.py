@@ -103,13 +103,18 @@ class SharedWeights:
             "buckets": self._copies.batches,
         }
 
+    def moved_parameters(self) -> list[str]:
+        """Names of the parameters given new storage since share_weights (model.to(), .half(),
+        assigning param.data): the engine no longer sees them."""
+        return [name for name, param, ptr in self._watched if param.data_ptr() != ptr]
+
     def _check_still_shared(self) -> None:
-        for name, param, ptr in self._watched:
-            if param.data_ptr() != ptr:
-                raise RuntimeError(
-                    f"{name} was given new storage after share_weights (e.g. model.to(), .half(), or "
-                    "assigning param.data); the engine no longer sees it. Call colo.share_weights again."
-                )
+        moved = self.moved_parameters()
+        if moved:
+            raise RuntimeError(
+                f"{moved[0]} was given new storage after share_weights (e.g. model.to(), .half(), or "
+                "assigning param.data); the engine no longer sees it. Call colo.share_weights again."
+            )
 
 
 def check_architecture(arch: str) -> None:

@@ -39,7 +39,7 @@ def test_help_works_without_the_compiled_extension():
 
 @pytest.mark.parametrize("args, message", [
     (["--bogus"], "unrecognized arguments"),
-    (["--sections", "pool_alloc,nope"], "valid sections: pool_alloc, sleep_wake, handoff, grpo_step, memory"),
+    (["--sections", "pool_alloc,nope"], "valid sections: pool_alloc, sleep_wake, handoff, grpo_step, memory, trl"),
     (["--sections", ","], "no section named"),
     (["--device", "tpu"], "invalid choice"),
     (["--plot", "out.jpg"], "ending in .png"),
@@ -92,9 +92,9 @@ def test_cuda_rows_say_why_they_did_not_run():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the CUDA rows run instead")
-    from colo.bench import grpo_step, handoff, memory, pool_alloc, sleep_wake
+    from colo.bench import grpo_step, handoff, memory, pool_alloc, sleep_wake, trl
 
-    for section in (pool_alloc, sleep_wake, handoff, grpo_step, memory):
+    for section in (pool_alloc, sleep_wake, handoff, grpo_step, memory, trl):
         rows = section.run(quick=True, progress=lambda it, desc="": it, devices=("cuda",))
         assert len(rows) == 1 and rows[0]["device"] == "cuda"
         assert rows[0]["note"].startswith("CUDA case not run")
@@ -220,3 +220,26 @@ def test_memory_rows_count_bytes_per_parameter_in_each_phase():
     # Training: bf16 weights 2 + fp32 main gradients 4 + masters 4 + moments 8.
     assert 18 <= bf16["bytes_per_param_train"] < 19.5 and 16 <= fp32["bytes_per_param_train"] < 17.5
     assert bf16["usual_way_ratio_generate"] > 7 and bf16["kv_cache_bytes_train"] == 0 < usual["kv_cache_bytes_train"]
+    # python -m colo.plan counts the same bytes (measured here: the pool's 2 MiB chunks and the
+    # engine's non-parameter buffers add up to 4%).
+    for row in rows.values():
+        for phase in ("generate", "train"):
+            assert row[f"planned_bytes_per_param_{phase}"] == pytest.approx(row[f"bytes_per_param_{phase}"], rel=0.05)
+
+
+@pytest.mark.slow
+def test_trl_rows_compare_colo_trl_and_colo_grpo_with_stock_trl():
+    pytest.importorskip("trl", reason="the trl section needs the trl extra")
+    from colo.bench import trl
+    from colo.bench.baselines import UPDATABLE_VARIANT
+
+    rows = trl.measure_size("qwen2-trl-0.4M", quick=True, progress=lambda it, desc="": it, device="cpu")
+    with_trl, scheduler = rows
+    assert with_trl["case"].endswith("colo.trl") and scheduler["case"].endswith("colo.grpo scheduler")
+    assert with_trl["colo_sync_bytes"] == 0 < with_trl["baseline_sync_bytes"]
+    assert with_trl["colo_kv_cache_bytes_during_train"] == 0 < with_trl["baseline_kv_cache_bytes_during_train"]
+    if any(kernel != "plain" for kernel in with_trl["cpu_kernels"]):  # stock TRL crashes at its first sync
+        assert UPDATABLE_VARIANT in with_trl["baseline"] and "weight_loader" in with_trl["note"]
+    for row in rows:
+        assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"]) and row["steps_measured"] == 3
+        assert isinstance(row["goal_met"], bool)

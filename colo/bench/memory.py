@@ -75,15 +75,26 @@ def measure_size(name: str, progress, device: str = "cpu") -> list[dict]:
         params = build_model_dir(model_dir, SIZES[name][0])
         rows = [measure(model_dir, params, config, device) for config in progress(CONFIGS, name)]
     usual = rows[-1]
-    for row in rows:
+    planned = _planned_layouts(params)
+    for config, row in zip(CONFIGS, rows):
         row["model"] = name
+        for phase in ("generate", "train"):  # colo.plan's count for the same layout and size
+            row[f"planned_bytes_per_param_{phase}"] = planned[config].phase_bytes(phase, activations=False) / params
         for phase in PHASES:
             row[f"usual_way_ratio_{phase}"] = usual[f"bytes_per_param_{phase}"] / max(row[f"bytes_per_param_{phase}"], 1e-9)
         row["note"] = ("bytes per parameter resident in weights+grads+optimizer regions (and, for the usual way, "
                        "the trainer's own weights) during each phase of the second GRPO step; usual_way_ratio_<phase> "
-                       "= the usual way's bytes / this row's; colo rows offload the optimizer state while generating "
+                       "= the usual way's bytes / this row's; planned_bytes_per_param_<phase>: python -m colo.plan's count of "
+                       "the same layout (weights, gradients, optimizer state; no activations); colo rows offload the optimizer state while generating "
                        "as on a GPU (on a host pool the copy stays in RAM: see rss_bytes_<phase>)")
     return rows
+
+
+def _planned_layouts(params: int) -> dict:
+    from colo.plan import plan
+
+    bf16, fp32 = plan(params, 1, 1 << 50, "bf16"), plan(params, 1, 1 << 50, "fp32")
+    return {"colo bf16": bf16[0], "colo fp32": fp32[0], "usual way": bf16[1]}
 
 
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:

@@ -98,6 +98,7 @@ class GRPOScheduler:
             getattr(self.optimizer, "optimizer", self.optimizer), lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
         if self.config.memory_phases:
             self.memory.sleep_for_generation()
+            self.memory.finish_offload()
         self.step = 0
         if resume_state is not None:
             self._restore(resume_state)
@@ -178,6 +179,11 @@ class GRPOScheduler:
         rewards = self._reward_phase(step, prompts, completions, record)
         self._train_phase(step, prompts, completions, rewards, engine_logprobs, record)
         self._handoff_phase(step, record)
+        # The optimizer state's copy out overlapped the publish; between steps every region is settled
+        # (a user may checkpoint, or wake the KV cache, before the next step).
+        switch = time.perf_counter()
+        self.memory.finish_offload()
+        record["phase_switch_s"] += time.perf_counter() - switch
         record["step_s"] = time.perf_counter() - started
         record["lr"] = self.lr_scheduler.get_last_lr()[0]
         self.step = step
@@ -191,7 +197,6 @@ class GRPOScheduler:
         with self.timeline.span("generate", step=step) as span:
             switch = time.perf_counter()
             if self.engine.kv_cache_asleep:
-                self.memory.finish_offload()  # the optimizer state's copy out ends before the KV cache takes the room
                 self.engine.wake_kv_cache()  # also forgets prefixes whose KV was lost
             record["phase_switch_s"] = time.perf_counter() - switch
             error = None

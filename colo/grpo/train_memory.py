@@ -8,8 +8,8 @@
 - `optimizer` region: the optimizer's parameter-shaped state tensors (AdamW's two moments) moved
   into one flat buffer per dtype, and, with 16-bit parameters, the fp32 master weights. Where the
   pool cannot hold them beside the engine's weights and KV cache, they are copied to a host buffer
-  while the engine generates (the copy starts after the optimizer step without waiting for it; the
-  region sleeps right before the KV cache wakes); before the next optimizer step they are copied
+  while the engine generates (the copy starts after the optimizer step without waiting for it and
+  overlaps the publish; the region sleeps at the end of the step); before the next optimizer step they are copied
   back on the pool's copy stream, started early so the copy overlaps forward and backward.
 
 Budgets are exact (what the buffers need). Both regions sleep while the engine generates (the
@@ -203,7 +203,7 @@ class TrainingMemory:
     # -- phases ------------------------------------------------------------------------------------
     def sleep_for_generation(self) -> None:
         """Release gradients (dead between steps) and start offloading the optimizer state; the
-        generate phase calls finish_offload() before the KV cache needs the memory."""
+        scheduler calls finish_offload() at the end of the step, after the publish it overlaps."""
         self.start_offload()
         if not self.grads.asleep:
             self.grads.sleep(offload=False)

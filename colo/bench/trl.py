@@ -1,0 +1,255 @@
+"""Section trl: TRL's GRPOTrainer in colocate mode, stock and with colo (colo.trl.GRPOTrainer), on the
+same tiny model, tokenizer, prompts and batch, and `colo.grpo`'s own scheduler on the same model and
+batch, so colo's scheduler is compared with TRL's too.
+
+- colo: `colo.trl.GRPOTrainer`: the engine built by colo (vLLM's default mode and kernels), the
+  trainer's bf16 parameters shared with it, `sync_weights` = publish() (0 bytes), the KV cache
+  asleep while TRL trains.
+- stock TRL: `trl.GRPOTrainer`, its own vLLM engine (default mode) and its per-parameter sync. Where
+  vLLM packed the CPU linears, stock TRL crashes at its first sync (it is run, and the row quotes
+  the error); the named variant then runs instead: stock TRL with vLLM's packed CPU kernels
+  disabled (F.linear), so that a ratio always exists.
+- colo.grpo: GRPOScheduler, bf16, the same prompts per step, completions per prompt and length.
+
+Both TRL sides run the same script (bf16 trainer, learning rate, seeds), each for warm-up steps
+plus measured steps, in alternating rounds so that load from other processes hits both alike; the
+row gives TRL's own `step_time` (median over measured steps of all rounds), the sync time and
+bytes per sync, and memory: the KV cache bytes held while training and the process RSS.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from .baselines import UPDATABLE_VARIANT, stock_update_refused
+from .measure import engine_unavailable_reason, ratio, rss_bytes, skipped_row
+
+SECTION = "trl"
+# name -> Qwen2 config; vocabulary 512 to fit the byte-level BPE tokenizer built here.
+SIZES = {
+    "qwen2-trl-0.4M": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1),
+    "qwen2-trl-12M": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
+                          num_key_value_heads=2),
+}
+QUICK_SIZES, FULL_SIZES = ("qwen2-trl-0.4M",), ("qwen2-trl-0.4M", "qwen2-trl-12M")
+BATCH = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=16)
+WARMUP = 2
+
+
+def build_model_dir(path: Path, config_kwargs: dict) -> int:
+    """A random bf16-ready Qwen2 and a byte-level BPE tokenizer trained on a word list; returns params."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = [" ".join(f"w{i}" for i in range(j, j + 50)) for j in range(0, 500, 10)]
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>"],
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
+    config = Qwen2Config(vocab_size=512, head_dim=64, max_position_embeddings=128, tie_word_embeddings=True,
+                         eos_token_id=1, pad_token_id=0, bos_token_id=None, **config_kwargs)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def even_digits(completions, **kwargs):
+    """The reward: the share of even digits in the completion's text."""
+    return [sum(ch in "02468" for ch in c) / max(1, len(c)) for c in completions]
+
+
+def prompts():
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [" ".join(f"w{3 + (7 * i + j) % 500}" for j in range(6)) for i in range(512)]})
+
+
+def trl_args(out: Path, steps: int):
+    import trl
+
+    return trl.GRPOConfig(output_dir=str(out), use_vllm=True, vllm_mode="colocate", max_steps=steps, logging_steps=1,
+                          report_to="none", learning_rate=1e-3, vllm_max_model_length=64, save_strategy="no",
+                          use_cpu=True, bf16=False, seed=0, model_init_kwargs={"dtype": "bfloat16"},
+                          disable_tqdm=True, **BATCH)
+
+
+def run_trl(side: str, model_dir: Path, out: Path, steps: int) -> dict:
+    """One TRL run of `steps` steps; step times (after warm-up), sync times and bytes, memory."""
+    import trl
+
+    from colo.engine import kv_cache_region, release_llm
+    from colo.vllm_compat import forced_cpu_gemm
+
+    if side == "colo":
+        from colo.trl import GRPOTrainer
+
+        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=even_digits, train_dataset=prompts(),
+                              args=trl_args(out, steps))
+    else:
+        with forced_cpu_gemm("plain") if side == "variant" else contextlib.nullcontext():
+            trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=even_digits, train_dataset=prompts(),
+                                      args=trl_args(out, steps))
+    generation = trainer.vllm_generation
+    syncs = []
+    sync = generation.sync_weights
+
+    def timed_sync():
+        start = time.perf_counter()
+        sync()
+        syncs.append(time.perf_counter() - start)
+
+    generation.sync_weights = timed_sync  # instrumentation: the same wrapper on every side
+    try:
+        trainer.train()
+        kv_train = kv_cache_region(generation.llm).stats()["resident_bytes"] if side == "colo" else \
+            _stock_kv_bytes(generation.llm)
+        param_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+        result = {
+            "step_s": [h["step_time"] for h in trainer.state.log_history if "step_time" in h][WARMUP:],
+            "sync_s": syncs[WARMUP:], "kv_cache_bytes_during_train": kv_train, "rss_bytes": rss_bytes(),
+            # colo: what its syncs reported copying (publish, and any re-share); TRL: every parameter.
+            "sync_bytes": max(r["bytes_copied"] + r["reshared_bytes"] for r in generation.colo_sync_reports[WARMUP:])
+            if side == "colo" else param_bytes,
+            "reward": [h["reward"] for h in trainer.state.log_history if "reward" in h],
+        }
+    finally:
+        release_llm(generation.llm)
+        del trainer, generation
+        gc.collect()
+    return result
+
+
+def stock_refusal(model_dir: Path, out: Path) -> str:
+    """Run stock TRL for one step; '' when it trains, else what it raised."""
+    try:
+        run_trl("stock", model_dir, out, steps=1)
+    except Exception as e:  # noqa: BLE001 - the error is the finding
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def run_colo_grpo(model_dir: Path, steps: int) -> dict:
+    import json
+
+    from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask
+
+    task = ToyTask(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    config = GRPOConfig(prompts_per_step=BATCH["per_device_train_batch_size"] // BATCH["num_generations"],
+                        num_generations=BATCH["num_generations"], max_new_tokens=BATCH["max_completion_length"],
+                        learning_rate=1e-3, save_every=0, dtype="bf16", ignore_eos=True)
+    run = GRPOScheduler(model_dir, task.rewards, task.prompts, config)
+    try:
+        records = [run.train_step() for _ in range(WARMUP + steps)][WARMUP:]
+    finally:
+        run.close()
+        del run
+        gc.collect()
+    return {"step_s": [r["step_s"] for r in records], "sync_s": [r["handoff_s"] for r in records]}
+
+
+def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[dict]:
+    from colo.engine import cpu_kernels
+
+    steps, rounds = (3, 1) if quick else (5, 2)
+    with tempfile.TemporaryDirectory(prefix="colo-trl-") as tmp:
+        tmp = Path(tmp)
+        params = build_model_dir(tmp / "model", SIZES[name])
+        refused = stock_refusal(tmp / "model", tmp / "stock-probe")
+        baseline = "variant" if refused else "stock"
+        sides = {"colo": [], baseline: []}
+        for i in progress(range(rounds), name):
+            for side in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+                sides[side].append(run_trl(side, tmp / "model", tmp / f"{side}{i}", WARMUP + steps))
+        grpo = run_colo_grpo(tmp / "model", steps)
+        kernels = _kernels_of(tmp / "model", cpu_kernels)
+    merged = {side: {key: [v for run in runs for v in run[key]] for key in ("step_s", "sync_s")}
+              for side, runs in sides.items()}
+    colo, base = merged["colo"], merged[baseline]
+    base_name = f"stock TRL on {UPDATABLE_VARIANT}" if refused else "stock TRL (vLLM default mode)"
+    common = {"section": SECTION, "device": device, "model": name, "params": params, "dtype": "bfloat16",
+              "cpu_kernels": kernels, **{f"batch_{k}": v for k, v in BATCH.items()},
+              "steps_measured": len(colo["step_s"])}
+    note = (f"TRL 1.16 GRPOTrainer, colocate mode, same script on both sides; medians of TRL's step_time over "
+            f"{steps} steps after {WARMUP} warm-up steps, {rounds} alternating round(s)")
+    if refused:
+        note += f"; stock TRL cannot run here: {stock_update_refused(kernels)}; it raised {refused[:300]}"
+    colo_step, base_step = statistics.median(colo["step_s"]), statistics.median(base["step_s"])
+    rows = [{**common, "case": f"TRL step {name}: colo.trl", "colo_s": colo_step, "baseline": base_name,
+             "baseline_s": base_step, "ratio": ratio(base_step, colo_step),
+             "colo_sync_s": statistics.median(colo["sync_s"]), "baseline_sync_s": statistics.median(base["sync_s"]),
+             "colo_sync_bytes": sides["colo"][0]["sync_bytes"], "baseline_sync_bytes": sides[baseline][0]["sync_bytes"],
+             "colo_kv_cache_bytes_during_train": sides["colo"][0]["kv_cache_bytes_during_train"],
+             "baseline_kv_cache_bytes_during_train": sides[baseline][0]["kv_cache_bytes_during_train"],
+             "colo_rss_bytes": max(r["rss_bytes"] for r in sides["colo"]),
+             "baseline_rss_bytes": max(r["rss_bytes"] for r in sides[baseline]),
+             "goal": "no longer per step than stock TRL", "goal_met": colo_step <= base_step, "note": note}]
+    grpo_step = statistics.median(grpo["step_s"])
+    rows.append({**common, "case": f"TRL step {name}: colo.grpo scheduler", "colo_s": grpo_step,
+                 "baseline": base_name, "baseline_s": base_step, "ratio": ratio(base_step, grpo_step),
+                 "colo_sync_s": statistics.median(grpo["sync_s"]), "goal": "<= 0.8x TRL's step",
+                 "goal_met": grpo_step <= 0.8 * base_step,
+                 "note": "colo.grpo's GRPOScheduler (bf16, toy task) with TRL's batch: prompts per step = "
+                         "per_device_train_batch_size / num_generations, same completion length; TRL's step "
+                         "includes its own reward, logging and dataloader work"})
+    return rows
+
+
+def _kernels_of(model_dir: Path, cpu_kernels) -> dict:
+    """The CPU kernels vLLM picks for this model in bf16 here (a short-lived colo engine)."""
+    import colo
+    from colo.engine import build_llm, release_llm
+
+    llm = build_llm(model_dir, colo.Pool("cpu"), dtype="bfloat16", kv_cache_bytes=4 << 20, max_model_len=64,
+                    enforce_eager=True)
+    try:
+        return cpu_kernels(llm)
+    finally:
+        release_llm(llm)
+        del llm
+        gc.collect()
+
+
+def _stock_kv_bytes(llm) -> int:
+    """A stock engine's KV cache is never released: its size is what it holds while TRL trains."""
+    from colo.vllm_compat import engine_kv_caches
+
+    seen, total = set(), 0
+    for cache in engine_kv_caches(llm):
+        storage = cache.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _trl_missing_reason() -> str:
+    try:
+        import colo.trl  # noqa: F401 - checks the TRL release too
+    except ImportError as e:
+        return str(e)
+    return ""
+
+
+def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
+    rows = []
+    for device in devices:
+        why = engine_unavailable_reason(device)
+        if not why:
+            why = _trl_missing_reason()
+        if not why and device == "cuda":
+            why = "colo.trl's GPU case has not been written as a benchmark yet (TRL on CPU here)"
+        if why:
+            rows.append(skipped_row(SECTION, "TRL step", device, f"{device.upper()} case not run: {why}"))
+            continue
+        for name in (QUICK_SIZES if quick else FULL_SIZES):
+            rows += measure_size(name, quick, progress, device)
+    return rows

@@ -1,0 +1,183 @@
+"""colo as the colocate backend of TRL's GRPOTrainer: one copy of the weights, 0 bytes per sync.
+
+    from colo.trl import GRPOTrainer           # instead of: from trl import GRPOTrainer
+    trainer = GRPOTrainer(model=model_dir_or_model, reward_funcs=reward, train_dataset=dataset,
+                          args=trl.GRPOConfig(use_vllm=True, vllm_mode="colocate", ...))
+    trainer.train()
+
+What changes (everything else is TRL's: rewards, datasets, logging, callbacks, checkpoints):
+- the engine is built by colo.engine.build_llm in the trainer's dtype: its weights in the pool's
+  `weights` region, its KV cache in `kv_cache`, vLLM's default (compiled) mode, the same vLLM
+  arguments TRL passes. vLLM reads no checkpoint: the trainer's weights are written into it once;
+- the trainer's parameters become views of the engine's tensors (colo.share_weights), so TRL's
+  `sync_weights` is `publish()`: no `load_weights` call, 0 bytes copied (on a CPU, vLLM's packed
+  kernel copies are refreshed in place) and the prefix cache reset TRL does;
+- the KV cache sleeps (memory released) from the end of each generation until the next one;
+- parameters given new storage after sharing (accelerate's prepare() under torch.distributed on a
+  CPU moves the model to "cpu:N", which torch copies) are shared again at the next sync, one copy,
+  reported as `reshared_bytes` in `colo_sync_reports`.
+
+The copy path is used, and reported by `trainer.colo_shared`, where a parameter cannot alias: an
+engine dtype other than the trainer's (`colo_engine_dtype=`), or tensor-parallel shards. Supported:
+one process or DDP under accelerate/torchrun (each rank its own engine, TRL's external launcher
+layout). Not supported, with a NotImplementedError: DeepSpeed ZeRO-3 and FSDP (the trainer holds
+shards, not the weights an engine serves), vLLM server mode, vLLM's own sleep mode (colo sleeps the
+KV cache itself and never moves the weights).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+TESTED_TRL_VERSION = "1.16.0"
+
+
+def _import_trl():
+    try:
+        import trl
+        from trl.generation.vllm_generation import VLLMGeneration
+    except ImportError as e:
+        raise ImportError(f"colo.trl needs TRL {TESTED_TRL_VERSION}: pip install -e \".[trl]\" ({e})") from e
+    if trl.__version__.split("+")[0] != TESTED_TRL_VERSION and os.environ.get("COLO_ALLOW_UNTESTED_TRL") != "1":
+        raise ImportError(f"colo.trl is tested with TRL {TESTED_TRL_VERSION}, found {trl.__version__}: it replaces "
+                          "TRL's vLLM engine and weight sync, which change between releases. Install "
+                          f"trl=={TESTED_TRL_VERSION}, or set COLO_ALLOW_UNTESTED_TRL=1 to try")
+    return trl, VLLMGeneration
+
+
+trl, _VLLMGeneration = _import_trl()
+
+
+class ColoVLLMGeneration(_VLLMGeneration):
+    """TRL's VLLMGeneration with the engine built and shared by colo (colocate mode only)."""
+
+    def __init__(self, *args, pool=None, engine_dtype=None, **kwargs):
+        self.colo_pool, self.colo_engine_dtype = pool, engine_dtype
+        self.colo_shared = None
+        self.colo_sync_reports: list[dict] = []
+        super().__init__(*args, **kwargs)
+
+    def _init_vllm(self):
+        import colo
+        from colo.engine import build_llm, sleep_kv_cache
+        from colo.grpo.rollout_engine import default_block_size, kv_bytes_per_token
+        from trl.trainer.utils import ensure_master_addr_port
+
+        if self.mode != "colocate":
+            raise NotImplementedError(f"colo.trl runs vLLM in the training process (vllm_mode='colocate'), not "
+                                      f"{self.mode!r}")
+        if self.enable_sleep_mode:
+            raise NotImplementedError("colo.trl sleeps the KV cache itself and never moves the weights; set "
+                                      "vllm_enable_sleep_mode=False")
+        if self._dist.is_zero3 or self._dist.is_fsdp:
+            raise NotImplementedError("colo.trl shares whole weights with the engine: DeepSpeed ZeRO-3 and FSDP hold "
+                                      "shards; use a single process or DDP (each rank its own engine)")
+        model = self.accelerator.unwrap_model(self.model)
+        accelerator = self.accelerator
+        if accelerator.num_processes % self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must divide world size "
+                             f"({accelerator.num_processes}) evenly.")
+        if self.tensor_parallel_size > 1:
+            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
+                [list(range(i * self.tensor_parallel_size, (i + 1) * self.tensor_parallel_size))
+                 for i in range(accelerator.num_processes // self.tensor_parallel_size)])
+        extra = {}
+        if accelerator.num_processes > 1:
+            # As TRL does for its external launcher: vLLM reads the layout from the environment. (A
+            # single process needs none, and leaves the environment as it was.)
+            os.environ["RANK"] = str(accelerator.process_index)
+            os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
+            os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
+            ensure_master_addr_port()
+            extra["distributed_executor_backend"] = "external_launcher"
+
+        dtype = self.colo_engine_dtype or next(model.parameters()).dtype
+        # The engine goes where accelerate will train the model ("cpu:N" is the CPU: tensors carry no index).
+        device = accelerator.device if accelerator.device.type != "cpu" else torch.device("cpu")
+        if next(model.parameters()).device != device:
+            model.to(device)
+        pool = self.colo_pool if self.colo_pool is not None else colo.Pool(device)
+        config = model.config
+        max_model_len = self.max_model_length or getattr(config, "max_position_embeddings", 2048)
+        block = default_block_size(pool.device)
+        # The KV cache holds the whole generation batch at full length; no memory fraction to tune.
+        sequences = self.max_num_seqs or 1
+        kv_cache_bytes = sequences * (-(-max_model_len // block) * block) * kv_bytes_per_token(config, dtype)
+        self.llm = build_llm(
+            model.name_or_path, pool, dtype=dtype, kv_cache_bytes=kv_cache_bytes, block_size=block,
+            tensor_parallel_size=self.tensor_parallel_size, max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs, model_impl=self.model_impl,
+            seed=accelerator.process_index // self.tensor_parallel_size, max_num_batched_tokens=4096,
+            logprobs_mode="processed_logprobs", trust_remote_code=self.trust_remote_code,
+            load_format="dummy",  # the trainer's weights are written into the engine by share_weights
+            **extra)
+        self.colo_shared = colo.share_weights(model, self.llm)
+        self._llm_weights_sleeping = False
+        sleep_kv_cache(self.llm)  # training comes first in TRL's loop only after a generation
+        accelerator.wait_for_everyone()
+
+    def sync_weights(self):
+        """TRL's weight sync: the engine already reads the trainer's weights; publish() orders the
+        streams, refreshes CPU kernel copies and resets the prefix cache.
+
+        If the trainer's parameters were given new storage since they were shared, they are shared
+        again first (one copy, reported as `reshared_bytes`): accelerate's prepare() moves the model
+        with .to(accelerator.device), and under torch.distributed on a CPU that device is "cpu:N",
+        for which torch copies every parameter although nothing moves."""
+        import colo
+
+        reshared = 0
+        if self.colo_shared.moved_parameters():
+            self.colo_shared = colo.share_weights(self.accelerator.unwrap_model(self.model), self.llm)
+            reshared = self.colo_shared.shared_once_bytes
+        self.colo_sync_reports.append({**self.colo_shared.publish(), "reshared_bytes": reshared})
+
+    def generate(self, *args, **kwargs):
+        from colo.engine import kv_cache_region, sleep_kv_cache, wake_kv_cache
+
+        if kv_cache_region(self.llm).asleep:
+            wake_kv_cache(self.llm)
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            sleep_kv_cache(self.llm)  # TRL trains next: the KV cache's memory is released until then
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """trl.GRPOTrainer whose colocated vLLM engine is colo's (see the module docstring).
+
+    Extra keyword arguments: colo_pool (a colo.Pool; default: a new one on the model's device) and
+    colo_engine_dtype (default: the trainer's dtype, so the weights alias).
+    """
+
+    def __init__(self, *args, colo_pool=None, colo_engine_dtype=None, **kwargs):
+        config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
+        if config is None or not config.use_vllm or config.vllm_mode != "colocate":
+            raise ValueError("colo.trl.GRPOTrainer is TRL's colocate mode: pass args=trl.GRPOConfig(use_vllm=True, "
+                             "vllm_mode='colocate', ...)")
+        # TRL builds its own engine in __init__ when use_vllm is set; build colo's instead, after it.
+        config.use_vllm = False
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            config.use_vllm = True
+        self.use_vllm = True
+        args = self.args
+        self.vllm_generation = ColoVLLMGeneration(
+            model=self.model, accelerator=self.accelerator, processing_class=self.processing_class,
+            pool=colo_pool, engine_dtype=colo_engine_dtype,
+            mode=args.vllm_mode, structured_outputs_regex=args.vllm_structured_outputs_regex,
+            tensor_parallel_size=args.vllm_tensor_parallel_size, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            max_model_length=args.vllm_max_model_length,
+            max_num_seqs=args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation,
+            enable_sleep_mode=args.vllm_enable_sleep_mode, model_impl=args.vllm_model_impl,
+            trust_remote_code=args.trust_remote_code, repetition_penalty=self.repetition_penalty,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            max_completion_length=self.max_completion_length, logprobs=0, generation_kwargs=args.generation_kwargs)
+        self._last_loaded_step = -1  # as TRL: sync once per optimizer step, not per micro-batch
+
+    @property
+    def colo_shared(self):
+        """The SharedWeights between the trainer's model and the engine (copy_bytes, aliased_bytes, ...)."""
+        return self.vllm_generation.colo_shared

@@ -1,0 +1,71 @@
+"""python -m colo.plan: the arithmetic of each layout, the command line, bad input. (The comparison
+with what the pool measures is in tests/test_bench.py, memory section.)"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from colo.plan import SHAPES, parse_bytes, plan
+
+P = 7e9
+GiB = 1 << 30
+
+
+def layouts(**kwargs):
+    return {layout.name.split(" ")[0]: layout for layout in plan(P, 8, 80 * GiB, **kwargs)}
+
+
+def test_bytes_per_gpu_by_phase_follow_each_layouts_rule():
+    by = layouts(seq_len=4096)
+    colo, trl, verl = by["colo"], by["TRL"], by["verl"]
+    act = next(t.bytes for t in colo.terms if t.what.startswith("activations"))
+    assert colo.phase_bytes("generate") == 2 * P  # one bf16 copy; gradients asleep, optimizer on the host
+    assert colo.phase_bytes("train") == 18 * P + act and colo.host_bytes == 12 * P
+    assert trl.phase_bytes("generate") == 18 * P and trl.phase_bytes("train") == 18 * P + act
+    assert verl.phase_bytes("generate") == 16 * P // 8 + 2 * P
+    assert by["colo"].kv_during_train is False and trl.kv_during_train is True
+    # 7B on 80 GB: a replicated fp32 optimizer does not fit, colo's or TRL's; FSDP's shards do.
+    assert not colo.fits and not trl.fits and verl.fits and verl.sequences > 0
+    fp32 = layouts(dtype="fp32")["colo"]
+    assert fp32.phase_bytes("generate") == 4 * P and fp32.host_bytes == 8 * P
+
+
+def test_kv_cache_gets_what_the_phases_leave():
+    small = {layout.name.split(" ")[0]: layout for layout in plan(0.5e9, 8, 80 * GiB, seq_len=2048)}
+    colo, trl = small["colo"], small["TRL"]
+    usable = 80 * GiB - colo.reserve
+    assert colo.kv_cache_bytes == usable - colo.phase_bytes("generate")
+    assert trl.kv_cache_bytes == usable - trl.phase_bytes("train")  # its KV cache stays while training
+    assert colo.sequences == colo.kv_cache_bytes // colo.kv_bytes_per_sequence > trl.sequences
+    shape = SHAPES["Qwen2.5-0.5B"]
+    assert colo.kv_bytes_per_sequence == 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 2 * 2048
+
+
+def test_command_line_prints_the_arithmetic_and_json():
+    run = [sys.executable, "-m", "colo.plan", "--params", "7e9", "--gpus", "8", "--gpu-memory", "80GiB"]
+    text = subprocess.run(run, capture_output=True, text=True, check=True).stdout
+    assert "12 x P" in text and "16 x P / 8" in text and "Qwen2.5-7B-like" in text and "does not fit" in text
+    data = json.loads(subprocess.run(run + ["--json"], capture_output=True, text=True, check=True).stdout)
+    assert [layout["layout"].split(" ")[0] for layout in data["layouts"]] == ["colo", "TRL", "verl"]
+    assert data["layouts"][0]["generate_bytes"] == 14e9
+    several = json.loads(subprocess.run(run[:4] + ["0.5e9,7e9", "--json"], capture_output=True, text=True,
+                                        check=True).stdout)
+    assert [d["params"] for d in several] == [0.5e9, 7e9] and several[1]["shape"]["name"] == "Qwen2.5-7B-like"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--params", "7e9", "--gpu-memory", "80XB"], "cannot read '80XB' as a size"),
+    (["--params", "0"], "must be positive"),
+    (["--params", "7e9,big"], "expected numbers"),
+    (["--params", "7e9", "--config", "/nonexistent/config.json"], "No such file"),
+])
+def test_bad_input_exits_with_a_message(args, message):
+    done = subprocess.run([sys.executable, "-m", "colo.plan", *args], capture_output=True, text=True)
+    assert done.returncode == 2 and message in done.stderr
+
+
+def test_sizes_parse():
+    assert parse_bytes("80GiB") == 80 * GiB and parse_bytes("80GB") == 80 * 10**9 and parse_bytes("512") == 512

@@ -1,0 +1,158 @@
+"""colo.trl: TRL's GRPOTrainer (colocate mode) with colo's engine, on every CPU GEMM kernel vLLM may pick.
+
+A tiny Qwen2 and a byte-level BPE tokenizer are built here (no hub access). After a few TRL GRPO
+steps the engine serves exactly the trained model (its log-probabilities against the trainer's own
+forward pass), no weight went through vLLM's load_weights after start, and every sync copied 0 bytes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colo.vllm_compat import engine_model, forced_cpu_gemm, sgl_unavailable_reason
+from conftest import PROMPTS
+
+pytestmark = pytest.mark.slow
+trl = pytest.importorskip("trl", reason="colo.trl's tests need the trl extra: pip install -e '.[cpu,test]'")
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def trl_model_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("trl-model")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = [" ".join(f"w{i}" for i in range(j, j + 50)) for j in range(0, 500, 10)]
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>"],
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=128,
+                         tie_word_embeddings=True, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def even_digits(completions, **kwargs):
+    return [sum(ch in "02468" for ch in c) / max(1, len(c)) for c in completions]
+
+
+def trl_config(tmp_path, dtype: str, **overrides):
+    prompts = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=3,
+                   logging_steps=1, report_to="none", learning_rate=1e-3, vllm_max_model_length=64,
+                   save_strategy="no", use_cpu=True, bf16=False, seed=0, model_init_kwargs={"dtype": dtype},
+                   use_vllm=True, vllm_mode="colocate")
+    return trl.GRPOConfig(output_dir=str(tmp_path / "out"), **{**prompts, **overrides})
+
+
+def dataset():
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [" ".join(f"w{3 + (7 * i + j) % 500}" for j in range(6)) for i in range(64)]})
+
+
+@pytest.mark.parametrize("kernel,dtype", [("sgl", "bfloat16"), ("onednn", "float32"), ("onednn", "bfloat16"),
+                                          ("plain", "float32")])
+def test_trl_grpo_trains_with_the_engine_sharing_its_weights(kernel, dtype, tmp_path, trl_model_dir, prompt_logprobs):
+    from colo.engine import cpu_kernels
+    from colo.trl import GRPOTrainer
+
+    if kernel == "sgl" and sgl_unavailable_reason():
+        pytest.skip(sgl_unavailable_reason())
+    with forced_cpu_gemm(kernel):
+        trainer = GRPOTrainer(model=str(trl_model_dir), reward_funcs=even_digits, train_dataset=dataset(),
+                              args=trl_config(tmp_path, dtype))
+    llm = trainer.vllm_generation.llm
+    assert set(cpu_kernels(llm)) == {kernel}
+    loads = []
+    engine = engine_model(llm)
+    real_load_weights = engine.load_weights
+    engine.load_weights = lambda *a, **k: loads.append(1) or real_load_weights(*a, **k)  # a spy, for this test
+    trainer.train()
+
+    assert loads == [], "TRL's sync went through vLLM's load_weights"
+    reports = trainer.vllm_generation.colo_sync_reports
+    # The sgl kernel keeps biases in fp32, so a bf16 trainer's biases are the one thing copied (cast).
+    biases = {n: p for n, p in trainer.model.named_parameters() if n.endswith("bias")}
+    copied = sum(p.numel() * 4 for p in biases.values()) if kernel == "sgl" else 0
+    assert len(reports) >= 2 and all(r["bytes_copied"] == copied for r in reports)
+    weights = sum(p.numel() * p.element_size() for n, p in trainer.model.named_parameters()
+                  if kernel != "sgl" or n not in biases)
+    assert trainer.colo_shared.aliased_bytes == weights
+    history = [h for h in trainer.state.log_history if "reward" in h]
+    assert len(history) == 3
+    tolerance = 1e-4 if dtype == "float32" else 5e-2
+    assert max(h["sampling/sampling_logp_difference/max"] for h in history) < tolerance
+
+    # Where torch.distributed is already initialized in this process (an earlier engine's), accelerate
+    # moves the model to "cpu:0" and the first sync shares it again; never a later one.
+    assert all(r["reshared_bytes"] == 0 for r in reports[1:])
+    assert_engine_serves_the_trained_model(trainer, trl_model_dir, dtype, tolerance, prompt_logprobs)
+
+
+def assert_engine_serves_the_trained_model(trainer, model_dir, dtype, tolerance, prompt_logprobs):
+    """The engine's log-probabilities against the trainer's own forward pass, after a sync as TRL
+    does before each generation; and the model did train."""
+    from colo.engine import wake_kv_cache
+    from transformers import AutoModelForCausalLM
+
+    llm = trainer.vllm_generation.llm
+    trainer.vllm_generation.sync_weights()
+    wake_kv_cache(llm)
+    served = prompt_logprobs(llm)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    expected = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+            expected.append(logp[torch.arange(len(prompt) - 1), ids[0, 1:]])
+    torch.testing.assert_close(served, torch.cat(expected).double(), atol=tolerance, rtol=0)
+    initial = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).named_parameters())
+    assert any(not torch.equal(initial[n], p) for n, p in model.named_parameters()), "nothing was trained"
+
+
+def test_a_model_given_new_storage_is_shared_again_at_the_next_sync(tmp_path, trl_model_dir, prompt_logprobs):
+    """accelerate's prepare() moves the model with .to(accelerator.device); under torch.distributed on
+    a CPU that device is "cpu:0", and torch copies every parameter for it. The next sync shares the
+    copies again (one copy, reported), and the syncs after it copy nothing."""
+    from colo.trl import GRPOTrainer
+
+    trainer = GRPOTrainer(model=str(trl_model_dir), reward_funcs=even_digits, train_dataset=dataset(),
+                          args=trl_config(tmp_path, "float32", max_steps=2))
+    shared_at_start = trainer.colo_shared
+    trainer.model.to("cpu:0")
+    assert shared_at_start.moved_parameters(), "torch no longer copies for .to('cpu:0'): this test needs another move"
+    trainer.train()
+
+    reports = trainer.vllm_generation.colo_sync_reports
+    assert reports[0]["reshared_bytes"] == trainer.colo_shared.aliased_bytes > 0
+    assert all(r["reshared_bytes"] == 0 and r["bytes_copied"] == 0 for r in reports[1:]) and len(reports) == 2
+    assert trainer.colo_shared.moved_parameters() == [] and shared_at_start.superseded
+    assert_engine_serves_the_trained_model(trainer, trl_model_dir, "float32", 1e-4, prompt_logprobs)
+
+
+def test_unsupported_setups_are_refused_with_what_is_supported(tmp_path, trl_model_dir, monkeypatch):
+    from colo.trl import GRPOTrainer
+
+    with pytest.raises(ValueError, match="use_vllm=True"):
+        GRPOTrainer(model=str(trl_model_dir), reward_funcs=even_digits, train_dataset=dataset(),
+                    args=trl_config(tmp_path, "float32", use_vllm=False))
+    with pytest.raises(ValueError, match="vllm_mode='colocate'"):
+        GRPOTrainer(model=str(trl_model_dir), reward_funcs=even_digits, train_dataset=dataset(),
+                    args=trl_config(tmp_path, "float32", vllm_mode="server"))
+    with pytest.raises(NotImplementedError, match="vllm_enable_sleep_mode=False"):
+        GRPOTrainer(model=str(trl_model_dir), reward_funcs=even_digits, train_dataset=dataset(),
+                    args=trl_config(tmp_path, "float32", vllm_enable_sleep_mode=True))
+    from trl.distributed import DistributedBackend
+
+    monkeypatch.setattr(DistributedBackend, "is_zero3", property(lambda self: True))
+    with pytest.raises(NotImplementedError, match="ZeRO-3 and FSDP"):
+        GRPOTrainer(model=str(trl_model_dir), reward_funcs=even_digits, train_dataset=dataset(),
+                    args=trl_config(tmp_path, "float32"))
