@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-from .errors import OutOfMemoryError, RegionAsleepError
+from .errors import CheckpointError, ColoError, EngineFailure, OutOfMemoryError, RegionAsleepError, Terminated
 
 __version__ = "0.1.0"
 
@@ -47,4 +47,4 @@ def shared_model(llm, dtype=None, **kwargs):
     return _shared_model(llm, dtype, **kwargs)
 
 
-__all__ = [*_LAZY, "OutOfMemoryError", "RegionAsleepError", "share_weights", "shared_model", "__version__"]
+__all__ = [*_LAZY, "ColoError", "OutOfMemoryError", "RegionAsleepError", "EngineFailure", "CheckpointError", "Terminated", "share_weights", "shared_model", "__version__"]

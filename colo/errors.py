@@ -1,7 +1,11 @@
-"""colo's exceptions. The compiled core raises these by name (see csrc/bindings.cpp)."""
+"""colo's exceptions, all under ColoError. The compiled core raises the pool's by name (see csrc/bindings.cpp)."""
 
 
-class OutOfMemoryError(MemoryError):
+class ColoError(Exception):
+    """Base of every exception colo defines (each also derives from the builtin it refines)."""
+
+
+class OutOfMemoryError(ColoError, MemoryError):
     """A request does not fit the region's budget or free space, or the device has no memory left.
 
     The message names the region, the request, what is allocated and free, and the budget.
@@ -9,5 +13,17 @@ class OutOfMemoryError(MemoryError):
     """
 
 
-class RegionAsleepError(RuntimeError):
+class RegionAsleepError(ColoError, RuntimeError):
     """Allocation in a region whose physical memory is released; call `region.wake()` first."""
+
+
+class EngineFailure(ColoError, RuntimeError):
+    """The engine failed to generate, also after being rebuilt from the shared weights."""
+
+
+class CheckpointError(ColoError, ValueError):
+    """A checkpoint that cannot be read or does not belong to this kind of run."""
+
+
+class Terminated(ColoError):
+    """The run stopped at a step boundary because the process was asked to terminate (SIGTERM)."""

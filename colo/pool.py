@@ -404,7 +404,7 @@ class Pool:
         CUDA: through torch.cuda.MemPool + a CUDAPluggableAllocator loading colo's C entry points
         (current thread only: autograd's backward threads are not routed; expandable_segments must
         be off). CPU: torch's CPU allocator cannot be replaced per block, so only the region is made
-        current (colo.current_region) and torch allocations stay where they were.
+        current (as the core sees it: `_C.current_region`) and torch allocations stay where they were.
         """
         region = self.region(name) if name in self._regions else None
         if region is None:

@@ -1,8 +1,8 @@
 // Host backends: physical memory from the OS with the same semantics as CUDA VMM (stable addresses,
 // commit/release at offsets, released memory really returned to the OS).
 //
-// Which one is the default, and why (measured on this project's 2-core machines, 1 GiB, see
-// shared/DESIGN.md and `python -m colo.bench --sections sleep_wake`):
+// Which one is the default, and why (measured on this project's 2-core machines, 1 GiB; re-measure
+// with `python -m colo.bench --sections sleep_wake`, whose full run includes memfd):
 //   memfd + fallocate(PUNCH_HOLE):             release 0.26 s, touch again 1.3 s
 //   anonymous + MADV_HUGEPAGE + MADV_DONTNEED: release 0.0035 s, touch again 0.17 s
 // The memfd backend mirrors CUDA VMM most literally (a file is the physical handle), but is ~70x

@@ -203,7 +203,61 @@ def test_two_ranks_under_torchrun_train_like_one(reference, tmp_path):
     assert (out / "trace.rank1.json").exists()
 
 
-def test_failing_engine_is_rebuilt_from_the_shared_weights_then_fails_clearly(tmp_path, monkeypatch):
+def test_prompts_the_ranks_do_not_divide_are_split_unevenly_with_the_same_result(tmp_path):
+    """7 prompts over 2 ranks: 4 and 3. Seeds follow the prompt's index in the step, and the loss is
+    the token mean over the whole batch, so the step matches one rank with all 7 prompts."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = ["--steps", "1", "--save-every", "1", "--keep-checkpoints", "0", "--prompts-per-step", "7"]
+    done = run_grpo(one, *common)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29633",
+           "-m", "colo.grpo", *grpo_command(two, *common)[3:]]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = records(one)[0], records(two)[0]
+    assert a["tokens_generated"] == b["tokens_generated"] == 7 * 8 * 16
+    assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-9)  # the same completions
+    states = [torch.load(d / "step-000001.pt", weights_only=True)["optimizer"]["optimizer"]["state"] for d in (one, two)]
+    for index in states[0]:
+        gap = (states[1][index]["exp_avg"] - states[0][index]["exp_avg"]).norm() / states[0][index]["exp_avg"].norm()
+        assert gap < 0.01, (index, float(gap))  # the same gradients (bf16 rounding apart, as above)
+
+
+def test_two_nodes_on_localhost_train_like_one_node(reference, tmp_path):
+    """torchrun --nnodes 2 (two node ranks, one process each, rendezvous on 127.0.0.1), as the
+    README's multi-node command: the first step matches the single-process reference."""
+    out = tmp_path / "two-nodes"
+    args = grpo_command(out, "--steps", "1", "--save-every", "1", "--keep-checkpoints", "0")[3:]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", "29637",
+                               "-m", "colo.grpo", *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
+             for node in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
+    first, expected = records(out)[0], records(reference)[0]
+    assert first["tokens_generated"] == 8 * 8 * 16
+    assert first["reward_mean"] == pytest.approx(expected["reward_mean"], abs=1e-9)
+    states = [torch.load(d / "step-000001.pt", weights_only=True)["optimizer"]["optimizer"]["state"]
+              for d in (reference, out)]
+    for index in states[0]:
+        gap = (states[1][index]["exp_avg"] - states[0][index]["exp_avg"]).norm() / states[0][index]["exp_avg"].norm()
+        assert gap < 0.01, (index, float(gap))
+
+
+def test_rank_share_splits_as_evenly_as_possible():
+    from colo.grpo import distributed as D
+
+    world = D.World(rank=0, size=3, local_rank=0)
+    assert [len(D.rank_share(7, world, rank=r)) for r in range(3)] == [3, 2, 2]
+    assert [D.rank_share(7, world, rank=r).start for r in range(3)] == [0, 3, 5]
+
+
+def test_failing_engine_is_rebuilt_from_the_shared_weights_then_fails_clearly(tmp_path, monkeypatch, caplog):
     import weakref
 
     from colo.grpo import EngineFailure, GRPOConfig, GRPOScheduler, ToyTask, build_toy_model
@@ -229,6 +283,8 @@ def test_failing_engine_is_rebuilt_from_the_shared_weights_then_fails_clearly(tm
         monkeypatch.setattr(RolloutEngine, "generate", fails_once)
         record = run.train_step()
         assert len(calls) == 2 and record["engine_rebuild_s"] > 0
+        assert any("injected engine fault; rebuilding it" in r.getMessage() for r in caplog.records
+                   if r.name == "colo.grpo.scheduler")
         # The old engine's memory really came back: the region holds one KV cache, not two, and the
         # old engine holds no tensors. (Its Python shell may outlive this: vLLM logs its config as a
         # record argument and pytest's log capture keeps records, so object death is not asserted.)

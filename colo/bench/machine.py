@@ -35,7 +35,8 @@ def memory_bytes() -> int:
 
 
 def transparent_hugepages() -> dict:
-    """THP decides how fast the host backend can release memory (see shared DESIGN.md)."""
+    """THP decides how fast the host backend can release memory: with huge pages, MADV_DONTNEED frees
+    1 GiB in milliseconds; without them, in tenths of a second (csrc/host_backend.cpp)."""
     base = "/sys/kernel/mm/transparent_hugepage"
     return {
         "enabled": _read(f"{base}/enabled").strip(),

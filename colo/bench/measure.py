@@ -6,7 +6,7 @@ import time
 from colo.grpo.metrics import rss_bytes  # noqa: F401 - re-exported for the sections
 
 
-def cuda_unavailable_reason() -> str:
+def cuda_rows_unavailable_reason() -> str:
     """Why CUDA rows cannot run here ('' when they can): torch must see a GPU and colo must be built for it."""
     import torch
 
@@ -33,7 +33,7 @@ def engine_device() -> str:
 def engine_unavailable_reason(device: str) -> str:
     """Why a section that needs a vLLM engine cannot measure on `device` here ('' when it can)."""
     if device == "cuda":
-        why = cuda_unavailable_reason()
+        why = cuda_rows_unavailable_reason()
         if why:
             return why
     if engine_device() == device:

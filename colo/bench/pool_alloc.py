@@ -19,7 +19,7 @@ import math
 import random
 import time
 
-from .measure import cuda_unavailable_reason, ratio, skipped_row
+from .measure import cuda_rows_unavailable_reason, ratio, skipped_row
 
 SECTION = "pool_alloc"
 
@@ -172,7 +172,7 @@ def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
     if "cpu" in devices:
         rows += cpu_rows(quick, progress)
     if "cuda" in devices:
-        why = cuda_unavailable_reason()
+        why = cuda_rows_unavailable_reason()
         if why:
             rows.append(skipped_row(SECTION, "alloc+free size mix: Region.empty", "cuda", f"CUDA case not run: {why}"))
         else:

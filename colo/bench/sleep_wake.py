@@ -12,14 +12,14 @@ Baselines, measured in the same run on the same bytes:
 - free and allocate again (offload=False only): drop the tensors and torch.empty new ones. It also
   discards contents, but the addresses change, so an engine holding those tensors would break.
 
-Goal on the CPU (issue 3): sleep+wake of 1 GiB in under 50 ms with at least 95% of resident bytes
+The pool's goal on the CPU: sleep+wake of 1 GiB in under 50 ms with at least 95% of resident bytes
 returned; each offload=False row reports whether it was met here, it is not asserted.
 """
 from __future__ import annotations
 
 import statistics
 
-from .measure import Stopwatch, cuda_unavailable_reason, ratio, rss_bytes, skipped_row
+from .measure import Stopwatch, cuda_rows_unavailable_reason, ratio, rss_bytes, skipped_row
 
 SECTION = "sleep_wake"
 TENSOR_BYTES = 16 << 20
@@ -214,7 +214,8 @@ def make_row(dev: Device, total_bytes: int, offload: bool, colo: dict, baseline_
 def device_rows(dev: Device, quick: bool, progress) -> list[dict]:
     total_bytes = (256 << 20) if quick else (1 << 30)
     repeats = 2 if quick else 3
-    # The memfd backend mirrors CUDA VMM most closely but releases far slower on these hosts (DESIGN.md).
+    # The memfd backend mirrors CUDA VMM most closely but releases far slower on these hosts
+    # (shmem huge pages are off: csrc/host_backend.cpp has the measurements).
     backends = ["anon"] if quick or dev.name == "cuda" else ["anon", "memfd"]
     host_copy = measure_host_copy(dev, total_bytes, repeats, progress)
     free_alloc = measure_free_and_allocate(dev, total_bytes, repeats, progress)
@@ -233,7 +234,7 @@ def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
     if "cpu" in devices:
         rows += device_rows(Device("cpu"), quick, progress)
     if "cuda" in devices:
-        why = cuda_unavailable_reason()
+        why = cuda_rows_unavailable_reason()
         if why:
             rows.append(skipped_row(SECTION, "sleep+wake", "cuda", f"CUDA case not run: {why}"))
         else:

@@ -98,6 +98,9 @@ def run_trl(side: str, model_dir: Path, out: Path, steps: int) -> dict:
         with forced_cpu_gemm("plain") if side == "variant" else contextlib.nullcontext():
             trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=even_digits, train_dataset=prompts(),
                                       args=trl_args(out, steps))
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # it prints each log dict to stdout, which carries the bench's table
     generation = trainer.vllm_generation
     syncs = []
     sync = generation.sync_weights

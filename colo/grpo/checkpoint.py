@@ -15,12 +15,10 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CheckpointError  # noqa: F401 - raised here, re-exported
+
 FORMAT = "colo.grpo.checkpoint/1"
 _NAME = re.compile(r"^step-(\d{6,})\.pt$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read or does not belong to this kind of run."""
 
 
 def checkpoint_path(out_dir: str | Path, step: int) -> Path:

@@ -15,7 +15,7 @@ DTYPES = ("bf16", "fp32")
 
 @dataclass
 class GRPOConfig:
-    prompts_per_step: int = 8          # over all ranks; each rank generates its even share
+    prompts_per_step: int = 8          # over all ranks; each rank generates its share (as even as possible)
     num_generations: int = 8           # completions per prompt (the GRPO group size)
     max_new_tokens: int = 16
     temperature: float = 1.0

@@ -1,4 +1,4 @@
-"""The little torch.distributed a colocated GRPO run needs: one engine per rank, prompts split evenly,
+"""The little torch.distributed a colocated GRPO run needs: one engine per rank, prompts split as evenly as the ranks allow,
 gradients averaged with one all-reduce per flat buffer, small results summed or gathered.
 
 Works unchanged in a single process (world size 1), where every helper is the identity.
@@ -46,12 +46,13 @@ def init_world(device_type: str) -> World:
     return World(0, 1, 0)
 
 
-def rank_slice(items: list, world: World) -> list:
-    """This rank's contiguous share of `items`; the count must divide evenly."""
-    if len(items) % world.size:
-        raise ValueError(f"{len(items)} prompts cannot be split evenly over {world.size} ranks")
-    share = len(items) // world.size
-    return items[world.rank * share:(world.rank + 1) * share]
+def rank_share(count: int, world: World, rank: int | None = None) -> range:
+    """The indices of `count` items that `rank` (default: this one) takes: contiguous, as even as
+    possible (the first count % size ranks take one more)."""
+    rank = world.rank if rank is None else rank
+    base, extra = divmod(count, world.size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
 
 
 def average_(tensors: list[torch.Tensor], world: World) -> None:

@@ -13,14 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from .. import engine as colo_engine
-from ..errors import OutOfMemoryError
+from ..errors import EngineFailure, OutOfMemoryError  # noqa: F401 - EngineFailure raised here, re-exported
 from ..weights import share_weights, shared_model
 
 _KV_HEADROOM = 64 << 20  # room left in the pool for allocator rounding and small engine buffers
-
-
-class EngineFailure(RuntimeError):
-    """The engine failed to generate, also after being rebuilt from the shared weights."""
 
 
 @dataclass

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -29,6 +29,7 @@ import torch
 
 import colo
 
+from ..errors import Terminated
 from ..weights import check_architecture
 from . import distributed as D
 from .batch import pack
@@ -40,6 +41,8 @@ from .metrics import GpuMonitor, StepLog, Timeline, rss_bytes
 from .rollout_engine import EngineFailure, RolloutEngine
 from .train_memory import TrainingMemory
 from .update import accumulate_gradients
+
+logger = logging.getLogger(__name__)
 
 PromptFn = Callable[[int, int], list]          # (step, count) -> list of prompts (token id lists)
 RewardFn = Callable[[list, list], list]        # (prompts, completions) -> one float per completion
@@ -68,9 +71,9 @@ class GRPOScheduler:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self.world = D.init_world(device_type)  # on a GPU also makes this rank's device current
         self.device = torch.device("cuda", self.world.local_rank) if device_type == "cuda" else torch.device("cpu")
-        if self.config.prompts_per_step % self.world.size:
-            raise ValueError(f"prompts_per_step={self.config.prompts_per_step} does not split evenly over "
-                             f"{self.world.size} ranks")
+        if self.config.prompts_per_step < self.world.size:
+            raise ValueError(f"prompts_per_step={self.config.prompts_per_step} leaves ranks without prompts: "
+                             f"it must be at least the number of ranks ({self.world.size})")
         resume_state = self._find_resume_state() if resume else None
         torch.manual_seed(self.config.seed + self.world.rank)
 
@@ -133,7 +136,7 @@ class GRPOScheduler:
         return max((len(p) for p in probe), default=1) + self.config.max_new_tokens
 
     def _sequences_per_rank(self) -> int:
-        return self.config.prompts_per_step // self.world.size * self.config.num_generations
+        return len(D.rank_share(self.config.prompts_per_step, self.world, rank=0)) * self.config.num_generations
 
     def _rank_path(self, path):
         if path is None or self.world.rank == 0:
@@ -192,8 +195,8 @@ class GRPOScheduler:
     def _generate_phase(self, step: int, record: dict):
         cfg = self.config
         all_prompts = self._checked_prompts(self.prompt_fn(step, cfg.prompts_per_step), step)
-        prompts = D.rank_slice(all_prompts, self.world)
-        first_index = self.world.rank * len(prompts)
+        share = D.rank_share(cfg.prompts_per_step, self.world)  # uneven when the ranks do not divide it
+        prompts = all_prompts[share.start:share.stop]
         with self.timeline.span("generate", step=step) as span:
             switch = time.perf_counter()
             if self.engine.kv_cache_asleep:
@@ -201,7 +204,7 @@ class GRPOScheduler:
             record["phase_switch_s"] = time.perf_counter() - switch
             error = None
             try:
-                outputs = self._generate_with_retry(step, prompts, first_index, record)
+                outputs = self._generate_with_retry(step, prompts, share, record)
             except EngineFailure as e:
                 error = e
             # All ranks fail together rather than leaving the others waiting in an all-reduce.
@@ -217,14 +220,14 @@ class GRPOScheduler:
         logprobs = [c.logprobs for c in outputs]
         return expanded, completions, logprobs
 
-    def _generate_with_retry(self, step, prompts, first_index, record):
+    def _generate_with_retry(self, step, prompts, share, record):
         try:
-            return self.engine.generate(prompts, self._sampling(step, first_index))
+            return self.engine.generate(prompts, self._sampling(step, share))
         except Exception as e:  # noqa: BLE001 - any engine error gets one rebuild
             first = f"{type(e).__name__}: {e}"
             # Rebuild outside this handler: the traceback's frames hold the broken engine alive.
-        print(f"[colo.grpo] rank {self.world.rank} step {step}: engine raised {first}; rebuilding it from "
-              f"the shared weights and retrying once", file=sys.stderr)
+        logger.warning("rank %d step %d: engine raised %s; rebuilding it from the shared weights and retrying once",
+                       self.world.rank, step, first)
         with self.timeline.span("engine_rebuild", step=step) as span:
             try:
                 self.engine.rebuild()
@@ -233,13 +236,13 @@ class GRPOScheduler:
                                     f"shared weights: {type(e).__name__}: {e}") from e
         record["engine_rebuild_s"] = span["seconds"]
         try:
-            return self.engine.generate(prompts, self._sampling(step, first_index))
+            return self.engine.generate(prompts, self._sampling(step, share))
         except Exception as second:  # noqa: BLE001
             raise EngineFailure(
                 f"step {step}: generation failed twice on rank {self.world.rank}: first {first}; after "
                 f"rebuilding the engine from the shared weights: {type(second).__name__}: {second}") from second
 
-    def _sampling(self, step: int, first_index: int) -> list[dict]:
+    def _sampling(self, step: int, share: range) -> list[dict]:
         """Per-prompt sampling settings. Seeds depend on (run seed, step, prompt index) only, so a
         resumed run, or a run with a different number of ranks, draws the same completions."""
         cfg = self.config
@@ -247,9 +250,9 @@ class GRPOScheduler:
         return [dict(n=cfg.num_generations, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                      top_p=cfg.top_p, ignore_eos=cfg.ignore_eos,
                      seed=(cfg.seed * 1_000_003 * per_step + step * per_step
-                           + (first_index + i) * cfg.num_generations) % (2**63 - 1),
+                           + i * cfg.num_generations) % (2**63 - 1),
                      logprobs=0)
-                for i in range(cfg.prompts_per_step // self.world.size)]
+                for i in share]
 
     def _checked_prompts(self, prompts, step: int) -> list[list[int]]:
         cfg = self.config
@@ -458,10 +461,6 @@ class GRPOScheduler:
     def close(self) -> None:
         self.timeline.close()
         self.engine.close()
-
-
-class Terminated(Exception):
-    """The run stopped at a step boundary because the process was asked to terminate (SIGTERM)."""
 
 
 class _TerminationRequest:
