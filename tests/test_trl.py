@@ -14,33 +14,14 @@ from conftest import PROMPTS
 
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl", reason="colo.trl's tests need the trl extra: pip install -e '.[cpu,test]'")
-
-VOCAB = 512
+from colo.bench.trl import SIZES, build_model_dir, even_digits, prompts  # noqa: E402 - after the trl check
 
 
 @pytest.fixture(scope="module")
 def trl_model_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
     path = tmp_path_factory.mktemp("trl-model")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    corpus = [" ".join(f"w{i}" for i in range(j, j + 50)) for j in range(0, 500, 10)]
-    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>"],
-                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=128,
-                         tie_word_embeddings=True, eos_token_id=1, pad_token_id=0, bos_token_id=None)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(path)
+    build_model_dir(path, SIZES["qwen2-trl-0.4M"])  # the bench's: a random Qwen2 and a BPE tokenizer built here
     return path
-
-
-def even_digits(completions, **kwargs):
-    return [sum(ch in "02468" for ch in c) / max(1, len(c)) for c in completions]
 
 
 def trl_config(tmp_path, dtype: str, **overrides):
@@ -52,9 +33,7 @@ def trl_config(tmp_path, dtype: str, **overrides):
 
 
 def dataset():
-    from datasets import Dataset
-
-    return Dataset.from_dict({"prompt": [" ".join(f"w{3 + (7 * i + j) % 500}" for j in range(6)) for i in range(64)]})
+    return prompts().select(range(64))
 
 
 @pytest.mark.parametrize("kernel,dtype", [("sgl", "bfloat16"), ("onednn", "float32"), ("onednn", "bfloat16"),

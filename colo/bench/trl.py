@@ -9,7 +9,14 @@ batch, so colo's scheduler is compared with TRL's too.
   vLLM packed the CPU linears, stock TRL crashes at its first sync (it is run, and the row quotes
   the error); the named variant then runs instead: stock TRL with vLLM's packed CPU kernels
   disabled (F.linear), so that a ratio always exists.
+- colo.trl on the variant's kernels (where stock TRL cannot run): colo.trl with the same F.linear
+  kernels as that baseline, so the row shows what colo itself adds or saves per step, apart from
+  the kernel vLLM picks.
 - colo.grpo: GRPOScheduler, bf16, the same prompts per step, completions per prompt and length.
+
+Every run is a fresh Python process, as a user's script would be: TRL sets RANK/WORLD_SIZE and
+torch.distributed state for its engine, and an earlier run's memory would shrink the KV cache stock
+vLLM sizes from the free memory.
 
 Both TRL sides run the same script (bf16 trainer, learning rate, seeds), each for warm-up steps
 plus measured steps, in alternating rounds so that load from other processes hits both alike; the
@@ -89,15 +96,12 @@ def run_trl(side: str, model_dir: Path, out: Path, steps: int) -> dict:
     from colo.engine import kv_cache_region, release_llm
     from colo.vllm_compat import forced_cpu_gemm
 
-    if side == "colo":
-        from colo.trl import GRPOTrainer
+    from colo.trl import GRPOTrainer
 
-        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=even_digits, train_dataset=prompts(),
-                              args=trl_args(out, steps))
-    else:
-        with forced_cpu_gemm("plain") if side == "variant" else contextlib.nullcontext():
-            trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=even_digits, train_dataset=prompts(),
-                                      args=trl_args(out, steps))
+    trainer_class = GRPOTrainer if side.startswith("colo") else trl.GRPOTrainer
+    with forced_cpu_gemm("plain") if side.endswith("variant") else contextlib.nullcontext():
+        trainer = trainer_class(model=str(model_dir), reward_funcs=even_digits, train_dataset=prompts(),
+                                args=trl_args(out, steps))
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # it prints each log dict to stdout, which carries the bench's table
@@ -113,7 +117,7 @@ def run_trl(side: str, model_dir: Path, out: Path, steps: int) -> dict:
     generation.sync_weights = timed_sync  # instrumentation: the same wrapper on every side
     try:
         trainer.train()
-        kv_train = kv_cache_region(generation.llm).stats()["resident_bytes"] if side == "colo" else \
+        kv_train = kv_cache_region(generation.llm).stats()["resident_bytes"] if side.startswith("colo") else \
             _stock_kv_bytes(generation.llm)
         param_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
         result = {
@@ -121,7 +125,7 @@ def run_trl(side: str, model_dir: Path, out: Path, steps: int) -> dict:
             "sync_s": syncs[WARMUP:], "kv_cache_bytes_during_train": kv_train, "rss_bytes": rss_bytes(),
             # colo: what its syncs reported copying (publish, and any re-share); TRL: every parameter.
             "sync_bytes": max(r["bytes_copied"] + r["reshared_bytes"] for r in generation.colo_sync_reports[WARMUP:])
-            if side == "colo" else param_bytes,
+            if side.startswith("colo") else param_bytes,
             "reward": [h["reward"] for h in trainer.state.log_history if "reward" in h],
         }
     finally:
@@ -131,10 +135,29 @@ def run_trl(side: str, model_dir: Path, out: Path, steps: int) -> dict:
     return result
 
 
+def in_fresh_process(fn, *args):
+    """fn(*args) in a new Python process (spawned, nothing inherited but the environment); its
+    result, or its exception raised here. Its stdout goes to stderr: stdout carries the bench's table."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_stdout_to_stderr) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _stdout_to_stderr() -> None:
+    import os
+    import sys
+
+    sys.stdout.flush()
+    os.dup2(2, 1)
+
+
 def stock_refusal(model_dir: Path, out: Path) -> str:
     """Run stock TRL for one step; '' when it trains, else what it raised."""
     try:
-        run_trl("stock", model_dir, out, steps=1)
+        in_fresh_process(run_trl, "stock", model_dir, out, 1)
     except Exception as e:  # noqa: BLE001 - the error is the finding
         return f"{type(e).__name__}: {e}"
     return ""
@@ -160,20 +183,18 @@ def run_colo_grpo(model_dir: Path, steps: int) -> dict:
 
 
 def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[dict]:
-    from colo.engine import cpu_kernels
-
-    steps, rounds = (3, 1) if quick else (5, 2)
+    steps, rounds = (3, 2) if quick else (5, 2)
     with tempfile.TemporaryDirectory(prefix="colo-trl-") as tmp:
         tmp = Path(tmp)
         params = build_model_dir(tmp / "model", SIZES[name])
         refused = stock_refusal(tmp / "model", tmp / "stock-probe")
         baseline = "variant" if refused else "stock"
-        sides = {"colo": [], baseline: []}
+        sides = {"colo": [], baseline: [], **({"colo-variant": []} if refused else {})}
         for i in progress(range(rounds), name):
             for side in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
-                sides[side].append(run_trl(side, tmp / "model", tmp / f"{side}{i}", WARMUP + steps))
-        grpo = run_colo_grpo(tmp / "model", steps)
-        kernels = _kernels_of(tmp / "model", cpu_kernels)
+                sides[side].append(in_fresh_process(run_trl, side, tmp / "model", tmp / f"{side}{i}", WARMUP + steps))
+        grpo = in_fresh_process(run_colo_grpo, tmp / "model", steps)
+        kernels = in_fresh_process(kernels_of, tmp / "model")
     merged = {side: {key: [v for run in runs for v in run[key]] for key in ("step_s", "sync_s")}
               for side, runs in sides.items()}
     colo, base = merged["colo"], merged[baseline]
@@ -195,6 +216,15 @@ def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[
              "colo_rss_bytes": max(r["rss_bytes"] for r in sides["colo"]),
              "baseline_rss_bytes": max(r["rss_bytes"] for r in sides[baseline]),
              "goal": "no longer per step than stock TRL", "goal_met": colo_step <= base_step, "note": note}]
+    if refused:
+        same = merged["colo-variant"]
+        same_step = statistics.median(same["step_s"])
+        rows.append({**common, "case": f"TRL step {name}: colo.trl, same kernels as the baseline", "colo_s": same_step,
+                     "baseline": base_name, "baseline_s": base_step, "ratio": ratio(base_step, same_step),
+                     "colo_sync_s": statistics.median(same["sync_s"]),
+                     "colo_sync_bytes": sides["colo-variant"][0]["sync_bytes"],
+                     "note": f"colo.trl on {UPDATABLE_VARIANT} too: what colo itself adds or saves per step, apart "
+                             "from the kernel vLLM picks"})
     grpo_step = statistics.median(grpo["step_s"])
     rows.append({**common, "case": f"TRL step {name}: colo.grpo scheduler", "colo_s": grpo_step,
                  "baseline": base_name, "baseline_s": base_step, "ratio": ratio(base_step, grpo_step),
@@ -206,10 +236,10 @@ def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[
     return rows
 
 
-def _kernels_of(model_dir: Path, cpu_kernels) -> dict:
+def kernels_of(model_dir: Path) -> dict:
     """The CPU kernels vLLM picks for this model in bf16 here (a short-lived colo engine)."""
     import colo
-    from colo.engine import build_llm, release_llm
+    from colo.engine import build_llm, cpu_kernels, release_llm
 
     llm = build_llm(model_dir, colo.Pool("cpu"), dtype="bfloat16", kv_cache_bytes=4 << 20, max_model_len=64,
                     enforce_eager=True)
