@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Pool": "pool", "Region": "pool", "Stream": "pool", "Event": "pool",
     "build_info": "_build", "cuda_available": "_build", "cuda_unavailable_reason": "_build",
-    "MasterWeightOptimizer": "mixed_precision",
+    "MasterWeightOptimizer": "mixed_precision", "ShardedMasterWeightOptimizer": "zero",
 }
 
 

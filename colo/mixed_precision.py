@@ -34,19 +34,8 @@ class MasterWeightOptimizer:
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, *, master_region=None, grad_region=None,
                  **optimizer_kwargs):
-        groups = _param_groups(params)
-        self.params = [p for g in groups for p in g["params"]]
-        if not self.params:
-            raise ValueError("MasterWeightOptimizer got no parameters")
-        for i, p in enumerate(self.params):
-            if not isinstance(p, torch.Tensor) or p.dtype not in _SIXTEEN_BIT:
-                raise TypeError(f"parameter {i}: MasterWeightOptimizer keeps fp32 masters of bfloat16/float16 "
-                                f"parameters, got {getattr(p, 'dtype', type(p).__name__)}; train fp32 parameters "
-                                "with the optimizer directly")
-            if not p.requires_grad:
-                raise ValueError(f"parameter {i} does not require grad")
-        if len({id(p) for p in self.params}) != len(self.params):
-            raise ValueError("a parameter appears twice in MasterWeightOptimizer's parameters")
+        groups = param_groups(params)
+        self.params = checked_params(groups, "MasterWeightOptimizer", _SIXTEEN_BIT)
         numel = sum(p.numel() for p in self.params)
         device = self.params[0].device
         self.master_flat = _flat(master_region, numel, device)
@@ -124,7 +113,26 @@ class MasterWeightOptimizer:
         self._hooks = []
 
 
-def _param_groups(params) -> list[dict]:
+def checked_params(groups: list[dict], owner: str, dtypes) -> list[torch.Tensor]:
+    """The parameters of `groups`, in order; TypeError/ValueError naming the first one that is not a
+    tensor of `dtypes` requiring grad, or that appears twice."""
+    params = [p for g in groups for p in g["params"]]
+    if not params:
+        raise ValueError(f"{owner} got no parameters")
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor) or p.dtype not in dtypes:
+            names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise TypeError(f"parameter {i}: {owner} keeps fp32 masters of {names} parameters, got "
+                            f"{getattr(p, 'dtype', type(p).__name__)}"
+                            + ("; train fp32 parameters with the optimizer directly" if torch.float32 not in dtypes else ""))
+        if not p.requires_grad:
+            raise ValueError(f"parameter {i} does not require grad")
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError(f"a parameter appears twice in {owner}'s parameters")
+    return params
+
+
+def param_groups(params) -> list[dict]:
     params = list(params)
     if params and isinstance(params[0], dict):
         return [dict(g, params=list(g["params"])) for g in params]

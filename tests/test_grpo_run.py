@@ -249,6 +249,98 @@ def test_two_nodes_on_localhost_train_like_one_node(reference, tmp_path):
         assert gap < 0.01, (index, float(gap))
 
 
+def torchrun(out: Path, ranks: int, port: int, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(port),
+           "-m", "colo.grpo", *grpo_command(out, *extra)[3:]]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=420, cwd=REPO, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def fp32_masters(out: Path, step: int) -> torch.Tensor:
+    """The run's fp32 master weights after `step`, in parameter order, assembled from the optimizer
+    shards when the run was sharded."""
+    state = torch.load(out / f"step-{step:06d}.pt", weights_only=True)["optimizer"]
+    if "sharded_over" not in state:
+        return state["master_weights"]
+    shards = [torch.load(p, weights_only=True)["optimizer"] for p in sorted(out.glob(f"step-{step:06d}.optimizer-*"))]
+    full = torch.full((sum(shards[0]["param_numels"]),), float("nan"))
+    for shard in shards:
+        offset = 0
+        for begin, end in shard["ranges"].tolist():
+            full[begin:end] = shard["master_weights"][offset:offset + end - begin]
+            offset += end - begin
+    return full
+
+
+def assert_masters_near(a: Path, b: Path, step: int, lr: float = 3e-3) -> None:
+    """fp32 masters of two runs whose gradients differ only by summation order (ranks; bf16 forward
+    over another split): AdamW moves each weight by about lr whatever the gradient's size, so where
+    that noise flips a near-zero gradient's sign a weight lands up to 2 lr away; ~1% of lr on average
+    after one step (the runs drift apart a little more with each step: 3% of lr after 3 seen here)."""
+    x, y = fp32_masters(a, step), fp32_masters(b, step)
+    assert not x.isnan().any() and not y.isnan().any()  # every element is in some shard
+    gap = (x - y).abs()
+    assert float(gap.mean()) < 0.02 * lr * step and float(gap.max()) <= 2.5 * lr * step, (step, float(gap.mean()),
+                                                                                       float(gap.max()))
+
+
+def test_sharded_optimizer_trains_like_one_rank_and_resumes_on_any_number_of_ranks(reference, tmp_path):
+    """ZeRO-1 (--shard-optimizer) on 2 ranks: the reference's rewards and weights, half the optimizer
+    bytes per rank, one shard file per rank. Killed after step 2, it resumes exactly on 2 ranks, and
+    on 3 ranks the shards are re-sharded and step 3 still matches."""
+    import shutil
+
+    two = tmp_path / "two"
+    common = ["--save-every", "1", "--keep-checkpoints", "0", "--shard-optimizer"]
+    torchrun(two, 2, 29641, "--steps", "3", *common)
+    log, expected = records(two), records(reference)
+    assert [r["reward_mean"] for r in log] == pytest.approx([r["reward_mean"] for r in expected[:3]], abs=0.02)
+    assert log[0]["reward_mean"] == pytest.approx(expected[0]["reward_mean"], abs=1e-9)
+    # fp32 masters and two moments, 12 bytes per parameter: each rank holds about half.
+    full = expected[0]["optimizer_state_bytes"]
+    assert full / 2 <= log[0]["optimizer_state_bytes"] < full / 2 * 1.05
+    assert all(r["handoff_bytes_copied"] == 0 for r in log)  # the all-gather landed in the engine's weights
+    assert sorted(p.name for p in two.glob("step-000003*")) == [
+        "step-000003.optimizer-rank0-of-2.pt", "step-000003.optimizer-rank1-of-2.pt", "step-000003.pt"]
+    for step in (1, 3):
+        assert_masters_near(two, reference, step)
+
+    for ranks, port in ((2, 29643), (3, 29645)):
+        again = tmp_path / f"resumed-on-{ranks}"
+        shutil.copytree(two, again)
+        for stale in again.glob("step-000003*"):  # as if killed during step 3
+            stale.unlink()
+        lines = (again / "log.jsonl").read_text().splitlines()[:2]
+        (again / "log.jsonl").write_text("\n".join(lines) + "\n")
+        torchrun(again, ranks, port, "--steps", "3", "--resume")
+        assert [r["step"] for r in records(again)] == [1, 2, 3]
+        if ranks == 2:  # the same ranks, the same reductions: exactly the uninterrupted run
+            assert records(again)[2]["reward_mean"] == log[2]["reward_mean"]
+            assert_same_weights(again / "step-000003.pt", two / "step-000003.pt", atol=0)
+        else:
+            assert records(again)[2]["reward_mean"] == pytest.approx(log[2]["reward_mean"], abs=0.02)
+            assert_masters_near(again, two, 3)
+            assert len(list(again.glob("step-000003.optimizer-rank*-of-3.pt"))) == 3
+
+
+def test_sharded_checkpoint_missing_a_shard_is_refused_by_name(tmp_path):
+    from colo.grpo.checkpoint import (CheckpointError, load_checkpoint, load_optimizer_shards, save_checkpoint,
+                                      save_optimizer_shard)
+
+    for rank in range(2):
+        save_optimizer_shard(tmp_path, 4, rank, 2, {"rank": rank})
+    state = {"model": {}, "optimizer": {"sharded_over": 2}, "rng": [{}, {}], "config": {}}
+    path = save_checkpoint(tmp_path, 4, state, keep=1)
+    assert [s["rank"] for s in load_optimizer_shards(path, load_checkpoint(path))] == [0, 1]
+    save_optimizer_shard(tmp_path, 5, 0, 2, {"rank": 0})  # a run killed before step 5's checkpoint
+    (tmp_path / "step-000004.optimizer-rank1-of-2.pt").unlink()
+    with pytest.raises(CheckpointError, match="sharded over 2 ranks, but .*step-000004.optimizer-rank1-of-2.pt is missing"):
+        load_optimizer_shards(path, load_checkpoint(path))
+    save_checkpoint(tmp_path, 6, state, keep=1)  # keeps step 6 only: older shards and orphans go
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000006.pt"]
+
+
 def test_rank_share_splits_as_evenly_as_possible():
     from colo.grpo import distributed as D
 

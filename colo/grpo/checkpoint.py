@@ -5,6 +5,10 @@ step 13 as if it had never stopped: model weights, optimizer state, learning-rat
 every rank's RNG state, the step and the run's config. It is written to a temporary name, flushed
 to disk and renamed, so a file with the final name is always complete; a run killed mid-write leaves
 only a `.tmp` file that the next save removes.
+
+With the optimizer state sharded over ranks (ZeRO-1), each rank first writes its shard the same way,
+`step-000012.optimizer-rank1-of-4.pt`, and only then does rank 0 write `step-000012.pt` (whose
+"optimizer" entry names the shards): a checkpoint that can be found is one whose shards are complete.
 """
 from __future__ import annotations
 
@@ -43,23 +47,65 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def optimizer_shard_path(out_dir: str | Path, step: int, rank: int, world_size: int) -> Path:
+    return Path(out_dir) / f"step-{step:06d}.optimizer-rank{rank}-of-{world_size}.pt"
+
+
 def save_checkpoint(out_dir: str | Path, step: int, state: dict, keep: int = 2) -> Path:
-    """Atomically write `state` as the checkpoint of `step`; keep only the newest `keep` checkpoints."""
+    """Atomically write `state` as the checkpoint of `step`; keep only the newest `keep` checkpoints
+    (with their optimizer shards; shards of steps that never got their checkpoint go too)."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(out_dir, step)
-    for stale in out_dir.glob("*.pt.tmp"):
+    for stale in out_dir.glob("step-*.pt.tmp"):  # only rank 0 writes now: the shards are all renamed
         stale.unlink(missing_ok=True)
+    _write_atomically(final, {"format": FORMAT, "step": step, **state})
+    kept = {s for s, _ in list_checkpoints(out_dir)[-keep:]} if keep > 0 else {s for s, _ in list_checkpoints(out_dir)}
+    for _, old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
+        old.unlink(missing_ok=True)
+    for shard in out_dir.glob("step-*.optimizer-rank*.pt"):
+        if int(shard.name[5:shard.name.index(".")]) not in kept:
+            shard.unlink(missing_ok=True)
+    return final
+
+
+def save_optimizer_shard(out_dir: str | Path, step: int, rank: int, world_size: int, state: dict) -> Path:
+    """Atomically write this rank's optimizer shard of `step` (before rank 0 writes the checkpoint)."""
+    path = optimizer_shard_path(out_dir, step, rank, world_size)
+    path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+    _write_atomically(path, {"format": FORMAT, "step": step, "optimizer": state})
+    return path
+
+
+def load_optimizer_shards(checkpoint: str | Path, state: dict) -> list[dict]:
+    """The optimizer shards a sharded checkpoint names, every rank's, in rank order."""
+    checkpoint = Path(checkpoint)
+    world_size = int(state["optimizer"]["sharded_over"])
+    shards = []
+    for rank in range(world_size):
+        path = optimizer_shard_path(checkpoint.parent, int(state["step"]), rank, world_size)
+        if not path.is_file():
+            raise CheckpointError(f"{checkpoint} holds optimizer state sharded over {world_size} ranks, but {path} "
+                                  "is missing")
+        try:  # mmap: a rank reads only the pages of the shards that overlap its own
+            shards.append(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["optimizer"])
+        except Exception as e:  # noqa: BLE001 - torch raises many types for a truncated or foreign file
+            raise CheckpointError(f"cannot read optimizer shard {path}: {type(e).__name__}: {e}") from e
+    return shards
+
+
+def is_sharded(state: dict) -> bool:
+    return isinstance(state.get("optimizer"), dict) and "sharded_over" in state["optimizer"]
+
+
+def _write_atomically(final: Path, obj) -> None:
+    final.parent.mkdir(parents=True, exist_ok=True)
     temporary = final.with_name(final.name + ".tmp")
     with open(temporary, "wb") as f:
-        torch.save({"format": FORMAT, "step": step, **state}, f)
+        torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, final)
-    _fsync_directory(out_dir)
-    for _, old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
-    return final
+    _fsync_directory(final.parent)
 
 
 def load_checkpoint(path: str | Path) -> dict:

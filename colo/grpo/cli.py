@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights the engine serves and the trainer shares: bf16 (fp32 master weights and AdamW "
                         "moments with the optimizer) or fp32; auto (default): what vLLM serves the model in on "
                         "this device")
+    p.add_argument("--shard-optimizer", action="store_true",
+                   help="ZeRO-1: each rank keeps 1/world of the fp32 master weights and AdamW moments; the "
+                        "updated weights are all-gathered straight into every rank's engine weights")
     p.add_argument("--seed", type=_non_negative_int, default=0, help="seeds the toy model, prompts and sampling")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -103,6 +106,7 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
                                "learning_rate": args.lr, "seed": args.seed, "save_every": args.save_every,
                                "keep_checkpoints": args.keep_checkpoints,
                                "offload_optimizer": OFFLOAD_CHOICES[args.offload_optimizer],
+                               "shard_optimizer": args.shard_optimizer,
                                "dtype": None if args.dtype == "auto" else args.dtype})
     except ValueError as e:
         parser.error(str(e))

@@ -40,6 +40,9 @@ class GRPOConfig:
     # and AdamW moments with the optimizer, fp32 gradient accumulation) or "fp32". None: what vLLM
     # would serve the model in on this device (resolve_dtype), decided when the run starts.
     dtype: str | None = None
+    # ZeRO-1: each rank keeps 1/world of the fp32 master weights and AdamW moments; gradients are
+    # reduce-scattered to their shard and the updated weights all-gathered into the engine's weights.
+    shard_optimizer: bool = False
     save_every: int = 10               # checkpoint period in steps (0: only at the end)
     keep_checkpoints: int = 2          # newest ones kept (0: all)
     seed: int = 0
@@ -71,6 +74,8 @@ class GRPOConfig:
         if self.offload_optimizer not in (None, True, False):
             raise ValueError(f"offload_optimizer must be True, False or None (where the pool needs it), got "
                              f"{self.offload_optimizer!r}")
+        if not isinstance(self.shard_optimizer, bool):
+            raise ValueError(f"shard_optimizer must be True or False, got {self.shard_optimizer!r}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
         if self.dtype not in (None, *DTYPES):

@@ -31,10 +31,11 @@ import colo
 
 from ..errors import Terminated
 from ..weights import check_architecture
+from ..zero import ShardLayout
 from . import distributed as D
 from .batch import pack
-from .checkpoint import (CheckpointError, capture_rng, latest_checkpoint, load_checkpoint, restore_rng,
-                         save_checkpoint)
+from .checkpoint import (CheckpointError, capture_rng, is_sharded, latest_checkpoint, load_checkpoint,
+                         load_optimizer_shards, restore_rng, save_checkpoint, save_optimizer_shard)
 from .config import GRPOConfig
 from .loss import group_advantages
 from .metrics import GpuMonitor, StepLog, Timeline, rss_bytes
@@ -91,8 +92,12 @@ class GRPOScheduler:
         # time-share the pool), and sleeps itself before the first generation wakes the KV cache.
         if self.config.memory_phases:
             self.engine.sleep_kv_cache()
-        self.memory = TrainingMemory(self.pool, params, offload_optimizer=self.config.offload_optimizer)
-        # bf16 parameters: a colo.MasterWeightOptimizer stepping fp32 masters (optimizer region).
+        # ZeRO-1: this rank's shard of masters and moments; the all-gather lands in the engine's weights.
+        shard = ShardLayout(params, self.world.size, self.world.rank, store_region=self.pool.regions["weights"]) \
+            if self.config.shard_optimizer else None
+        self.memory = TrainingMemory(self.pool, params, offload_optimizer=self.config.offload_optimizer, shard=shard)
+        # bf16 parameters: a colo.MasterWeightOptimizer stepping fp32 masters (optimizer region); sharded:
+        # a colo.ShardedMasterWeightOptimizer.
         self.optimizer = self.memory.build_optimizer(torch.optim.AdamW, lr=self.config.learning_rate,
                                                      betas=self.config.adam_betas,
                                                      weight_decay=self.config.weight_decay)
@@ -151,9 +156,11 @@ class GRPOScheduler:
         if path is None:
             raise CheckpointError(f"nothing to resume: no checkpoint (step-*.pt) in {self.out_dir}")
         state = load_checkpoint(path)
-        if len(state["rng"]) != self.world.size:
-            raise CheckpointError(f"{path} was written by {len(state['rng'])} ranks; resume it with as many "
-                                  f"(this run has {self.world.size})")
+        if is_sharded(state) != self.config.shard_optimizer:
+            raise CheckpointError(f"{path} holds {'sharded' if is_sharded(state) else 'unsharded'} optimizer state; "
+                                  f"resume it with shard_optimizer={is_sharded(state)}")
+        if is_sharded(state):
+            state["optimizer"] = load_optimizer_shards(path, state)  # any number of ranks: re-sharded on load
         return state
 
     def _restore(self, state: dict) -> None:
@@ -168,7 +175,12 @@ class GRPOScheduler:
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if self.reference is not None and "reference" in state:
             self.reference.load_state_dict(state["reference"])
-        restore_rng(state["rng"][self.world.rank])
+        # Generation is seeded per prompt, not by these; with another number of ranks, a rank the old
+        # run did not have keeps its fresh seed.
+        if self.world.rank < len(state["rng"]):
+            restore_rng(state["rng"][self.world.rank])
+        if len(state["rng"]) != self.world.size:
+            logger.info("resuming a run of %d ranks on %d", len(state["rng"]), self.world.size)
         self.step = int(state["step"])
         self.engine.publish()
 
@@ -311,14 +323,18 @@ class GRPOScheduler:
                 reference=self.reference, engine_logprobs=engine_logprobs if cfg.temperature == 1.0 else None,
                 after_forward=lambda: self._sample_residency("train", record))
             self.memory.check_grads_attached()
-            D.average_(list(self.memory.flat_grads.values()), self.world)
-            record["grad_norm"] = self._clip_gradients()
+            if self.memory.shard is not None:  # reduce-scatter into this rank's shard, then the global norm
+                record["grad_norm"] = self.optimizer.clip_grad_norm_(cfg.max_grad_norm)
+            else:
+                D.average_(list(self.memory.flat_grads.values()), self.world)
+                record["grad_norm"] = self._clip_gradients()
             self._sample_residency("train", record)
             self._unsafe_to_save = True
             self.memory.finish_prefetch()
-            self.optimizer.step()
+            self.optimizer.step()  # sharded: also all-gathers every rank's updated weights into the engine's
             self.memory.adopt_optimizer_state(self.optimizer)  # no-op after the first step
             self.lr_scheduler.step()
+            record["optimizer_state_bytes"] = self.memory.optimizer_state_bytes()
         record["train_s"] = span["seconds"]
         record["loss"], record["clip_fraction"], record["kl"] = (
             v / self.world.size for v in D.sum_floats([stats["loss"], stats["clip_fraction"], stats["kl"]], self.world))
@@ -412,9 +428,13 @@ class GRPOScheduler:
         rng = D.gather_objects(capture_rng(), self.world)
         self._check_ranks_agree()
         path = None
+        if self.memory.shard is not None:  # every rank's shard is on disk before the checkpoint names them
+            save_optimizer_shard(self.out_dir, self.step, self.world.rank, self.world.size, self._optimizer_state())
+            D.barrier(self.world)
         if self.world.is_main:
             with self.timeline.span("checkpoint", step=self.step):
-                state = {"model": self.model.state_dict(), "optimizer": self._optimizer_state(),
+                optimizer = {"sharded_over": self.world.size} if self.memory.shard is not None else self._optimizer_state()
+                state = {"model": self.model.state_dict(), "optimizer": optimizer,
                          "lr_scheduler": self.lr_scheduler.state_dict(), "rng": rng,
                          "config": self.config.to_dict(), "model_dir": str(self.model_dir)}
                 if self.reference is not None:

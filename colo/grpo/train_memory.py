@@ -23,6 +23,7 @@ from collections import defaultdict
 import torch
 
 from ..mixed_precision import MasterWeightOptimizer
+from ..zero import ShardedMasterWeightOptimizer, ShardLayout
 
 _SLACK = 1 << 20  # per-allocation alignment and rounding inside a region
 _NOTHING_TO_COPY = object()  # an offload started before the optimizer had any state
@@ -48,25 +49,32 @@ class TrainingMemory:
 
     offload_optimizer: None (auto) offloads the optimizer state while generating only where the pool
     needs it (must_offload); True/False force it.
+    shard: a colo.zero.ShardLayout (ZeRO-1): the optimizer region holds only this rank's shard of the
+    masters and moments, and the grads region the fp32 main gradients over the whole weight store.
     """
 
-    def __init__(self, pool, params, *, offload_optimizer: bool | None = None):
+    def __init__(self, pool, params, *, offload_optimizer: bool | None = None, shard: ShardLayout | None = None):
         self.pool = pool
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
         self.master_weights = uses_master_weights(self.params)
+        self.shard = shard
         numel = sum(p.numel() for p in self.params)
         by_dtype = defaultdict(list)
         for p in self.params:
             by_dtype[p.dtype].append(p)
-        grad_bytes = numel * _MAIN_GRAD_BYTES if self.master_weights else _bytes(self.params)
-        state_bytes = adam_state_bytes(self.params) + (numel * _MASTER_BYTES if self.master_weights else 0)
+        if shard is not None:
+            grad_bytes = shard.numel * _MAIN_GRAD_BYTES
+            state_bytes = shard.owned_numel * (2 * 4 + (_MASTER_BYTES if self.master_weights else 0))
+        else:
+            grad_bytes = numel * _MAIN_GRAD_BYTES if self.master_weights else _bytes(self.params)
+            state_bytes = adam_state_bytes(self.params) + (numel * _MASTER_BYTES if self.master_weights else 0)
         self.grads = pool.region("grads", budget=grad_bytes + _SLACK * len(by_dtype))
         self.optimizer_region = pool.region("optimizer", budget=state_bytes + 4 * _SLACK)
         self.offload_optimizer = self.must_offload() if offload_optimizer is None else offload_optimizer
         self.flat_grads: dict[torch.dtype, torch.Tensor] = {}
-        if not self.master_weights:
+        if not self.master_weights and shard is None:
             for dtype, group in by_dtype.items():
                 flat = self.grads.zeros((sum(p.numel() for p in group),), dtype=dtype)
                 offset = 0
@@ -91,14 +99,23 @@ class TrainingMemory:
         """The optimizer over these parameters: `optimizer_class` itself for fp32 parameters; for
         16-bit ones a colo.MasterWeightOptimizer with its masters in the optimizer region and its fp32
         main gradients in the grads region."""
-        if not self.master_weights:
+        if self.shard is not None:
+            optimizer = ShardedMasterWeightOptimizer(self.params, optimizer_class, layout=self.shard,
+                                                     master_region=self.optimizer_region, grad_region=self.grads,
+                                                     **kwargs)
+        elif self.master_weights:
+            optimizer = MasterWeightOptimizer(self.params, optimizer_class, master_region=self.optimizer_region,
+                                              grad_region=self.grads, **kwargs)
+        else:
             return optimizer_class(self.params, **kwargs)
-        optimizer = MasterWeightOptimizer(self.params, optimizer_class, master_region=self.optimizer_region,
-                                          grad_region=self.grads, **kwargs)
         self.flat_grads = {torch.float32: optimizer.grad_flat}
-        self._masters = optimizer.master_flat
-        self._state_flat = [self._masters]
+        self._masters = optimizer.master_flat  # None: fp32 weights sharded are their own masters
+        self._state_flat = [self._masters] if self._masters is not None else []
         return optimizer
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state (masters and moments) this rank keeps in its optimizer region."""
+        return sum(f.numel() * f.element_size() for f in self._state_flat)
 
     # -- gradients ---------------------------------------------------------------------------------
     def zero_grads(self) -> None:
@@ -107,8 +124,8 @@ class TrainingMemory:
 
     def check_grads_attached(self) -> None:
         """Something (optimizer.zero_grad(set_to_none=True), a user hook) may have dropped our views."""
-        if self.master_weights:
-            return  # the main gradients are the masters' .grad, which only MasterWeightOptimizer sets
+        if self.master_weights or self.shard is not None:
+            return  # the main gradients are the masters' .grad, which only the optimizer sets
         for p in self.params:
             if p.grad is None or not self.grads.contains(p.grad):
                 raise RuntimeError("a parameter's .grad is no longer a view of the grads region; "

@@ -1,0 +1,170 @@
+"""colo.ShardedMasterWeightOptimizer (ZeRO-1) under torchrun with gloo: 2 and 3 ranks end with the
+weights one rank gets, the all-gather lands in the parameters' own memory when they lie in a colo
+region, each rank holds about 1/world of the optimizer state, and shards re-shard onto another
+number of ranks (or from an unsharded MasterWeightOptimizer) exactly.
+
+The toy problem: five bf16 parameters of awkward sizes (no world size divides their total), two
+parameter groups (one without weight decay), a batch of 12 rows split over the ranks.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SHAPES = [(37, 16), (16,), (16, 16), (5,), (61, 16)]
+WORKER = Path(__file__).with_name("zero_worker.py")
+LR = 1e-2
+
+
+def build_params(region=None) -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    values = [torch.randn(shape) for shape in SHAPES]
+    if region is None:
+        return [torch.nn.Parameter(v.to(torch.bfloat16)) for v in values]
+    # One allocation each, as vLLM's weights are, and not in the parameters' order (vLLM's fused
+    # qkv_proj puts q, k, v weights before their biases; HF lists q weight, q bias, k weight, ...).
+    tensors = {}
+    for i in (2, 0, 4, 1, 3):
+        tensors[i] = region.empty(values[i].shape, torch.bfloat16)
+        tensors[i].copy_(values[i])
+    return [torch.nn.Parameter(tensors[i]) for i in range(len(values))]
+
+
+def build_groups(params) -> list[dict]:
+    return [{"params": params[:3]}, {"params": params[3:], "weight_decay": 0.0}]
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(12, 16, generator=generator), torch.randn(12, 37, generator=generator)
+
+
+def loss_fn(params, x, y) -> torch.Tensor:
+    """Mean over the rows given (every rank's share is the same size, so the mean of the ranks'
+    losses is the loss over the whole batch)."""
+    w0, b, w1, s, w2 = (p.float() for p in params)
+    h = torch.tanh(x @ w1 + b)
+    return ((h @ w0.T - y) ** 2).mean() + (h @ w2.T).square().mean() * 1e-2 + s.square().sum() * 1e-3
+
+
+def reference(steps: int):
+    """One process, colo.MasterWeightOptimizer, the whole batch: what every sharded run must match."""
+    import colo
+
+    params = build_params()
+    optimizer = colo.MasterWeightOptimizer(build_groups(params), torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    x, y = batch()
+    norms = []
+    for _ in range(steps):
+        loss_fn(params, x, y).backward()
+        norms.append(optimizer.clip_grad_norm_(1.0))
+        optimizer.step()
+        optimizer.zero_grad()
+    return params, norms, optimizer
+
+
+def run_ranks(world: int, mode: str, out: Path, steps: int, resume: Path | None = None, port: int = 29651) -> list[dict]:
+    args = [str(WORKER), mode, str(out), str(steps), *([str(resume)] if resume else [])]
+    if world == 1:
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+               "--master_port", str(port), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def assert_matches_reference(ranks: list[dict], steps: int) -> None:
+    params, norms, _ = reference(steps)
+    for r, result in enumerate(ranks):
+        got = torch.cat([w.float().reshape(-1) for w in result["weights"]])
+        want = torch.cat([p.detach().float().reshape(-1) for p in params])
+        # The same averaged gradients up to fp32 summation order (each rank averages its rows, then
+        # the ranks are averaged). AdamW moves each weight by about lr whatever the gradient's size,
+        # so where that noise flips the sign of a near-zero gradient a weight lands up to 2 lr away.
+        gap = (got - want).abs()
+        assert float(gap.max()) <= 2.5 * LR and float(gap.mean()) < 0.01 * LR, (r, float(gap.max()), float(gap.mean()))
+    assert ranks[0]["norms"] == pytest.approx(norms[-len(ranks[0]["norms"]):], rel=1e-3)
+
+
+@pytest.mark.parametrize("world,mode", [(2, "in-place"), (3, "in-place"), (2, "private")])
+def test_ranks_end_with_the_weights_of_one_rank(tmp_path, world, mode):
+    ranks = run_ranks(world, mode, tmp_path, steps=3, port=29651 + world)
+    assert_matches_reference(ranks, steps=3)
+    # Every rank serves the same gathered weights, bit for bit.
+    for result in ranks[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(result["weights"], ranks[0]["weights"]))
+    # Masters and AdamW's two moments: 12 bytes per element this rank steps, and it steps at most
+    # its 1/world of the store (in place the store also spans the allocations' padding) plus the
+    # last store % world elements, which every rank steps.
+    total = sum(torch.Size(s).numel() for s in SHAPES)
+    for result in ranks:
+        assert result["state_bytes"] == 12 * result["owned_numel"]
+        assert result["owned_numel"] <= result["store_numel"] // world + result["store_numel"] % world
+    assert total <= sum(r["owned_numel"] for r in ranks) <= total + (world - 1) * (total % world + world)
+    # In place the gather is the hand-off; a private store costs one copy of the weights per step.
+    assert all(r["copied_bytes_per_step"] == (0 if mode == "in-place" else 2 * total) for r in ranks)
+
+
+def test_one_rank_is_the_unsharded_optimizer(tmp_path):
+    (result,) = run_ranks(1, "in-place", tmp_path, steps=3)
+    params, _, _ = reference(3)
+    assert all(torch.equal(a, b.detach()) for a, b in zip(result["weights"], params))
+
+
+def test_shards_resume_on_another_number_of_ranks(tmp_path):
+    """2 ranks for 2 steps, then 3 ranks load the 2 shards and take step 3: the 3-step reference."""
+    run_ranks(2, "in-place", tmp_path / "two", steps=2, port=29661)
+    ranks = run_ranks(3, "in-place", tmp_path / "three", steps=3, resume=tmp_path / "two", port=29662)
+    assert_matches_reference(ranks, steps=3)
+
+
+def test_sharded_state_loads_unsharded_state_and_refuses_foreign_state():
+    import colo
+
+    params, _, unsharded = reference(2)
+    expected = [p.detach().clone() for p in params]
+    fresh = build_params()
+    sharded = colo.ShardedMasterWeightOptimizer(build_groups(fresh), torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    sharded.load_state_dict(unsharded.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(fresh, expected))
+    # One more step from the loaded state equals one more step of the original.
+    x, y = batch()
+    for opt, ps in ((unsharded, params), (sharded, fresh)):
+        loss_fn(ps, x, y).backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(fresh, params))
+
+    state = sharded.state_dict()
+    other = colo.ShardedMasterWeightOptimizer([torch.nn.Parameter(torch.zeros(7, dtype=torch.bfloat16))])
+    with pytest.raises(ValueError, match="not these 1 of 7"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="not a colo optimizer state"):
+        other.load_state_dict({"something": 1})
+    partial = dict(state, ranges=state["ranges"][:1], master_weights=state["master_weights"][:int(state["ranges"][0, 1] - state["ranges"][0, 0])],
+                   state={k: v[:int(state["ranges"][0, 1] - state["ranges"][0, 0])] for k, v in state["state"].items()})
+    before = [p.detach().clone() for p in fresh]
+    with pytest.raises(ValueError, match="pass every rank's state_dict"):
+        sharded.load_state_dict(partial)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, before))  # a refused load changes nothing
+
+
+def test_bad_parameters_are_refused_by_name():
+    import colo
+
+    with pytest.raises(ValueError, match="got no parameters"):
+        colo.ShardedMasterWeightOptimizer([])
+    mixed = [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)), torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(TypeError, match="parameter 1 is torch.float32"):
+        colo.ShardedMasterWeightOptimizer(mixed)
+    with pytest.raises(TypeError, match="parameter 0"):
+        colo.ShardedMasterWeightOptimizer([torch.nn.Parameter(torch.zeros(3, dtype=torch.int32), requires_grad=False)])
