@@ -40,6 +40,11 @@ class Stream {
   virtual uintptr_t native_handle() const = 0;  // CUstream, or 0 on the host
 };
 
+// What a stream is for. kTrain and kInfer run no training or inference: they are ordering points.
+// publish() (colo/weights.py) records an event on kTrain after the trainer's work and makes kInfer
+// wait for it, so the engine's work is ordered after the trainer's. kCopy streams carry copies: each
+// region's offload, restore and prefault, and the pool's weight copies. CUDA: kTrain gets the
+// lowest priority, the others the highest.
 enum class StreamRole { kTrain, kInfer, kCopy };
 
 class Backend {

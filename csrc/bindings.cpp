@@ -105,7 +105,7 @@ py::dict stats_dict(const RegionStats& s) {
   d["allocated_bytes"] = s.allocated_bytes;
   d["pending_free_bytes"] = s.pending_free_bytes;
   d["peak_allocated_bytes"] = s.peak_allocated_bytes;
-  d["reserved_bytes"] = s.reserved_bytes;
+  d["committed_bytes"] = s.committed_bytes;
   d["resident_bytes"] = s.resident_bytes;
   d["offloaded_bytes"] = s.offloaded_bytes;
   d["offload_buffer_bytes"] = s.offload_buffer_bytes;

@@ -412,7 +412,7 @@ RegionStats Region::stats() const {
   s.allocated_bytes = blocks_.allocated_bytes() - pending_free_bytes_;
   s.pending_free_bytes = pending_free_bytes_;
   s.peak_allocated_bytes = peak_allocated_;
-  s.reserved_bytes = committed_bytes_;
+  s.committed_bytes = committed_bytes_;
   // Measure resident memory over runs of committed chunks (one call per run).
   for (const auto& [first, end] : runs_where(0, chunk_committed_.size(), [&](size_t c) { return chunk_committed_[c]; })) {
     s.resident_bytes += backend_->resident_bytes(chunk_address(first), run_bytes(first, end));

@@ -22,12 +22,12 @@ namespace colo {
 
 struct RegionStats {
   size_t budget_bytes = 0;
-  size_t virtual_bytes = 0;
+  size_t virtual_bytes = 0;  // address space reserved: the first budget rounded up to the granularity
   size_t chunk_bytes = 0;
   size_t allocated_bytes = 0;       // handed out and not freed
   size_t pending_free_bytes = 0;    // freed with free_after, not reusable until their stream's work ran
   size_t peak_allocated_bytes = 0;
-  size_t reserved_bytes = 0;   // committed physical memory (0 while asleep)
+  size_t committed_bytes = 0;  // physical memory mapped into the reservation (0 while asleep)
   size_t resident_bytes = 0;   // physical memory present now (host: measured with mincore)
   size_t offloaded_bytes = 0;  // bytes held on the host while asleep
   size_t offload_buffer_bytes = 0;  // host buffer held for offload (kept for reuse on CUDA; trim() frees)

@@ -95,7 +95,7 @@ static void test_region(const BackendPtr& backend) {
   CHECK(region->stats().resident_bytes > 0);
   region->sleep(/*offload=*/true);
   CHECK(region->stats().resident_bytes == 0);
-  CHECK(region->stats().reserved_bytes == 0);
+  CHECK(region->stats().committed_bytes == 0);
   CHECK(throws<colo::RegionAsleep>([&] { region->allocate(10); }));
   region->free(live.back().first);  // freeing while asleep is allowed
   live.pop_back();
@@ -111,7 +111,7 @@ static void test_region(const BackendPtr& backend) {
   for (auto& [p, n] : live) region->free(p);
   CHECK(region->stats().allocated_bytes == 0);
   region->trim();
-  CHECK(region->stats().reserved_bytes == 0);
+  CHECK(region->stats().committed_bytes == 0);
   CHECK(throws<colo::InvalidArgument>([&] { region->free(reinterpret_cast<void*>(0x10)); }));
 }
 
@@ -197,15 +197,15 @@ static void test_committed_memory_stays_within_budget(const BackendPtr& backend)
         } catch (const colo::OutOfMemory&) {
         }
       }
-      CHECK(region->stats().reserved_bytes <= limit);
+      CHECK(region->stats().committed_bytes <= limit);
     }
     region->sleep(/*offload=*/true);  // round trip through the short last chunk
     region->wake();
-    CHECK(region->stats().reserved_bytes <= limit);
+    CHECK(region->stats().committed_bytes <= limit);
     for (const auto& block : live) CHECK(block.p[0] == block.fill && block.p[block.n - 1] == block.fill);
     for (const auto& block : live) region->free(block.p);
     region->trim();
-    CHECK(region->stats().reserved_bytes == 0);
+    CHECK(region->stats().committed_bytes == 0);
   }
 }
 
@@ -278,7 +278,7 @@ static void test_cuda_device_memory_accounting(const FakeDriverHooks& fake) {
     void* a = region->allocate(100u << 20);
     std::memset(a, 1, 100u << 20);
     counters(&used, &mappings, &reservations, &host);
-    CHECK(used - used0 == region->stats().reserved_bytes && used - used0 >= (100u << 20));
+    CHECK(used - used0 == region->stats().committed_bytes && used - used0 >= (100u << 20));
     region->sleep(/*offload=*/true);
     counters(&used, &mappings, &reservations, &host);
     CHECK(used == used0 && mappings == mappings0 && host == host0 + 1);  // offloaded to one pinned buffer
@@ -295,7 +295,7 @@ static void test_cuda_device_memory_accounting(const FakeDriverHooks& fake) {
         refused = true;
         message = e.what();
         CHECK(region->stats().allocated_bytes == before.allocated_bytes);
-        CHECK(region->stats().reserved_bytes == before.reserved_bytes);
+        CHECK(region->stats().committed_bytes == before.committed_bytes);
       }
     }
     CHECK(refused);
@@ -404,7 +404,7 @@ static void test_cuda_free_waits_for_its_stream(const FakeDriverHooks& fake) {
     fake.hold_stream(stream, 1);
     region->free_after(d, stream);
     region->trim();  // waits, then releases the chunk the freed block held
-    CHECK(pending() == 0 && region->stats().reserved_bytes == 0);
+    CHECK(pending() == 0 && region->stats().committed_bytes == 0);
     d = region->allocate(half);
     fake.hold_stream(stream, 1);
     region->free_after(d, stream);
