@@ -83,7 +83,6 @@ class Region : public std::enable_shared_from_this<Region> {
   const std::string& name() const { return name_; }
   Backend& backend() const { return *backend_; }
   bool contains(const void* ptr) const;
-  uintptr_t base_address() const { return reinterpret_cast<uintptr_t>(base_); }
 
  private:
   using ChunkRuns = std::vector<std::pair<size_t, size_t>>;  // [first, end) ranges of adjacent chunks
