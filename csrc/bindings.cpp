@@ -171,10 +171,13 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("device_type",
                              [](const Backend& b) { return b.device_kind() == DeviceKind::kCuda ? "cuda" : "cpu"; })
       .def_property_readonly("device_index", &Backend::device_index)
-      .def_property_readonly("granularity", &Backend::granularity)
-      .def_property_readonly("commits_zeroed", &Backend::commits_zeroed)
-      .def("create_stream", [](Backend& b, const std::string& role) { return b.create_stream(parse_role(role)); })
-      .def("synchronize_device", &Backend::synchronize_device, py::call_guard<py::gil_scoped_release>());
+      .def_property_readonly("granularity", [](const Backend& b) { return b.memory().granularity(); })
+      .def_property_readonly("commits_zeroed", [](const Backend& b) { return b.memory().commits_zeroed(); })
+      .def("create_stream",
+           [](Backend& b, const std::string& role) { return b.streams().create_stream(parse_role(role)); })
+      .def(
+          "synchronize_device", [](Backend& b) { b.streams().synchronize_device(); },
+          py::call_guard<py::gil_scoped_release>());
 
   m.def("make_host_backend", &make_host_backend, py::arg("kind") = "anon");
   m.def("make_cuda_backend", &make_cuda_backend, py::arg("index") = 0);
