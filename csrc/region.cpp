@@ -297,35 +297,36 @@ void Region::sleep(bool offload) {
   auto start = std::chrono::steady_clock::now();
   stop_prefault();
   reap_pending_frees(/*wait=*/true);  // what they free need not be offloaded
-  if (offload && blocks_.allocated_bytes() > 0) {
-    auto runs = blocks_.live_runs();
-    size_t total = 0;
-    for (const auto& run : runs) total += run.second;
-    if (offload_capacity_ < total) {
-      free_offload_buffer();
-      offload_buffer_ = backend_->staging().allocate(total);  // throws OutOfMemory before anything changed
-      offload_capacity_ = total;
-    }
-    void* buffer = offload_buffer_;
-    std::vector<CopyOp> ops;
-    ops.reserve(runs.size());
-    size_t at = 0;
-    for (const auto& [offset, bytes] : runs) {
-      ops.push_back({static_cast<char*>(buffer) + at, base_ + offset, bytes});
-      at += bytes;
-    }
-    // Work on other streams may still be writing this memory; order it before the copy.
-    backend_->streams().synchronize_device();
-    copy_stream_->copy_batch(ops);  // one batch on the copy stream, one wait
-    copy_stream_->synchronize();
-    offload_bytes_ = total;
-    offload_runs_ = std::move(runs);
-  }
+  if (offload && blocks_.allocated_bytes() > 0) offload_live_blocks();
   backend_->streams().synchronize_device();  // nothing may touch a range while it is unmapped
   release_all_chunks();
   asleep_ = true;
   ++sleep_count_;
   last_sleep_s_ = seconds_since(start);
+}
+
+void Region::offload_live_blocks() {
+  auto runs = blocks_.live_runs();
+  size_t total = 0;
+  for (const auto& run : runs) total += run.second;
+  if (offload_capacity_ < total) {
+    free_offload_buffer();
+    offload_buffer_ = backend_->staging().allocate(total);  // throws OutOfMemory before anything changed
+    offload_capacity_ = total;
+  }
+  std::vector<CopyOp> ops;
+  ops.reserve(runs.size());
+  size_t at = 0;
+  for (const auto& [offset, bytes] : runs) {
+    ops.push_back({static_cast<char*>(offload_buffer_) + at, base_ + offset, bytes});
+    at += bytes;
+  }
+  // Work on other streams may still be writing this memory; order it before the copy.
+  backend_->streams().synchronize_device();
+  copy_stream_->copy_batch(ops);  // one batch on the copy stream, one wait
+  copy_stream_->synchronize();
+  offload_bytes_ = total;
+  offload_runs_ = std::move(runs);
 }
 
 void Region::wake() {
@@ -335,30 +336,32 @@ void Region::wake() {
   // Only what live allocations need; on failure nothing is committed: asleep, offloaded bytes kept.
   auto runs = runs_where(0, chunk_live_bytes_.size(), [&](size_t c) { return chunk_live_bytes_[c] > 0; });
   commit_runs(runs);
-  if (offload_bytes_ > 0) {
-    // Restore only what is still allocated: blocks freed while asleep may sit on released chunks.
-    std::vector<CopyOp> ops;
-    size_t at = 0;
-    std::vector<std::pair<size_t, size_t>> packed;  // run offset -> position in the buffer
-    for (const auto& [offset, bytes] : offload_runs_) {
-      packed.emplace_back(offset, at);
-      at += bytes;
-    }
-    size_t run = 0;
-    for (const auto& [offset, bytes] : intersect(offload_runs_, blocks_.live_runs())) {
-      while (offload_runs_[run].first + offload_runs_[run].second <= offset) ++run;
-      size_t in_buffer = packed[run].second + (offset - offload_runs_[run].first);
-      ops.push_back({base_ + offset, static_cast<char*>(offload_buffer_) + in_buffer, bytes});
-    }
-    copy_stream_->copy_batch(ops);
-    copy_stream_->synchronize();
-    offload_bytes_ = 0;
-    offload_runs_.clear();
-    if (!backend_->staging().keep_offload_buffer()) free_offload_buffer();
-  }
+  if (offload_bytes_ > 0) restore_offloaded();
   prefault(runs);
   asleep_ = false;
   last_wake_s_ = seconds_since(start);
+}
+
+void Region::restore_offloaded() {
+  // Restore only what is still allocated: blocks freed while asleep may sit on released chunks.
+  std::vector<size_t> packed_at;  // where each offloaded run starts in the buffer
+  size_t at = 0;
+  for (const auto& run : offload_runs_) {
+    packed_at.push_back(at);
+    at += run.second;
+  }
+  std::vector<CopyOp> ops;
+  size_t run = 0;
+  for (const auto& [offset, bytes] : intersect(offload_runs_, blocks_.live_runs())) {
+    while (offload_runs_[run].first + offload_runs_[run].second <= offset) ++run;
+    size_t in_buffer = packed_at[run] + (offset - offload_runs_[run].first);
+    ops.push_back({base_ + offset, static_cast<char*>(offload_buffer_) + in_buffer, bytes});
+  }
+  copy_stream_->copy_batch(ops);
+  copy_stream_->synchronize();
+  offload_bytes_ = 0;
+  offload_runs_.clear();
+  if (!backend_->staging().keep_offload_buffer()) free_offload_buffer();
 }
 
 void Region::prefault(const ChunkRuns& runs) {

@@ -102,6 +102,9 @@ class Region : public std::enable_shared_from_this<Region> {
   void prefault(const ChunkRuns& runs);  // made present asynchronously
   void stop_prefault();  // before releasing memory: stop a running prefault and wait for the copy stream
   void release_all_chunks();
+  void offload_live_blocks();  // sleep(offload=true): live bytes to the host buffer, packed
+  void restore_offloaded();    // wake(): the host buffer back into the blocks still allocated
+  void free_offload_buffer();
   void* allocate_locked(size_t bytes);  // one attempt; the mutex is held
   size_t live_block_at(const void* ptr) const;  // its offset; throws unless a live, not yet freed block
   void release_block(size_t offset);           // back to the free list, chunk live counts updated
@@ -134,8 +137,6 @@ class Region : public std::enable_shared_from_this<Region> {
   bool asleep_ = false;
   size_t sleep_count_ = 0;
   double last_sleep_s_ = 0, last_wake_s_ = 0;
-
-  void free_offload_buffer();
 
   // What sleep(offload=true) copied out: runs (offset, bytes) packed back to back in host memory.
   void* offload_buffer_ = nullptr;
