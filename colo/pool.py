@@ -95,6 +95,7 @@ class Event:
 class Stream:
     """An ordered queue of work with a role: 'train', 'infer' or 'copy'.
 
+    'train' and 'infer' run no training or inference: they are ordering points (see `Pool.stream`).
     CUDA: a driver stream with a priority (usable by torch via `torch_stream()`).
     Host: a worker thread, so code that records and waits runs the same on CPU.
     """
@@ -238,7 +239,7 @@ class Region:
         with self.pool._lock:
             self.trim()
             s = self.stats()
-            self._native.set_budget(max(s["reserved_bytes"], s["allocated_bytes"], 1))
+            self._native.set_budget(max(s["committed_bytes"], s["allocated_bytes"], 1))
             return self.budget
 
     def grow_budget(self) -> int:
@@ -250,7 +251,7 @@ class Region:
             return self.budget
 
     def stats(self) -> dict:
-        """allocated_bytes, reserved_bytes, resident_bytes, peak_allocated_bytes, budget_bytes, asleep, ..."""
+        """allocated_bytes, committed_bytes, resident_bytes, peak_allocated_bytes, budget_bytes, asleep, ..."""
         return dict(self._native.stats())
 
     def contains(self, tensor: torch.Tensor) -> bool:
@@ -382,7 +383,15 @@ class Pool:
             return region
 
     def stream(self, role: str) -> Stream:
-        """The pool's stream for 'train', 'infer' or 'copy' work."""
+        """The pool's stream for the role 'train', 'infer' or 'copy'.
+
+        'train' and 'infer' run no training or inference themselves; they are ordering points:
+        `SharedWeights.publish()` records an event on 'train' after the trainer's work (torch's
+        current stream) and makes 'infer' wait for it, and the engine's work waits for 'infer', so
+        it runs after the trainer's. 'copy' carries the pool's copies (weight copies and casts at
+        publish, the optimizer state's offload); each region sleeps and wakes on a copy stream of its own.
+        On CUDA 'train' has the lowest priority and the other two the highest.
+        """
         if role not in _STREAM_ROLES:
             raise ValueError(f"unknown stream role {role!r} (expected one of {_STREAM_ROLES})")
         with self._lock:

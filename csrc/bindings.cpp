@@ -1,12 +1,11 @@
-// pybind11 bindings of the core. Memory leaves as DLPack capsules ("dltensor"), so the extension
-// neither includes nor links torch; colo/pool.py turns them into tensors with torch.from_dlpack.
+// pybind11 bindings of the core. Memory leaves as DLPack capsules (dlpack_export.cpp), so the
+// extension neither includes nor links torch.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <optional>
-
 #include "backend.h"
 #include "dlpack.h"
+#include "dlpack_export.h"
 #include "errors.h"
 #include "region.h"
 #include "registry.h"
@@ -25,78 +24,6 @@ void raise_colo_error(const char* python_name, PyObject* fallback, const char* m
   }
 }
 
-// One tensor's worth of ownership: the region stays alive while torch holds the memory.
-struct TensorContext {
-  std::shared_ptr<Region> region;
-  void* ptr = nullptr;
-  std::optional<uintptr_t> stream;  // CUDA: where the tensor is used; its free waits for that work
-  std::vector<int64_t> shape;
-  DLManagedTensor managed{};
-};
-
-void delete_tensor(DLManagedTensor* self) {
-  auto* ctx = static_cast<TensorContext*>(self->manager_ctx);
-  try {
-    if (ctx->stream) {
-      ctx->region->free_after(ctx->ptr, *ctx->stream);
-    } else {
-      ctx->region->free(ctx->ptr);
-    }
-  } catch (...) {
-    // Called from torch's deleter, which cannot take an exception; the block leaks rather than crash.
-  }
-  delete ctx;
-}
-
-void destroy_unconsumed_capsule(PyObject* capsule) {
-  // torch renames a consumed capsule to "used_dltensor" and then owns the memory.
-  if (PyCapsule_IsValid(capsule, "dltensor")) {
-    auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
-    managed->deleter(managed);
-  }
-}
-
-// A compact tensor of `shape` and DLPack dtype (code, bits) in `region`, `bytes` long. `stream`
-// (CUDA: a CUstream, 0 the legacy default stream) orders its free after the work queued there by
-// then (Region::free_after); without one the memory is reusable as soon as the tensor dies.
-py::capsule allocate_dlpack(const std::shared_ptr<Region>& region, size_t bytes, std::vector<int64_t> shape,
-                            uint8_t code, uint8_t bits, std::optional<uintptr_t> stream) {
-  int64_t numel = 1;
-  for (int64_t n : shape) {
-    COLO_EXPECTS(n >= 0, InvalidArgument, "tensor shape entries must be non-negative");
-    numel *= n;
-  }
-  COLO_EXPECTS(static_cast<size_t>(numel) * bits / 8 == bytes, InvalidArgument,
-               "tensor shape and dtype do not match the byte count");
-  auto* ctx = new TensorContext();
-  try {
-    ctx->ptr = region->allocate(bytes);
-  } catch (...) {
-    delete ctx;
-    throw;
-  }
-  ctx->region = region;
-  ctx->stream = stream;
-  ctx->shape = std::move(shape);
-  DLTensor& t = ctx->managed.dl_tensor;
-  t.data = ctx->ptr;
-  bool cuda = region->backend().device_kind() == DeviceKind::kCuda;
-  t.device = {cuda ? kDLCUDA : kDLCPU, cuda ? region->backend().device_index() : 0};
-  t.ndim = static_cast<int32_t>(ctx->shape.size());
-  t.dtype = {code, bits, 1};
-  t.shape = ctx->shape.data();
-  t.strides = nullptr;  // compact
-  t.byte_offset = 0;
-  ctx->managed.manager_ctx = ctx;
-  ctx->managed.deleter = delete_tensor;
-  PyObject* capsule = PyCapsule_New(&ctx->managed, "dltensor", destroy_unconsumed_capsule);
-  if (!capsule) {
-    delete_tensor(&ctx->managed);
-    throw py::error_already_set();
-  }
-  return py::reinterpret_steal<py::capsule>(capsule);
-}
-
 py::dict stats_dict(const RegionStats& s) {
   py::dict d;
   d["budget_bytes"] = s.budget_bytes;
@@ -105,7 +32,7 @@ py::dict stats_dict(const RegionStats& s) {
   d["allocated_bytes"] = s.allocated_bytes;
   d["pending_free_bytes"] = s.pending_free_bytes;
   d["peak_allocated_bytes"] = s.peak_allocated_bytes;
-  d["reserved_bytes"] = s.reserved_bytes;
+  d["committed_bytes"] = s.committed_bytes;
   d["resident_bytes"] = s.resident_bytes;
   d["offloaded_bytes"] = s.offloaded_bytes;
   d["offload_buffer_bytes"] = s.offload_buffer_bytes;
@@ -171,10 +98,13 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("device_type",
                              [](const Backend& b) { return b.device_kind() == DeviceKind::kCuda ? "cuda" : "cpu"; })
       .def_property_readonly("device_index", &Backend::device_index)
-      .def_property_readonly("granularity", &Backend::granularity)
-      .def_property_readonly("commits_zeroed", &Backend::commits_zeroed)
-      .def("create_stream", [](Backend& b, const std::string& role) { return b.create_stream(parse_role(role)); })
-      .def("synchronize_device", &Backend::synchronize_device, py::call_guard<py::gil_scoped_release>());
+      .def_property_readonly("granularity", [](const Backend& b) { return b.memory().granularity(); })
+      .def_property_readonly("commits_zeroed", [](const Backend& b) { return b.memory().commits_zeroed(); })
+      .def("create_stream",
+           [](Backend& b, const std::string& role) { return b.streams().create_stream(parse_role(role)); })
+      .def(
+          "synchronize_device", [](Backend& b) { b.streams().synchronize_device(); },
+          py::call_guard<py::gil_scoped_release>());
 
   m.def("make_host_backend", &make_host_backend, py::arg("kind") = "anon");
   m.def("make_cuda_backend", &make_cuda_backend, py::arg("index") = 0);
@@ -185,7 +115,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("name", &Region::name)
       .def_property_readonly("asleep", &Region::asleep)  // cheap, unlike stats() (resident bytes)
       .def_property_readonly("budget_bytes", &Region::budget)
-      .def_property_readonly("base_address", &Region::base_address)
       .def("allocate", [](Region& r, size_t bytes) { return reinterpret_cast<uintptr_t>(r.allocate(bytes)); })
       .def("free", [](Region& r, uintptr_t ptr) { r.free(reinterpret_cast<void*>(ptr)); })
       .def("allocate_dlpack", &allocate_dlpack, py::arg("bytes"), py::arg("shape"), py::arg("code") = static_cast<uint8_t>(kDLUInt),

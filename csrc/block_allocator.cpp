@@ -79,8 +79,4 @@ std::vector<std::pair<size_t, size_t>> BlockAllocator::live_runs() const {
   return runs;
 }
 
-std::vector<std::pair<size_t, size_t>> BlockAllocator::free_blocks() const {
-  return {free_by_offset_.begin(), free_by_offset_.end()};
-}
-
 }  // namespace colo

@@ -25,14 +25,11 @@ class BlockAllocator {
   size_t block_size(size_t offset) const;
 
   size_t capacity() const { return capacity_; }
-  size_t alignment() const { return alignment_; }
   size_t allocated_bytes() const { return allocated_bytes_; }
   size_t largest_free_block() const;
   size_t live_blocks() const { return live_.size(); }
   // Live blocks merged into maximal contiguous runs (offset, bytes), in address order.
   std::vector<std::pair<size_t, size_t>> live_runs() const;
-  // Free blocks (offset, bytes) in address order.
-  std::vector<std::pair<size_t, size_t>> free_blocks() const;
 
  private:
   void insert_free(size_t offset, size_t bytes);

@@ -1,7 +1,7 @@
-// CUDA driver VMM backend: reserve with cuMemAddressReserve, map = cuMemCreate + cuMemMap (one per
+// CUDA driver VMM backend: reserve with cuMemAddressReserve, commit = cuMemCreate + cuMemMap (one per
 // chunk), make_accessible = cuMemSetAccess (one per run of adjacent chunks), release = cuMemUnmap +
-// cuMemRelease. The driver is called from C++ with the device's primary context current (the one
-// torch uses), never from Python.
+// cuMemRelease; offload buffers in pinned host memory; streams in cuda_stream.cpp. The driver is
+// called from C++ with the device's primary context current (the one torch uses), never from Python.
 #include <algorithm>
 #include <map>
 #include <mutex>
@@ -11,6 +11,7 @@
 
 #ifdef COLO_WITH_CUDA
 #include "cuda_driver.h"
+#include "cuda_stream.h"
 #endif
 
 namespace colo {
@@ -47,117 +48,33 @@ CudaProbe probe_cuda() {
 
 namespace {
 
-// Sets its context on every call: a region queries and drops events on whichever thread allocates
-// next, not necessarily the one that recorded them (torch's deleter frees on any thread).
-class CudaEvent final : public Event {
+// Device memory through the driver's virtual memory management API.
+class CudaVmmMemory final : public PhysicalMemory {
  public:
-  CudaEvent(const CudaDriver* d, CUcontext ctx) : d_(d), ctx_(ctx) {
-    COLO_CU(d_->cuCtxSetCurrent(ctx_));
-    COLO_CU(d_->cuEventCreate(&event_, CU_EVENT_DISABLE_TIMING));
-  }
-  ~CudaEvent() override {
-    d_->cuCtxSetCurrent(ctx_);
-    d_->cuEventDestroy(event_);
-  }
-  void synchronize() override {
-    COLO_CU(d_->cuCtxSetCurrent(ctx_));
-    COLO_CU(d_->cuEventSynchronize(event_));
-  }
-  bool query() override {
-    COLO_CU(d_->cuCtxSetCurrent(ctx_));
-    CUresult r = d_->cuEventQuery(event_);
-    if (r == CUDA_ERROR_NOT_READY) return false;
-    COLO_CU(r);
-    return true;
-  }
-  void record(CUstream stream) {  // mark the work queued so far on `stream`
-    COLO_CU(d_->cuCtxSetCurrent(ctx_));
-    COLO_CU(d_->cuEventRecord(event_, stream));
-  }
-  CUevent handle() const { return event_; }
-
- private:
-  const CudaDriver* d_;
-  CUcontext ctx_;
-  CUevent event_ = nullptr;
-};
-
-class CudaStream final : public Stream {
- public:
-  CudaStream(const CudaDriver* d, CUcontext ctx, int priority) : d_(d), ctx_(ctx) {
-    COLO_CU(d_->cuCtxSetCurrent(ctx_));
-    COLO_CU(d_->cuStreamCreateWithPriority(&stream_, CU_STREAM_NON_BLOCKING, priority));
-  }
-  ~CudaStream() override {
-    d_->cuCtxSetCurrent(ctx_);
-    d_->cuStreamSynchronize(stream_);
-    d_->cuStreamDestroy(stream_);
-  }
-  void copy_batch(const std::vector<CopyOp>& ops) override {
-    COLO_CU(d_->cuCtxSetCurrent(ctx_));
-    for (const auto& op : ops) {
-      COLO_CU(d_->cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(op.dst), reinterpret_cast<CUdeviceptr>(op.src),
-                                op.bytes, stream_));
-    }
-  }
-  std::shared_ptr<Event> record() override {
-    auto event = std::make_shared<CudaEvent>(d_, ctx_);
-    event->record(stream_);
-    return event;
-  }
-  void wait(const std::shared_ptr<Event>& event) override {
-    auto* cuda_event = dynamic_cast<CudaEvent*>(event.get());
-    COLO_EXPECTS(cuda_event != nullptr, InvalidArgument, "a CUDA stream can only wait on a CUDA event");
-    COLO_CU(d_->cuStreamWaitEvent(stream_, cuda_event->handle(), 0));
-  }
-  void synchronize() override { COLO_CU(d_->cuStreamSynchronize(stream_)); }
-  uintptr_t native_handle() const override { return reinterpret_cast<uintptr_t>(stream_); }
-
- private:
-  const CudaDriver* d_;
-  CUcontext ctx_;
-  CUstream stream_ = nullptr;
-};
-
-class CudaBackend final : public Backend {
- public:
-  explicit CudaBackend(int index) : index_(index) {
-    std::string why;
-    d_ = cuda_driver(&why);
-    if (!d_) throw SystemError("CUDA is unavailable: " + why);
-    int count = 0;
-    COLO_CU(d_->cuDeviceGetCount(&count));
-    COLO_EXPECTS(index >= 0 && index < count, InvalidArgument,
-                 "CUDA device index " + std::to_string(index) + " out of range (" + std::to_string(count) + " devices)");
-    COLO_CU(d_->cuDeviceGet(&device_, index));
-    COLO_CU(d_->cuDevicePrimaryCtxRetain(&ctx_, device_));
-    COLO_CU(d_->cuCtxSetCurrent(ctx_));
+  explicit CudaVmmMemory(CudaContext ctx) : ctx_(ctx), d_(ctx.driver) {
+    ctx_.make_current();
     prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop_.location.id = device_;
+    prop_.location.id = ctx_.device;
     COLO_CU(d_->cuMemGetAllocationGranularity(&granularity_, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
   }
 
-  std::string name() const override { return "cuda-vmm"; }
-  DeviceKind device_kind() const override { return DeviceKind::kCuda; }
-  int device_index() const override { return index_; }
   size_t granularity() const override { return granularity_; }
-  void prefault_async(Stream&, void*, size_t, std::shared_ptr<const std::atomic<bool>>) override {}  // nothing to fault
   bool commits_zeroed() const override { return false; }
 
   void* reserve(size_t bytes) override {
-    current();
+    ctx_.make_current();
     CUdeviceptr base = 0;
     COLO_CU(d_->cuMemAddressReserve(&base, bytes, granularity_, 0, 0));
     return reinterpret_cast<void*>(base);
   }
   void unreserve(void* base, size_t bytes) override {
-    current();
+    ctx_.make_current();
     d_->cuMemAddressFree(reinterpret_cast<CUdeviceptr>(base), bytes);
   }
 
-  void map(void* addr, size_t bytes) override {
-    current();
+  void commit(void* addr, size_t bytes) override {
+    ctx_.make_current();
     CUmemGenericAllocationHandle handle;
     COLO_CU(d_->cuMemCreate(&handle, bytes, &prop_, 0));
     auto ptr = reinterpret_cast<CUdeviceptr>(addr);
@@ -173,7 +90,7 @@ class CudaBackend final : public Backend {
   void make_accessible(void* addr, size_t bytes) override {
     // One call for the whole range: the driver accepts any fully mapped range, whatever the number
     // of cuMemMap pieces in it.
-    current();
+    ctx_.make_current();
     CUmemAccessDesc access{};
     access.location = prop_.location;
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
@@ -181,7 +98,7 @@ class CudaBackend final : public Backend {
   }
 
   void release(void* addr, size_t bytes) override {
-    current();
+    ctx_.make_current();
     auto ptr = reinterpret_cast<CUdeviceptr>(addr);
     CUmemGenericAllocationHandle handle;
     {
@@ -207,41 +124,9 @@ class CudaBackend final : public Backend {
     return resident;
   }
 
-  void synchronize_device() override {
-    current();
-    COLO_CU(d_->cuCtxSynchronize());
-  }
-
-  void* host_alloc(size_t bytes) override {
-    current();
-    void* p = nullptr;
-    COLO_CU(d_->cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE));
-    return p;
-  }
-  void host_free(void* ptr, size_t) override { d_->cuMemFreeHost(ptr); }
-  bool keep_offload_buffer() const override { return true; }
-
-  std::shared_ptr<Stream> create_stream(StreamRole role) override {
-    current();
-    int least = 0, greatest = 0;  // numerically: least=0, greatest=-N (lower is higher priority)
-    COLO_CU(d_->cuCtxGetStreamPriorityRange(&least, &greatest));
-    // Inference is latency-bound and copies should overlap compute: both above training.
-    int priority = role == StreamRole::kTrain ? least : greatest;
-    return std::make_shared<CudaStream>(d_, ctx_, priority);
-  }
-
-  std::shared_ptr<Event> record_event(uintptr_t stream) override {
-    auto event = std::make_shared<CudaEvent>(d_, ctx_);
-    event->record(reinterpret_cast<CUstream>(stream));
-    return event;
-  }
-
  private:
-  void current() const { COLO_CU(d_->cuCtxSetCurrent(ctx_)); }
-  int index_;
-  const CudaDriver* d_ = nullptr;
-  CUdevice device_ = 0;
-  CUcontext ctx_ = nullptr;
+  CudaContext ctx_;
+  const CudaDriver* d_;
   CUmemAllocationProp prop_{};
   size_t granularity_ = 0;
   mutable std::mutex mutex_;
@@ -252,9 +137,46 @@ class CudaBackend final : public Backend {
   std::map<CUdeviceptr, Committed> handles_;
 };
 
+// Offload buffers in pinned host memory, so the copies to and from the device run asynchronously.
+class PinnedStaging final : public HostStaging {
+ public:
+  explicit PinnedStaging(CudaContext ctx) : ctx_(ctx) {}
+  void* allocate(size_t bytes) override {
+    ctx_.make_current();
+    void* p = nullptr;
+    COLO_CU(ctx_.driver->cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE));
+    return p;
+  }
+  void free(void* ptr, size_t) override { ctx_.driver->cuMemFreeHost(ptr); }
+  bool keep_offload_buffer() const override { return true; }
+
+ private:
+  CudaContext ctx_;
+};
+
+// The driver, device `index` and its primary context, made current on this thread.
+CudaContext open_device(int index) {
+  CudaContext ctx;
+  std::string why;
+  ctx.driver = cuda_driver(&why);
+  if (!ctx.driver) throw SystemError("CUDA is unavailable: " + why);
+  int count = 0;
+  COLO_CU(ctx.driver->cuDeviceGetCount(&count));
+  COLO_EXPECTS(index >= 0 && index < count, InvalidArgument,
+               "CUDA device index " + std::to_string(index) + " out of range (" + std::to_string(count) + " devices)");
+  COLO_CU(ctx.driver->cuDeviceGet(&ctx.device, index));
+  COLO_CU(ctx.driver->cuDevicePrimaryCtxRetain(&ctx.context, ctx.device));
+  ctx.make_current();
+  return ctx;
+}
+
 }  // namespace
 
-std::shared_ptr<Backend> make_cuda_backend(int index) { return std::make_shared<CudaBackend>(index); }
+std::shared_ptr<Backend> make_cuda_backend(int index) {
+  CudaContext ctx = open_device(index);
+  return std::make_shared<Backend>("cuda-vmm", DeviceKind::kCuda, index, std::make_unique<CudaVmmMemory>(ctx),
+                                   std::make_unique<PinnedStaging>(ctx), std::make_unique<CudaStreams>(ctx));
+}
 
 #endif  // COLO_WITH_CUDA
 

@@ -7,6 +7,8 @@
 
 #include <string>
 
+#include "errors.h"
+
 namespace colo {
 
 struct CudaDriver {
@@ -53,4 +55,18 @@ void cuda_check(CUresult result, const char* call, const char* where);
 }  // namespace colo
 
 #define COLO_CU(call) ::colo::cuda_check((call), #call, COLO_WHERE)
+
+namespace colo {
+
+// The driver and the device's primary context (the one torch uses), shared by the CUDA backend's
+// memory, staging and streams. Every call makes the context current first: colo is called on
+// whichever thread torch or the caller uses, which need not have it current.
+struct CudaContext {
+  const CudaDriver* driver = nullptr;
+  CUdevice device = 0;
+  CUcontext context = nullptr;
+  void make_current() const { COLO_CU(driver->cuCtxSetCurrent(context)); }
+};
+
+}  // namespace colo
 #endif  // COLO_WITH_CUDA

@@ -1,5 +1,6 @@
 // Host backends: physical memory from the OS with the same semantics as CUDA VMM (stable addresses,
-// commit/release at offsets, released memory really returned to the OS).
+// commit/release at offsets, released memory really returned to the OS). "anon" and "memfd" differ
+// only in their PhysicalMemory; both stage offloads in plain pages and use host streams.
 //
 // Which one is the default, and why (measured on this project's 2-core machines, 1 GiB; re-measure
 // with `python -m colo.bench --sections sleep_wake`, whose full run includes memfd):
@@ -67,13 +68,13 @@ size_t mincore_resident(void* addr, size_t bytes) {
   return resident * page;
 }
 
-class HostBackendBase : public Backend {
+// What both host memories share: huge-page granularity, residency from mincore, zeroed commits, and
+// prefaulting on the host stream's worker thread.
+class HostMemory : public PhysicalMemory {
  public:
-  DeviceKind device_kind() const override { return DeviceKind::kHost; }
-  int device_index() const override { return 0; }
   size_t granularity() const override { return kHugePage; }
   size_t resident_bytes(void* addr, size_t bytes) const override { return mincore_resident(addr, bytes); }
-  void synchronize_device() override {}  // host copies are ordered by the streams' own waits
+  bool commits_zeroed() const override { return true; }
   void prefault_async(Stream& stream, void* addr, size_t bytes,
                       std::shared_ptr<const std::atomic<bool>> cancelled) override {
     auto* host = dynamic_cast<HostStream*>(&stream);
@@ -88,28 +89,14 @@ class HostBackendBase : public Backend {
       }
     });
   }
-  bool commits_zeroed() const override { return true; }
-  void* host_alloc(size_t bytes) override {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw OutOfMemory("could not allocate " + std::to_string(bytes) + " bytes of host memory for offload");
-    // Fault every page in one call rather than one trap per 4 KiB inside the copy (0.60 -> 0.39 s/GiB
-    // here). 4 KiB pages on purpose: THP made this buffer slower (1.4-2.7 s/GiB). Advisory (Linux 5.14+).
-    madvise(p, bytes, MADV_POPULATE_WRITE);
-    return p;
-  }
-  void host_free(void* ptr, size_t bytes) override { munmap(ptr, bytes); }
-  bool keep_offload_buffer() const override { return false; }
-  std::shared_ptr<Stream> create_stream(StreamRole) override { return std::make_shared<HostStream>(); }
-  std::shared_ptr<Event> record_event(uintptr_t) override { return nullptr; }  // nothing runs behind the caller
 };
 
 // Private anonymous memory; commit = make accessible + ask for huge pages; release = drop pages.
-class AnonBackend final : public HostBackendBase {
+class AnonMemory final : public HostMemory {
  public:
-  std::string name() const override { return "host-anon"; }
   void* reserve(size_t bytes) override { return reserve_aligned(bytes, kHugePage); }
   void unreserve(void* base, size_t bytes) override { munmap(base, bytes); }
-  void map(void*, size_t) override {}  // anonymous memory gets its pages on first touch
+  void commit(void*, size_t) override {}  // anonymous memory gets its pages on first touch
   void make_accessible(void* addr, size_t bytes) override {
     COLO_SYSCALL(mprotect(addr, bytes, PROT_READ | PROT_WRITE) == 0, "mprotect(READ|WRITE)");
     madvise(addr, bytes, MADV_HUGEPAGE);  // advisory: fine if THP is off
@@ -123,10 +110,8 @@ class AnonBackend final : public HostBackendBase {
 };
 
 // One memfd per reservation is the physical memory; mapped shared at fixed addresses.
-class MemfdBackend final : public HostBackendBase {
+class MemfdMemory final : public HostMemory {
  public:
-  std::string name() const override { return "host-memfd"; }
-
   void* reserve(size_t bytes) override {
     int fd = memfd_create("colo-region", MFD_CLOEXEC);
     COLO_SYSCALL(fd >= 0, "memfd_create");
@@ -157,7 +142,7 @@ class MemfdBackend final : public HostBackendBase {
     }
   }
 
-  void map(void* addr, size_t bytes) override {
+  void commit(void* addr, size_t bytes) override {
     auto [fd, offset] = locate(addr);
     if (fallocate(fd, 0, offset, static_cast<off_t>(bytes)) != 0) {
       throw OutOfMemory(std::string("fallocate(memfd) could not commit memory: ") + std::strerror(errno));
@@ -197,12 +182,34 @@ class MemfdBackend final : public HostBackendBase {
   std::map<uintptr_t, Reservation> reservations_;
 };
 
+// Offload buffers in plain anonymous memory: nothing copies to or from it asynchronously.
+class PageableStaging final : public HostStaging {
+ public:
+  void* allocate(size_t bytes) override {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw OutOfMemory("could not allocate " + std::to_string(bytes) + " bytes of host memory for offload");
+    // Fault every page in one call rather than one trap per 4 KiB inside the copy (0.60 -> 0.39 s/GiB
+    // here). 4 KiB pages on purpose: THP made this buffer slower (1.4-2.7 s/GiB). Advisory (Linux 5.14+).
+    madvise(p, bytes, MADV_POPULATE_WRITE);
+    return p;
+  }
+  void free(void* ptr, size_t bytes) override { munmap(ptr, bytes); }
+  bool keep_offload_buffer() const override { return false; }
+};
+
 }  // namespace
 
 std::shared_ptr<Backend> make_host_backend(const std::string& kind) {
-  if (kind == "anon") return std::make_shared<AnonBackend>();
-  if (kind == "memfd") return std::make_shared<MemfdBackend>();
-  throw InvalidArgument("unknown host backend '" + kind + "' (expected 'anon' or 'memfd')");
+  std::unique_ptr<PhysicalMemory> memory;
+  if (kind == "anon") {
+    memory = std::make_unique<AnonMemory>();
+  } else if (kind == "memfd") {
+    memory = std::make_unique<MemfdMemory>();
+  } else {
+    throw InvalidArgument("unknown host backend '" + kind + "' (expected 'anon' or 'memfd')");
+  }
+  return std::make_shared<Backend>("host-" + kind, DeviceKind::kHost, 0, std::move(memory),
+                                   std::make_unique<PageableStaging>(), std::make_unique<HostStreams>());
 }
 
 }  // namespace colo

@@ -7,7 +7,7 @@
 #include <mutex>
 #include <thread>
 
-#include "backend.h"
+#include "stream.h"
 
 namespace colo {
 
@@ -43,6 +43,15 @@ class HostStream : public Stream {
   std::deque<std::function<void()>> queue_;
   bool stopping_ = false;
   std::thread worker_;
+};
+
+// The host's streams: nothing runs behind the caller (tensors compute synchronously), so there is
+// no device to wait for and no foreign stream to mark.
+class HostStreams final : public DeviceStreams {
+ public:
+  std::shared_ptr<Stream> create_stream(StreamRole) override { return std::make_shared<HostStream>(); }
+  std::shared_ptr<Event> record_event(uintptr_t) override { return nullptr; }
+  void synchronize_device() override {}  // host copies are ordered by the streams' own waits
 };
 
 }  // namespace colo

@@ -39,7 +39,7 @@ size_t default_chunk(const Backend& backend, size_t virtual_bytes) {
   if (backend.device_kind() == DeviceKind::kCuda) {
     chunk = std::max<size_t>(32u << 20, (virtual_bytes + kMaxCudaChunks - 1) / kMaxCudaChunks);
   }
-  return round_up(chunk, backend.granularity());
+  return round_up(chunk, backend.memory().granularity());
 }
 
 // Maximal runs [first, end) of chunk indices in [lo, hi) for which keep(chunk) holds.
@@ -79,17 +79,17 @@ Region::Region(std::shared_ptr<Backend> backend, std::string name, size_t budget
     : backend_(std::move(backend)),
       name_(std::move(name)),
       budget_(budget_bytes),
-      virtual_bytes_(round_up(std::max<size_t>(budget_bytes, 1), backend_->granularity())),
+      virtual_bytes_(round_up(std::max<size_t>(budget_bytes, 1), backend_->memory().granularity())),
       blocks_(virtual_bytes_, alignment) {
   COLO_EXPECTS(budget_bytes > 0, InvalidArgument, "region budget must be positive");
   COLO_EXPECTS(alignment >= 256, InvalidArgument, "region alignment must be at least 256 bytes");
   COLO_EXPECTS(budget_bytes <= kMaxBytes && chunk_bytes <= kMaxBytes, InvalidArgument,
                "region budget and chunk size must be below 2^62 bytes");
-  chunk_bytes_ = std::min(chunk_bytes ? round_up(chunk_bytes, backend_->granularity())
+  chunk_bytes_ = std::min(chunk_bytes ? round_up(chunk_bytes, backend_->memory().granularity())
                                       : default_chunk(*backend_, virtual_bytes_),
                           virtual_bytes_);
   try {
-    base_ = static_cast<char*>(backend_->reserve(virtual_bytes_));
+    base_ = static_cast<char*>(backend_->memory().reserve(virtual_bytes_));
   } catch (const OutOfMemory& e) {
     throw OutOfMemory("region '" + name_ + "' cannot reserve " + human(virtual_bytes_) + " of address space for its " +
                       "budget: " + e.what());
@@ -97,7 +97,7 @@ Region::Region(std::shared_ptr<Backend> backend, std::string name, size_t budget
   size_t chunks = (virtual_bytes_ + chunk_bytes_ - 1) / chunk_bytes_;
   chunk_live_bytes_.assign(chunks, 0);
   chunk_committed_.assign(chunks, false);
-  copy_stream_ = backend_->create_stream(StreamRole::kCopy);
+  copy_stream_ = backend_->streams().create_stream(StreamRole::kCopy);
 }
 
 Region::~Region() {
@@ -105,14 +105,14 @@ Region::~Region() {
   // device error) still releases the memory: nothing can run on that device any more.
   try {
     stop_prefault();
-    backend_->synchronize_device();  // as sleep() and trim() do: no queued work may touch unmapped memory
+    backend_->streams().synchronize_device();  // as sleep() and trim() do: no queued work may touch unmapped memory
   } catch (...) {
   }
   try {
     copy_stream_.reset();
     if (!asleep_) release_all_chunks();
     free_offload_buffer();
-    backend_->unreserve(base_, virtual_bytes_);
+    backend_->memory().unreserve(base_, virtual_bytes_);
   } catch (...) {
   }
 }
@@ -150,34 +150,35 @@ void Region::commit_chunks_for(size_t offset, size_t bytes) {
 }
 
 void Region::free_offload_buffer() {
-  if (offload_buffer_) backend_->host_free(offload_buffer_, offload_capacity_);
+  if (offload_buffer_) backend_->staging().free(offload_buffer_, offload_capacity_);
   offload_buffer_ = nullptr;
   offload_capacity_ = 0;
 }
 
 void Region::commit_runs(const ChunkRuns& runs) {
   // Physical memory chunk by chunk (each is released on its own later), access once per run.
-  std::vector<size_t> mapped;
+  PhysicalMemory& memory = backend_->memory();
+  std::vector<size_t> committed;
   try {
     for (const auto& [first, end] : runs) {
       for (size_t c = first; c < end; ++c) {
-        backend_->map(chunk_address(c), chunk_size(c));
-        mapped.push_back(c);
+        memory.commit(chunk_address(c), chunk_size(c));
+        committed.push_back(c);
       }
-      backend_->make_accessible(chunk_address(first), run_bytes(first, end));
+      memory.make_accessible(chunk_address(first), run_bytes(first, end));
     }
   } catch (...) {
-    for (size_t c : mapped) backend_->release(chunk_address(c), chunk_size(c));  // leave the region as it was
+    for (size_t c : committed) memory.release(chunk_address(c), chunk_size(c));  // leave the region as it was
     throw;
   }
-  for (size_t c : mapped) {
+  for (size_t c : committed) {
     chunk_committed_[c] = true;
     committed_bytes_ += chunk_size(c);
   }
 }
 
 void Region::release_chunk(size_t chunk) {
-  backend_->release(chunk_address(chunk), chunk_size(chunk));
+  backend_->memory().release(chunk_address(chunk), chunk_size(chunk));
   chunk_committed_[chunk] = false;
   committed_bytes_ -= chunk_size(chunk);
 }
@@ -206,12 +207,12 @@ void* Region::allocate_locked(size_t bytes) {
   if (blocks_.allocated_bytes() + need > budget_) throw OutOfMemory(describe_request(bytes));
   auto offset = blocks_.allocate(need);
   if (!offset) throw OutOfMemory(describe_request(bytes));
-  size_t commit_limit = round_up(budget_, backend_->granularity());
+  size_t commit_limit = round_up(budget_, backend_->memory().granularity());
   if (committed_bytes_ + uncommitted_bytes_in(*offset, need) > commit_limit) {
     // Only after set_budget lowered the budget below the reservation: give back committed chunks
     // that hold nothing (free() keeps them as a cache) before refusing.
     stop_prefault();
-    backend_->synchronize_device();
+    backend_->streams().synchronize_device();
     for (size_t c = 0; c < chunk_committed_.size(); ++c) {
       if (chunk_committed_[c] && chunk_live_bytes_[c] == 0 && !overlaps(c, *offset, need)) release_chunk(c);
     }
@@ -263,7 +264,7 @@ void Region::free(void* ptr) {
 void Region::free_after(void* ptr, uintptr_t stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   size_t offset = live_block_at(ptr);
-  std::shared_ptr<Event> done = asleep_ ? nullptr : backend_->record_event(stream);
+  std::shared_ptr<Event> done = asleep_ ? nullptr : backend_->streams().record_event(stream);
   if (!done) {
     release_block(offset);
     return;
@@ -296,35 +297,36 @@ void Region::sleep(bool offload) {
   auto start = std::chrono::steady_clock::now();
   stop_prefault();
   reap_pending_frees(/*wait=*/true);  // what they free need not be offloaded
-  if (offload && blocks_.allocated_bytes() > 0) {
-    auto runs = blocks_.live_runs();
-    size_t total = 0;
-    for (const auto& run : runs) total += run.second;
-    if (offload_capacity_ < total) {
-      free_offload_buffer();
-      offload_buffer_ = backend_->host_alloc(total);  // throws OutOfMemory before anything changed
-      offload_capacity_ = total;
-    }
-    void* buffer = offload_buffer_;
-    std::vector<CopyOp> ops;
-    ops.reserve(runs.size());
-    size_t at = 0;
-    for (const auto& [offset, bytes] : runs) {
-      ops.push_back({static_cast<char*>(buffer) + at, base_ + offset, bytes});
-      at += bytes;
-    }
-    // Work on other streams may still be writing this memory; order it before the copy.
-    backend_->synchronize_device();
-    copy_stream_->copy_batch(ops);  // one batch on the copy stream, one wait
-    copy_stream_->synchronize();
-    offload_bytes_ = total;
-    offload_runs_ = std::move(runs);
-  }
-  backend_->synchronize_device();  // nothing may touch a range while it is unmapped
+  if (offload && blocks_.allocated_bytes() > 0) offload_live_blocks();
+  backend_->streams().synchronize_device();  // nothing may touch a range while it is unmapped
   release_all_chunks();
   asleep_ = true;
   ++sleep_count_;
   last_sleep_s_ = seconds_since(start);
+}
+
+void Region::offload_live_blocks() {
+  auto runs = blocks_.live_runs();
+  size_t total = 0;
+  for (const auto& run : runs) total += run.second;
+  if (offload_capacity_ < total) {
+    free_offload_buffer();
+    offload_buffer_ = backend_->staging().allocate(total);  // throws OutOfMemory before anything changed
+    offload_capacity_ = total;
+  }
+  std::vector<CopyOp> ops;
+  ops.reserve(runs.size());
+  size_t at = 0;
+  for (const auto& [offset, bytes] : runs) {
+    ops.push_back({static_cast<char*>(offload_buffer_) + at, base_ + offset, bytes});
+    at += bytes;
+  }
+  // Work on other streams may still be writing this memory; order it before the copy.
+  backend_->streams().synchronize_device();
+  copy_stream_->copy_batch(ops);  // one batch on the copy stream, one wait
+  copy_stream_->synchronize();
+  offload_bytes_ = total;
+  offload_runs_ = std::move(runs);
 }
 
 void Region::wake() {
@@ -334,30 +336,32 @@ void Region::wake() {
   // Only what live allocations need; on failure nothing is committed: asleep, offloaded bytes kept.
   auto runs = runs_where(0, chunk_live_bytes_.size(), [&](size_t c) { return chunk_live_bytes_[c] > 0; });
   commit_runs(runs);
-  if (offload_bytes_ > 0) {
-    // Restore only what is still allocated: blocks freed while asleep may sit on released chunks.
-    std::vector<CopyOp> ops;
-    size_t at = 0;
-    std::vector<std::pair<size_t, size_t>> packed;  // run offset -> position in the buffer
-    for (const auto& [offset, bytes] : offload_runs_) {
-      packed.emplace_back(offset, at);
-      at += bytes;
-    }
-    size_t run = 0;
-    for (const auto& [offset, bytes] : intersect(offload_runs_, blocks_.live_runs())) {
-      while (offload_runs_[run].first + offload_runs_[run].second <= offset) ++run;
-      size_t in_buffer = packed[run].second + (offset - offload_runs_[run].first);
-      ops.push_back({base_ + offset, static_cast<char*>(offload_buffer_) + in_buffer, bytes});
-    }
-    copy_stream_->copy_batch(ops);
-    copy_stream_->synchronize();
-    offload_bytes_ = 0;
-    offload_runs_.clear();
-    if (!backend_->keep_offload_buffer()) free_offload_buffer();
-  }
+  if (offload_bytes_ > 0) restore_offloaded();
   prefault(runs);
   asleep_ = false;
   last_wake_s_ = seconds_since(start);
+}
+
+void Region::restore_offloaded() {
+  // Restore only what is still allocated: blocks freed while asleep may sit on released chunks.
+  std::vector<size_t> packed_at;  // where each offloaded run starts in the buffer
+  size_t at = 0;
+  for (const auto& run : offload_runs_) {
+    packed_at.push_back(at);
+    at += run.second;
+  }
+  std::vector<CopyOp> ops;
+  size_t run = 0;
+  for (const auto& [offset, bytes] : intersect(offload_runs_, blocks_.live_runs())) {
+    while (offload_runs_[run].first + offload_runs_[run].second <= offset) ++run;
+    size_t in_buffer = packed_at[run] + (offset - offload_runs_[run].first);
+    ops.push_back({base_ + offset, static_cast<char*>(offload_buffer_) + in_buffer, bytes});
+  }
+  copy_stream_->copy_batch(ops);
+  copy_stream_->synchronize();
+  offload_bytes_ = 0;
+  offload_runs_.clear();
+  if (!backend_->staging().keep_offload_buffer()) free_offload_buffer();
 }
 
 void Region::prefault(const ChunkRuns& runs) {
@@ -365,7 +369,7 @@ void Region::prefault(const ChunkRuns& runs) {
   // path (on the host, on the worker thread while training or generation starts).
   prefault_cancelled_ = std::make_shared<std::atomic<bool>>(false);
   for (const auto& [first, end] : runs) {
-    backend_->prefault_async(*copy_stream_, chunk_address(first), run_bytes(first, end), prefault_cancelled_);
+    backend_->memory().prefault_async(*copy_stream_, chunk_address(first), run_bytes(first, end), prefault_cancelled_);
   }
 }
 
@@ -381,7 +385,7 @@ void Region::trim() {
   stop_prefault();
   reap_pending_frees(/*wait=*/true);  // their chunks may hold nothing else
   free_offload_buffer();
-  backend_->synchronize_device();
+  backend_->streams().synchronize_device();
   for (size_t c = 0; c < chunk_committed_.size(); ++c) {
     if (chunk_committed_[c] && chunk_live_bytes_[c] == 0) release_chunk(c);
   }
@@ -412,10 +416,10 @@ RegionStats Region::stats() const {
   s.allocated_bytes = blocks_.allocated_bytes() - pending_free_bytes_;
   s.pending_free_bytes = pending_free_bytes_;
   s.peak_allocated_bytes = peak_allocated_;
-  s.reserved_bytes = committed_bytes_;
+  s.committed_bytes = committed_bytes_;
   // Measure resident memory over runs of committed chunks (one call per run).
   for (const auto& [first, end] : runs_where(0, chunk_committed_.size(), [&](size_t c) { return chunk_committed_[c]; })) {
-    s.resident_bytes += backend_->resident_bytes(chunk_address(first), run_bytes(first, end));
+    s.resident_bytes += backend_->memory().resident_bytes(chunk_address(first), run_bytes(first, end));
   }
   s.offloaded_bytes = offload_bytes_;
   s.offload_buffer_bytes = offload_capacity_;

@@ -22,12 +22,12 @@ namespace colo {
 
 struct RegionStats {
   size_t budget_bytes = 0;
-  size_t virtual_bytes = 0;
+  size_t virtual_bytes = 0;  // address space reserved: the first budget rounded up to the granularity
   size_t chunk_bytes = 0;
   size_t allocated_bytes = 0;       // handed out and not freed
   size_t pending_free_bytes = 0;    // freed with free_after, not reusable until their stream's work ran
   size_t peak_allocated_bytes = 0;
-  size_t reserved_bytes = 0;   // committed physical memory (0 while asleep)
+  size_t committed_bytes = 0;  // physical memory mapped into the reservation (0 while asleep)
   size_t resident_bytes = 0;   // physical memory present now (host: measured with mincore)
   size_t offloaded_bytes = 0;  // bytes held on the host while asleep
   size_t offload_buffer_bytes = 0;  // host buffer held for offload (kept for reuse on CUDA; trim() frees)
@@ -83,7 +83,6 @@ class Region : public std::enable_shared_from_this<Region> {
   const std::string& name() const { return name_; }
   Backend& backend() const { return *backend_; }
   bool contains(const void* ptr) const;
-  uintptr_t base_address() const { return reinterpret_cast<uintptr_t>(base_); }
 
  private:
   using ChunkRuns = std::vector<std::pair<size_t, size_t>>;  // [first, end) ranges of adjacent chunks
@@ -103,6 +102,9 @@ class Region : public std::enable_shared_from_this<Region> {
   void prefault(const ChunkRuns& runs);  // made present asynchronously
   void stop_prefault();  // before releasing memory: stop a running prefault and wait for the copy stream
   void release_all_chunks();
+  void offload_live_blocks();  // sleep(offload=true): live bytes to the host buffer, packed
+  void restore_offloaded();    // wake(): the host buffer back into the blocks still allocated
+  void free_offload_buffer();
   void* allocate_locked(size_t bytes);  // one attempt; the mutex is held
   size_t live_block_at(const void* ptr) const;  // its offset; throws unless a live, not yet freed block
   void release_block(size_t offset);           // back to the free list, chunk live counts updated
@@ -135,8 +137,6 @@ class Region : public std::enable_shared_from_this<Region> {
   bool asleep_ = false;
   size_t sleep_count_ = 0;
   double last_sleep_s_ = 0, last_wake_s_ = 0;
-
-  void free_offload_buffer();
 
   // What sleep(offload=true) copied out: runs (offset, bytes) packed back to back in host memory.
   void* offload_buffer_ = nullptr;

@@ -39,7 +39,7 @@ def test_tensor_death_returns_memory_and_trim_releases_it(pool):
     assert stats["allocated_bytes"] == 0 and stats["num_allocations"] == 0
     assert stats["peak_allocated_bytes"] > 0
     region.trim()
-    assert region.stats()["reserved_bytes"] == 0
+    assert region.stats()["committed_bytes"] == 0
     assert region.stats()["resident_bytes"] == 0
 
 
@@ -92,7 +92,7 @@ def test_sleep_releases_memory_and_wake_keeps_addresses(pool):
     rss_before = rss_bytes()
     region.sleep()
     asleep = region.stats()
-    assert asleep["asleep"] and asleep["resident_bytes"] == 0 and asleep["reserved_bytes"] == 0
+    assert asleep["asleep"] and asleep["resident_bytes"] == 0 and asleep["committed_bytes"] == 0
     assert asleep["allocated_bytes"] == awake["allocated_bytes"]  # allocations survive sleep
     if pool.device.type == "cpu":
         assert rss_before - rss_bytes() >= 0.95 * 64 * MiB  # really returned to the OS
@@ -258,11 +258,11 @@ def test_committed_memory_never_exceeds_the_budget(pool, chunk):
     region = pool.region("tight", budget=5 * MiB + 1, chunk_bytes=chunk)
     limit = -(-region.budget // granule) * granule
     held = [region.zeros((MiB // 4,), dtype=torch.uint8) for _ in range(20)]
-    assert region.stats()["reserved_bytes"] <= limit
+    assert region.stats()["committed_bytes"] <= limit
     assert region.stats()["resident_bytes"] <= limit
     del held[::2]
     held += [region.zeros((MiB // 4,), dtype=torch.uint8) for _ in range(10)]
-    assert region.stats()["reserved_bytes"] <= limit
+    assert region.stats()["committed_bytes"] <= limit
 
 
 @pytest.mark.parametrize(

@@ -130,7 +130,7 @@ def cpu_rows(quick: bool, progress) -> list[dict]:
     common = {
         "section": SECTION, "device": "cpu", "ops": ops, "live_window": window, "repeats": repeats,
         "size_min_bytes": min(sizes), "size_median_bytes": sorted(sizes)[len(sizes) // 2],
-        "size_max_bytes": max(sizes), "region_reserved_bytes": stats["reserved_bytes"],
+        "size_max_bytes": max(sizes), "region_committed_bytes": stats["committed_bytes"],
         **call_overheads(),
     }
     python_call = "one Python call per alloc and per free on both sides"

@@ -95,7 +95,7 @@ static void test_region(const BackendPtr& backend) {
   CHECK(region->stats().resident_bytes > 0);
   region->sleep(/*offload=*/true);
   CHECK(region->stats().resident_bytes == 0);
-  CHECK(region->stats().reserved_bytes == 0);
+  CHECK(region->stats().committed_bytes == 0);
   CHECK(throws<colo::RegionAsleep>([&] { region->allocate(10); }));
   region->free(live.back().first);  // freeing while asleep is allowed
   live.pop_back();
@@ -111,7 +111,7 @@ static void test_region(const BackendPtr& backend) {
   for (auto& [p, n] : live) region->free(p);
   CHECK(region->stats().allocated_bytes == 0);
   region->trim();
-  CHECK(region->stats().reserved_bytes == 0);
+  CHECK(region->stats().committed_bytes == 0);
   CHECK(throws<colo::InvalidArgument>([&] { region->free(reinterpret_cast<void*>(0x10)); }));
 }
 
@@ -140,8 +140,8 @@ static void test_region_threads(const BackendPtr& backend) {
 static void test_stream_copies_and_events(const BackendPtr& backend) {
   // host -> region on the copy stream; another stream waits for it, then region -> host.
   auto region = std::make_shared<colo::Region>(backend, "streams", 4u << 20);
-  auto copy = backend->create_stream(colo::StreamRole::kCopy);
-  auto other = backend->create_stream(colo::StreamRole::kInfer);
+  auto copy = backend->streams().create_stream(colo::StreamRole::kCopy);
+  auto other = backend->streams().create_stream(colo::StreamRole::kInfer);
   std::vector<char> a(1 << 20, 'x'), c(1 << 20, 0);
   void* middle = region->allocate(a.size());
   copy->copy_batch({{middle, a.data(), a.size()}});
@@ -169,7 +169,7 @@ static void test_torch_entry_points(const BackendPtr& backend) {
 // Committed memory never exceeds the budget rounded up to the granularity, whatever the chunk size
 // (the last chunk is shorter), so awake budgets that fit in the pool's capacity fit physically too.
 static void test_committed_memory_stays_within_budget(const BackendPtr& backend) {
-  size_t g = backend->granularity();
+  size_t g = backend->memory().granularity();
   for (size_t chunk : {size_t{0}, 4 * g, 64 * g}) {  // backend default, several granules, far above the budget
     size_t budget = 5 * g / 2 + 1;
     size_t limit = (budget + g - 1) / g * g;
@@ -197,15 +197,15 @@ static void test_committed_memory_stays_within_budget(const BackendPtr& backend)
         } catch (const colo::OutOfMemory&) {
         }
       }
-      CHECK(region->stats().reserved_bytes <= limit);
+      CHECK(region->stats().committed_bytes <= limit);
     }
     region->sleep(/*offload=*/true);  // round trip through the short last chunk
     region->wake();
-    CHECK(region->stats().reserved_bytes <= limit);
+    CHECK(region->stats().committed_bytes <= limit);
     for (const auto& block : live) CHECK(block.p[0] == block.fill && block.p[block.n - 1] == block.fill);
     for (const auto& block : live) region->free(block.p);
     region->trim();
-    CHECK(region->stats().reserved_bytes == 0);
+    CHECK(region->stats().committed_bytes == 0);
   }
 }
 
@@ -278,7 +278,7 @@ static void test_cuda_device_memory_accounting(const FakeDriverHooks& fake) {
     void* a = region->allocate(100u << 20);
     std::memset(a, 1, 100u << 20);
     counters(&used, &mappings, &reservations, &host);
-    CHECK(used - used0 == region->stats().reserved_bytes && used - used0 >= (100u << 20));
+    CHECK(used - used0 == region->stats().committed_bytes && used - used0 >= (100u << 20));
     region->sleep(/*offload=*/true);
     counters(&used, &mappings, &reservations, &host);
     CHECK(used == used0 && mappings == mappings0 && host == host0 + 1);  // offloaded to one pinned buffer
@@ -295,7 +295,7 @@ static void test_cuda_device_memory_accounting(const FakeDriverHooks& fake) {
         refused = true;
         message = e.what();
         CHECK(region->stats().allocated_bytes == before.allocated_bytes);
-        CHECK(region->stats().reserved_bytes == before.reserved_bytes);
+        CHECK(region->stats().committed_bytes == before.committed_bytes);
       }
     }
     CHECK(refused);
@@ -316,7 +316,7 @@ static void test_cuda_driver_calls_scale_with_chunks(const FakeDriverHooks& fake
   CHECK(std::make_shared<colo::Region>(backend, "small", 100u << 20)->stats().chunk_bytes == (32u << 20));
   for (size_t gib : {4, 40}) {  // address space only; the fake device has 1 GiB
     auto s = std::make_shared<colo::Region>(backend, "big", gib << 30)->stats();
-    CHECK(s.chunk_bytes % backend->granularity() == 0);
+    CHECK(s.chunk_bytes % backend->memory().granularity() == 0);
     CHECK((s.virtual_bytes + s.chunk_bytes - 1) / s.chunk_bytes <= 64);
   }
   CHECK(std::make_shared<colo::Region>(backend, "explicit", size_t{4} << 30, 8u << 20)->stats().chunk_bytes ==
@@ -353,7 +353,7 @@ static void test_cuda_driver_calls_scale_with_chunks(const FakeDriverHooks& fake
 // and trim() do: on a GPU that work could be using the region's memory.
 static void test_cuda_region_destructor_synchronizes(const FakeDriverHooks& fake) {
   auto backend = colo::make_cuda_backend(0);
-  auto stream = backend->create_stream(colo::StreamRole::kInfer);
+  auto stream = backend->streams().create_stream(colo::StreamRole::kInfer);
   size_t busy_before = fake.busy_unmaps();
   std::shared_ptr<colo::Event> queued;
   {
@@ -374,7 +374,7 @@ static void test_cuda_region_destructor_synchronizes(const FakeDriverHooks& fake
 // the block back without waiting. sleep(), trim() and the destructor wait for pending frees first.
 static void test_cuda_free_waits_for_its_stream(const FakeDriverHooks& fake) {
   auto backend = colo::make_cuda_backend(0);
-  auto own = backend->create_stream(colo::StreamRole::kTrain);  // stands in for torch's current stream
+  auto own = backend->streams().create_stream(colo::StreamRole::kTrain);  // stands in for torch's current stream
   const size_t half = 4u << 20;
   for (uintptr_t stream : {own->native_handle(), uintptr_t{0}}) {  // 0: the legacy default stream
     auto region = std::make_shared<colo::Region>(backend, "ordered", 2 * half);
@@ -394,7 +394,7 @@ static void test_cuda_free_waits_for_its_stream(const FakeDriverHooks& fake) {
     region->free(b);
     fake.hold_stream(stream, 1);
     region->free_after(a, stream);
-    backend->record_event(stream)->synchronize();  // the device catches up
+    backend->streams().record_event(stream)->synchronize();  // the device catches up
     CHECK(pending() == half);                       // nobody has looked yet
     void* c = region->allocate(1u << 20);
     CHECK(pending() == 0 && c == a);  // collected by the allocation (lowest offset once coalesced)
@@ -404,7 +404,7 @@ static void test_cuda_free_waits_for_its_stream(const FakeDriverHooks& fake) {
     fake.hold_stream(stream, 1);
     region->free_after(d, stream);
     region->trim();  // waits, then releases the chunk the freed block held
-    CHECK(pending() == 0 && region->stats().reserved_bytes == 0);
+    CHECK(pending() == 0 && region->stats().committed_bytes == 0);
     d = region->allocate(half);
     fake.hold_stream(stream, 1);
     region->free_after(d, stream);

@@ -1,6 +1,6 @@
 // A stand-in libcuda.so.1 backed by host memory, so CI machines without a GPU can run colo's CUDA
-// backend (csrc/cuda_backend.cpp) under AddressSanitizer. It implements only the driver calls colo
-// makes, and enforces the rules of the real VMM API that colo relies on:
+// backend (csrc/cuda_backend.cpp, csrc/cuda_stream.cpp) under AddressSanitizer. It implements only
+// the driver calls colo makes, and enforces the rules of the real VMM API that colo relies on:
 //   - sizes and addresses are multiples of the allocation granularity;
 //   - memory is inaccessible between cuMemMap and cuMemSetAccess;
 //   - cuMemUnmap takes whole mappings; physical memory is freed once unmapped *and* released;
