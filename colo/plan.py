@@ -10,11 +10,14 @@ Layouts (W = number of GPUs, P = parameters, d = bytes per weight in --dtype):
 - colo: the trainer's parameters are the engine's weights (d P, one copy); gradients in fp32 (4 P)
   and the optimizer state (bf16: fp32 masters and two AdamW moments, 12 P; fp32: the moments, 8 P)
   sleep while the engine generates (the optimizer state offloaded to host memory); the KV cache
-  sleeps while the trainer trains. This is what `colo.grpo` does today on every rank.
+  sleeps while the trainer trains. This is what `colo.grpo` does on every rank by default.
 - TRL colocate: a replicated fp32 trainer (weights, gradients, AdamW moments: 16 P) beside a separate
   engine copy in --dtype (d P), everything resident in both phases, and the KV cache too.
 - verl (FSDP + engine copy): fp32 weights, gradients and moments sharded over the GPUs (16 P / W)
   beside a full engine copy (d P, tensor parallel 1); the KV cache is freed while training.
+- colo-ZeRO-1 (`colo.grpo --shard-optimizer`): as colo, but each GPU keeps only its 1/W shard of the
+  optimizer state (12 P / W in bf16); gradients stay whole (4 P) until reduce-scattered, and the
+  updated weights are all-gathered into the engine's weights, so there is still one copy.
 
 The same byte counts are what colo's pool measures on a CPU at small sizes (tests/test_plan.py
 compares them with the regions of a real colo.grpo run).
@@ -187,7 +190,17 @@ def plan(params: float, gpus: int, gpu_memory: int, dtype: str = "bf16", seq_len
         Term(f"engine copy ({dtype})", d * p, f"{d} x P", generate=True, train=True),
         activations,
     ], kv_during_train=False, **common)
-    return [colo, trl, verl]
+    shard = optimizer_per_param * p // w
+    zero = Layout("colo-ZeRO-1 (--shard-optimizer)", [
+        Term(f"weights ({dtype}, shared with the engine)", d * p, f"{d} x P", generate=True, train=True),
+        Term("gradients (fp32, reduce-scattered)", 4 * p, "4 x P", generate=False, train=True),
+        Term(f"optimizer shard ({optimizer_what}, over {w})", shard, f"{optimizer_per_param} x P / {w}",
+             generate=False, train=True),
+        Term("optimizer shard, offloaded while generating", shard, f"{optimizer_per_param} x P / {w}",
+             generate=True, train=False, host=True),
+        activations,
+    ], kv_during_train=False, **common)
+    return [colo, trl, verl, zero]
 
 
 def render(layouts: list[Layout], params: float, gpus: int, seq_len: int, shape: Shape) -> str:

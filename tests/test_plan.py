@@ -31,6 +31,12 @@ def test_bytes_per_gpu_by_phase_follow_each_layouts_rule():
     assert not colo.fits and not trl.fits and verl.fits and verl.sequences > 0
     fp32 = layouts(dtype="fp32")["colo"]
     assert fp32.phase_bytes("generate") == 4 * P and fp32.host_bytes == 8 * P
+    # ZeRO-1: one bf16 copy, whole fp32 gradients, 1/8 of the optimizer state; it fits, with more
+    # room for the KV cache than FSDP beside an engine copy.
+    zero = by["colo-ZeRO-1"]
+    assert zero.phase_bytes("generate") == 2 * P and zero.host_bytes == 12 * P // 8
+    assert zero.phase_bytes("train") == 2 * P + 4 * P + 12 * P // 8 + act
+    assert zero.fits and zero.sequences > verl.sequences
 
 
 def test_kv_cache_gets_what_the_phases_leave():
@@ -49,7 +55,7 @@ def test_command_line_prints_the_arithmetic_and_json():
     text = subprocess.run(run, capture_output=True, text=True, check=True).stdout
     assert "12 x P" in text and "16 x P / 8" in text and "Qwen2.5-7B-like" in text and "does not fit" in text
     data = json.loads(subprocess.run(run + ["--json"], capture_output=True, text=True, check=True).stdout)
-    assert [layout["layout"].split(" ")[0] for layout in data["layouts"]] == ["colo", "TRL", "verl"]
+    assert [layout["layout"].split(" ")[0] for layout in data["layouts"]] == ["colo", "TRL", "verl", "colo-ZeRO-1"]
     assert data["layouts"][0]["generate_bytes"] == 14e9
     several = json.loads(subprocess.run(run[:4] + ["0.5e9,7e9", "--json"], capture_output=True, text=True,
                                         check=True).stdout)
