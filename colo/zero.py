@@ -41,7 +41,10 @@ from .mixed_precision import checked_params, param_groups
 
 FORMAT = "colo.zero/1"
 _TRAINABLE = (torch.bfloat16, torch.float16, torch.float32)
-_ALLOCATION_ALIGNMENT = 256  # colo regions round every allocation up to (at least) this many bytes
+# What an allocation's size is rounded up to, so the bytes after a storage's end up to there are its
+# own padding: colo's regions round to 256 bytes (CPU, where vLLM allocates straight from the region);
+# on CUDA torch's caching allocator serves the region through a MemPool and rounds blocks to 512.
+_ALLOCATION_ROUNDING = {"cpu": 256, "cuda": 512}
 
 
 @dataclass(frozen=True)
@@ -375,7 +378,8 @@ def _alias_store(params, region):
     spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in params)
     if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
         return None  # overlapping parameters: a gather would write one with the other's values
-    owned = _merged((s.data_ptr(), _round_up(s.data_ptr() + s.nbytes(), _ALLOCATION_ALIGNMENT))
+    rounding = _ALLOCATION_ROUNDING.get(params[0].device.type, 1)
+    owned = _merged((s.data_ptr(), _round_up(s.data_ptr() + s.nbytes(), rounding))
                     for s in (p.untyped_storage() for p in params))
     owned_starts = [lo for lo, _ in owned]
     for (_, end), (start, _) in zip(spans, spans[1:]):

@@ -168,3 +168,25 @@ def test_bad_parameters_are_refused_by_name():
         colo.ShardedMasterWeightOptimizer(mixed)
     with pytest.raises(TypeError, match="parameter 0"):
         colo.ShardedMasterWeightOptimizer([torch.nn.Parameter(torch.zeros(3, dtype=torch.int32), requires_grad=False)])
+
+
+def test_the_gather_lands_in_place_only_where_nothing_else_lies_between_the_parameters():
+    import colo
+    from colo.zero import ShardLayout
+
+    def param(t):
+        return torch.nn.Parameter(t)
+
+    pool = colo.Pool("cpu", capacity=64 << 20)
+    region = pool.region("weights", budget=1 << 20)
+    a, b = (param(region.empty((n,), torch.bfloat16)) for n in (100, 3))  # a's padding up to 256 bytes is its own
+    assert b.data_ptr() - a.data_ptr() == 256
+    assert ShardLayout([b, a], 1, 0, store_region=region).in_place
+    other = region.empty((128,), torch.bfloat16)  # another allocation, then a parameter after it
+    c = param(region.empty((10,), torch.bfloat16))
+    assert a.data_ptr() < other.data_ptr() < c.data_ptr()
+    assert not ShardLayout([a, b, c], 1, 0, store_region=region).in_place
+    assert not ShardLayout([a, b], 1, 0).in_place  # no region named: a private store
+    assert not ShardLayout([a, param(torch.zeros(5, dtype=torch.bfloat16))], 1, 0, store_region=region).in_place
+    with pytest.raises(ValueError, match="rank 2 is not in a world of 2"):
+        ShardLayout([a], 2, 2)
