@@ -6,7 +6,9 @@ One step:
     reward    the user's function scores every completion; advantages are normalised per prompt group
     train     KV region asleep (resident bytes 0); gradients mapped; optimizer state copied back on
               the copy stream while the forward and backward passes run; gradients averaged over
-              ranks; clip; optimizer step
+              ranks; clip; optimizer step (with shard_optimizer, ZeRO-1: gradients reduce-scattered
+              to their shard's rank, each rank steps its shard and all-gathers the updated weights
+              straight into the engine's)
     publish   the engine serves the new weights (no bytes copied when layouts match); gradients
               released and (on a GPU, by default) optimizer state offloaded to host before the
               KV cache wakes again
@@ -69,44 +71,14 @@ class GRPOScheduler:
         self.reward_fn, self.prompt_fn = reward_fn, prompt_fn
         self.model_dir = Path(model_dir)
         self.out_dir = Path(out_dir) if out_dir is not None else None
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        self.world = D.init_world(device_type)  # on a GPU also makes this rank's device current
-        self.device = torch.device("cuda", self.world.local_rank) if device_type == "cuda" else torch.device("cpu")
-        if self.config.prompts_per_step < self.world.size:
-            raise ValueError(f"prompts_per_step={self.config.prompts_per_step} leaves ranks without prompts: "
-                             f"it must be at least the number of ranks ({self.world.size})")
+        self._join_world()
         resume_state = self._find_resume_state() if resume else None
         torch.manual_seed(self.config.seed + self.world.rank)
-
         self.pool = colo.Pool(self.device, capacity=pool_capacity)
         self._check_model_dir()
         self.config = self.config.resolve_dtype(self.model_dir)
-        # The engine first: vLLM loads the weights into the pool, and the trainer's model is a view of them.
-        self.engine = RolloutEngine(self.model_dir, self.pool, seed=self.config.seed, dtype=self.config.torch_dtype,
-                                    max_num_seqs=self._sequences_per_rank(),
-                                    sequence_tokens=self._longest_sequence(), **(engine_options or {}))
-        self.model = self.engine.hf_model
-        self.reference = self._frozen_copy(self.model) if self.config.beta > 0 else None
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        # The training memory gets exact budgets beside the weights while the KV cache sleeps (they
-        # time-share the pool), and sleeps itself before the first generation wakes the KV cache.
-        if self.config.memory_phases:
-            self.engine.sleep_kv_cache()
-        # ZeRO-1: this rank's shard of masters and moments; the all-gather lands in the engine's weights.
-        shard = ShardLayout(params, self.world.size, self.world.rank, store_region=self.pool.regions["weights"]) \
-            if self.config.shard_optimizer else None
-        self.memory = TrainingMemory(self.pool, params, offload_optimizer=self.config.offload_optimizer, shard=shard)
-        # bf16 parameters: a colo.MasterWeightOptimizer stepping fp32 masters (optimizer region); sharded:
-        # a colo.ShardedMasterWeightOptimizer.
-        self.optimizer = self.memory.build_optimizer(torch.optim.AdamW, lr=self.config.learning_rate,
-                                                     betas=self.config.adam_betas,
-                                                     weight_decay=self.config.weight_decay)
-        warmup = self.config.warmup_steps
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            getattr(self.optimizer, "optimizer", self.optimizer), lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
-        if self.config.memory_phases:
-            self.memory.sleep_for_generation()
-            self.memory.finish_offload()
+        self._start_engine(engine_options or {})
+        self._build_training()
         self.step = 0
         if resume_state is not None:
             self._restore(resume_state)
@@ -118,6 +90,45 @@ class GRPOScheduler:
         self._unsafe_to_save = False  # True while weights are being changed
 
     # -- set-up ------------------------------------------------------------------------------------
+    def _join_world(self) -> None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self.world = D.init_world(device_type)  # on a GPU also makes this rank's device current
+        self.device = torch.device("cuda", self.world.local_rank) if device_type == "cuda" else torch.device("cpu")
+        if self.config.prompts_per_step < self.world.size:
+            raise ValueError(f"prompts_per_step={self.config.prompts_per_step} leaves ranks without prompts: "
+                             f"it must be at least the number of ranks ({self.world.size})")
+
+    def _start_engine(self, engine_options: dict) -> None:
+        """The engine first: vLLM loads the weights into the pool, and the trainer's model is a view of them."""
+        self.engine = RolloutEngine(self.model_dir, self.pool, seed=self.config.seed, dtype=self.config.torch_dtype,
+                                    max_num_seqs=self._sequences_per_rank(),
+                                    sequence_tokens=self._longest_sequence(), **engine_options)
+        self.model = self.engine.hf_model
+        self.reference = self._frozen_copy(self.model) if self.config.beta > 0 else None
+
+    def _build_training(self) -> None:
+        """Gradients, optimizer state and the optimizer, with exact budgets in the pool."""
+        cfg = self.config
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        # The training memory gets its budgets beside the weights while the KV cache sleeps (they
+        # time-share the pool), and sleeps itself before the first generation wakes the KV cache.
+        if cfg.memory_phases:
+            self.engine.sleep_kv_cache()
+        # ZeRO-1: this rank's shard of masters and moments; the all-gather lands in the engine's weights.
+        shard = ShardLayout(params, self.world.size, self.world.rank, store_region=self.pool.regions["weights"]) \
+            if cfg.shard_optimizer else None
+        self.memory = TrainingMemory(self.pool, params, offload_optimizer=cfg.offload_optimizer, shard=shard)
+        # fp32 parameters: AdamW itself; bf16: a colo.MasterWeightOptimizer stepping fp32 masters in the
+        # optimizer region; sharded: a colo.ShardedMasterWeightOptimizer.
+        self.optimizer = self.memory.build_optimizer(torch.optim.AdamW, lr=cfg.learning_rate, betas=cfg.adam_betas,
+                                                     weight_decay=cfg.weight_decay)
+        warmup = cfg.warmup_steps
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            getattr(self.optimizer, "optimizer", self.optimizer), lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
+        if cfg.memory_phases:
+            self.memory.sleep_for_generation()
+            self.memory.finish_offload()
+
     def _check_model_dir(self) -> None:
         """Refuse a missing model or an architecture colo cannot share before any engine starts."""
         import json
