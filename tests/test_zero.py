@@ -21,16 +21,16 @@ WORKER = Path(__file__).with_name("zero_worker.py")
 LR = 1e-2
 
 
-def build_params(region=None) -> list[torch.nn.Parameter]:
+def build_params(region=None, dtype=torch.bfloat16) -> list[torch.nn.Parameter]:
     torch.manual_seed(0)
     values = [torch.randn(shape) for shape in SHAPES]
     if region is None:
-        return [torch.nn.Parameter(v.to(torch.bfloat16)) for v in values]
+        return [torch.nn.Parameter(v.to(dtype)) for v in values]
     # One allocation each, as vLLM's weights are, and not in the parameters' order (vLLM's fused
     # qkv_proj puts q, k, v weights before their biases; HF lists q weight, q bias, k weight, ...).
     tensors = {}
     for i in (2, 0, 4, 1, 3):
-        tensors[i] = region.empty(values[i].shape, torch.bfloat16)
+        tensors[i] = region.empty(values[i].shape, dtype)
         tensors[i].copy_(values[i])
     return [torch.nn.Parameter(tensors[i]) for i in range(len(values))]
 
@@ -52,12 +52,17 @@ def loss_fn(params, x, y) -> torch.Tensor:
     return ((h @ w0.T - y) ** 2).mean() + (h @ w2.T).square().mean() * 1e-2 + s.square().sum() * 1e-3
 
 
-def reference(steps: int):
-    """One process, colo.MasterWeightOptimizer, the whole batch: what every sharded run must match."""
+def reference(steps: int, dtype=torch.bfloat16):
+    """One process, the whole batch, colo.MasterWeightOptimizer (bf16) or AdamW itself (fp32): what
+    every sharded run must match."""
     import colo
 
-    params = build_params()
-    optimizer = colo.MasterWeightOptimizer(build_groups(params), torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    params = build_params(dtype=dtype)
+    if dtype == torch.float32:
+        optimizer = torch.optim.AdamW(build_groups(params), lr=LR, weight_decay=0.1)
+        optimizer.clip_grad_norm_ = lambda limit: float(torch.nn.utils.clip_grad_norm_(params, limit))
+    else:
+        optimizer = colo.MasterWeightOptimizer(build_groups(params), torch.optim.AdamW, lr=LR, weight_decay=0.1)
     x, y = batch()
     norms = []
     for _ in range(steps):
@@ -81,8 +86,8 @@ def run_ranks(world: int, mode: str, out: Path, steps: int, resume: Path | None 
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
 
-def assert_matches_reference(ranks: list[dict], steps: int) -> None:
-    params, norms, _ = reference(steps)
+def assert_matches_reference(ranks: list[dict], steps: int, dtype=torch.bfloat16) -> None:
+    params, norms, _ = reference(steps, dtype)
     for r, result in enumerate(ranks):
         got = torch.cat([w.float().reshape(-1) for w in result["weights"]])
         want = torch.cat([p.detach().float().reshape(-1) for p in params])
@@ -94,10 +99,11 @@ def assert_matches_reference(ranks: list[dict], steps: int) -> None:
     assert ranks[0]["norms"] == pytest.approx(norms[-len(ranks[0]["norms"]):], rel=1e-3)
 
 
-@pytest.mark.parametrize("world,mode", [(2, "in-place"), (3, "in-place"), (2, "private")])
+@pytest.mark.parametrize("world,mode", [(2, "in-place"), (3, "in-place"), (2, "private"), (2, "in-place-fp32")])
 def test_ranks_end_with_the_weights_of_one_rank(tmp_path, world, mode):
-    ranks = run_ranks(world, mode, tmp_path, steps=3, port=29651 + world)
-    assert_matches_reference(ranks, steps=3)
+    fp32 = mode.endswith("fp32")
+    ranks = run_ranks(world, mode, tmp_path, steps=3, port=29651 + world + 10 * fp32)
+    assert_matches_reference(ranks, steps=3, dtype=torch.float32 if fp32 else torch.bfloat16)
     # Every rank serves the same gathered weights, bit for bit.
     for result in ranks[1:]:
         assert all(torch.equal(a, b) for a, b in zip(result["weights"], ranks[0]["weights"]))
@@ -105,12 +111,12 @@ def test_ranks_end_with_the_weights_of_one_rank(tmp_path, world, mode):
     # its 1/world of the store (in place the store also spans the allocations' padding) plus the
     # last store % world elements, which every rank steps.
     total = sum(torch.Size(s).numel() for s in SHAPES)
-    for result in ranks:
-        assert result["state_bytes"] == 12 * result["owned_numel"]
+    for result in ranks:  # fp32: the weights are their own masters, only the moments are kept
+        assert result["state_bytes"] == (8 if fp32 else 12) * result["owned_numel"]
         assert result["owned_numel"] <= result["store_numel"] // world + result["store_numel"] % world
     assert total <= sum(r["owned_numel"] for r in ranks) <= total + (world - 1) * (total % world + world)
     # In place the gather is the hand-off; a private store costs one copy of the weights per step.
-    assert all(r["copied_bytes_per_step"] == (0 if mode == "in-place" else 2 * total) for r in ranks)
+    assert all(r["copied_bytes_per_step"] == (2 * total if mode == "private" else 0) for r in ranks)
 
 
 def test_one_rank_is_the_unsharded_optimizer(tmp_path):

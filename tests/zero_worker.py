@@ -2,8 +2,8 @@
 
     python tests/zero_worker.py MODE OUT STEPS [RESUME_DIR]
 
-MODE: "in-place" (parameters in a colo region: the all-gather lands in them) or "private" (ordinary
-tensors). Trains the toy problem of test_zero.py for STEPS steps with colo.ShardedMasterWeightOptimizer,
+MODE: "in-place" (bf16 parameters in a colo region: the all-gather lands in them), "in-place-fp32"
+(the same in fp32: the parameters are their own masters) or "private" (ordinary bf16 tensors). Trains the toy problem of test_zero.py for STEPS steps with colo.ShardedMasterWeightOptimizer,
 each rank on its share of the batch, and writes OUT/rank{r}.pt: the final weights, the gradient norms
 and this rank's optimizer state_dict(). RESUME_DIR: first load every rank{r}.pt there (any number of
 ranks) and continue.
@@ -30,10 +30,11 @@ def main(mode: str, out: str, steps: int, resume: str | None = None) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     pool = colo.Pool("cpu", capacity=64 << 20)
     region = pool.region("weights", budget=4 << 20)
-    params = build_params(region if mode == "in-place" else None)
+    params = build_params(region if mode.startswith("in-place") else None,
+                          torch.float32 if mode.endswith("fp32") else torch.bfloat16)
     optimizer = colo.ShardedMasterWeightOptimizer(build_groups(params), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
                                                   store_region=region, grad_region=pool.region("grads", budget=4 << 20))
-    assert optimizer.layout.in_place == (mode == "in-place"), optimizer.layout.in_place
+    assert optimizer.layout.in_place == mode.startswith("in-place"), optimizer.layout.in_place
     norms, done = [], 0
     if resume:
         shards = [torch.load(path, weights_only=True) for path in sorted(Path(resume).glob("rank*.pt"))]
