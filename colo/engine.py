@@ -22,7 +22,9 @@ import os
 import torch
 
 from . import vllm_compat as compat
+from .checks import check_int
 from .errors import RegionAsleepError
+from .regions import KV_CACHE, WEIGHTS
 
 engine_model = compat.engine_model
 engine_worker = compat.engine_worker
@@ -54,9 +56,8 @@ def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_byt
     import colo
 
     vllm = import_vllm()
-    if kv_cache_bytes is not None and (isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int)
-                                       or kv_cache_bytes <= 0):
-        raise ValueError(f"kv_cache_bytes must be a positive int, got {kv_cache_bytes!r}")
+    if kv_cache_bytes is not None:
+        check_int(kv_cache_bytes, "kv_cache_bytes")
     if "worker_cls" in llm_kwargs:
         raise ValueError("build_llm sets worker_cls itself: colo's worker is what places the weights and the "
                          "KV cache in the pool")
@@ -84,8 +85,8 @@ def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_byt
         llm = vllm.LLM(model=path, dtype=dtype, seed=seed, enforce_eager=enforce_eager, worker_cls=worker_cls,
                        **llm_kwargs)
     compat.keep_process_groups(llm)  # several engines share them in one process (rebuilds, comparisons)
-    if compat.KV_CACHE_REGION in pool.regions:  # models without attention layers have no KV cache to guard
-        _refuse_work_while_kv_asleep(llm, pool.regions[compat.KV_CACHE_REGION])
+    if KV_CACHE in pool.regions:  # models without attention layers have no KV cache to guard
+        _refuse_work_while_kv_asleep(llm, pool.regions[KV_CACHE])
     return llm
 
 
@@ -107,17 +108,17 @@ def cpu_kernels(llm) -> dict[str, int]:
 def kv_cache_region(llm):
     """The pool region holding this engine's KV cache."""
     pool = engine_pool(llm)
-    if pool is None or compat.KV_CACHE_REGION not in pool.regions:
+    if pool is None or KV_CACHE not in pool.regions:
         raise RuntimeError("this vllm.LLM was not built by colo.engine.build_llm; its KV cache is not in a pool region")
-    return pool.regions[compat.KV_CACHE_REGION]
+    return pool.regions[KV_CACHE]
 
 
 def weights_region(llm):
     """The pool region holding this engine's weights."""
     pool = engine_pool(llm)
-    if pool is None or compat.WEIGHTS_REGION not in pool.regions:
+    if pool is None or WEIGHTS not in pool.regions:
         raise RuntimeError("this vllm.LLM was not built by colo.engine.build_llm; its weights are not in a pool region")
-    return pool.regions[compat.WEIGHTS_REGION]
+    return pool.regions[WEIGHTS]
 
 
 def reset_prefix_cache(llm) -> None:

@@ -21,6 +21,7 @@ import torch
 from . import _C
 from ._build import cuda_available, cuda_unavailable_reason
 from .errors import OutOfMemoryError
+from .sizes import shape_bytes
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
 _STREAM_ROLES = ("train", "infer", "copy")
@@ -138,10 +139,9 @@ class Stream:
                     raise TypeError(f"copy_async: item {i} {what} must be a torch.Tensor, not {type(t).__name__}")
                 if not t.is_contiguous():
                     raise ValueError(f"copy_async: item {i} {what} is not contiguous")
-            nbytes = dst.numel() * dst.element_size()
-            if nbytes != src.numel() * src.element_size():
-                raise ValueError(f"copy_async: item {i} copies {src.numel() * src.element_size()} bytes "
-                                 f"into a {nbytes}-byte destination")
+            nbytes = dst.nbytes
+            if nbytes != src.nbytes:
+                raise ValueError(f"copy_async: item {i} copies {src.nbytes} bytes into a {nbytes}-byte destination")
             if nbytes:
                 copies.append((dst.data_ptr(), src.data_ptr(), nbytes))
                 keep += (dst, src)
@@ -177,10 +177,7 @@ class Region:
         shape = _check_shape(shape)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"Region.empty: dtype must be a torch.dtype, not {type(dtype).__name__}")
-        numel = 1
-        for n in shape:
-            numel *= n
-        nbytes = numel * dtype.itemsize
+        nbytes = shape_bytes(shape, dtype)
         if nbytes > self.budget:  # also keeps absurd sizes away from the core's size_t
             raise OutOfMemoryError(f"region {self.name!r} cannot allocate {nbytes} bytes ({tuple(shape)} of {dtype}): "
                                    f"more than its whole budget of {self.budget} bytes")

@@ -33,7 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from . import vllm_compat as compat
+from .checks import check_int
 from .engine import reset_prefix_cache
+from .regions import WEIGHTS, region_for
+from .sizes import shape_bytes
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Config fields that change what the same weights compute; parameter shapes cannot reveal them.
@@ -168,8 +171,7 @@ def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes:
     if not isinstance(hf_model, torch.nn.Module):
         raise TypeError(f"hf_model must be a transformers model (torch.nn.Module), not {type(hf_model).__name__}")
     check_architecture(type(hf_model).__name__)
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    check_int(bucket_bytes, "bucket_bytes")
     model = compat.engine_model(llm)
     tensors, linear_modules = compat.engine_layout(model)
     placement = compat.engine_placement(llm)
@@ -326,11 +328,8 @@ def _move_into_pool(pool, tensors, linear_modules) -> None:
     copies (and, for packed layers, the weights themselves) are gone. Only for eager engines."""
     from .placement import adopt_into
 
-    region = pool.regions.get(compat.WEIGHTS_REGION)
-    if region is None:
-        need = sum(_numel(t.shape) * t.dtype.itemsize + 512 for t in tensors)
-        granularity = pool.granularity
-        region = pool.region(compat.WEIGHTS_REGION, budget=-(-need // granularity) * granularity)
+    # 512 bytes a tensor: room for the padding of the region's 256-byte allocation alignment.
+    region = region_for(pool, WEIGHTS, sum(shape_bytes(t.shape, t.dtype) + 512 for t in tensors))
     linear_weight_dtypes = {id(m.bias): m.weight.dtype for m in linear_modules if getattr(m, "bias", None) is not None}
     for t in tensors:
         if t.param.numel() == 0 or t.param.dtype != linear_weight_dtypes.get(id(t.param), t.param.dtype):
@@ -416,9 +415,3 @@ def _torch_stream(stream):
     else:
         yield
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
