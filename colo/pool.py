@@ -4,7 +4,7 @@
     kv = pool.region("kv_cache", budget=8 << 30)
     t = kv.empty((n, m), dtype=torch.bfloat16)    # a torch tensor in region memory (via DLPack)
     kv.sleep(offload=False); kv.wake()            # same addresses after wake
-    with pool.use("train"): ...                   # CUDA: torch's own allocations go to that region
+    with pool.use("grads"): ...                   # CUDA: torch's own allocations go to that region
 
 The memory itself lives in the compiled core (csrc/); this module validates arguments, turns
 DLPack capsules into tensors and keeps the bookkeeping a Python user needs.
@@ -396,27 +396,27 @@ class Pool:
 
     @contextlib.contextmanager
     def use(self, name: str):
-        """Route torch's own allocations made inside the block to region `name`.
+        """Route torch's own allocations made inside the block to region `name`; yields the region.
 
-        CUDA: through torch.cuda.MemPool + a CUDAPluggableAllocator loading colo's C entry points
-        (current thread only: autograd's backward threads are not routed; expandable_segments must
-        be off). CPU: torch's CPU allocator cannot be replaced per block, so only the region is made
-        current (as the core sees it: `_C.current_region`) and torch allocations stay where they were.
+        CUDA: through torch.cuda.MemPool + a CUDAPluggableAllocator loading colo's C entry points,
+        which allocate in the core's current region of the device (current thread only: autograd's
+        backward threads are not routed; expandable_segments must be off). CPU: torch's CPU
+        allocator cannot be replaced per block, so the block runs unchanged (torch allocations stay
+        where they were); it is accepted so that code written for both devices runs on a host pool.
         """
-        region = self.region(name) if name in self._regions else None
+        region = self._regions.get(name)
         if region is None:
             raise KeyError(f"no region named {name!r} in this pool (have: {sorted(self._regions)})")
-        index = (self.device.index or 0) if self.device.type == "cuda" else -1
-        previous = _C.current_region(index)
-        _C.set_current_region(index, region._native)
+        if self.device.type != "cuda":
+            yield region
+            return
+        previous = _C.current_region(self.device.index)
+        _C.set_current_region(self.device.index, region._native)
         try:
-            if self.device.type == "cuda":
-                with torch.cuda.use_mem_pool(self._torch_pool(name), device=self.device):
-                    yield region
-            else:
+            with torch.cuda.use_mem_pool(self._torch_pool(name), device=self.device):
                 yield region
         finally:
-            _C.set_current_region(index, previous)
+            _C.set_current_region(self.device.index, previous)
 
     def _torch_pool(self, name: str):
         if name not in self._torch_pools:
