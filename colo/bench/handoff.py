@@ -36,40 +36,22 @@ import tempfile
 import time
 from pathlib import Path
 
+from colo.sizes import rss_bytes, tensor_bytes
+
 from .baselines import UPDATABLE_VARIANT, stock_llm, stock_update_refused, trl_sync_weights, try_trl_sync
-from .measure import engine_unavailable_reason, ratio, rss_bytes, skipped_row
+from .measure import engine_unavailable_reason, ratio, skipped_row
+from .models import QWEN2_SIZES, random_model
 
 SECTION = "handoff"
 GOAL_RATIO = 100.0
 GOAL_PARAMS = 0.45e9
 GENERATION_GOAL = 0.9
 
-# name -> Qwen2 config (head_dim 64: vLLM's CPU attention supports only some head sizes).
-SIZES = {
-    "qwen2-9M": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=32000),
-    "qwen2-45M": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                      num_key_value_heads=2, vocab_size=32000),
-    "qwen2-120M": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                       num_key_value_heads=2, vocab_size=50000),
-    "qwen2-0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2, vocab_size=151936),  # Qwen2-0.5B's shape: 494M parameters
-}
 QUICK_SIZES = ("qwen2-9M", "qwen2-45M")
-FULL_SIZES = ("qwen2-9M", "qwen2-45M", "qwen2-120M", "qwen2-0.5B")
+FULL_SIZES = ("qwen2-9M", "qwen2-45M", "qwen2-120M", "qwen2-0.5B")  # names in models.QWEN2_SIZES
 GEN_BATCH, GEN_PROMPT_TOKENS, GEN_NEW_TOKENS = 4, 32, 32
 ENGINE = dict(dtype="bfloat16", max_model_len=512)
 KV_BYTES = 64 << 20
-
-
-def build_model(config_kwargs: dict, dtype):
-    """A randomly initialised Qwen2 causal LM in `dtype`."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(head_dim=64, max_position_embeddings=512, tie_word_embeddings=True, **config_kwargs)
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM._from_config(config, dtype=dtype)
 
 
 def timed(fn, repeats: int, sync=None) -> float:
@@ -114,9 +96,10 @@ class _Size:
         self.name, self.device = name, device
         self.repeats = 3 if quick else 5
         self.sync = torch.cuda.synchronize if device == "cuda" else None
-        hf = build_model(SIZES[name], torch.bfloat16)
+        hf = random_model({**QWEN2_SIZES[name], "max_position_embeddings": ENGINE["max_model_len"]},
+                          dtype=torch.bfloat16)
         self.params = sum(p.numel() for p in hf.parameters())
-        self.param_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+        self.param_bytes = tensor_bytes(hf.parameters())
         self.checkpoint = tmp / "model"
         hf.save_pretrained(self.checkpoint)
         self.trainer = hf.to(device)  # a trainer's own copy, for the baselines

@@ -1,9 +1,7 @@
-"""Small measuring helpers shared by the sections: process RSS, CUDA availability, row building."""
+"""Small measuring helpers shared by the sections: device availability, row building, timing."""
 from __future__ import annotations
 
 import time
-
-from colo.grpo.metrics import rss_bytes  # noqa: F401 - re-exported for the sections
 
 
 def cuda_rows_unavailable_reason() -> str:

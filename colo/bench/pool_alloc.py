@@ -19,6 +19,8 @@ import math
 import random
 import time
 
+from colo.sizes import round_up
+
 from .measure import cuda_rows_unavailable_reason, ratio, skipped_row
 
 SECTION = "pool_alloc"
@@ -34,7 +36,7 @@ def size_mix(count: int, seed: int = 0) -> list[int]:
     for _ in range(count):
         _, lo, hi = rng.choices(SIZE_CLASSES, weights)[0]
         n = int(math.exp(rng.uniform(math.log(lo), math.log(hi))))
-        sizes.append(-(-n // 64) * 64)  # whole 64-byte multiples, like tensors of 4/8-byte elements
+        sizes.append(round_up(n, 64))  # whole 64-byte multiples, like tensors of 4/8-byte elements
     return sizes
 
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import statistics
 
-from .measure import Stopwatch, cuda_rows_unavailable_reason, ratio, rss_bytes, skipped_row
+from colo.sizes import rss_bytes
+
+from .measure import Stopwatch, cuda_rows_unavailable_reason, ratio, skipped_row
 
 SECTION = "sleep_wake"
 TENSOR_BYTES = 16 << 20
