@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 
 from .baselines import UPDATABLE_VARIANT, stock_update_refused, trl_sync_weights
-from .measure import engine_unavailable_reason, ratio, skipped_row
+from .measure import engine_unavailable_reason, ratio, rows_per_device
 from .models import QWEN2_SIZES, save_random_model
 
 SECTION = "grpo_step"
@@ -133,12 +133,8 @@ def measure_size(name: str, steps: int, progress, device: str = "cpu") -> dict:
 
 
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
-    rows = []
-    for device in devices:
-        why = engine_unavailable_reason(device)
-        if why:
-            rows.append(skipped_row(SECTION, "grpo step", device, f"{device.upper()} case not run: {why}"))
-            continue
-        for name in (QUICK_SIZES if quick else FULL_SIZES):
-            rows.append(measure_size(name, 3 if quick else 6, progress, device))
-    return rows
+    def measure(device: str) -> list[dict]:
+        steps = 3 if quick else 6
+        return [measure_size(name, steps, progress, device) for name in (QUICK_SIZES if quick else FULL_SIZES)]
+
+    return rows_per_device(SECTION, "grpo step", devices, engine_unavailable_reason, measure)

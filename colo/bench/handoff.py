@@ -39,7 +39,7 @@ from pathlib import Path
 from colo.sizes import rss_bytes, tensor_bytes
 
 from .baselines import UPDATABLE_VARIANT, stock_llm, stock_update_refused, trl_sync_weights, try_trl_sync
-from .measure import engine_unavailable_reason, ratio, skipped_row
+from .measure import engine_unavailable_reason, ratio, rows_per_device
 from .models import QWEN2_SIZES, random_model
 
 SECTION = "handoff"
@@ -223,18 +223,14 @@ def _release(llm) -> None:
 
 
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
-    rows = []
-    for device in devices:
-        why = engine_unavailable_reason(device)
-        if why:
-            rows.append(skipped_row(SECTION, "publish", device, f"{device.upper()} case not run: {why}"))
-            continue
+    def measure(device: str) -> list[dict]:
         vllm_logger = logging.getLogger("vllm")  # configured by vLLM's import in engine_unavailable_reason
         level = vllm_logger.level
         vllm_logger.setLevel(logging.ERROR)  # each engine start logs ~100 lines between the table's rows
         try:
-            for name in (QUICK_SIZES if quick else FULL_SIZES):
-                rows += measure_size(name, quick, progress, device)
+            return [row for name in (QUICK_SIZES if quick else FULL_SIZES)
+                    for row in measure_size(name, quick, progress, device)]
         finally:
             vllm_logger.setLevel(level)
-    return rows
+
+    return rows_per_device(SECTION, "publish", devices, engine_unavailable_reason, measure)

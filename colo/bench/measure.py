@@ -33,8 +33,26 @@ def engine_unavailable_reason(device: str) -> str:
     return "the installed vLLM is a GPU build, which runs its engines on the GPU only (see the cuda rows)"
 
 
+def pool_unavailable_reason(device: str) -> str:
+    """Why a section that needs only a colo.Pool cannot measure on `device` here ('' when it can)."""
+    return cuda_rows_unavailable_reason() if device == "cuda" else ""
+
+
 def skipped_row(section: str, case: str, device: str, why: str) -> dict:
     return {"section": section, "case": case, "device": device, "note": why}
+
+
+def rows_per_device(section: str, case: str, devices, unavailable_reason, measure) -> list[dict]:
+    """A section's rows: `measure(device)`'s for each device it can measure on here, and for each
+    other one a row (`case`) saying why not (`unavailable_reason(device)`)."""
+    rows = []
+    for device in devices:
+        why = unavailable_reason(device)
+        if why:
+            rows.append(skipped_row(section, case, device, f"{device.upper()} case not run: {why}"))
+        else:
+            rows += measure(device)
+    return rows
 
 
 def ratio(baseline_s: float, colo_s: float) -> float:

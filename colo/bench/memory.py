@@ -27,7 +27,7 @@ from colo.regions import GRADS, OPTIMIZER, WEIGHTS
 from colo.sizes import tensor_bytes
 
 from .grpo_step import save_model
-from .measure import engine_unavailable_reason, skipped_row
+from .measure import engine_unavailable_reason, rows_per_device
 
 SECTION = "memory"
 PHASES = {"generate": "generate", "train": "train", "publish": "handoff"}  # row name -> step log name
@@ -101,12 +101,7 @@ def _planned_layouts(params: int) -> dict:
 
 
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
-    rows = []
-    for device in devices:
-        why = engine_unavailable_reason(device)
-        if why:
-            rows.append(skipped_row(SECTION, "bytes per parameter", device, f"{device.upper()} case not run: {why}"))
-            continue
-        for name in (QUICK_SIZES if quick else FULL_SIZES):
-            rows += measure_size(name, progress, device)
-    return rows
+    def measure(device: str) -> list[dict]:
+        return [row for name in (QUICK_SIZES if quick else FULL_SIZES) for row in measure_size(name, progress, device)]
+
+    return rows_per_device(SECTION, "bytes per parameter", devices, engine_unavailable_reason, measure)

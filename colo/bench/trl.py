@@ -35,7 +35,7 @@ from pathlib import Path
 from colo.sizes import rss_bytes, tensor_bytes
 
 from .baselines import UPDATABLE_VARIANT, stock_update_refused
-from .measure import engine_unavailable_reason, ratio, skipped_row
+from .measure import engine_unavailable_reason, ratio, rows_per_device
 from .models import save_random_model
 
 SECTION = "trl"
@@ -270,17 +270,16 @@ def _trl_missing_reason() -> str:
     return ""
 
 
+def _unavailable_reason(device: str) -> str:
+    why = engine_unavailable_reason(device) or _trl_missing_reason()
+    if not why and device == "cuda":
+        why = "colo.trl's GPU case has not been written as a benchmark yet (TRL on CPU here)"
+    return why
+
+
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
-    rows = []
-    for device in devices:
-        why = engine_unavailable_reason(device)
-        if not why:
-            why = _trl_missing_reason()
-        if not why and device == "cuda":
-            why = "colo.trl's GPU case has not been written as a benchmark yet (TRL on CPU here)"
-        if why:
-            rows.append(skipped_row(SECTION, "TRL step", device, f"{device.upper()} case not run: {why}"))
-            continue
-        for name in (QUICK_SIZES if quick else FULL_SIZES):
-            rows += measure_size(name, quick, progress, device)
-    return rows
+    def measure(device: str) -> list[dict]:
+        return [row for name in (QUICK_SIZES if quick else FULL_SIZES)
+                for row in measure_size(name, quick, progress, device)]
+
+    return rows_per_device(SECTION, "TRL step", devices, _unavailable_reason, measure)
