@@ -39,7 +39,7 @@ from pathlib import Path
 from colo.sizes import rss_bytes, tensor_bytes
 
 from .baselines import UPDATABLE_VARIANT, stock_llm, stock_update_refused, trl_sync_weights, try_trl_sync
-from .measure import engine_unavailable_reason, ratio, rows_per_device
+from .measure import Stopwatch, engine_unavailable_reason, ratio, rows_per_device
 from .models import QWEN2_SIZES, random_model
 
 SECTION = "handoff"
@@ -60,13 +60,9 @@ def timed(fn, repeats: int, sync=None) -> float:
     device work counts."""
     samples = []
     for _ in range(repeats):
-        if sync:
-            sync()
-        start = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        samples.append(time.perf_counter() - start)
+        with Stopwatch(sync) as watch:
+            fn()
+        samples.append(watch.seconds)
     return statistics.median(samples)
 
 
@@ -150,38 +146,51 @@ class _Size:
         self.figures["rebuild_s"] = timed(rebuild, 1)
 
     def rows(self) -> list[dict]:
+        return [*self.publish_rows(), self.generation_row()]
+
+    def publish_rows(self) -> list[dict]:
+        """colo's publish beside each way to serve new weights without it."""
         f = self.figures
         common = {"section": SECTION, "device": self.device, "params": self.params, "model": self.name,
                   "dtype": "bfloat16", "colo_s": f["colo_s"], "bytes_moved": f["colo_bytes"],
                   "bytes_repacked": f["colo_repacked"], "cpu_kernels": f["kernels"],
-                  "share_once_s": f["share_once_s"], "rss_bytes_after": f["rss"]}
-        case = f"publish {self.name}"
+                  "share_once_s": f["share_once_s"], "rss_bytes_after": f["rss"], "case": f"publish {self.name}"}
+        return [
+            self.trl_row(common),
+            {**common, "baseline": "rebuild stock engine from save_pretrained",
+             "baseline_s": f["rebuild_s"], "baseline_bytes_moved": 2 * self.param_bytes,
+             "ratio": ratio(f["rebuild_s"], f["colo_s"]), "note": "bytes = written to disk + read back; measured once"},
+            {**common, "baseline": "colo bucketed copy (alias=False)",
+             "baseline_s": f["bucketed_s"], "baseline_bytes_moved": f["bucketed_bytes"],
+             "ratio": ratio(f["bucketed_s"], f["colo_s"]),
+             "note": "colo's path when trainer and engine cannot alias (dtype or tensor-parallel shards)"},
+        ]
+
+    def trl_row(self, common: dict) -> dict:
+        """Beside TRL's sync: on stock vLLM, or on the updatable variant where stock vLLM refused it."""
+        f = self.figures
         refused = f["stock_refused"]
-        trl = {**common, "case": case, "baseline": "TRL sync_weights (load_weights per parameter)",
+        row = {**common, "baseline": "TRL sync_weights (load_weights per parameter)",
                "baseline_s": f["trl_s"], "baseline_bytes_moved": self.param_bytes,
                "ratio": ratio(f["trl_s"], f["colo_s"]),
                "note": "TRL 1.16's colocate sync: model.load_weights([(name, param)]) per parameter, then a "
                        "prefix-cache reset, on stock vLLM in its default mode"}
         if refused:
-            trl.update(baseline=f"TRL sync_weights on {UPDATABLE_VARIANT}",
+            row.update(baseline=f"TRL sync_weights on {UPDATABLE_VARIANT}",
                        note=f"stock vLLM cannot run this baseline here: {stock_update_refused(f['kernels'])}; "
                             f"load_weights raised {refused}. Measured instead on {UPDATABLE_VARIANT}")
         if self.params >= GOAL_PARAMS:
-            trl.update(goal=f"0 bytes and >= {GOAL_RATIO:.0f}x faster at 0.5B",
-                       goal_met=f["colo_bytes"] == 0 and trl["ratio"] >= GOAL_RATIO)
-        rows = [
-            trl,
-            {**common, "case": case, "baseline": "rebuild stock engine from save_pretrained",
-             "baseline_s": f["rebuild_s"], "baseline_bytes_moved": 2 * self.param_bytes,
-             "ratio": ratio(f["rebuild_s"], f["colo_s"]), "note": "bytes = written to disk + read back; measured once"},
-            {**common, "case": case, "baseline": "colo bucketed copy (alias=False)",
-             "baseline_s": f["bucketed_s"], "baseline_bytes_moved": f["bucketed_bytes"],
-             "ratio": ratio(f["bucketed_s"], f["colo_s"]),
-             "note": "colo's path when trainer and engine cannot alias (dtype or tensor-parallel shards)"},
-        ]
+            row.update(goal=f"0 bytes and >= {GOAL_RATIO:.0f}x faster at 0.5B",
+                       goal_met=f["colo_bytes"] == 0 and row["ratio"] >= GOAL_RATIO)
+        return row
+
+    def generation_row(self) -> dict:
+        """Generation speed with shared weights beside stock vLLM (`model_params`, not `params`: the
+        handoff plot leaves it out)."""
+        f = self.figures
         colo_gen, stock_gen = f["generation"]["colo"], f["generation"]["stock"]
         speed = ratio(stock_gen, colo_gen)
-        rows.append({
+        return {
             "section": SECTION, "device": self.device, "model_params": self.params, "model": self.name,
             "dtype": "bfloat16", "case": f"generate {self.name} with shared weights",
             "colo_s": colo_gen, "baseline": "stock vLLM, default mode", "baseline_s": stock_gen, "ratio": speed,
@@ -189,8 +198,7 @@ class _Size:
             "baseline_tokens_per_second": GEN_BATCH * GEN_NEW_TOKENS / stock_gen,
             "goal": f">= {GENERATION_GOAL}x stock", "goal_met": speed >= GENERATION_GOAL,
             "note": f"same model, dtype, prompts ({GEN_BATCH}x{GEN_PROMPT_TOKENS} tokens in, {GEN_NEW_TOKENS} out, "
-                    "greedy), both compiled; best of alternating rounds"})
-        return rows
+                    "greedy), both compiled; best of alternating rounds"}
 
 
 def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[dict]:
