@@ -16,19 +16,18 @@ UPDATABLE_VARIANT = "vLLM with its packed CPU kernels disabled (F.linear), compi
 
 
 def trl_sync_weights(llm, hf_model) -> dict:
-    """TRL's colocate sync: every parameter through vLLM's own load_weights, one call each."""
-    import torch
-
+    """TRL's colocate sync, as its `sync_weights` runs for a model without FSDP, DeepSpeed or PEFT:
+    every `named_parameters()` entry's `.data` through vLLM's own load_weights, one call each (TRL's
+    name fix only strips wrapper prefixes such a model does not have), in the caller's grad mode
+    (TRL calls it outside torch.no_grad), then a prefix-cache reset."""
     from colo.engine import engine_model, reset_prefix_cache
+    from colo.sizes import tensor_bytes
 
     model = engine_model(llm)
-    copied = 0
-    with torch.no_grad():  # as vLLM's loaders run
-        for name, param in hf_model.named_parameters():
-            model.load_weights([(name, param.data)])
-            copied += param.numel() * param.element_size()
+    for name, param in hf_model.named_parameters():
+        model.load_weights([(name, param.data)])
     reset_prefix_cache(llm)
-    return {"bytes_copied": copied}
+    return {"bytes_copied": tensor_bytes(hf_model.parameters())}
 
 
 def stock_llm(model_dir, *, dtype: str, kernel: str | None = None, **llm_kwargs):
