@@ -22,7 +22,9 @@ import os
 import torch
 
 from . import vllm_compat as compat
+from .checks import check_int
 from .errors import RegionAsleepError
+from .regions import KV_CACHE, WEIGHTS
 
 engine_model = compat.engine_model
 engine_worker = compat.engine_worker
@@ -54,9 +56,8 @@ def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_byt
     import colo
 
     vllm = import_vllm()
-    if kv_cache_bytes is not None and (isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int)
-                                       or kv_cache_bytes <= 0):
-        raise ValueError(f"kv_cache_bytes must be a positive int, got {kv_cache_bytes!r}")
+    if kv_cache_bytes is not None:
+        check_int(kv_cache_bytes, "kv_cache_bytes")
     if "worker_cls" in llm_kwargs:
         raise ValueError("build_llm sets worker_cls itself: colo's worker is what places the weights and the "
                          "KV cache in the pool")
@@ -64,7 +65,7 @@ def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_byt
     if (os.path.isabs(path) or path.startswith(".")) and not os.path.isdir(path):
         raise FileNotFoundError(f"build_llm: no model directory at {path}")
     if pool is None:
-        pool = colo.Pool(_default_device())
+        pool = colo.Pool(engine_device())
     if torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
         llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
@@ -76,16 +77,15 @@ def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_byt
     if max_model_len is not None:
         llm_kwargs["max_model_len"] = max_model_len
 
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the model must be a module of this process
-    if kv_cache_bytes is not None:  # vLLM's CPU platform lets this legacy variable override an explicit size
-        env["VLLM_CPU_KVCACHE_SPACE"] = None
+    # vLLM's CPU platform lets this legacy variable override an explicit size.
+    env = {"VLLM_CPU_KVCACHE_SPACE": None} if kv_cache_bytes is not None else {}
     placement = compat.EnginePlacement(pool)
-    with _patched_env(env), compat.placing(placement) as worker_cls:
+    with in_process_env(env), compat.placing(placement) as worker_cls:
         llm = vllm.LLM(model=path, dtype=dtype, seed=seed, enforce_eager=enforce_eager, worker_cls=worker_cls,
                        **llm_kwargs)
     compat.keep_process_groups(llm)  # several engines share them in one process (rebuilds, comparisons)
-    if compat.KV_CACHE_REGION in pool.regions:  # models without attention layers have no KV cache to guard
-        _refuse_work_while_kv_asleep(llm, pool.regions[compat.KV_CACHE_REGION])
+    if KV_CACHE in pool.regions:  # models without attention layers have no KV cache to guard
+        _refuse_work_while_kv_asleep(llm, pool.regions[KV_CACHE])
     return llm
 
 
@@ -107,17 +107,17 @@ def cpu_kernels(llm) -> dict[str, int]:
 def kv_cache_region(llm):
     """The pool region holding this engine's KV cache."""
     pool = engine_pool(llm)
-    if pool is None or compat.KV_CACHE_REGION not in pool.regions:
+    if pool is None or KV_CACHE not in pool.regions:
         raise RuntimeError("this vllm.LLM was not built by colo.engine.build_llm; its KV cache is not in a pool region")
-    return pool.regions[compat.KV_CACHE_REGION]
+    return pool.regions[KV_CACHE]
 
 
 def weights_region(llm):
     """The pool region holding this engine's weights."""
     pool = engine_pool(llm)
-    if pool is None or compat.WEIGHTS_REGION not in pool.regions:
+    if pool is None or WEIGHTS not in pool.regions:
         raise RuntimeError("this vllm.LLM was not built by colo.engine.build_llm; its weights are not in a pool region")
-    return pool.regions[compat.WEIGHTS_REGION]
+    return pool.regions[WEIGHTS]
 
 
 def reset_prefix_cache(llm) -> None:
@@ -144,26 +144,36 @@ def release_llm(llm) -> None:
     compat.release_engine(llm)
 
 
-def _default_device() -> str:
+def engine_device() -> str:
+    """Where the installed vLLM runs its engines: "cpu" for vllm-cpu, "cuda" for the GPU build (one
+    install serves one kind of device)."""
+    import_vllm()
     return compat.platform_device_type()
 
 
 @contextlib.contextmanager
-def _patched_env(values: dict):
+def in_process_env(extra: dict | None = None):
+    """While a vllm.LLM is constructed inside the block, vLLM runs its engine in this process (colo
+    places its memory and shares its weights there), with `extra` variables set (None: unset).
+
+    The caller's environment is restored afterwards: vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING only
+    while it constructs an engine, and its engine core caches every vLLM variable when it starts.
+    """
+    values = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(extra or {})}
     saved = {name: os.environ.get(name) for name in values}
     try:
-        for name, value in values.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _set_env(values)
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _set_env(saved)
+
+
+def _set_env(values: dict) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _refuse_work_while_kv_asleep(llm, region) -> None:

@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .sizes import shape_bytes
+
 _FILLS = {torch.empty: None, torch.zeros: 0, torch.ones: 1}
 _LIKE_FILLS = {torch.empty_like: None, torch.zeros_like: 0, torch.ones_like: 1}
 _ROUTABLE_KWARGS = {"dtype", "device", "requires_grad", "layout", "memory_format", "pin_memory"}
@@ -81,9 +83,7 @@ class AllocateIn(TorchFunctionMode):
             return None
         if not self._on_region_device(device) or not isinstance(dtype, torch.dtype):
             return None
-        nbytes = dtype.itemsize
-        for n in shape:
-            nbytes *= n
+        nbytes = shape_bytes(shape, dtype)
         if nbytes == 0:
             return None
         tensor = self.region_of(nbytes).empty(shape, dtype)
@@ -122,5 +122,5 @@ def adopt_into(region, tensors: list[torch.Tensor]) -> int:
         inside = region.empty(tuple(t.shape), t.dtype)
         inside.copy_(t.detach())
         t.data = inside
-        moved += inside.numel() * inside.element_size()
+        moved += inside.nbytes
     return moved

@@ -4,7 +4,7 @@
     kv = pool.region("kv_cache", budget=8 << 30)
     t = kv.empty((n, m), dtype=torch.bfloat16)    # a torch tensor in region memory (via DLPack)
     kv.sleep(offload=False); kv.wake()            # same addresses after wake
-    with pool.use("train"): ...                   # CUDA: torch's own allocations go to that region
+    with pool.use("grads"): ...                   # CUDA: torch's own allocations go to that region
 
 The memory itself lives in the compiled core (csrc/); this module validates arguments, turns
 DLPack capsules into tensors and keeps the bookkeeping a Python user needs.
@@ -21,6 +21,7 @@ import torch
 from . import _C
 from ._build import cuda_available, cuda_unavailable_reason
 from .errors import OutOfMemoryError
+from .sizes import shape_bytes
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
 _STREAM_ROLES = ("train", "infer", "copy")
@@ -139,10 +140,9 @@ class Stream:
                     raise TypeError(f"copy_async: item {i} {what} must be a torch.Tensor, not {type(t).__name__}")
                 if not t.is_contiguous():
                     raise ValueError(f"copy_async: item {i} {what} is not contiguous")
-            nbytes = dst.numel() * dst.element_size()
-            if nbytes != src.numel() * src.element_size():
-                raise ValueError(f"copy_async: item {i} copies {src.numel() * src.element_size()} bytes "
-                                 f"into a {nbytes}-byte destination")
+            nbytes = dst.nbytes
+            if nbytes != src.nbytes:
+                raise ValueError(f"copy_async: item {i} copies {src.nbytes} bytes into a {nbytes}-byte destination")
             if nbytes:
                 copies.append((dst.data_ptr(), src.data_ptr(), nbytes))
                 keep += (dst, src)
@@ -178,10 +178,7 @@ class Region:
         shape = _check_shape(shape)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"Region.empty: dtype must be a torch.dtype, not {type(dtype).__name__}")
-        numel = 1
-        for n in shape:
-            numel *= n
-        nbytes = numel * dtype.itemsize
+        nbytes = shape_bytes(shape, dtype)
         if nbytes > self.budget:  # also keeps absurd sizes away from the core's size_t
             raise OutOfMemoryError(f"region {self.name!r} cannot allocate {nbytes} bytes ({tuple(shape)} of {dtype}): "
                                    f"more than its whole budget of {self.budget} bytes")
@@ -408,27 +405,27 @@ class Pool:
 
     @contextlib.contextmanager
     def use(self, name: str):
-        """Route torch's own allocations made inside the block to region `name`.
+        """Route torch's own allocations made inside the block to region `name`; yields the region.
 
-        CUDA: through torch.cuda.MemPool + a CUDAPluggableAllocator loading colo's C entry points
-        (current thread only: autograd's backward threads are not routed; expandable_segments must
-        be off). CPU: torch's CPU allocator cannot be replaced per block, so only the region is made
-        current (as the core sees it: `_C.current_region`) and torch allocations stay where they were.
+        CUDA: through torch.cuda.MemPool + a CUDAPluggableAllocator loading colo's C entry points,
+        which allocate in the core's current region of the device (current thread only: autograd's
+        backward threads are not routed; expandable_segments must be off). CPU: torch's CPU
+        allocator cannot be replaced per block, so the block runs unchanged (torch allocations stay
+        where they were); it is accepted so that code written for both devices runs on a host pool.
         """
-        region = self.region(name) if name in self._regions else None
+        region = self._regions.get(name)
         if region is None:
             raise KeyError(f"no region named {name!r} in this pool (have: {sorted(self._regions)})")
-        index = (self.device.index or 0) if self.device.type == "cuda" else -1
-        previous = _C.current_region(index)
-        _C.set_current_region(index, region._native)
+        if self.device.type != "cuda":
+            yield region
+            return
+        previous = _C.current_region(self.device.index)
+        _C.set_current_region(self.device.index, region._native)
         try:
-            if self.device.type == "cuda":
-                with torch.cuda.use_mem_pool(self._torch_pool(name), device=self.device):
-                    yield region
-            else:
+            with torch.cuda.use_mem_pool(self._torch_pool(name), device=self.device):
                 yield region
         finally:
-            _C.set_current_region(index, previous)
+            _C.set_current_region(self.device.index, previous)
 
     def _torch_pool(self, name: str):
         if name not in self._torch_pools:

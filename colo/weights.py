@@ -28,12 +28,16 @@ import contextlib
 import copy
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from . import vllm_compat as compat
+from .checks import check_int
 from .engine import reset_prefix_cache
+from .regions import WEIGHTS, region_for
+from .sizes import shape_bytes
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Config fields that change what the same weights compute; parameter shapes cannot reveal them.
@@ -48,6 +52,14 @@ class _Source:
     piece: compat.Piece
     param: torch.nn.Parameter
     alias: bool
+
+
+class _Engine(NamedTuple):
+    """What share_weights reads of the engine."""
+    placement: compat.EnginePlacement | None   # None: an engine colo did not build
+    tensors: list[compat.EngineTensor]
+    linear_modules: list                       # the modules whose CPU GEMM runs through `cpu_linear`
+    device: torch.device
 
 
 @dataclass
@@ -165,30 +177,8 @@ def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes:
     Raises NotImplementedError for an unsupported architecture and ValueError, naming the first
     mismatching parameter, when the model does not fit the engine; nothing is changed then.
     """
-    if not isinstance(hf_model, torch.nn.Module):
-        raise TypeError(f"hf_model must be a transformers model (torch.nn.Module), not {type(hf_model).__name__}")
-    check_architecture(type(hf_model).__name__)
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-    model = compat.engine_model(llm)
-    tensors, linear_modules = compat.engine_layout(model)
-    placement = compat.engine_placement(llm)
-    device = next(t.param.device for t in tensors if t.param.numel())
-    sources = _match(hf_model, tensors, alias=alias, device=device)
-    _check_config(hf_model, llm, model)
-    if placement is None and compat.is_compiled(llm):
-        raise RuntimeError("this engine is compiled (torch.compile / CUDA graphs) and was not built by "
-                           "colo.engine.build_llm: its compiled code holds weight tensors colo would have to "
-                           "replace. Build it with colo.engine.build_llm, or with enforce_eager=True")
-
-    # Nothing has changed so far.
-    if placement is None:
-        pool = pool if pool is not None else _foreign_engine_pool(llm, device)
-        _move_into_pool(pool, tensors, linear_modules)
-        repack = []
-    else:
-        pool = placement.pool
-        repack = [linear for linear in placement.linears if linear.stale_after_update]
+    sources, engine = _validate(hf_model, llm, alias, bucket_bytes)
+    pool, repack = _place_engine_weights(llm, engine, pool)
     once = _write_and_alias(hf_model, sources, bucket_bytes, pool)
     copies = [s for s in sources if not s.alias]
     shared = SharedWeights(
@@ -211,7 +201,27 @@ def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes:
     return shared
 
 
-# --- matching the Hugging Face model against the engine (no mutation) ------------------------------
+# --- validating: the Hugging Face model against the engine (no mutation) ---------------------------
+
+def _validate(hf_model, llm, alias: bool, bucket_bytes: int) -> tuple[list[_Source], _Engine]:
+    """Everything share_weights checks before it changes anything; returns every engine piece
+    matched with its HF parameter, and what it read of the engine."""
+    if not isinstance(hf_model, torch.nn.Module):
+        raise TypeError(f"hf_model must be a transformers model (torch.nn.Module), not {type(hf_model).__name__}")
+    check_architecture(type(hf_model).__name__)
+    check_int(bucket_bytes, "bucket_bytes")
+    model = compat.engine_model(llm)
+    tensors, linear_modules = compat.engine_layout(model)
+    placement = compat.engine_placement(llm)
+    device = next(t.param.device for t in tensors if t.param.numel())
+    sources = _match(hf_model, tensors, alias=alias, device=device)
+    _check_config(hf_model, llm, model)
+    if placement is None and compat.is_compiled(llm):
+        raise RuntimeError("this engine is compiled (torch.compile / CUDA graphs) and was not built by "
+                           "colo.engine.build_llm: its compiled code holds weight tensors colo would have to "
+                           "replace. Build it with colo.engine.build_llm, or with enforce_eager=True")
+    return sources, _Engine(placement, tensors, linear_modules, device)
+
 
 def _match(hf_model, tensors, alias: bool, device: torch.device) -> list[_Source]:
     """Check every engine piece against the HF model; the first mismatch raises ValueError naming it."""
@@ -258,6 +268,50 @@ def _check_config(hf_model, llm, model) -> None:
         mine, theirs = getattr(hf_config, key, missing), getattr(engine_config, key, missing)
         if mine is not missing and theirs is not missing and mine != theirs:
             raise ValueError(f"config.{key}: {mine!r} in the Hugging Face model, {theirs!r} in the engine")
+
+
+# --- placing the engine's weights in a pool --------------------------------------------------------
+
+def _place_engine_weights(llm, engine: _Engine, pool):
+    """(the pool holding the engine's weights, the CpuLinears whose packed copies publish() refreshes).
+    An engine colo built has them in its pool already; another one's are moved into `pool` (default:
+    a new one on the engine's device)."""
+    if engine.placement is not None:
+        return engine.placement.pool, [linear for linear in engine.placement.linears if linear.stale_after_update]
+    pool = pool if pool is not None else _foreign_engine_pool(llm, engine.device)
+    _move_into_pool(pool, engine.tensors, engine.linear_modules)
+    return pool, []
+
+
+def _foreign_engine_pool(llm, device):
+    import colo
+
+    return colo.Pool(device)
+
+
+def _move_into_pool(pool, tensors, linear_modules) -> None:
+    """An engine colo did not build: move its parameters into the pool's weights region (one copy,
+    parameter identity kept) and let its CPU linears read them through F.linear, since their packed
+    copies (and, for packed layers, the weights themselves) are gone. Only for eager engines."""
+    from .placement import adopt_into
+
+    # 512 bytes a tensor: room for the padding of the region's 256-byte allocation alignment.
+    region = region_for(pool, WEIGHTS, sum(shape_bytes(t.shape, t.dtype) + 512 for t in tensors))
+    linear_weight_dtypes = {id(m.bias): m.weight.dtype for m in linear_modules if getattr(m, "bias", None) is not None}
+    for t in tensors:
+        if t.param.numel() == 0 or t.param.dtype != linear_weight_dtypes.get(id(t.param), t.param.dtype):
+            # Emptied by a packing kernel (filled from the trainer below), or a bias the sgl kernel
+            # made fp32: F.linear wants the weight's dtype.
+            dtype = linear_weight_dtypes.get(id(t.param), t.param.dtype)
+            old = t.param.detach()
+            t.param.data = region.empty(t.shape, dtype)
+            if old.numel():
+                t.param.data.copy_(old)
+            else:
+                t.param.data.zero_()
+    adopt_into(region, [t.param for t in tensors])
+    for module in linear_modules:
+        module.cpu_linear = F.linear
 
 
 # --- writing the trainer's values and aliasing -----------------------------------------------------
@@ -312,40 +366,6 @@ def _materialize_buffers(hf_model, device) -> None:
         for name in meta:
             module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
         hf_model._init_weights(module)
-
-
-def _foreign_engine_pool(llm, device):
-    import colo
-
-    return colo.Pool(device)
-
-
-def _move_into_pool(pool, tensors, linear_modules) -> None:
-    """An engine colo did not build: move its parameters into the pool's weights region (one copy,
-    parameter identity kept) and let its CPU linears read them through F.linear, since their packed
-    copies (and, for packed layers, the weights themselves) are gone. Only for eager engines."""
-    from .placement import adopt_into
-
-    region = pool.regions.get(compat.WEIGHTS_REGION)
-    if region is None:
-        need = sum(_numel(t.shape) * t.dtype.itemsize + 512 for t in tensors)
-        granularity = pool.granularity
-        region = pool.region(compat.WEIGHTS_REGION, budget=-(-need // granularity) * granularity)
-    linear_weight_dtypes = {id(m.bias): m.weight.dtype for m in linear_modules if getattr(m, "bias", None) is not None}
-    for t in tensors:
-        if t.param.numel() == 0 or t.param.dtype != linear_weight_dtypes.get(id(t.param), t.param.dtype):
-            # Emptied by a packing kernel (filled from the trainer below), or a bias the sgl kernel
-            # made fp32: F.linear wants the weight's dtype.
-            dtype = linear_weight_dtypes.get(id(t.param), t.param.dtype)
-            old = t.param.detach()
-            t.param.data = region.empty(t.shape, dtype)
-            if old.numel():
-                t.param.data.copy_(old)
-            else:
-                t.param.data.zero_()
-    adopt_into(region, [t.param for t in tensors])
-    for module in linear_modules:
-        module.cpu_linear = F.linear
 
 
 def _repack(linears) -> int:
@@ -416,9 +436,3 @@ def _torch_stream(stream):
     else:
         yield
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -23,22 +23,18 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 # head_dim 64: vLLM's CPU attention supports only some head sizes (32, 64, 80, ...).
 TINY_CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=64, max_position_embeddings=256)
-ARCHITECTURES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
-                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [500, 17, 4, 250, 3, 3, 99])
 MAX_MODEL_LEN = 256
 
 
 def tiny_hf_model(arch: str = "qwen2", *, vocab_size: int = 1000, tie_word_embeddings: bool = True,
                   seed: int = 0, dtype=torch.float32, **overrides):
-    """A randomly initialised tiny causal LM of one of ARCHITECTURES (overrides change the config)."""
-    import transformers
+    """A randomly initialised tiny causal LM of one of colo.bench.models.ARCHITECTURES (overrides
+    change the config)."""
+    from colo.bench.models import random_model
 
-    config_name, model_name = ARCHITECTURES[arch]
-    config = getattr(transformers, config_name)(vocab_size=vocab_size, tie_word_embeddings=tie_word_embeddings,
-                                                **{**TINY_CONFIG, **overrides})
-    torch.manual_seed(seed)
-    return getattr(transformers, model_name)(config).to(dtype)
+    config = dict(vocab_size=vocab_size, tie_word_embeddings=tie_word_embeddings, **{**TINY_CONFIG, **overrides})
+    return random_model(config, arch=arch, dtype=dtype, seed=seed)
 
 
 def load_hf_model(path, dtype=torch.float32):

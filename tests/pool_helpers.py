@@ -1,6 +1,4 @@
-"""Shared helpers for the pool tests: which pools to run against, and process memory readings."""
-import os
-
+"""Shared helpers for the pool tests: which pools to run against."""
 import pytest
 
 import colo
@@ -19,8 +17,3 @@ def make_pool(kind: str, **kwargs) -> colo.Pool:
     if kind == "cuda":
         return colo.Pool("cuda", **kwargs)
     return colo.Pool("cpu", host_backend=kind.split("-")[1], **kwargs)
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

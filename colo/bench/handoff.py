@@ -36,40 +36,22 @@ import tempfile
 import time
 from pathlib import Path
 
+from colo.sizes import rss_bytes, tensor_bytes
+
 from .baselines import UPDATABLE_VARIANT, stock_llm, stock_update_refused, trl_sync_weights, try_trl_sync
-from .measure import engine_unavailable_reason, ratio, rss_bytes, skipped_row
+from .measure import Stopwatch, engine_unavailable_reason, ratio, rows_per_device
+from .models import QWEN2_SIZES, random_model
 
 SECTION = "handoff"
 GOAL_RATIO = 100.0
 GOAL_PARAMS = 0.45e9
 GENERATION_GOAL = 0.9
 
-# name -> Qwen2 config (head_dim 64: vLLM's CPU attention supports only some head sizes).
-SIZES = {
-    "qwen2-9M": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=32000),
-    "qwen2-45M": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                      num_key_value_heads=2, vocab_size=32000),
-    "qwen2-120M": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                       num_key_value_heads=2, vocab_size=50000),
-    "qwen2-0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2, vocab_size=151936),  # Qwen2-0.5B's shape: 494M parameters
-}
 QUICK_SIZES = ("qwen2-9M", "qwen2-45M")
-FULL_SIZES = ("qwen2-9M", "qwen2-45M", "qwen2-120M", "qwen2-0.5B")
+FULL_SIZES = ("qwen2-9M", "qwen2-45M", "qwen2-120M", "qwen2-0.5B")  # names in models.QWEN2_SIZES
 GEN_BATCH, GEN_PROMPT_TOKENS, GEN_NEW_TOKENS = 4, 32, 32
 ENGINE = dict(dtype="bfloat16", max_model_len=512)
 KV_BYTES = 64 << 20
-
-
-def build_model(config_kwargs: dict, dtype):
-    """A randomly initialised Qwen2 causal LM in `dtype`."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(head_dim=64, max_position_embeddings=512, tie_word_embeddings=True, **config_kwargs)
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM._from_config(config, dtype=dtype)
 
 
 def timed(fn, repeats: int, sync=None) -> float:
@@ -78,13 +60,9 @@ def timed(fn, repeats: int, sync=None) -> float:
     device work counts."""
     samples = []
     for _ in range(repeats):
-        if sync:
-            sync()
-        start = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        samples.append(time.perf_counter() - start)
+        with Stopwatch(sync) as watch:
+            fn()
+        samples.append(watch.seconds)
     return statistics.median(samples)
 
 
@@ -114,9 +92,10 @@ class _Size:
         self.name, self.device = name, device
         self.repeats = 3 if quick else 5
         self.sync = torch.cuda.synchronize if device == "cuda" else None
-        hf = build_model(SIZES[name], torch.bfloat16)
+        hf = random_model({**QWEN2_SIZES[name], "max_position_embeddings": ENGINE["max_model_len"]},
+                          dtype=torch.bfloat16)
         self.params = sum(p.numel() for p in hf.parameters())
-        self.param_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+        self.param_bytes = tensor_bytes(hf.parameters())
         self.checkpoint = tmp / "model"
         hf.save_pretrained(self.checkpoint)
         self.trainer = hf.to(device)  # a trainer's own copy, for the baselines
@@ -167,38 +146,51 @@ class _Size:
         self.figures["rebuild_s"] = timed(rebuild, 1)
 
     def rows(self) -> list[dict]:
+        return [*self.publish_rows(), self.generation_row()]
+
+    def publish_rows(self) -> list[dict]:
+        """colo's publish beside each way to serve new weights without it."""
         f = self.figures
         common = {"section": SECTION, "device": self.device, "params": self.params, "model": self.name,
                   "dtype": "bfloat16", "colo_s": f["colo_s"], "bytes_moved": f["colo_bytes"],
                   "bytes_repacked": f["colo_repacked"], "cpu_kernels": f["kernels"],
-                  "share_once_s": f["share_once_s"], "rss_bytes_after": f["rss"]}
-        case = f"publish {self.name}"
+                  "share_once_s": f["share_once_s"], "rss_bytes_after": f["rss"], "case": f"publish {self.name}"}
+        return [
+            self.trl_row(common),
+            {**common, "baseline": "rebuild stock engine from save_pretrained",
+             "baseline_s": f["rebuild_s"], "baseline_bytes_moved": 2 * self.param_bytes,
+             "ratio": ratio(f["rebuild_s"], f["colo_s"]), "note": "bytes = written to disk + read back; measured once"},
+            {**common, "baseline": "colo bucketed copy (alias=False)",
+             "baseline_s": f["bucketed_s"], "baseline_bytes_moved": f["bucketed_bytes"],
+             "ratio": ratio(f["bucketed_s"], f["colo_s"]),
+             "note": "colo's path when trainer and engine cannot alias (dtype or tensor-parallel shards)"},
+        ]
+
+    def trl_row(self, common: dict) -> dict:
+        """Beside TRL's sync: on stock vLLM, or on the updatable variant where stock vLLM refused it."""
+        f = self.figures
         refused = f["stock_refused"]
-        trl = {**common, "case": case, "baseline": "TRL sync_weights (load_weights per parameter)",
+        row = {**common, "baseline": "TRL sync_weights (load_weights per parameter)",
                "baseline_s": f["trl_s"], "baseline_bytes_moved": self.param_bytes,
                "ratio": ratio(f["trl_s"], f["colo_s"]),
                "note": "TRL 1.16's colocate sync: model.load_weights([(name, param)]) per parameter, then a "
                        "prefix-cache reset, on stock vLLM in its default mode"}
         if refused:
-            trl.update(baseline=f"TRL sync_weights on {UPDATABLE_VARIANT}",
+            row.update(baseline=f"TRL sync_weights on {UPDATABLE_VARIANT}",
                        note=f"stock vLLM cannot run this baseline here: {stock_update_refused(f['kernels'])}; "
                             f"load_weights raised {refused}. Measured instead on {UPDATABLE_VARIANT}")
         if self.params >= GOAL_PARAMS:
-            trl.update(goal=f"0 bytes and >= {GOAL_RATIO:.0f}x faster at 0.5B",
-                       goal_met=f["colo_bytes"] == 0 and trl["ratio"] >= GOAL_RATIO)
-        rows = [
-            trl,
-            {**common, "case": case, "baseline": "rebuild stock engine from save_pretrained",
-             "baseline_s": f["rebuild_s"], "baseline_bytes_moved": 2 * self.param_bytes,
-             "ratio": ratio(f["rebuild_s"], f["colo_s"]), "note": "bytes = written to disk + read back; measured once"},
-            {**common, "case": case, "baseline": "colo bucketed copy (alias=False)",
-             "baseline_s": f["bucketed_s"], "baseline_bytes_moved": f["bucketed_bytes"],
-             "ratio": ratio(f["bucketed_s"], f["colo_s"]),
-             "note": "colo's path when trainer and engine cannot alias (dtype or tensor-parallel shards)"},
-        ]
+            row.update(goal=f"0 bytes and >= {GOAL_RATIO:.0f}x faster at 0.5B",
+                       goal_met=f["colo_bytes"] == 0 and row["ratio"] >= GOAL_RATIO)
+        return row
+
+    def generation_row(self) -> dict:
+        """Generation speed with shared weights beside stock vLLM (`model_params`, not `params`: the
+        handoff plot leaves it out)."""
+        f = self.figures
         colo_gen, stock_gen = f["generation"]["colo"], f["generation"]["stock"]
         speed = ratio(stock_gen, colo_gen)
-        rows.append({
+        return {
             "section": SECTION, "device": self.device, "model_params": self.params, "model": self.name,
             "dtype": "bfloat16", "case": f"generate {self.name} with shared weights",
             "colo_s": colo_gen, "baseline": "stock vLLM, default mode", "baseline_s": stock_gen, "ratio": speed,
@@ -206,8 +198,7 @@ class _Size:
             "baseline_tokens_per_second": GEN_BATCH * GEN_NEW_TOKENS / stock_gen,
             "goal": f">= {GENERATION_GOAL}x stock", "goal_met": speed >= GENERATION_GOAL,
             "note": f"same model, dtype, prompts ({GEN_BATCH}x{GEN_PROMPT_TOKENS} tokens in, {GEN_NEW_TOKENS} out, "
-                    "greedy), both compiled; best of alternating rounds"})
-        return rows
+                    "greedy), both compiled; best of alternating rounds"}
 
 
 def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[dict]:
@@ -240,18 +231,14 @@ def _release(llm) -> None:
 
 
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
-    rows = []
-    for device in devices:
-        why = engine_unavailable_reason(device)
-        if why:
-            rows.append(skipped_row(SECTION, "publish", device, f"{device.upper()} case not run: {why}"))
-            continue
+    def measure(device: str) -> list[dict]:
         vllm_logger = logging.getLogger("vllm")  # configured by vLLM's import in engine_unavailable_reason
         level = vllm_logger.level
         vllm_logger.setLevel(logging.ERROR)  # each engine start logs ~100 lines between the table's rows
         try:
-            for name in (QUICK_SIZES if quick else FULL_SIZES):
-                rows += measure_size(name, quick, progress, device)
+            return [row for name in (QUICK_SIZES if quick else FULL_SIZES)
+                    for row in measure_size(name, quick, progress, device)]
         finally:
             vllm_logger.setLevel(level)
-    return rows
+
+    return rows_per_device(SECTION, "publish", devices, engine_unavailable_reason, measure)

