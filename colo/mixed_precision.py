@@ -25,7 +25,37 @@ import torch
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
-class MasterWeightOptimizer:
+class MainGradientOptimizer:
+    """What colo's master-weight optimizers share: hooks that add each parameter's gradient to its
+    fp32 main gradient (`self.main_grads[i]`) as autograd produces it, and the inner optimizer's
+    `param_groups` and `state` (what LR schedulers and checkpoints read)."""
+
+    def _register_hooks(self) -> None:
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate(i)) for i, p in enumerate(self.params)]
+
+    def _accumulate(self, i: int):
+        main = self.main_grads[i]
+
+        def hook(param):
+            main.add_(param.grad)  # in fp32; the parameter's own gradient is dropped at once
+            param.grad = None
+        return hook
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+class MasterWeightOptimizer(MainGradientOptimizer):
     """`optimizer_class` over fp32 masters of 16-bit `params`; see the module docstring.
 
     params: 16-bit tensors that require grad, or param-group dicts of them (torch's format).
@@ -56,23 +86,7 @@ class MasterWeightOptimizer:
         inner_groups = [{**{k: v for k, v in g.items() if k != "params"},
                          "params": [self.masters[index[id(p)]] for p in g["params"]]} for g in groups]
         self.optimizer = optimizer_class(inner_groups, **optimizer_kwargs)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate(i)) for i, p in enumerate(self.params)]
-
-    def _accumulate(self, i: int):
-        main = self.main_grads[i]
-
-        def hook(param):
-            main.add_(param.grad)  # in fp32; the 16-bit gradient is dropped at once
-            param.grad = None
-        return hook
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
+        self._register_hooks()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the fp32 main gradients (they stay allocated: the masters' .grad are views of them)."""
@@ -106,12 +120,6 @@ class MasterWeightOptimizer:
         with torch.no_grad():
             self.master_flat.copy_(masters)
             torch._foreach_copy_([p.data for p in self.params], self.masters)
-
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-
 
 def checked_params(groups: list[dict], owner: str, dtypes) -> list[torch.Tensor]:
     """The parameters of `groups`, in order; TypeError/ValueError naming the first one that is not a

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .mixed_precision import checked_params, param_groups
+from .mixed_precision import MainGradientOptimizer, checked_params, param_groups
 
 FORMAT = "colo.zero/1"
 _TRAINABLE = (torch.bfloat16, torch.float16, torch.float32)
@@ -104,7 +104,7 @@ class ShardLayout:
         return sum(piece.numel for piece in self.pieces)
 
 
-class ShardedMasterWeightOptimizer:
+class ShardedMasterWeightOptimizer(MainGradientOptimizer):
     """`optimizer_class` over this rank's shard of fp32 masters of `params`; see the module docstring.
 
     group: the torch.distributed process group (None: the default one; a single process without
@@ -146,7 +146,7 @@ class ShardedMasterWeightOptimizer:
                                            "params": [m for m, j in zip(self.masters, self._piece_groups) if j == index]}
                                           for index, g in enumerate(groups)], **optimizer_kwargs)
         self._reduced = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate(i)) for i, p in enumerate(self.params)]
+        self._register_hooks()
 
     def _build_store(self) -> torch.Tensor:
         lay = self.layout
@@ -158,23 +158,7 @@ class ShardedMasterWeightOptimizer:
                 store[start:start + p.numel()].copy_(p.reshape(-1))
         return store
 
-    def _accumulate(self, i: int):
-        main = self.main_grads[i]
-
-        def hook(param):
-            main.add_(param.grad)  # in fp32; the parameter's own gradient is dropped at once
-            param.grad = None
-        return hook
-
     # -- what a training loop calls ----------------------------------------------------------------
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
     @property
     def copied_bytes_per_step(self) -> int:
         """Bytes step() copies besides the all-gather: 0 when the store is the parameters' own memory."""
@@ -326,11 +310,6 @@ class ShardedMasterWeightOptimizer:
             for settings, g in zip(groups, self.optimizer.param_groups)]})
         torch._foreach_copy_(self.masters, [m.to(self.layout.device) for m in masters])
         self._publish_shard()
-
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
 
 
 def _as_shard(state, param_numels: list[int]) -> dict:

@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..checks import int_kind
 from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 from .config import DTYPES, GRPOConfig
 
@@ -27,7 +28,7 @@ TOY_DEFAULTS = dict(prompts_per_step=8, num_generations=8, max_new_tokens=16, ig
 
 def _int_at_least(minimum: int):
     """An argparse type: an integer no smaller than `minimum`."""
-    kind = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
+    kind = int_kind(minimum)
 
     def parse(text: str) -> int:
         try:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..checks import check_int
+
 
 DTYPES = ("bf16", "fp32")
 
@@ -49,17 +51,12 @@ class GRPOConfig:
 
     def __post_init__(self):
         self.adam_betas = tuple(self.adam_betas)
-        positive_ints = ("prompts_per_step", "num_generations", "max_new_tokens")
-        for name in positive_ints:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("prompts_per_step", "num_generations", "max_new_tokens"):
+            check_int(getattr(self, name), name)
         for name in ("warmup_steps", "save_every", "keep_checkpoints", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        if self.micro_batch_size is not None and (not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1):
-            raise ValueError(f"micro_batch_size must be a positive integer or None, got {self.micro_batch_size!r}")
+            check_int(getattr(self, name), name, 0)
+        if self.micro_batch_size is not None:
+            check_int(self.micro_batch_size, "micro_batch_size")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_int
+
 ADVANTAGE_EPS = 1e-4  # keeps a group whose rewards are all equal at advantage 0 instead of 0/0
 
 
@@ -21,8 +23,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True)
     rewards: shape (num_prompts * group_size,), the completions of prompt i at [i*G, (i+1)*G).
     scale=False returns only the centred rewards (Dr. GRPO drops the std division).
     """
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    check_int(group_size, "group_size")
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "

@@ -13,14 +13,7 @@ import os
 import time
 from pathlib import Path
 
-
-_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss_bytes() -> int:
-    """Resident set of this process, from /proc/self/statm (includes shared memfd pages)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * _PAGE_BYTES
+from ..sizes import rss_bytes  # noqa: F401 - the scheduler samples it through here
 
 
 class StepLog:

@@ -14,6 +14,8 @@ import torch
 
 from .. import engine as colo_engine
 from ..errors import EngineFailure, OutOfMemoryError  # noqa: F401 - EngineFailure raised here, re-exported
+from ..regions import KV_CACHE
+from ..sizes import round_up
 from ..weights import share_weights, shared_model
 
 _KV_HEADROOM = 64 << 20  # room left in the pool for allocator rounding and small engine buffers
@@ -30,7 +32,7 @@ def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
     text = getattr(hf_config, "text_config", hf_config)
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * text.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * text.num_hidden_layers * heads * head_dim * dtype.itemsize
 
 
 def parameter_bytes(hf_config, dtype: torch.dtype) -> int:
@@ -80,8 +82,7 @@ class RolloutEngine:
         # 128-token block on CPU. Sizing by tokens alone left the toy batch 5x short of blocks here,
         # and generation crawled through preemptions.
         block = llm_kwargs.pop("block_size", None) or default_block_size(pool.device)
-        per_sequence = -(-sequence_tokens // block) * block
-        tokens = max(max_num_seqs * per_sequence, -(-self.max_model_len // block) * block)
+        tokens = max(max_num_seqs * round_up(sequence_tokens, block), round_up(self.max_model_len, block))
         self.kv_cache_bytes = self._kv_budget(tokens * kv_bytes_per_token(config, dtype), config)
         self._llm_kwargs = dict(skip_tokenizer_init=True, max_num_seqs=max_num_seqs, block_size=block, **llm_kwargs)
         self.llm = self._build(load_format="auto")
@@ -89,8 +90,8 @@ class RolloutEngine:
         self.hf_model = self.shared.hf_model
 
     def _kv_budget(self, wanted: int, config) -> int:
-        if "kv_cache" in self.pool.regions:
-            return self.pool.regions["kv_cache"].budget
+        if KV_CACHE in self.pool.regions:
+            return self.pool.regions[KV_CACHE].budget
         # The weights are not loaded yet: leave room for them. Regions asleep now (the training
         # memory, while generating) do not count.
         left = self.pool.unbudgeted_bytes - parameter_bytes(config, self.dtype) - _KV_HEADROOM

@@ -31,7 +31,9 @@ import torch
 
 import colo
 
+from ..checks import check_int
 from ..errors import Terminated
+from ..regions import WEIGHTS
 from ..weights import check_architecture
 from ..zero import ShardLayout
 from . import distributed as D
@@ -115,7 +117,7 @@ class GRPOScheduler:
         if cfg.memory_phases:
             self.engine.sleep_kv_cache()
         # ZeRO-1: this rank's shard of masters and moments; the all-gather lands in the engine's weights.
-        shard = ShardLayout(params, self.world.size, self.world.rank, store_region=self.pool.regions["weights"]) \
+        shard = ShardLayout(params, self.world.size, self.world.rank, store_region=self.pool.regions[WEIGHTS]) \
             if cfg.shard_optimizer else None
         self.memory = TrainingMemory(self.pool, params, offload_optimizer=cfg.offload_optimizer, shard=shard)
         # fp32 parameters: AdamW itself; bf16: a colo.MasterWeightOptimizer stepping fp32 masters in the
@@ -391,8 +393,7 @@ class GRPOScheduler:
     # -- the run -----------------------------------------------------------------------------------
     def run(self, steps: int, progress: bool = True) -> list[dict]:
         """Train until `steps` steps are done in total (a resumed run counts the steps already done)."""
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be a positive integer, got {steps!r}")
+        check_int(steps, "steps")
         records = []
         bar = self._progress_bar(steps) if progress and self.world.is_main else None
         terminate = _TerminationRequest()

@@ -23,15 +23,13 @@ from collections import defaultdict
 import torch
 
 from ..mixed_precision import MasterWeightOptimizer
+from ..regions import GRADS, OPTIMIZER
+from ..sizes import tensor_bytes
 from ..zero import ShardedMasterWeightOptimizer, ShardLayout
 
 _SLACK = 1 << 20  # per-allocation alignment and rounding inside a region
 _NOTHING_TO_COPY = object()  # an offload started before the optimizer had any state
 _MASTER_BYTES, _MAIN_GRAD_BYTES = 4, 4  # fp32 per parameter
-
-
-def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def adam_state_bytes(params) -> int:
@@ -68,10 +66,10 @@ class TrainingMemory:
             grad_bytes = shard.numel * _MAIN_GRAD_BYTES
             state_bytes = shard.owned_numel * (2 * 4 + (_MASTER_BYTES if self.master_weights else 0))
         else:
-            grad_bytes = numel * _MAIN_GRAD_BYTES if self.master_weights else _bytes(self.params)
+            grad_bytes = numel * _MAIN_GRAD_BYTES if self.master_weights else tensor_bytes(self.params)
             state_bytes = adam_state_bytes(self.params) + (numel * _MASTER_BYTES if self.master_weights else 0)
-        self.grads = pool.region("grads", budget=grad_bytes + _SLACK * len(by_dtype))
-        self.optimizer_region = pool.region("optimizer", budget=state_bytes + 4 * _SLACK)
+        self.grads = pool.region(GRADS, budget=grad_bytes + _SLACK * len(by_dtype))
+        self.optimizer_region = pool.region(OPTIMIZER, budget=state_bytes + 4 * _SLACK)
         self.offload_optimizer = self.must_offload() if offload_optimizer is None else offload_optimizer
         self.flat_grads: dict[torch.dtype, torch.Tensor] = {}
         if not self.master_weights and shard is None:
