@@ -39,7 +39,7 @@ def test_help_works_without_the_compiled_extension():
 
 @pytest.mark.parametrize("args, message", [
     (["--bogus"], "unrecognized arguments"),
-    (["--sections", "pool_alloc,nope"], "valid sections: pool_alloc, sleep_wake, handoff, grpo_step, memory, trl"),
+    (["--sections", "pool_alloc,nope"], "valid sections: pool_alloc, sleep_wake, publish, grpo_step, memory, trl"),
     (["--sections", ","], "no section named"),
     (["--device", "tpu"], "invalid choice"),
     (["--plot", "out.jpg"], "ending in .png"),
@@ -92,9 +92,9 @@ def test_cuda_rows_say_why_they_did_not_run():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the CUDA rows run instead")
-    from colo.bench import grpo_step, handoff, memory, pool_alloc, sleep_wake, trl
+    from colo.bench import grpo_step, memory, pool_alloc, publish, sleep_wake, trl
 
-    for section in (pool_alloc, sleep_wake, handoff, grpo_step, memory, trl):
+    for section in (pool_alloc, sleep_wake, publish, grpo_step, memory, trl):
         rows = section.run(quick=True, progress=lambda it, desc="": it, devices=("cuda",))
         assert len(rows) == 1 and rows[0]["device"] == "cuda"
         assert rows[0]["note"].startswith("CUDA case not run")
@@ -106,9 +106,9 @@ def test_missing_section_gives_a_note_row(monkeypatch):
     assert "does not exist yet" in rows[0]["note"]
 
     # A module that cannot be imported (None in sys.modules makes the import raise).
-    monkeypatch.setitem(sys.modules, "colo.bench.handoff", None)
-    rows, failed = runner.run_section("handoff", quick=True, devices=("cpu",))
-    assert not failed and rows[0]["section"] == "handoff" and "handoff" in rows[0]["note"]
+    monkeypatch.setitem(sys.modules, "colo.bench.publish", None)
+    rows, failed = runner.run_section("publish", quick=True, devices=("cpu",))
+    assert not failed and rows[0]["section"] == "publish" and "publish" in rows[0]["note"]
 
 
 def test_section_that_raises_is_a_failed_row_not_a_crash(monkeypatch):
@@ -129,12 +129,12 @@ def test_section_that_raises_is_a_failed_row_not_a_crash(monkeypatch):
 def test_rows_of_sections_without_a_devices_argument_are_filtered(monkeypatch):
     import types
 
-    fake = types.ModuleType("colo.bench.handoff")
+    fake = types.ModuleType("colo.bench.publish")
     fake.run = lambda quick, progress: [{"case": "a", "device": "cpu"}, {"case": "b", "device": "cuda"}]
-    monkeypatch.setitem(sys.modules, "colo.bench.handoff", fake)
-    rows, _ = runner.run_section("handoff", quick=True, devices=("cpu",))
-    assert [r["case"] for r in rows] == ["a"] and rows[0]["section"] == "handoff"
-    rows, _ = runner.run_section("handoff", quick=True, devices=("cuda",))
+    monkeypatch.setitem(sys.modules, "colo.bench.publish", fake)
+    rows, _ = runner.run_section("publish", quick=True, devices=("cpu",))
+    assert [r["case"] for r in rows] == ["a"] and rows[0]["section"] == "publish"
+    rows, _ = runner.run_section("publish", quick=True, devices=("cuda",))
     assert [r["case"] for r in rows] == ["b"]
 
 
@@ -142,7 +142,7 @@ def test_plot_survives_missing_and_partial_sections(tmp_path):
     from colo.bench import plot
 
     result = {"rows": [
-        {"section": "handoff", "case": "(section)", "note": "section not available"},
+        {"section": "publish", "case": "(section)", "note": "section not available"},
         {"section": "grpo_step", "case": "tiny", "device": "cpu", "colo_s": 2.0, "colo_generate_s": 1.0,
          "baseline": "usual way", "baseline_s": 3.0, "ratio": 1.5},
     ]}
@@ -168,11 +168,11 @@ def test_engine_sections_measure_where_the_installed_vllm_runs():
 
 
 @pytest.mark.slow
-def test_handoff_rows_of_one_model_size():
-    from colo.bench import handoff
+def test_publish_rows_of_one_model_size():
+    from colo.bench import publish
     from colo.bench.baselines import UPDATABLE_VARIANT
 
-    rows = handoff.measure_size("qwen2-9M", quick=True, progress=lambda it, desc="": it, device="cpu")
+    rows = publish.measure_size("qwen2-9M", quick=True, progress=lambda it, desc="": it, device="cpu")
     publish = [r for r in rows if r["case"] == "publish qwen2-9M"]
     trl = publish[0]
     assert {r["baseline"] for r in publish[1:]} == {"rebuild stock engine from save_pretrained",
@@ -196,8 +196,8 @@ def test_grpo_step_row_of_one_model_size():
     from colo.bench import grpo_step
 
     row = grpo_step.measure_size("qwen2-0.4M", steps=1, progress=lambda it, desc="": it, device="cpu")
-    assert row["device"] == "cpu" and row["colo_handoff_bytes_copied"] == 0
-    assert row["baseline_handoff_bytes_copied"] > 0
+    assert row["device"] == "cpu" and row["colo_publish_bytes_copied"] == 0
+    assert row["baseline_publish_bytes_copied"] > 0
     if any(kernel != "plain" for kernel in row["colo_cpu_kernels"]):  # stock vLLM cannot take new weights
         from colo.bench.baselines import UPDATABLE_VARIANT
 

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=json_path, metavar="PATH",
                         help="write rows, machine, exact command, date and colo build info to PATH")
     parser.add_argument("--plot", type=png_path, metavar="PATH",
-                        help="write a PNG: handoff time against model size, and the GRPO step breakdown")
+                        help="write a PNG: publish time against model size, and the GRPO step breakdown")
     parser.add_argument("--sections", type=parse_sections, default=list(SECTIONS), metavar="A,B",
                         help=f"comma-separated sections to run (default: all of {','.join(SECTIONS)})")
     parser.add_argument("--device", choices=DEVICE_CHOICES, default="all",

@@ -42,7 +42,7 @@ from .models import QWEN2_SIZES, save_random_model
 SECTION = "grpo_step"
 COMPLETION_TOKENS = {"qwen2-0.4M": 16, "qwen2-9M": 16, "qwen2-45M": 32}  # model (models.QWEN2_SIZES) -> tokens
 QUICK_SIZES, FULL_SIZES = ("qwen2-9M",), ("qwen2-0.4M", "qwen2-9M", "qwen2-45M")
-PHASES = ("generate", "reward", "train", "handoff", "phase_switch")
+PHASES = ("generate", "reward", "train", "publish", "phase_switch")
 WARMUP = 2
 
 
@@ -77,7 +77,7 @@ def summarise(records: list[dict]) -> dict:
     summary = {f"{phase}_s": statistics.median(r.get(f"{phase}_s", 0.0) for r in records) for phase in PHASES}
     summary["step_s"] = statistics.median(r["step_s"] for r in records)
     summary["kv_cache_resident_bytes_during_train"] = max(r["kv_cache_resident_bytes_during_train"] for r in records)
-    summary["handoff_bytes_copied"] = max(r["handoff_bytes_copied"] for r in records)
+    summary["publish_bytes_copied"] = max(r["publish_bytes_copied"] for r in records)
     return summary
 
 
@@ -123,9 +123,9 @@ def measure_size(name: str, steps: int, progress, device: str = "cpu") -> dict:
         for phase in PHASES:
             row[f"{side}_{phase}_s"] = values[f"{phase}_s"]
         row[f"{side}_kv_cache_resident_bytes_during_train"] = values["kv_cache_resident_bytes_during_train"]
-        row[f"{side}_handoff_bytes_copied"] = values["handoff_bytes_copied"]
+        row[f"{side}_publish_bytes_copied"] = values["publish_bytes_copied"]
     # Flat aliases of colo's own phases, the names the step log uses.
-    row.update(generate_s=colo_side["generate_s"], train_s=colo_side["train_s"], handoff_s=colo_side["handoff_s"])
+    row.update(generate_s=colo_side["generate_s"], train_s=colo_side["train_s"], publish_s=colo_side["publish_s"])
     row["note"] = (f"medians over {steps} steps after {WARMUP} warm-up steps, the two sides alternating step by "
                    "step, each going first every other round; same model, prompts and seeds, both engines compiled"
                    + (f"; stock vLLM cannot be the baseline here: {refused}" if refused else ""))

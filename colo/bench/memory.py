@@ -30,7 +30,7 @@ from .grpo_step import save_model
 from .measure import engine_unavailable_reason, rows_per_device
 
 SECTION = "memory"
-PHASES = {"generate": "generate", "train": "train", "publish": "handoff"}  # row name -> step log name
+PHASES = {"generate": "generate", "train": "train", "publish": "publish"}  # row name -> step log name
 REGIONS = (WEIGHTS, GRADS, OPTIMIZER)
 QUICK_SIZES, FULL_SIZES = ("qwen2-9M",), ("qwen2-9M", "qwen2-45M")
 CONFIGS = ("colo bf16", "colo fp32", "usual way")

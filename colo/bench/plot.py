@@ -1,11 +1,11 @@
 """`--plot PATH`: one PNG of a results file.
 
-Panels: handoff time against model size (params) for colo and each baseline, log-log; the GRPO
+Panels: publish time against model size (params) for colo and each baseline, log-log; the GRPO
 step breakdown as stacked bars, colo beside the usual way; and every row's ratio, so the pool
 sections appear too. A panel whose section did not run says so instead of failing.
 
 GRPO rows are stacked from their phase keys: `colo_<phase>_s` and `baseline_<phase>_s`
-(for example colo_generate_s, colo_train_s, colo_handoff_s); whatever the phases leave of the
+(for example colo_generate_s, colo_train_s, colo_publish_s); whatever the phases leave of the
 row's total (`colo_s`, `baseline_s`) is drawn as "other".
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-PHASE_ORDER = ("generate", "reward", "rewards", "train", "handoff", "publish", "phase_switch", "sleep", "wake")
+PHASE_ORDER = ("generate", "reward", "rewards", "train", "publish", "phase_switch", "sleep", "wake")
 
 
 def _number(value) -> float | None:
@@ -38,7 +38,7 @@ def _say(ax, text: str) -> None:
     ax.set_yticks([])
 
 
-def handoff_series(rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
+def publish_series(rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
     """{label: [(params, seconds), ...]} for colo and each baseline, per device."""
     points: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
@@ -54,12 +54,12 @@ def handoff_series(rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
     return {label: sorted((p, sum(s) / len(s)) for p, s in by_params.items()) for label, by_params in points.items()}
 
 
-def plot_handoff(ax, result: dict) -> None:
-    rows = _rows(result, "handoff")
-    series = handoff_series(rows)
+def plot_publish(ax, result: dict) -> None:
+    rows = _rows(result, "publish")
+    series = publish_series(rows)
     if not series:
-        _say(ax, "handoff: no timed rows" + (f"\n({_notes(rows)})" if rows else " (section not run)"))
-        ax.set_title("Weight handoff")
+        _say(ax, "publish: no timed rows" + (f"\n({_notes(rows)})" if rows else " (section not run)"))
+        ax.set_title("Weight publish")
         return
     for label, pts in sorted(series.items(), key=lambda item: not item[0].startswith("colo")):
         xs, ys = zip(*pts)
@@ -67,8 +67,8 @@ def plot_handoff(ax, result: dict) -> None:
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("model size (parameters)")
-    ax.set_ylabel("seconds per handoff")
-    ax.set_title("Weight handoff: engine sees new weights")
+    ax.set_ylabel("seconds per publish")
+    ax.set_title("Weight publish: engine sees new weights")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
 
@@ -152,7 +152,7 @@ def write_plot(result: dict, path) -> None:
     ratio_height = max(4.0, 0.22 * ratio_rows)  # inches: keep the comparison labels legible
     fig = plt.figure(figsize=(16, 6 + ratio_height))
     grid = fig.add_gridspec(2, 2, height_ratios=[6, ratio_height])
-    plot_handoff(fig.add_subplot(grid[0, 0]), result)
+    plot_publish(fig.add_subplot(grid[0, 0]), result)
     plot_grpo(fig.add_subplot(grid[0, 1]), result)
     plot_ratios(fig.add_subplot(grid[1, :]), result)
     machine = result.get("machine", {})

@@ -177,7 +177,7 @@ def run_colo_grpo(model_dir: Path, steps: int) -> dict:
         run.close()
         del run
         gc.collect()
-    return {"step_s": [r["step_s"] for r in records], "sync_s": [r["handoff_s"] for r in records]}
+    return {"step_s": [r["step_s"] for r in records], "sync_s": [r["publish_s"] for r in records]}
 
 
 def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[dict]:

@@ -206,7 +206,7 @@ class GRPOScheduler:
         prompts, completions, engine_logprobs = self._generate_phase(step, record)
         rewards = self._reward_phase(step, prompts, completions, record)
         self._train_phase(step, prompts, completions, rewards, engine_logprobs, record)
-        self._handoff_phase(step, record)
+        self._publish_phase(step, record)
         # The optimizer state's copy out overlapped the publish; between steps every region is settled
         # (a user may checkpoint, or wake the KV cache, before the next step).
         switch = time.perf_counter()
@@ -363,13 +363,13 @@ class GRPOScheduler:
                 f.mul_(limit / (norm + 1e-6))
         return norm
 
-    def _handoff_phase(self, step: int, record: dict) -> None:
-        with self.timeline.span("handoff", step=step) as span:
+    def _publish_phase(self, step: int, record: dict) -> None:
+        with self.timeline.span("publish", step=step) as span:
             result = self.engine.publish()
-            self._sample_residency("handoff", record)
+            self._sample_residency("publish", record)
         self._unsafe_to_save = False
-        record["handoff_s"] = span["seconds"]
-        record["handoff_bytes_copied"] = int(result.get("bytes_copied", 0))
+        record["publish_s"] = span["seconds"]
+        record["publish_bytes_copied"] = int(result.get("bytes_copied", 0))
         switch = time.perf_counter()
         if self.config.memory_phases:
             if self.device.type == "cuda":

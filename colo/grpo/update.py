@@ -50,7 +50,7 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
 
 def engine_mismatch(trainer_logprobs: torch.Tensor, mask: torch.Tensor, engine_logprobs: list) -> float:
     """Largest |trainer - engine| log-probability of a sampled token: proof that the engine runs the
-    weights being trained (0 up to float noise when the handoff is exact). vLLM reports raw-logit
+    weights being trained (0 up to float noise when the publish is exact). vLLM reports raw-logit
     log-probabilities, so this compares like with like only at temperature 1."""
     worst = 0.0
     for row, sample in enumerate(engine_logprobs):

