@@ -68,8 +68,8 @@ class MasterWeightOptimizer(MainGradientOptimizer):
         self.params = checked_params(groups, "MasterWeightOptimizer", _SIXTEEN_BIT)
         numel = sum(p.numel() for p in self.params)
         device = self.params[0].device
-        self.master_flat = _flat(master_region, numel, device)
-        self.grad_flat = _flat(grad_region, numel, device)
+        self.master_flat = fp32_buffer(master_region, numel, device)
+        self.grad_flat = fp32_buffer(grad_region, numel, device)
         self.masters, self.main_grads = [], []
         offset = 0
         with torch.no_grad():
@@ -147,7 +147,8 @@ def param_groups(params) -> list[dict]:
     return [{"params": params}]
 
 
-def _flat(region, numel: int, device) -> torch.Tensor:
+def fp32_buffer(region, numel: int, device) -> torch.Tensor:
+    """A flat fp32 buffer of `numel` elements in `region` (None: allocated by torch on `device`)."""
     if region is None:
         return torch.empty(numel, dtype=torch.float32, device=device)
     return region.empty((numel,), torch.float32)

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .mixed_precision import MainGradientOptimizer, checked_params, param_groups
+from .mixed_precision import MainGradientOptimizer, checked_params, fp32_buffer, param_groups
+from .sizes import round_up
 
 FORMAT = "colo.zero/1"
 _TRAINABLE = (torch.bfloat16, torch.float16, torch.float32)
@@ -125,13 +126,13 @@ class ShardedMasterWeightOptimizer(MainGradientOptimizer):
                              f"rank {rank} of {world_size}")
         lay = self.layout
         self.store = self._build_store()
-        self.grad_flat = _flat(grad_region, lay.numel, torch.float32, lay.device).zero_()
+        self.grad_flat = fp32_buffer(grad_region, lay.numel, lay.device).zero_()
         self.main_grads = [self.grad_flat[s:s + p.numel()].view_as(p) for s, p in zip(lay.starts, self.params)]
         self.store_pieces = [self.store[piece.start:piece.stop] for piece in lay.pieces]
         self.master_weights = lay.dtype != torch.float32
         with torch.no_grad():
             if self.master_weights:
-                self.master_flat = _flat(master_region, lay.owned_numel, torch.float32, lay.device)
+                self.master_flat = fp32_buffer(master_region, lay.owned_numel, lay.device)
                 self.masters = list(self.master_flat.split([piece.numel for piece in lay.pieces]))
                 torch._foreach_copy_(self.masters, self.store_pieces)
             else:  # fp32: the store's own elements are stepped
@@ -358,7 +359,7 @@ def _alias_store(params, region):
     if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
         return None  # overlapping parameters: a gather would write one with the other's values
     rounding = _ALLOCATION_ROUNDING.get(params[0].device.type, 1)
-    owned = _merged((s.data_ptr(), _round_up(s.data_ptr() + s.nbytes(), rounding))
+    owned = _merged((s.data_ptr(), round_up(s.data_ptr() + s.nbytes(), rounding))
                     for s in (p.untyped_storage() for p in params))
     owned_starts = [lo for lo, _ in owned]
     for (_, end), (start, _) in zip(spans, spans[1:]):
@@ -397,19 +398,9 @@ def _merged(intervals) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in merged]
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def _prefix_sums(values: list[int]) -> list[int]:
     sums, total = [], 0
     for v in values:
         sums.append(total)
         total += v
     return sums
-
-
-def _flat(region, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-    if region is None:
-        return torch.empty(numel, dtype=dtype, device=device)
-    return region.empty((numel,), dtype)
