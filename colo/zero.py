@@ -140,11 +140,11 @@ class ShardedMasterWeightOptimizer(MainGradientOptimizer):
         for master, piece in zip(self.masters, lay.pieces):
             master.grad = self.grad_flat[piece.start:piece.stop]
         group_of = {id(p): g for g, group_ in enumerate(groups) for p in group_["params"]}
-        self._piece_groups = [group_of[id(self.params[piece.param])] for piece in lay.pieces]
+        piece_groups = [group_of[id(self.params[piece.param])] for piece in lay.pieces]
         # Every group, even one whose parameters lie wholly in other ranks' shards (it steps nothing
         # here), so groups line up across ranks for LR schedulers and checkpoints.
         self.optimizer = optimizer_class([{**{k: v for k, v in g.items() if k != "params"},
-                                           "params": [m for m, j in zip(self.masters, self._piece_groups) if j == index]}
+                                           "params": [m for m, j in zip(self.masters, piece_groups) if j == index]}
                                           for index, g in enumerate(groups)], **optimizer_kwargs)
         self._reduced = False
         self._register_hooks()
@@ -238,22 +238,14 @@ class ShardedMasterWeightOptimizer(MainGradientOptimizer):
         """This rank's shard: masters and per-element optimizer state over its pieces, in parameter
         coordinates (see the module docstring), with the scalar state and the groups' settings."""
         lay = self.layout
-        per_element, scalars = {}, {}
-        for piece_state in (self.optimizer.state.get(m, {}) for m in self.masters):
-            for key, value in piece_state.items():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    per_element.setdefault(key, []).append(value.detach().reshape(-1))
-                elif key not in scalars:  # AdamW's step: the same for every piece
-                    scalars[key] = value.detach().clone() if torch.is_tensor(value) else value
+        per_element, scalars = _flattened_state(self.optimizer.state.get(m, {}) for m in self.masters)
         masters = self.master_flat if self.master_flat is not None else torch.cat(self.masters)
         return {
             "format": FORMAT, "world_size": lay.world_size, "rank": lay.rank, "param_numels": list(lay.param_numels),
             "ranges": torch.tensor([[p.param_space, p.param_space + p.numel] for p in lay.pieces],
                                    dtype=torch.int64).reshape(-1, 2),
             "master_weights": masters.detach().to(torch.float32, copy=True).cpu(),
-            "state": {key: torch.cat(values).cpu() for key, values in per_element.items()},
-            "scalars": scalars,
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            "state": per_element, "scalars": scalars, "param_groups": _group_settings(self.optimizer.param_groups),
         }
 
     def load_state_dict(self, shards) -> None:
@@ -327,21 +319,32 @@ def _as_shard(state, param_numels: list[int]) -> dict:
         if state["master_weights"].numel() != total or len(inner["state"]) not in (0, len(param_numels)):
             raise ValueError(f"the MasterWeightOptimizer state holds {state['master_weights'].numel()} master "
                              f"elements, these parameters {total}")
-        per_element, scalars = {}, {}
-        for i in range(len(inner["state"])):
-            for key, value in inner["state"][i].items():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    per_element.setdefault(key, []).append(value.reshape(-1).float())
-                elif key not in scalars:
-                    scalars[key] = value
+        per_element, scalars = _flattened_state(inner["state"][i] for i in range(len(inner["state"])))
         return {"ranges": torch.tensor([[0, total]]), "master_weights": state["master_weights"].reshape(-1).float(),
-                "state": {k: torch.cat(v) for k, v in per_element.items()}, "scalars": scalars,
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]]}
+                "state": per_element, "scalars": scalars, "param_groups": _group_settings(inner["param_groups"])}
     raise ValueError("not a colo optimizer state (expected ShardedMasterWeightOptimizer.state_dict() shards or a "
                      "MasterWeightOptimizer.state_dict())")
 
 
 # torch 2.13 names them *_single (the *_tensor names still work, with a deprecation warning).
+def _flattened_state(per_param_states) -> tuple[dict, dict]:
+    """Optimizer state of consecutive parameters (or pieces) as one fp32 CPU tensor per per-element key
+    (AdamW's moments), and the scalar entries (AdamW's step: the same for every parameter) once."""
+    per_element, scalars = {}, {}
+    for state in per_param_states:
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                per_element.setdefault(key, []).append(value.detach().reshape(-1).float())
+            elif key not in scalars:
+                scalars[key] = value.detach().clone() if torch.is_tensor(value) else value
+    return {key: torch.cat(values).cpu() for key, values in per_element.items()}, scalars
+
+
+def _group_settings(param_groups) -> list[dict]:
+    """The groups' hyperparameters without their parameters (which are per rank)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
+
+
 def _all_gather_into(output: torch.Tensor, mine: torch.Tensor, group) -> None:
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, mine, group=group)
 

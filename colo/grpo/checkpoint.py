@@ -23,6 +23,7 @@ from ..errors import CheckpointError  # noqa: F401 - raised here, re-exported
 
 FORMAT = "colo.grpo.checkpoint/1"
 _NAME = re.compile(r"^step-(\d{6,})\.pt$")
+_SHARD_NAME = re.compile(r"^step-(\d{6,})\.optimizer-rank\d+-of-\d+\.pt$")
 
 
 def checkpoint_path(out_dir: str | Path, step: int) -> Path:
@@ -59,19 +60,21 @@ def save_checkpoint(out_dir: str | Path, step: int, state: dict, keep: int = 2) 
     for stale in out_dir.glob("step-*.pt.tmp"):  # only rank 0 writes now: the shards are all renamed
         stale.unlink(missing_ok=True)
     _write_atomically(final, {"format": FORMAT, "step": step, **state})
-    kept = {s for s, _ in list_checkpoints(out_dir)[-keep:]} if keep > 0 else {s for s, _ in list_checkpoints(out_dir)}
-    for _, old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
+    found = list_checkpoints(out_dir)
+    stale = found[:-keep] if keep > 0 else []
+    for _, old in stale:
         old.unlink(missing_ok=True)
-    for shard in out_dir.glob("step-*.optimizer-rank*.pt"):
-        if int(shard.name[5:shard.name.index(".")]) not in kept:
-            shard.unlink(missing_ok=True)
+    kept = {s for s, _ in found[len(stale):]}
+    for path in out_dir.iterdir():
+        match = _SHARD_NAME.match(path.name)
+        if match and int(match.group(1)) not in kept:
+            path.unlink(missing_ok=True)
     return final
 
 
 def save_optimizer_shard(out_dir: str | Path, step: int, rank: int, world_size: int, state: dict) -> Path:
     """Atomically write this rank's optimizer shard of `step` (before rank 0 writes the checkpoint)."""
     path = optimizer_shard_path(out_dir, step, rank, world_size)
-    path.with_name(path.name + ".tmp").unlink(missing_ok=True)
     _write_atomically(path, {"format": FORMAT, "step": step, "optimizer": state})
     return path
 

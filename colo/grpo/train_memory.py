@@ -113,7 +113,7 @@ class TrainingMemory:
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state (masters and moments) this rank keeps in its optimizer region."""
-        return sum(f.numel() * f.element_size() for f in self._state_flat)
+        return tensor_bytes(self._state_flat)
 
     # -- gradients ---------------------------------------------------------------------------------
     def zero_grads(self) -> None:
