@@ -27,6 +27,31 @@ PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [500, 17, 4, 250, 3, 3, 99])
 MAX_MODEL_LEN = 256
 
 
+def pytest_report_header(config):
+    from colo.cpu_persona import active
+
+    import torch
+
+    persona = active()
+    return [f"CPU persona: {persona or 'none (the machine as it is)'}; torch dispatches at "
+            f"{torch.backends.cpu.get_cpu_capability()}"]
+
+
+def pytest_sessionstart(session):
+    """Under a CPU persona (python -m colo.cpu_persona), fail at once if it does not take: the whole
+    pass would otherwise test the machine as it is and say nothing about the persona's CPU kind."""
+    from colo.cpu_persona import active, hidden_features
+
+    persona = active()
+    if persona is None:
+        return
+    leaked = [k for k, v in torch.cpu.get_capabilities().items() if v is True and k.startswith(hidden_features(persona))]
+    dispatch = torch.backends.cpu.get_cpu_capability()
+    if leaked or dispatch != persona.upper():
+        raise pytest.UsageError(f"CPU persona {persona} is not in force: torch dispatches at {dispatch} and still "
+                                f"reports {leaked}; run the tests with python -m colo.cpu_persona {persona} -- ...")
+
+
 def tiny_hf_model(arch: str = "qwen2", *, vocab_size: int = 1000, tie_word_embeddings: bool = True,
                   seed: int = 0, dtype=torch.float32, **overrides):
     """A randomly initialised tiny causal LM of one of colo.bench.models.ARCHITECTURES (overrides

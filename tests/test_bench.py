@@ -192,18 +192,25 @@ def test_publish_rows_of_one_model_size():
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_kind
 def test_grpo_step_row_of_one_model_size():
     from colo.bench import grpo_step
 
-    row = grpo_step.measure_size("qwen2-0.4M", steps=1, progress=lambda it, desc="": it, device="cpu")
-    assert row["device"] == "cpu" and row["colo_publish_bytes_copied"] == 0
-    assert row["baseline_publish_bytes_copied"] > 0
-    if any(kernel != "plain" for kernel in row["colo_cpu_kernels"]):  # stock vLLM cannot take new weights
-        from colo.bench.baselines import UPDATABLE_VARIANT
+    from colo.dtype_choice import fastest_dtype
 
-        assert set(row["baseline_cpu_kernels"]) == {"plain"} and UPDATABLE_VARIANT in row["baseline"]
-    assert row["colo_kv_cache_resident_bytes_during_train"] == 0 < row["baseline_kv_cache_resident_bytes_during_train"]
-    assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"])
+    auto, other = grpo_step.measure_size("qwen2-0.4M", steps=1, progress=lambda it, desc="": it, device="cpu")
+    assert auto["dtype_auto"] and auto["dtype"] == fastest_dtype("cpu").name and not other["dtype_auto"]
+    assert {auto["dtype"], other["dtype"]} == {"bf16", "fp32"}
+    assert auto["auto_vs_other_dtype"] == pytest.approx(other["colo_s"] / auto["colo_s"])
+    for row in (auto, other):
+        assert row["device"] == "cpu" and row["colo_publish_bytes_copied"] == 0
+        assert row["baseline_publish_bytes_copied"] > 0
+        if any(kernel != "plain" for kernel in row["colo_cpu_kernels"]):  # stock vLLM cannot take new weights
+            from colo.bench.baselines import UPDATABLE_VARIANT
+
+            assert set(row["baseline_cpu_kernels"]) == {"plain"} and UPDATABLE_VARIANT in row["baseline"]
+        assert row["colo_kv_cache_resident_bytes_during_train"] == 0 < row["baseline_kv_cache_resident_bytes_during_train"]
+        assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"])
 
 
 @pytest.mark.slow

@@ -3,10 +3,12 @@ vLLM runs by default: the trainer shares the engine's weights, trains, publishes
 then serves exactly what a fresh engine built from the saved weights serves on the same kernel.
 
 vLLM picks per layer and CPU kind (colo.vllm_compat.forced_cpu_gemm): AMX machines take sgl-kernel
-for small bf16 weights and oneDNN for the rest, AVX2 and AVX-512 machines oneDNN, and F.linear
-("plain") when neither applies. Forcing each here covers the other machine kinds in CI. The sgl
-kernels exist only in vLLM's AVX-512-BF16 build, so on an AVX2-only CPU that case cannot run: it
-is skipped there with the reason, and runs on every AVX-512-BF16 or AMX machine.
+for small bf16 weights and oneDNN for the rest, AVX-512 machines oneDNN, AVX2 machines oneDNN for
+fp32 and F.linear ("plain") for bf16 (their oneDNN refuses it), and F.linear when neither applies.
+Forcing each here covers the other machine kinds in CI; what vLLM then uses is asked of the vLLM
+build in use (forced_kernel_outcome), never a table per CPU kind. The sgl kernels exist only in
+vLLM's AVX-512-BF16 build, so on an AVX2-only CPU (or its persona, colo.cpu_persona) that case
+cannot run: it is skipped there with the reason, and runs on every AVX-512-BF16 or AMX machine.
 """
 from __future__ import annotations
 
@@ -15,17 +17,13 @@ import torch
 
 import colo
 from colo.engine import cpu_kernels, engine_model
-from colo.vllm_compat import sgl_unavailable_reason
+from colo.vllm_compat import forced_kernel_outcome, sgl_unavailable_reason
 from conftest import PROMPTS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_kind]
 
-# (kernel forced, engine dtype) -> the kernels vLLM then uses (sgl never takes fp32: oneDNN does)
-CASES = {
-    ("sgl", "bfloat16"): {"sgl"}, ("sgl", "float32"): {"onednn"},
-    ("onednn", "bfloat16"): {"onednn"}, ("onednn", "float32"): {"onednn"},
-    ("plain", "bfloat16"): {"plain"}, ("plain", "float32"): {"plain"},
-}
+# (kernel forced, engine dtype)
+CASES = [(kernel, dtype) for kernel in ("sgl", "onednn", "plain") for dtype in ("bfloat16", "float32")]
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 
 
@@ -37,14 +35,15 @@ def greedy_tokens(llm):
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-@pytest.mark.parametrize("kernel,dtype", list(CASES), ids=[f"{k}-{d}" for k, d in CASES])
+@pytest.mark.parametrize("kernel,dtype", CASES, ids=[f"{k}-{d}" for k, d in CASES])
 def test_compiled_engine_serves_the_trained_weights_on_every_kernel(kernel, dtype, tmp_path, tiny_model_dir,
                                                                    build_engine, prompt_logprobs):
     if kernel == "sgl" and sgl_unavailable_reason():
         pytest.skip(sgl_unavailable_reason())
     path = tiny_model_dir("qwen2", vocab_size=1000, tie_word_embeddings=True)  # q/k/v biases: sgl makes them fp32
     llm = build_engine(path, dtype=dtype, kernel=kernel, enforce_eager=False)
-    assert set(cpu_kernels(llm)) == CASES[kernel, dtype]
+    used = forced_kernel_outcome(kernel, getattr(torch, dtype))
+    assert set(cpu_kernels(llm)) == {used}
     addresses = {name: p.data_ptr() for name, p in engine_model(llm).named_parameters()}
     before = prompt_logprobs(llm)
 
@@ -58,11 +57,10 @@ def test_compiled_engine_serves_the_trained_weights_on_every_kernel(kernel, dtyp
         optimizer.step()
         optimizer.zero_grad()
         report = shared.publish()
-        packed = kernel != "plain"
-        assert (report["bytes_repacked"] > 0) == packed
+        assert (report["bytes_repacked"] > 0) == (used != "plain")
         # Biases the sgl kernel keeps in fp32 cannot alias a bf16 trainer: they, and only they, are copied.
         assert report["bytes_copied"] == (sum(p.numel() * 4 for n, p in hf.named_parameters() if n.endswith("bias"))
-                                          if kernel == "sgl" and dtype == "bfloat16" else 0)
+                                          if used == "sgl" else 0)
     assert {name: p.data_ptr() for name, p in engine_model(llm).named_parameters()} == addresses
     served = prompt_logprobs(llm)
     assert (served - before).abs().max() > 0.1, "the update should change what the engine serves"

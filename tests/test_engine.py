@@ -18,6 +18,7 @@ def pool_and_engine(tiny_model_dir, build_engine):
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_kind
 def test_the_weights_and_kv_cache_are_in_their_regions_from_load(pool_and_engine):
     pool, llm = pool_and_engine
     region = engine.kv_cache_region(llm)

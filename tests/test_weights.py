@@ -43,6 +43,7 @@ def train_steps(model, optimizer, steps=2, seed=0):
         optimizer.zero_grad()
 
 
+@pytest.mark.cpu_kind
 @pytest.mark.parametrize("case", list(CASES))
 def test_publish_matches_a_fresh_engine_from_save_pretrained(case, tmp_path, tiny_model_dir, build_engine,
                                                              prompt_logprobs):

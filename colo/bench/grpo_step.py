@@ -4,13 +4,16 @@ against the same step done the usual way.
 Both sides run colo.grpo's scheduler on the same random Qwen2 model, toy task, prompts and seeds
 (8 prompts x 8 completions per step):
 
-- colo: the scheduler as it runs by default: the engine compiled with the kernels vLLM picks,
+- colo: the scheduler as it runs by default (dtype "auto": colo.dtype_choice), and again in the
+  other dtype, one row each, so the bench backs auto's choice on the machine that runs it: the
+  engine compiled with the kernels vLLM picks,
   trainer and engine sharing one copy of the weights (publish copies nothing; on a CPU it repacks
   vLLM's packed kernel copies); the KV cache sleeps while training, gradients sleep while
   generating, and optimizer state is offloaded while generating where that frees device memory
   (GPU; the scheduler's default skips it on the host, where it would copy RAM to RAM).
-- baseline ("the usual way", as TRL's colocate mode does it): the trainer loads its own copy of the
-  weights, and after each optimizer step TRL's sync (`baselines.trl_sync_weights`) pushes every
+- baseline ("the usual way", as TRL's colocate mode does it): the trainer loads its own fp32 copy of
+  the weights, the engine serves vLLM's default dtype (bf16 for this fp32 checkpoint on x86 CPUs
+  and recent GPUs, whatever the CPU kind), and after each optimizer step TRL's sync (`baselines.trl_sync_weights`) pushes every
   parameter through vLLM's load_weights; nothing sleeps, the KV cache stays resident through
   training. Its engine is compiled too. Where vLLM packed the CPU linears, stock vLLM cannot take
   weights in place (stock TRL crashes at its first sync), so the baseline runs on the named variant
@@ -20,11 +23,11 @@ The step runs where the installed vLLM runs its engines (the scheduler takes the
 one); the CUDA case has not run on a GPU yet, and there phase times are host-side: GPU work still
 queued when a phase ends is counted in the next one (step times are whole).
 
-Both schedulers live side by side and take steps in turn (each going first every other round), so
-load from other processes, and whatever one side's step leaves behind for the next, hits both
+The three schedulers live side by side and take steps in turn (each going first every third round), so
+load from other processes, and whatever one side's step leaves behind for the next, hits all
 alike; after warm-up steps (vLLM's first calls are slow) the row gives medians per phase for both
 (colo_<phase>_s, baseline_<phase>_s), the step-time ratio and the KV cache bytes resident during
-training. The two sides train identically (same seeds), so their batches stay comparable.
+training. The sides train alike (same seeds), so their batches stay comparable.
 """
 from __future__ import annotations
 
@@ -51,21 +54,24 @@ def save_model(directory: Path, name: str) -> int:
     return save_random_model(directory, {**QWEN2_SIZES[name], "max_position_embeddings": 256})
 
 
-def new_run(model_dir: Path, max_new_tokens: int, colocated: bool):
-    """A GRPO scheduler for one side of the comparison."""
+def new_run(model_dir: Path, max_new_tokens: int, colocated: bool, dtype: str | None = None):
+    """A GRPO scheduler for one side of the comparison. colocated: colo's way, one copy in `dtype`
+    (None: colo's auto choice); otherwise the usual way, whose engine serves what vLLM picks itself."""
     import torch
 
     from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask
-    from colo.vllm_compat import forced_cpu_gemm
+    from colo.vllm_compat import forced_cpu_gemm, served_dtype
 
     task = ToyTask(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     config = GRPOConfig(max_new_tokens=max_new_tokens, ignore_eos=True, learning_rate=3e-3, save_every=0,
-                        memory_phases=colocated, offload_optimizer=None if colocated else False)
+                        memory_phases=colocated, offload_optimizer=None if colocated else False,
+                        dtype=dtype if colocated else {torch.bfloat16: "bf16"}.get(served_dtype(model_dir), "fp32"))
     if colocated:
         return GRPOScheduler(model_dir, task.rewards, task.prompts, config)
     on_cpu = not torch.cuda.is_available()
     with forced_cpu_gemm("plain") if on_cpu else contextlib.nullcontext():
-        # As TRL does: an fp32 trainer (fp32 AdamW), its weights pushed into a separate engine copy.
+        # As TRL does: an fp32 trainer (fp32 AdamW), its weights pushed into a separate engine copy
+        # that serves vLLM's own default dtype (bf16 for this fp32 checkpoint on x86 CPUs and GPUs).
         run = GRPOScheduler(model_dir, task.rewards, task.prompts, config,
                             engine_options={"alias": False, "trainer_dtype": torch.float32})
     engine = run.engine
@@ -81,27 +87,36 @@ def summarise(records: list[dict]) -> dict:
     return summary
 
 
-def measure_size(name: str, steps: int, progress, device: str = "cpu") -> dict:
-    max_new_tokens = COMPLETION_TOKENS[name]
+def measure_size(name: str, steps: int, progress, device: str = "cpu") -> list[dict]:
+    """Two rows for model `name`: colo in the dtype its auto rule picks here, then colo in the other
+    dtype, each against the same usual-way baseline (the three take their steps in turn)."""
+    from colo.dtype_choice import NAMES, fastest_dtype
     from colo.engine import cpu_kernels
 
+    max_new_tokens = COMPLETION_TOKENS[name]
+    choice = fastest_dtype(device)
+    other = "fp32" if choice.name == "bf16" else "bf16"
     with tempfile.TemporaryDirectory(prefix="colo-grpo-step-") as tmp:
         model_dir = Path(tmp) / "model"
         params = save_model(model_dir, name)
-        runs = {"colo": new_run(model_dir, max_new_tokens, True), "baseline": new_run(model_dir, max_new_tokens, False)}
+        runs = {"colo": new_run(model_dir, max_new_tokens, True),
+                "colo_other": new_run(model_dir, max_new_tokens, True, dtype=other),
+                "baseline": new_run(model_dir, max_new_tokens, False)}
         kernels = {side: cpu_kernels(run.engine.llm) for side, run in runs.items()}
+        dtypes = {side: NAMES[run.engine.llm.llm_engine.model_config.dtype] for side, run in runs.items()}
         ran_on = {run.device.type for run in runs.values()}
         if ran_on != {device}:  # the scheduler picks the GPU whenever torch sees one
             raise RuntimeError(f"asked for a {device} step but the scheduler runs on {', '.join(sorted(ran_on))}")
+        assert dtypes["colo"] == choice.name, (dtypes, choice)
         records = {side: [] for side in runs}
         try:
-            # Alternate the two sides step by step so that load from other processes on a shared
-            # machine hits both alike, and swap which goes first each round: the side that runs
-            # right after the other's training measured a slower generate phase (up to 10% here) with
-            # identical kernels. The first WARMUP steps of each (vLLM's slow first calls) are dropped.
+            # Alternate the sides step by step so that load from other processes on a shared machine
+            # hits all alike, and rotate which goes first each round: the side that runs right after
+            # another's training measured a slower generate phase (up to 10% here) with identical
+            # kernels. The first WARMUP steps of each (vLLM's slow first calls) are dropped.
             sides = list(runs)
             for i in progress(range(WARMUP + steps), name):
-                for side in (sides if i % 2 == 0 else sides[::-1]):
+                for side in sides[i % len(sides):] + sides[:i % len(sides)]:
                     record = runs[side].train_step()
                     if i >= WARMUP:
                         records[side].append(record)
@@ -110,31 +125,41 @@ def measure_size(name: str, steps: int, progress, device: str = "cpu") -> dict:
                 run.close()
             del runs
             gc.collect()
-    colo_side, base_side = summarise(records["colo"]), summarise(records["baseline"])
+    summaries = {side: summarise(records[side]) for side in records}
+    base_side = summaries["baseline"]
     refused = stock_update_refused(kernels["colo"])
-    baseline = "usual way: own weights, TRL's per-parameter sync, no memory phasing"
-    row = {"section": SECTION, "case": f"grpo step {name}", "device": device, "model": name, "params": params,
-           "prompts": 8, "completions_per_prompt": 8, "max_new_tokens": max_new_tokens, "steps_measured": steps,
-           "colo_s": colo_side["step_s"],
-           "baseline": f"{baseline}, on {UPDATABLE_VARIANT}" if refused else baseline,
-           "baseline_s": base_side["step_s"], "ratio": ratio(base_side["step_s"], colo_side["step_s"]),
-           "colo_cpu_kernels": kernels["colo"], "baseline_cpu_kernels": kernels["baseline"]}
-    for side, values in (("colo", colo_side), ("baseline", base_side)):
-        for phase in PHASES:
-            row[f"{side}_{phase}_s"] = values[f"{phase}_s"]
-        row[f"{side}_kv_cache_resident_bytes_during_train"] = values["kv_cache_resident_bytes_during_train"]
-        row[f"{side}_publish_bytes_copied"] = values["publish_bytes_copied"]
-    # Flat aliases of colo's own phases, the names the step log uses.
-    row.update(generate_s=colo_side["generate_s"], train_s=colo_side["train_s"], publish_s=colo_side["publish_s"])
-    row["note"] = (f"medians over {steps} steps after {WARMUP} warm-up steps, the two sides alternating step by "
-                   "step, each going first every other round; same model, prompts and seeds, both engines compiled"
-                   + (f"; stock vLLM cannot be the baseline here: {refused}" if refused else ""))
-    return row
+    baseline = "usual way: own fp32 weights, TRL's per-parameter sync into an engine in vLLM's default dtype, no memory phasing"
+    rows = []
+    for side, why in (("colo", f"auto: {choice.reason}"), ("colo_other", "the dtype auto did not pick, for comparison")):
+        colo_side = summaries[side]
+        row = {"section": SECTION, "case": f"grpo step {name} {dtypes[side]}" + (" (auto)" if side == "colo" else ""),
+               "device": device, "model": name, "params": params, "dtype": dtypes[side], "dtype_auto": side == "colo",
+               "dtype_why": why, "prompts": 8, "completions_per_prompt": 8, "max_new_tokens": max_new_tokens,
+               "steps_measured": steps, "colo_s": colo_side["step_s"],
+               "baseline": f"{baseline}, on {UPDATABLE_VARIANT}" if refused else baseline,
+               "baseline_dtype": dtypes["baseline"], "baseline_s": base_side["step_s"],
+               "ratio": ratio(base_side["step_s"], colo_side["step_s"]),
+               "colo_cpu_kernels": kernels[side], "baseline_cpu_kernels": kernels["baseline"]}
+        for label, values in (("colo", colo_side), ("baseline", base_side)):
+            for phase in PHASES:
+                row[f"{label}_{phase}_s"] = values[f"{phase}_s"]
+            row[f"{label}_kv_cache_resident_bytes_during_train"] = values["kv_cache_resident_bytes_during_train"]
+            row[f"{label}_publish_bytes_copied"] = values["publish_bytes_copied"]
+        # Flat aliases of colo's own phases, the names the step log uses.
+        row.update(generate_s=colo_side["generate_s"], train_s=colo_side["train_s"], publish_s=colo_side["publish_s"])
+        row["note"] = (f"medians over {steps} steps after {WARMUP} warm-up steps, the three runs (colo in each dtype, "
+                       "the usual way) taking steps in turn, each going first every third round; same model, prompts "
+                       "and seeds, all engines compiled"
+                       + (f"; stock vLLM cannot be the baseline here: {refused}" if refused else ""))
+        rows.append(row)
+    auto, other_row = rows
+    auto["auto_vs_other_dtype"] = ratio(other_row["colo_s"], auto["colo_s"])  # > 1: auto picked the faster one
+    return rows
 
 
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
     def measure(device: str) -> list[dict]:
         steps = 3 if quick else 6
-        return [measure_size(name, steps, progress, device) for name in (QUICK_SIZES if quick else FULL_SIZES)]
+        return [row for name in (QUICK_SIZES if quick else FULL_SIZES) for row in measure_size(name, steps, progress, device)]
 
     return rows_per_device(SECTION, "grpo step", devices, engine_unavailable_reason, measure)

@@ -91,7 +91,7 @@ def plot_grpo(ax, result: dict) -> None:
     bars = []  # (label, {phase: seconds})
     baselines = sorted({str(r.get("baseline", "baseline")) for r in rows})
     for r in rows:
-        prefix = f"{r.get('model') or r.get('case', '')} [{r.get('device', '')}]\n"
+        prefix = f"{r.get('model') or r.get('case', '')} {r.get('dtype', '')} [{r.get('device', '')}]\n"
         for side, label in (("colo", "colo"), ("baseline", "usual")):
             total = _number(r.get(f"{side}_s"))
             parts = phases(r, side)

@@ -68,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "it beside the engine's weights and KV cache)")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                    help="weights the engine serves and the trainer shares: bf16 (fp32 master weights and AdamW "
-                        "moments with the optimizer) or fp32; auto (default): what vLLM serves the model in on "
-                        "this device")
+                        "moments with the optimizer) or fp32; auto (default): the one that makes a whole step "
+                        "fastest here (bf16 where the device computes in bf16 natively: GPUs since Ampere, CPUs "
+                        "with AVX512_BF16 or AMX; fp32 elsewhere)")
     p.add_argument("--shard-optimizer", action="store_true",
                    help="ZeRO-1: each rank keeps 1/world of the fp32 master weights and AdamW moments; the "
                         "updated weights are all-gathered straight into every rank's engine weights")
@@ -157,14 +158,18 @@ def main(argv=None) -> int:
 
             build_toy_model(model_dir, seed=config.seed)
     D.barrier(world)
-    chosen = config.dtype
-    config = config.resolve_dtype(model_dir)
+    if config.dtype:
+        why = "as in run.json" if args.resume else "as asked"
+    else:
+        from ..dtype_choice import fastest_dtype
+
+        why = f"auto: {fastest_dtype(world.device).reason}; --dtype to choose"
+    config = config.resolve_dtype(world.device)
     if world.is_main:
-        how = ("as in run.json" if args.resume else "as asked") if chosen else \
-            "what vLLM serves this model in on this device; --dtype to choose"
-        print(f"colo.grpo: weights in {config.dtype} ({how})", flush=True)
+        print(f"colo.grpo: weights in {config.dtype} ({why})", flush=True)
         if not args.resume:
-            (out / "run.json").write_text(json.dumps({"model_dir": str(model_dir), "config": config.to_dict()}, indent=2))
+            (out / "run.json").write_text(json.dumps({"model_dir": str(model_dir), "config": config.to_dict(),
+                                                      "dtype_chosen_because": why}, indent=2))
 
     from .scheduler import GRPOScheduler
     from .toy_task import ToyTask

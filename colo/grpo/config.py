@@ -39,8 +39,8 @@ class GRPOConfig:
     # time for nothing (on a host pool the "host copy" is even the same RAM).
     offload_optimizer: bool | None = None
     # The dtype of the weights the engine serves and the trainer shares: "bf16" (fp32 master weights
-    # and AdamW moments with the optimizer, fp32 gradient accumulation) or "fp32". None: what vLLM
-    # would serve the model in on this device (resolve_dtype), decided when the run starts.
+    # and AdamW moments with the optimizer, fp32 gradient accumulation) or "fp32". None: the one that
+    # makes a whole step fastest on this device (resolve_dtype), decided when the run starts.
     dtype: str | None = None
     # ZeRO-1: each rank keeps 1/world of the fp32 master weights and AdamW moments; gradients are
     # reduce-scattered to their shard and the updated weights all-gathered into the engine's weights.
@@ -76,7 +76,7 @@ class GRPOConfig:
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
         if self.dtype not in (None, *DTYPES):
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or None (what vLLM serves), got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or None (the fastest here), got {self.dtype!r}")
 
     @property
     def torch_dtype(self):
@@ -84,16 +84,14 @@ class GRPOConfig:
 
         return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
 
-    def resolve_dtype(self, model_dir) -> "GRPOConfig":
-        """This config with `dtype` decided: as given, or what vLLM serves the model in on this device."""
+    def resolve_dtype(self, device="cpu") -> "GRPOConfig":
+        """This config with `dtype` decided: as given, or the one that makes a whole step fastest on
+        `device` (colo.dtype_choice.fastest_dtype: bf16 where the device computes in bf16 natively)."""
         if self.dtype is not None:
             return self
-        from ..vllm_compat import served_dtype
+        from ..dtype_choice import fastest_dtype
 
-        import torch
-
-        # fp16 (GPUs without bf16) is not one colo trains in: fp32 there.
-        return dataclasses.replace(self, dtype="bf16" if served_dtype(model_dir) == torch.bfloat16 else "fp32")
+        return dataclasses.replace(self, dtype=fastest_dtype(device).name)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

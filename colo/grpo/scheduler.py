@@ -78,7 +78,7 @@ class GRPOScheduler:
         torch.manual_seed(self.config.seed + self.world.rank)
         self.pool = colo.Pool(self.device, capacity=pool_capacity)
         self._check_model_dir()
-        self.config = self.config.resolve_dtype(self.model_dir)
+        self.config = self.config.resolve_dtype(self.device)
         self._start_engine(engine_options or {})
         self._build_training()
         self.step = 0
