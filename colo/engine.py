@@ -73,7 +73,7 @@ def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_byt
         llm_kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
     if pool.device.type == "cuda" and "gpu_memory_utilization" not in llm_kwargs:
         free, total = torch.cuda.mem_get_info(pool.device)
-        llm_kwargs["gpu_memory_utilization"] = compat.startup_memory_fraction(free, total)
+        llm_kwargs["gpu_memory_utilization"] = compat.startup_memory_fraction(free, total, kv_cache_bytes)
     if max_model_len is not None:
         llm_kwargs["max_model_len"] = max_model_len
 

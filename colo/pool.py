@@ -188,6 +188,21 @@ class Region:
         raw = torch.from_dlpack(self._allocate_dlpack(nbytes, (nbytes,), *_DLPACK_DTYPES[torch.uint8]))
         return raw.view(dtype).view(shape)
 
+    def _check_device_has_room(self) -> None:
+        """The capacity is a promise among colo's regions and torch; memory neither tracks (NCCL
+        buffers, CUDA graph pools, library workspaces) can still leave the device short. Ask the
+        driver, so a wake that cannot be mapped is refused here, cleanly, not inside cuMemCreate."""
+        free = self.pool._device_free_bytes()
+        if free is None or self.budget <= free:
+            return
+        self.pool._release_torch_cache()
+        free = self.pool._device_free_bytes()
+        if self.budget > free:
+            raise OutOfMemoryError(
+                f"region {self.name!r} cannot wake: its budget of {self.budget} bytes fits the pool's capacity, but "
+                f"the device has only {free} bytes free (memory outside torch and colo, such as NCCL buffers, "
+                f"CUDA graphs and library workspaces, took the rest); lower the region's budget or the pool's capacity")
+
     def _allocate_dlpack(self, nbytes: int, shape, code: int, bits: int):
         if self._cuda:  # the tensor's free waits for the work queued on this stream (0: legacy default)
             stream = torch.cuda.current_stream(self.pool.device).cuda_stream
@@ -212,17 +227,23 @@ class Region:
         faulted in on the region's own copy stream, asynchronously, so first touches after wake are cheap.
 
         Raises OutOfMemoryError, and stays asleep, when this region's budget does not fit in the
-        pool's capacity beside the regions awake now: asleep regions lend their budgets to others.
+        pool's capacity beside the regions awake now (asleep regions lend their budgets to others),
+        or, on CUDA, in what the driver reports free (after torch's cached blocks are given back).
         """
         with self.pool._lock:
             if not self.asleep:
                 return
             left = self.pool._awake_headroom(exclude=self)
+            if self.budget > left and self.pool.outside_bytes > 0:
+                # torch's cached blocks (freed activations) count as taken until torch gives them back.
+                self.pool._release_torch_cache()
+                left = self.pool._awake_headroom(exclude=self)
             if self.budget > left:
                 raise OutOfMemoryError(
                     f"region {self.name!r} cannot wake: its budget of {self.budget} bytes does not fit beside "
                     f"the awake regions ({self.pool._describe_awake(exclude=self)}), which leave {left} of the "
                     f"pool's {self.pool.capacity} bytes; put one of them to sleep first")
+            self._check_device_has_room()
             self._native.wake()
 
     def trim(self) -> None:
@@ -341,6 +362,15 @@ class Pool:
             return 0
         routed = sum(self._regions[name].stats()["allocated_bytes"] for name in self._torch_pools)
         return torch_outside_bytes(torch.cuda.memory_reserved(self.device), self._torch_reserved_at_start, routed)
+
+    def _device_free_bytes(self) -> int | None:
+        """What the driver says is free on the device now (None on the host, where the OS decides)."""
+        return torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+
+    def _release_torch_cache(self) -> None:
+        """Hand torch's cached but unused device blocks back to the driver (CUDA; nothing on the host)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _awake_headroom(self, exclude: Region | None = None) -> int:
         awake = sum(r.budget for r in self._regions.values() if r is not exclude and not r.asleep)

@@ -26,11 +26,14 @@ KV cache itself and never moves the weights).
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 TESTED_TRL_VERSION = "1.16.0"
+TRL_DEFAULT_MEMORY_FRACTION = 0.3  # trl.GRPOConfig.vllm_gpu_memory_utilization's default in that release
+logger = logging.getLogger(__name__)
 
 
 def _import_trl():
@@ -105,6 +108,10 @@ class ColoVLLMGeneration(_VLLMGeneration):
         # The KV cache holds the whole generation batch at full length; no memory fraction to tune.
         sequences = self.max_num_seqs or 1
         kv_cache_bytes = sequences * round_up(max_model_len, block) * kv_bytes_per_token(config, dtype)
+        if self.gpu_memory_utilization != TRL_DEFAULT_MEMORY_FRACTION:
+            logger.warning("colo.trl: vllm_gpu_memory_utilization=%s is not used: the KV cache holds exactly "
+                           "max_num_seqs (%d) sequences of %d tokens, %d bytes, in colo's pool",
+                           self.gpu_memory_utilization, sequences, max_model_len, kv_cache_bytes)
         self.llm = build_llm(
             model.name_or_path, pool, dtype=dtype, kv_cache_bytes=kv_cache_bytes, block_size=block,
             tensor_parallel_size=self.tensor_parallel_size, max_model_len=max_model_len,

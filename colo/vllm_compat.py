@@ -334,23 +334,38 @@ def served_dtype(model_dir) -> torch.dtype:
 
 
 VLLM_DEFAULT_MEMORY_FRACTION = 0.92  # vLLM's own gpu_memory_utilization default
+# What an engine's start takes before vLLM's memory snapshot: the world, DP and EP NCCL communicators
+# (`init_worker_distributed_environment`), each up to hundreds of MiB with NVLink SHARP buffers.
+STARTUP_HEADROOM_BYTES = 2 << 30
+FIXED_KV_MEMORY_FRACTION = 0.01  # the least vLLM's check asks for once the KV cache size is fixed
 
 
-def startup_memory_fraction(free_bytes: int, total_bytes: int) -> float:
-    """A gpu_memory_utilization that vLLM's start-up check accepts now.
+def startup_memory_fraction(free_bytes: int, total_bytes: int, kv_cache_bytes: int | None = None) -> float:
+    """A gpu_memory_utilization that vLLM's start-up check will accept, measured now, before the start.
 
-    vLLM's GPU worker refuses to start (`request_memory` in vllm/v1/worker/utils.py) when free device
-    memory is below gpu_memory_utilization x total, even when kv_cache_memory_bytes fixes the KV
-    size; colo builds its engine after the trainer's memory is on the device, so the default 0.92
-    fails whenever the trainer holds more than 8%. This is what is free now, less 1% of the device
-    for what the engine's start takes before vLLM looks, at most vLLM's default, rounded down.
+    vLLM's GPU worker refuses to start (`request_memory` in vllm/v1/worker/utils.py) when the memory
+    free at its snapshot is below gpu_memory_utilization x total, and it takes that snapshot after
+    creating its NCCL communicators. colo builds its engine after the trainer's memory is on the
+    device, so vLLM's default 0.92 fails whenever the trainer holds more than 8%.
+
+    With `kv_cache_bytes` given (colo's engines always fix the KV size: kv_cache_memory_bytes), the
+    fraction gates that check and nothing else (vLLM then skips its profiling), so it asks for 1% of
+    the device. Without it vLLM sizes the KV cache from the fraction: what is free now, less
+    STARTUP_HEADROOM_BYTES (at most a tenth of the device), at most vLLM's default, rounded down.
     """
     if total_bytes <= 0 or free_bytes <= 0:
         raise ValueError(f"no free device memory to start an engine ({free_bytes} of {total_bytes} bytes free)")
-    fraction = min(VLLM_DEFAULT_MEMORY_FRACTION, (free_bytes - 0.01 * total_bytes) / total_bytes)
-    if fraction <= 0.001:
+    headroom = min(STARTUP_HEADROOM_BYTES, total_bytes // 10)
+    if kv_cache_bytes is not None:
+        fraction = FIXED_KV_MEMORY_FRACTION
+        needed = fraction * total_bytes + kv_cache_bytes
+    else:
+        fraction = min(VLLM_DEFAULT_MEMORY_FRACTION, (free_bytes - headroom) / total_bytes)
+        needed = max(fraction, 0.0) * total_bytes
+    if fraction <= 0.001 or free_bytes - headroom < needed:
         raise ValueError(f"only {free_bytes} of the device's {total_bytes} bytes are free: too little to start "
-                         "an engine")
+                         f"an engine (it needs {int(needed)} bytes{' with its KV cache' if kv_cache_bytes else ''} "
+                         f"and {headroom} for its start-up)")
     return int(fraction * 1000) / 1000
 
 

@@ -181,21 +181,29 @@ def test_a_released_engine_returns_its_kv_cache_to_the_region(tiny_model_dir, bu
 
 
 def test_the_memory_fraction_given_to_a_gpu_engine_passes_vllms_start_up_check():
-    """vLLM's GPU worker checks free memory against gpu_memory_utilization x total before loading
-    (request_memory). With a trainer already holding half an 80 GB device, vLLM's default 0.92 fails
-    that check; the fraction colo computes from what is free passes it. vLLM's own function decides."""
+    """vLLM's GPU worker checks free memory against gpu_memory_utilization x total (request_memory)
+    at a snapshot it takes after creating its NCCL communicators. With a trainer already holding half
+    an 80 GB device, vLLM's default 0.92 fails that check; the fraction colo computes from what is
+    free before the start passes it even when the communicators then take 1.5 GiB (1% of the device,
+    the old margin, would not). vLLM's own function decides."""
     from types import SimpleNamespace
 
     from vllm.config import CacheConfig
     from vllm.v1.worker.utils import request_memory
 
-    total, free = 80 << 30, 40 << 30
-    snapshot = SimpleNamespace(total_memory=total, free_memory=free, device_="cuda:0")
+    total, free, communicators = 80 << 30, 40 << 30, 1536 << 20
+    at_snapshot = SimpleNamespace(total_memory=total, free_memory=free - communicators, device_="cuda:0")
     with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
-        request_memory(snapshot, CacheConfig(gpu_memory_utilization=compat.VLLM_DEFAULT_MEMORY_FRACTION))
-    fraction = compat.startup_memory_fraction(free, total)
-    assert 0.45 < fraction < 0.5
-    assert request_memory(snapshot, CacheConfig(gpu_memory_utilization=fraction)) <= free
+        request_memory(at_snapshot, CacheConfig(gpu_memory_utilization=compat.VLLM_DEFAULT_MEMORY_FRACTION))
+    with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
+        request_memory(at_snapshot, CacheConfig(gpu_memory_utilization=int((free / total - 0.01) * 1000) / 1000))
+    for kv_cache_bytes in (None, 8 << 30):
+        fraction = compat.startup_memory_fraction(free, total, kv_cache_bytes)
+        assert request_memory(at_snapshot, CacheConfig(gpu_memory_utilization=fraction)) <= free - communicators
+    assert 0.45 < compat.startup_memory_fraction(free, total) < 0.5  # vLLM sizes the KV cache from it
+    assert compat.startup_memory_fraction(free, total, 8 << 30) == compat.FIXED_KV_MEMORY_FRACTION
     assert compat.startup_memory_fraction(total, total) == compat.VLLM_DEFAULT_MEMORY_FRACTION
     with pytest.raises(ValueError, match="too little"):
         compat.startup_memory_fraction(1 << 20, total)
+    with pytest.raises(ValueError, match="too little.*with its KV cache"):
+        compat.startup_memory_fraction(free, total, kv_cache_bytes=39 << 30)

@@ -402,3 +402,42 @@ def test_memory_taken_outside_the_regions_counts_against_the_capacity(monkeypatc
     assert kv.asleep
     with pytest.raises(ValueError, match="outside the regions"):
         pool.region("grads", budget=32 << 20)
+
+
+def test_wake_first_gives_torchs_cached_blocks_back_then_refuses_only_what_still_does_not_fit(monkeypatch):
+    """Freed activations stay in torch's CUDA cache and count as taken; a KV cache waking after
+    training (the scheduler's, colo.trl's, a user's wake_kv_cache) must not be refused for them:
+    the pool releases torch's cache first (torch.cuda.empty_cache on CUDA) and refuses only what
+    still does not fit. Modelled on a host pool: 40 MiB cached, of which 8 MiB stay in use."""
+    pool = colo.Pool("cpu", capacity=64 << 20)
+    kv = pool.region("kv", budget=32 << 20)
+    kv.sleep()
+    torch_bytes = {"held": 40 << 20, "in_use": 8 << 20}
+    monkeypatch.setattr(type(pool), "outside_bytes", property(lambda self: torch_bytes["held"]))
+    monkeypatch.setattr(pool, "_release_torch_cache", lambda: torch_bytes.update(held=torch_bytes["in_use"]))
+    kv.wake()
+    assert not kv.asleep and torch_bytes["held"] == 8 << 20
+    kv.sleep()
+    torch_bytes.update(held=40 << 20, in_use=40 << 20)  # all of it live: nothing to give back
+    with pytest.raises(colo.OutOfMemoryError, match="outside the regions"):
+        kv.wake()
+    assert kv.asleep
+
+
+def test_wake_is_refused_cleanly_when_the_device_itself_is_short(monkeypatch):
+    """Memory neither torch nor colo tracks (NCCL buffers, CUDA graphs) can leave a device with less
+    free memory than the pool's capacity promises: the wake asks the driver (CUDA; modelled here) and
+    refuses with OutOfMemoryError naming it, after giving torch's cache back, instead of failing inside
+    the driver's map call; the region stays asleep and wakes once the memory is there."""
+    pool = colo.Pool("cpu", capacity=64 << 20)
+    kv = pool.region("kv", budget=32 << 20)
+    kv.sleep()
+    device = {"free": 16 << 20, "released": 0}
+    monkeypatch.setattr(pool, "_device_free_bytes", lambda: device["free"])
+    monkeypatch.setattr(pool, "_release_torch_cache", lambda: device.update(released=device["released"] + 1))
+    with pytest.raises(colo.OutOfMemoryError, match="device has only 16777216 bytes free"):
+        kv.wake()
+    assert kv.asleep and device["released"] == 1
+    device["free"] = 48 << 20
+    kv.wake()
+    assert not kv.asleep

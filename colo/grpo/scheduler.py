@@ -9,9 +9,9 @@ One step:
               ranks; clip; optimizer step (with shard_optimizer, ZeRO-1: gradients reduce-scattered
               to their shard's rank, each rank steps its shard and all-gathers the updated weights
               straight into the engine's)
-    publish   the engine serves the new weights (no bytes copied when layouts match); gradients
-              released and (on a GPU, by default) optimizer state offloaded to host before the
-              KV cache wakes again
+    publish   gradients released and (on a GPU, by default) the optimizer state's copy to host
+              started; the engine serves the new weights (no bytes copied when layouts match) while
+              that copy runs; the step ends once it is done, before the KV cache wakes again
 
 Every rank of a torchrun job runs this same loop with its own engine and its share of the prompts.
 """
@@ -364,18 +364,21 @@ class GRPOScheduler:
         return norm
 
     def _publish_phase(self, step: int, record: dict) -> None:
-        with self.timeline.span("publish", step=step) as span:
-            result = self.engine.publish()
-            self._sample_residency("publish", record)
-        self._unsafe_to_save = False
-        record["publish_s"] = span["seconds"]
-        record["publish_bytes_copied"] = int(result.get("bytes_copied", 0))
+        # The gradients are dead once the optimizer has stepped: they sleep now, and the optimizer
+        # state's copy to host (where it is offloaded) starts on the copy stream, so it overlaps the
+        # publish; the step ends by waiting for it (finish_offload).
         switch = time.perf_counter()
         if self.config.memory_phases:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # activations' cached blocks go back before the KV cache wakes
             self.memory.sleep_for_generation()
         record["phase_switch_s"] += time.perf_counter() - switch
+        with self.timeline.span("publish", step=step) as span:
+            result = self.engine.publish()
+            self._sample_residency("publish", record)
+        self._unsafe_to_save = False
+        record["publish_s"] = span["seconds"]
+        record["publish_bytes_copied"] = int(result.get("bytes_copied", 0))
         self.timeline.counter("resident_bytes", self._resident())
 
     # -- memory accounting -------------------------------------------------------------------------

@@ -8,8 +8,9 @@
 - `optimizer` region: the optimizer's parameter-shaped state tensors (AdamW's two moments) moved
   into one flat buffer per dtype, and, with 16-bit parameters, the fp32 master weights. Where the
   pool cannot hold them beside the engine's weights and KV cache, they are copied to a host buffer
-  while the engine generates (the copy starts after the optimizer step without waiting for it and
-  overlaps the publish; the region sleeps at the end of the step); before the next optimizer step they are copied
+  while the engine generates (the copy starts after the optimizer step and the gradients' release,
+  without waiting for it, and overlaps the publish; the region sleeps at the end of the step);
+  before the next optimizer step they are copied
   back on the pool's copy stream, started early so the copy overlaps forward and backward.
 
 Budgets are exact (what the buffers need). Both regions sleep while the engine generates (the
@@ -218,10 +219,12 @@ class TrainingMemory:
     # -- phases ------------------------------------------------------------------------------------
     def sleep_for_generation(self) -> None:
         """Release gradients (dead between steps) and start offloading the optimizer state; the
-        scheduler calls finish_offload() at the end of the step, after the publish it overlaps."""
-        self.start_offload()
+        scheduler calls finish_offload() at the end of the step, after the publish it overlaps.
+        The gradients go first: releasing device memory waits for all queued work (CUDA unmaps
+        synchronise), which must not include the copy that is meant to overlap the publish."""
         if not self.grads.asleep:
             self.grads.sleep(offload=False)
+        self.start_offload()
 
     def wake_for_training(self) -> None:
         """Map the gradients back (zeroed) and start bringing the optimizer state back."""
