@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 
 import torch
 
@@ -40,7 +41,8 @@ def quiet_vllm_logs() -> None:
 
 
 def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_bytes: int | None = None,
-              max_model_len: int | None = None, enforce_eager: bool = False, **llm_kwargs):
+              max_model_len: int | None = None, enforce_eager: bool = False, wake_on_demand: bool = True,
+              **llm_kwargs):
     """A `vllm.LLM` running in this process, its weights in `pool.region("weights")` and its KV cache
     in `pool.region("kv_cache")`.
 
@@ -49,6 +51,10 @@ def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_byt
     kv_cache_bytes: the KV cache size (default: vLLM's, e.g. VLLM_CPU_KVCACHE_SPACE on CPU).
     enforce_eager: vLLM's own default (False): compiled, with CUDA graphs on a GPU. Weights never
         move, so compiled engines stay valid when a trainer updates the weights in place.
+    wake_on_demand: a request or engine step that reaches the engine while its KV cache sleeps wakes
+        it first (raising colo.OutOfMemoryError if its budget does not fit now), so every way of
+        calling the engine keeps working; False: it is refused with colo.RegionAsleepError instead
+        (also settable later: set_wake_on_demand).
     Under torchrun (torch.distributed initialised, world size > 1) the engine uses
     distributed_executor_backend="external_launcher" unless told otherwise.
     Other keyword arguments go to `vllm.LLM` unchanged (not `worker_cls`: colo's worker places the memory).
@@ -84,9 +90,18 @@ def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_byt
         llm = vllm.LLM(model=path, dtype=dtype, seed=seed, enforce_eager=enforce_eager, worker_cls=worker_cls,
                        **llm_kwargs)
     compat.keep_process_groups(llm)  # several engines share them in one process (rebuilds, comparisons)
+    placement.wake_on_demand = bool(wake_on_demand)
     if KV_CACHE in pool.regions:  # models without attention layers have no KV cache to guard
-        _refuse_work_while_kv_asleep(llm, pool.regions[KV_CACHE])
+        _guard_the_sleeping_kv_cache(llm, pool.regions[KV_CACHE], placement)
     return llm
+
+
+def set_wake_on_demand(llm, enabled: bool) -> None:
+    """Whether work reaching the engine while its KV cache sleeps wakes it (True) or is refused."""
+    placement = compat.engine_placement(llm)
+    if placement is None:
+        raise RuntimeError("this vllm.LLM was not built by colo.engine.build_llm")
+    placement.wake_on_demand = bool(enabled)
 
 
 def engine_pool(llm):
@@ -176,11 +191,16 @@ def _set_env(values: dict) -> None:
             os.environ[name] = value
 
 
-def _refuse_work_while_kv_asleep(llm, region) -> None:
-    """Touching slept KV memory would crash the process; refuse new requests and steps instead."""
+def _guard_the_sleeping_kv_cache(llm, region, placement) -> None:
+    """Touching slept KV memory would crash the process: wake it first, or refuse the work."""
+    llm_ref, placement_ref = weakref.ref(llm), weakref.ref(placement)  # the guard lives on the engine
+
     def check():
-        if region.asleep:
+        if not region.asleep:
+            return
+        if not placement_ref().wake_on_demand:
             raise RegionAsleepError("the engine's KV cache region is asleep; call colo.engine.wake_kv_cache(llm) "
-                                    "before generating")
+                                    "before generating (or build it with wake_on_demand=True)")
+        wake_kv_cache(llm_ref())
 
     compat.request_guard(llm, check)

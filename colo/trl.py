@@ -12,7 +12,9 @@ What changes (everything else is TRL's: rewards, datasets, logging, callbacks, c
 - the trainer's parameters become views of the engine's tensors (colo.share_weights), so TRL's
   `sync_weights` is `publish()`: no `load_weights` call, 0 bytes copied (on a CPU, vLLM's packed
   kernel copies are refreshed in place) and the prefix cache reset TRL does;
-- the KV cache sleeps (memory released) from the end of each generation until the next one;
+- the KV cache sleeps (memory released) from the end of each generation until the next one; a
+  request that reaches the engine outside TRL's generation (a user's `llm.generate`, an eval
+  callback) wakes it, and it sleeps again when TRL next computes a loss;
 - parameters given new storage after sharing (accelerate's prepare() under torch.distributed on a
   CPU moves the model to "cpu:N", which torch copies) are shared again at the next sync, one copy,
   reported as `reshared_bytes` in `colo_sync_reports`.
@@ -142,14 +144,21 @@ class ColoVLLMGeneration(_VLLMGeneration):
         self.colo_sync_reports.append({**self.colo_shared.publish(), "reshared_bytes": reshared})
 
     def generate(self, *args, **kwargs):
-        from colo.engine import kv_cache_region, sleep_kv_cache, wake_kv_cache
+        from colo.engine import kv_cache_region, wake_kv_cache
 
         if kv_cache_region(self.llm).asleep:
             wake_kv_cache(self.llm)
         try:
             return super().generate(*args, **kwargs)
         finally:
-            sleep_kv_cache(self.llm)  # TRL trains next: the KV cache's memory is released until then
+            self.sleep_kv_cache()  # TRL trains next: the KV cache's memory is released until then
+
+    def sleep_kv_cache(self) -> None:
+        """Release the KV cache's memory if it is awake (the next request wakes it again)."""
+        from colo.engine import kv_cache_region, sleep_kv_cache
+
+        if not kv_cache_region(self.llm).asleep:
+            sleep_kv_cache(self.llm)
 
 
 class GRPOTrainer(trl.GRPOTrainer):
@@ -184,6 +193,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             max_completion_length=self.max_completion_length, logprobs=0, generation_kwargs=args.generation_kwargs)
         self._last_loaded_step = -1  # as TRL: sync once per optimizer step, not per micro-batch
+
+    def compute_loss(self, *args, **kwargs):
+        # TRL trains now: a KV cache woken outside TRL's generate (a user's llm.generate, an eval
+        # callback: colo's engine wakes it on demand) is released again for the training memory.
+        self.vllm_generation.sleep_kv_cache()
+        return super().compute_loss(*args, **kwargs)
 
     @property
     def colo_shared(self):

@@ -78,6 +78,7 @@ class EnginePlacement:
         self.adopted_bytes = 0
         self.placed_bytes = 0
         self.loaded = False
+        self.wake_on_demand = True  # colo.engine: work reaching a sleeping KV cache wakes it
 
     def weights_region(self, nbytes: int = 0):
         # No budget yet: what the pool has left, fitted to what the model used once it is loaded.

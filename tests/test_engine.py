@@ -114,8 +114,12 @@ def test_sleep_releases_the_kv_cache_and_wake_serves_the_same_outputs(pool_and_e
 
     engine.sleep_kv_cache(llm)
     assert region.asleep and region.stats()["resident_bytes"] == 0
-    with pytest.raises(colo.RegionAsleepError, match="wake_kv_cache"):
-        llm.generate([long_prompt], greedy, use_tqdm=False)
+    engine.set_wake_on_demand(llm, False)
+    try:
+        with pytest.raises(colo.RegionAsleepError, match="wake_kv_cache"):
+            llm.generate([long_prompt], greedy, use_tqdm=False)
+    finally:
+        engine.set_wake_on_demand(llm, True)
     assert llm.llm_engine.get_num_unfinished_requests() == 0  # the refused request left nothing behind
 
     engine.wake_kv_cache(llm)
@@ -125,6 +129,21 @@ def test_sleep_releases_the_kv_cache_and_wake_serves_the_same_outputs(pool_and_e
     assert again.outputs[0].token_ids == expected.token_ids
     assert again.outputs[0].cumulative_logprob == pytest.approx(expected.cumulative_logprob, abs=1e-4)
     torch.testing.assert_close(prompt_logprobs(llm), expected_scores, atol=1e-5, rtol=0)
+
+    # By default a request that reaches a sleeping KV cache wakes it (what a user's own generate
+    # or an eval callback does between colo.trl's steps), prefixes lost in sleep forgotten.
+    llm.generate([long_prompt], greedy, use_tqdm=False)
+    engine.sleep_kv_cache(llm)
+    woken = llm.generate([long_prompt], greedy, use_tqdm=False)[0]
+    assert not region.asleep and woken.num_cached_tokens == 0
+    assert woken.outputs[0].token_ids == expected.token_ids
+    engine.sleep_kv_cache(llm)
+    with pytest.raises(colo.OutOfMemoryError, match="cannot wake"):  # the budget cannot fit: said, not crashed
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(type(region.pool), "_awake_headroom", lambda self, exclude=None: 0)
+            llm.generate([long_prompt], greedy, use_tqdm=False)
+    assert region.asleep and llm.llm_engine.get_num_unfinished_requests() == 0
+    engine.wake_kv_cache(llm)
 
 
 def test_import_vllm_explains_the_broken_torchvision(monkeypatch):

@@ -80,13 +80,14 @@ def test_trl_grpo_trains_with_the_engine_sharing_its_weights(kernel, dtype, tmp_
 def assert_engine_serves_the_trained_model(trainer, model_dir, dtype, tolerance, prompt_logprobs):
     """The engine's log-probabilities against the trainer's own forward pass, after a sync as TRL
     does before each generation; and the model did train."""
-    from colo.engine import wake_kv_cache
+    from colo.engine import kv_cache_region
     from transformers import AutoModelForCausalLM
 
     llm = trainer.vllm_generation.llm
     trainer.vllm_generation.sync_weights()
-    wake_kv_cache(llm)
-    served = prompt_logprobs(llm)
+    assert kv_cache_region(llm).asleep  # TRL trained last
+    served = prompt_logprobs(llm)  # a direct llm.generate, as with stock TRL: the KV cache wakes for it
+    assert not kv_cache_region(llm).asleep
     model = trainer.accelerator.unwrap_model(trainer.model)
     expected = []
     with torch.no_grad():

@@ -20,8 +20,11 @@ vLLM sizes from the free memory.
 
 Both TRL sides run the same script (bf16 trainer, learning rate, seeds), each for warm-up steps
 plus measured steps, in alternating rounds so that load from other processes hits both alike; the
-row gives TRL's own `step_time` (median over measured steps of all rounds), the sync time and
-bytes per sync, and memory: the KV cache bytes held while training and the process RSS.
+row gives TRL's own `step_time` (median over measured steps of all rounds; TRL times its
+training_step, which leaves out the optimizer step and logging), the sync time and bytes per sync,
+memory (the KV cache bytes held while training and the process RSS), and where each side's whole
+step goes (`PhaseClock`: `<side>_wall_s` from one step's start to the next, split into generate,
+KV wake/sleep, sync, rewards, log-probability passes, loss, backward, optimizer and other; medians).
 """
 from __future__ import annotations
 
@@ -113,6 +116,7 @@ def run_trl(side: str, model_dir: Path, out: Path, steps: int) -> dict:
         syncs.append(time.perf_counter() - start)
 
     generation.sync_weights = timed_sync  # instrumentation: the same wrapper on every side
+    clock = PhaseClock(trainer, side.startswith("colo"))
     try:
         trainer.train()
         kv_train = kv_cache_region(generation.llm).stats()["resident_bytes"] if side.startswith("colo") else \
@@ -125,12 +129,95 @@ def run_trl(side: str, model_dir: Path, out: Path, steps: int) -> dict:
             "sync_bytes": max(r["bytes_copied"] + r["reshared_bytes"] for r in generation.colo_sync_reports[WARMUP:])
             if side.startswith("colo") else param_bytes,
             "reward": [h["reward"] for h in trainer.state.log_history if "reward" in h],
+            "phases": clock.steps[WARMUP:],
         }
     finally:
         release_llm(generation.llm)
         del trainer, generation
         gc.collect()
     return result
+
+
+PHASES = ("generate", "kv_wake_sleep", "sync", "rewards", "logprob_passes", "loss", "backward", "optimizer")
+
+
+class PhaseClock:
+    """Where each TRL step's wall time goes, on both sides alike: wrappers on the trainer's own
+    methods (and, for colo.trl, its KV cache wake and sleep) add their exclusive time (nested
+    wrapped calls are not counted twice) to the step's phase; a step runs from one on_step_begin to
+    the next, so data loading and logging are in it too ("other": what no phase claims)."""
+
+    def __init__(self, trainer, colo_side: bool):
+        from transformers import TrainerCallback
+
+        self.steps: list[dict] = []
+        self._current: dict | None = None
+        self._began = None
+        self._stack: list[list] = []   # [phase, start, time spent in nested phases]
+        generation = trainer.vllm_generation
+        for owner, attr, phase in ((generation, "generate", "generate"), (generation, "sync_weights", "sync"),
+                                   (trainer, "_calculate_rewards", "rewards"),
+                                   (trainer, "_get_per_token_logps_and_entropies", "logprob_passes"),
+                                   (trainer, "compute_loss", "loss"), (trainer.accelerator, "backward", "backward")):
+            self._wrap(owner, attr, phase)
+        if colo_side:
+            import colo.engine
+
+            self._wrap(colo.engine, "wake_kv_cache", "kv_wake_sleep")  # colo.trl imports it at each call
+            self._wrap(generation, "sleep_kv_cache", "kv_wake_sleep")
+        clock = self
+
+        class Steps(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                clock._next_step()
+
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                clock._enter("optimizer")
+
+            def on_optimizer_step(self, args, state, control, **kwargs):
+                clock._leave()
+
+            def on_train_end(self, args, state, control, **kwargs):
+                clock._next_step(last=True)
+
+        trainer.add_callback(Steps())
+
+    def _wrap(self, owner, attr, phase) -> None:
+        original = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            self._enter(phase)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._leave()
+
+        setattr(owner, attr, timed)
+
+    def _enter(self, phase: str) -> None:
+        self._stack.append([phase, time.perf_counter(), 0.0])
+
+    def _leave(self) -> None:
+        phase, start, nested = self._stack.pop()
+        spent = time.perf_counter() - start
+        if self._stack:
+            self._stack[-1][2] += spent
+        if self._current is not None:
+            self._current[phase] = self._current.get(phase, 0.0) + spent - nested
+
+    def _next_step(self, last: bool = False) -> None:
+        now = time.perf_counter()
+        if self._current is not None:
+            self._current["wall"] = now - self._began
+            self._current["other"] = self._current["wall"] - sum(self._current.get(p, 0.0) for p in PHASES)
+            self.steps.append(self._current)
+        self._current, self._began = (None, None) if last else ({}, now)
+
+
+def phase_medians(steps: list[dict]) -> dict:
+    """Median seconds per phase (and wall, other) over the measured steps."""
+    return {f"{phase}_s": statistics.median(s.get(phase, 0.0) for s in steps)
+            for phase in ("wall", *PHASES, "other")} if steps else {}
 
 
 def in_fresh_process(fn, *args):
@@ -193,8 +280,9 @@ def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[
                 sides[side].append(in_fresh_process(run_trl, side, tmp / "model", tmp / f"{side}{i}", WARMUP + steps))
         grpo = in_fresh_process(run_colo_grpo, tmp / "model", steps)
         kernels = in_fresh_process(kernels_of, tmp / "model")
-    merged = {side: {key: [v for run in runs for v in run[key]] for key in ("step_s", "sync_s")}
+    merged = {side: {key: [v for run in runs for v in run[key]] for key in ("step_s", "sync_s", "phases")}
               for side, runs in sides.items()}
+    breakdown = {side: phase_medians(values["phases"]) for side, values in merged.items()}
     colo, base = merged["colo"], merged[baseline]
     base_name = f"stock TRL on {UPDATABLE_VARIANT}" if refused else "stock TRL (vLLM default mode)"
     common = {"section": SECTION, "device": device, "model": name, "params": params, "dtype": "bfloat16",
@@ -213,7 +301,9 @@ def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[
              "baseline_kv_cache_bytes_during_train": sides[baseline][0]["kv_cache_bytes_during_train"],
              "colo_rss_bytes": max(r["rss_bytes"] for r in sides["colo"]),
              "baseline_rss_bytes": max(r["rss_bytes"] for r in sides[baseline]),
-             "goal": "no longer per step than stock TRL", "goal_met": colo_step <= base_step, "note": note}]
+             "goal": "no longer per step than stock TRL", "goal_met": colo_step <= base_step, "note": note,
+             **{f"colo_{k}": v for k, v in breakdown["colo"].items()},
+             **{f"baseline_{k}": v for k, v in breakdown[baseline].items()}}]
     if refused:
         same = merged["colo-variant"]
         same_step = statistics.median(same["step_s"])
@@ -221,6 +311,7 @@ def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[
                      "baseline": base_name, "baseline_s": base_step, "ratio": ratio(base_step, same_step),
                      "colo_sync_s": statistics.median(same["sync_s"]),
                      "colo_sync_bytes": sides["colo-variant"][0]["sync_bytes"],
+                     **{f"colo_{k}": v for k, v in breakdown["colo-variant"].items()},
                      "note": f"colo.trl on {UPDATABLE_VARIANT} too: what colo itself adds or saves per step, apart "
                              "from the kernel vLLM picks"})
     grpo_step = statistics.median(grpo["step_s"])
