@@ -23,14 +23,15 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext):
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         build_dir = Path(self.build_temp).resolve() / "cmake"
-        cuda = os.environ.get("COLO_CUDA", "auto").lower()
+        # COLO_CUDA and this Python's torch decide whether the CUDA backend is required (a CUDA torch
+        # requires it), and cuda.h may come from torch's NVIDIA runtime wheel when no toolkit is installed.
+        cuda_plan = cmake_build.cuda_plan_for_this_python()
         args = [
             f"-DCMAKE_BUILD_TYPE={os.environ.get('COLO_BUILD_TYPE', 'Release')}",
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
-            f"-DCOLO_WITH_CUDA={'OFF' if cuda in ('0', 'off', 'no') else 'ON'}",
-            f"-DCOLO_REQUIRE_CUDA={'ON' if cuda in ('1', 'on', 'yes') else 'OFF'}",
+            *cuda_plan.cmake_args(),
         ]
         cmake_build.configure(ROOT, build_dir, args)
         cmake_build.build(build_dir, target="_C")
