@@ -29,7 +29,9 @@ def fake_driver_dir(tmp_path_factory) -> Path:
         pytest.skip("colo was built without the CUDA backend (no CUDA toolkit): nothing to drive")
     build = tmp_path_factory.mktemp("fake-cuda-build")
     cmake_build = load_cmake_build()
-    cmake_build.configure(ROOT, build, ["-DCOLO_BUILD_PYTHON=OFF", "-DCOLO_BUILD_TESTS=ON", "-DCMAKE_BUILD_TYPE=Release"])
+    # cuda.h from where colo's own build took it (a toolkit, or torch's NVIDIA runtime wheel).
+    cmake_build.configure(ROOT, build, ["-DCOLO_BUILD_PYTHON=OFF", "-DCOLO_BUILD_TESTS=ON", "-DCMAKE_BUILD_TYPE=Release",
+                                        *cmake_build.cuda_plan_for_this_python().cmake_args()])
     cmake_build.build(build, target="colo_fake_cuda")
     assert (build / "fake_cuda" / "libcuda.so.1").exists()
     return build / "fake_cuda"
