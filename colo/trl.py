@@ -66,8 +66,7 @@ class ColoVLLMGeneration(_VLLMGeneration):
     def _init_vllm(self):
         import colo
         from colo.engine import build_llm, sleep_kv_cache
-        from colo.grpo.rollout_engine import default_block_size, kv_bytes_per_token
-        from colo.sizes import round_up
+        from colo.grpo.rollout_engine import default_block_size, kv_bytes_per_token, kv_cache_blocks
         from trl.trainer.utils import ensure_master_addr_port
 
         if self.mode != "colocate":
@@ -107,11 +106,11 @@ class ColoVLLMGeneration(_VLLMGeneration):
         config = model.config
         max_model_len = self.max_model_length or getattr(config, "max_position_embeddings", 2048)
         block = default_block_size(pool.device)
-        # The KV cache holds the whole generation batch at full length, plus the one block vLLM keeps
-        # as its null block (v1/core/block_pool.py; one short, a sequence was preempted and recomputed
-        # every generation: 2x its time at 0.4M parameters). No memory fraction to tune.
+        # The KV cache holds the whole generation batch at full length (and vLLM's null block: one block
+        # short, a sequence was preempted every generation, 2x its time at 0.4M parameters). No memory
+        # fraction to tune.
         sequences = self.max_num_seqs or 1
-        kv_cache_bytes = (sequences * round_up(max_model_len, block) + block) * kv_bytes_per_token(config, dtype)
+        kv_cache_bytes = kv_cache_blocks(sequences, max_model_len, block) * block * kv_bytes_per_token(config, dtype)
         if self.gpu_memory_utilization != TRL_DEFAULT_MEMORY_FRACTION:
             logger.warning("colo.trl: vllm_gpu_memory_utilization=%s is not used: the KV cache holds exactly "
                            "max_num_seqs (%d) sequences of %d tokens, %d bytes, in colo's pool",

@@ -298,6 +298,12 @@ def engine_kv_caches(llm) -> list[torch.Tensor]:
     return list(caches.values()) if isinstance(caches, dict) else list(caches)
 
 
+def kv_cache_block_count(llm) -> tuple[int, int]:
+    """(KV blocks vLLM made, tokens per block); one of the blocks is vLLM's null block."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    return cache.num_gpu_blocks, cache.block_size
+
+
 def engine_dtype(llm) -> torch.dtype:
     return llm.llm_engine.model_config.dtype
 

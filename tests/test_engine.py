@@ -226,3 +226,19 @@ def test_the_memory_fraction_given_to_a_gpu_engine_passes_vllms_start_up_check()
         compat.startup_memory_fraction(1 << 20, total)
     with pytest.raises(ValueError, match="too little.*with its KV cache"):
         compat.startup_memory_fraction(free, total, kv_cache_bytes=39 << 30)
+
+
+@pytest.mark.slow
+def test_the_rollout_kv_cache_holds_the_whole_batch_beside_vllms_null_block(tiny_model_dir):
+    """vLLM keeps one KV block as its null block: sized without it, one sequence of every full batch
+    was preempted and recomputed. vLLM's own block count decides."""
+    from colo.grpo.rollout_engine import RolloutEngine
+    from colo.vllm_compat import kv_cache_block_count
+
+    engine = RolloutEngine(tiny_model_dir("qwen2"), colo.Pool("cpu"), seed=0, max_num_seqs=8, sequence_tokens=130,
+                           max_model_len=256, enforce_eager=True)
+    try:
+        blocks, tokens_per_block = kv_cache_block_count(engine.llm)
+        assert blocks - 1 == 8 * -(-130 // tokens_per_block)
+    finally:
+        engine.close()

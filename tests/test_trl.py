@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colo.vllm_compat import engine_model, forced_cpu_gemm, forced_kernel_outcome, sgl_unavailable_reason
+from colo.vllm_compat import (engine_model, forced_cpu_gemm, forced_kernel_outcome, kv_cache_block_count,
+                               sgl_unavailable_reason)
 from conftest import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -51,6 +52,10 @@ def test_trl_grpo_trains_with_the_engine_sharing_its_weights(kernel, dtype, tmp_
     llm = trainer.vllm_generation.llm
     used = forced_kernel_outcome(kernel, getattr(torch, dtype))  # what this vLLM build does when forced
     assert set(cpu_kernels(llm)) == {used}
+    # The whole generation batch at full length fits beside vLLM's null block: nothing is preempted.
+    blocks, tokens_per_block = kv_cache_block_count(llm)
+    max_model_len = llm.llm_engine.model_config.max_model_len
+    assert blocks - 1 >= trainer.vllm_generation.max_num_seqs * -(-max_model_len // tokens_per_block)
     loads = []
     engine = engine_model(llm)
     real_load_weights = engine.load_weights

@@ -15,7 +15,6 @@ import torch
 from .. import engine as colo_engine
 from ..errors import EngineFailure, OutOfMemoryError  # noqa: F401 - EngineFailure raised here, re-exported
 from ..regions import KV_CACHE
-from ..sizes import round_up
 from ..weights import share_weights, shared_model
 
 _KV_HEADROOM = 64 << 20  # room left in the pool for allocator rounding and small engine buffers
@@ -50,6 +49,13 @@ def default_block_size(device) -> int:
     return 128 if device.type == "cpu" else 16
 
 
+def kv_cache_blocks(sequences: int, sequence_tokens: int, block: int) -> int:
+    """KV blocks for `sequences` sequences of `sequence_tokens` tokens held at once: whole blocks per
+    sequence, plus the one block vLLM keeps as its null block (v1/core/block_pool.py), which no
+    sequence can use. One short, a sequence is preempted and recomputed every batch."""
+    return sequences * -(-sequence_tokens // block) + 1
+
+
 class RolloutEngine:
     """An in-process vLLM engine built in the pool, and the trainer's model, which shares its weights.
 
@@ -82,8 +88,8 @@ class RolloutEngine:
         # 128-token block on CPU. Sizing by tokens alone left the toy batch 5x short of blocks here,
         # and generation crawled through preemptions.
         block = llm_kwargs.pop("block_size", None) or default_block_size(pool.device)
-        tokens = max(max_num_seqs * round_up(sequence_tokens, block), round_up(self.max_model_len, block))
-        self.kv_cache_bytes = self._kv_budget(tokens * kv_bytes_per_token(config, dtype), config)
+        blocks = max(kv_cache_blocks(max_num_seqs, sequence_tokens, block), kv_cache_blocks(1, self.max_model_len, block))
+        self.kv_cache_bytes = self._kv_budget(blocks * block * kv_bytes_per_token(config, dtype), config)
         self._llm_kwargs = dict(skip_tokenizer_init=True, max_num_seqs=max_num_seqs, block_size=block, **llm_kwargs)
         self.llm = self._build(load_format="auto")
         self.shared = self._share()
