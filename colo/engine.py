@@ -135,6 +135,16 @@ def weights_region(llm):
     return pool.regions[WEIGHTS]
 
 
+def weights_region_contents(llm) -> dict[str, int]:
+    """What the weights region holds, in bytes: "model" (the model's parameters and buffers) and
+    "runtime" (what vLLM's model runner allocated beside them while loading: Model Runner V2's
+    sampler and model state; 0 on V1), as counted when the model was loaded."""
+    placement = compat.engine_placement(llm)
+    if placement is None or not placement.loaded:
+        raise RuntimeError("this vllm.LLM was not built by colo.engine.build_llm; its weights are not in a pool region")
+    return {"model": placement.model_bytes, "runtime": placement.runtime_bytes}
+
+
 def reset_prefix_cache(llm) -> None:
     """Forget vLLM's cached prefixes (their KV was computed with old weights, or was lost in sleep)."""
     if not llm.reset_prefix_cache():

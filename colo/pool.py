@@ -20,7 +20,7 @@ import torch
 
 from . import _C
 from ._build import cuda_available, cuda_unavailable_reason
-from .errors import OutOfMemoryError
+from .errors import OutOfMemoryError, RegionAsleepError
 from .sizes import shape_bytes
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
@@ -166,6 +166,12 @@ class Region:
         return self._native.asleep
 
     @property
+    def alignment(self) -> int:
+        """Bytes every allocation starts at a multiple of and is rounded up to: the bytes after a
+        tensor's end up to the next multiple are its own padding, never another allocation's."""
+        return self._native.alignment
+
+    @property
     def wakes_zeroed(self) -> bool:
         """Whether memory woken without offload reads as zeros (host pools: yes, fresh pages; CUDA:
         no guarantee), so a caller that wants zeros after wake() need not write them."""
@@ -299,6 +305,20 @@ def _check_shape(shape) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _check_awake_for_use(region: Region) -> None:
+    if region.asleep:
+        raise RegionAsleepError(f"pool.use({region.name!r}): region {region.name!r} is asleep; wake() it first "
+                                "(torch's MemPool would hand out blocks of it whose memory is released)")
+
+
+def _check_alignment(alignment, name: str, granularity: int) -> None:
+    if isinstance(alignment, bool) or not isinstance(alignment, int):
+        raise TypeError(f"region {name!r} alignment must be an int number of bytes, not {type(alignment).__name__}")
+    if alignment < 256 or alignment & (alignment - 1) or alignment > granularity:
+        raise ValueError(f"region {name!r} alignment must be a power of two of at least 256 bytes and at most "
+                         f"the pool's granularity ({granularity}), got {alignment}")
+
+
 def torch_outside_bytes(reserved_now: int, reserved_at_start: int, routed_to_regions: int) -> int:
     """What torch's CUDA caching allocator holds beyond what it held when a pool was made, less the
     segments it took from colo's regions through MemPools (those are the regions' own bytes)."""
@@ -381,8 +401,13 @@ class Pool:
         outside = self.outside_bytes
         return ", ".join(awake + ([f"outside the regions={outside}"] if outside else [])) or "none"
 
-    def region(self, name: str, budget: int | None = None, *, chunk_bytes: int | None = None) -> Region:
-        """The region called `name`, created on first use with `budget` bytes (None: what is left)."""
+    def region(self, name: str, budget: int | None = None, *, chunk_bytes: int | None = None,
+               alignment: int = 256) -> Region:
+        """The region called `name`, created on first use with `budget` bytes (None: what is left).
+
+        chunk_bytes: the unit physical memory is committed in (None: the backend's default; rounded
+        up to the granularity). alignment: every allocation starts at a multiple of it and is rounded
+        up to one (a power of two from 256 bytes to the granularity)."""
         if not isinstance(name, str):
             raise TypeError(f"region name must be a str, not {type(name).__name__}")
         if not _NAME.match(name):
@@ -405,7 +430,8 @@ class Pool:
                                  f"({left} of {self.capacity} bytes beside the awake regions: "
                                  f"{self._describe_awake()}; asleep ones lend theirs)")
             chunk = 0 if chunk_bytes is None else _check_bytes(chunk_bytes, "chunk_bytes")
-            region = Region(self, name, _C.Region(self._backend, name, budget, chunk))
+            _check_alignment(alignment, name, self.granularity)
+            region = Region(self, name, _C.Region(self._backend, name, budget, chunk, alignment))
             self._regions[name] = region
             return region
 
@@ -438,14 +464,22 @@ class Pool:
         """Route torch's own allocations made inside the block to region `name`; yields the region.
 
         CUDA: through torch.cuda.MemPool + a CUDAPluggableAllocator loading colo's C entry points,
-        which allocate in the core's current region of the device (current thread only: autograd's
-        backward threads are not routed; expandable_segments must be off). CPU: torch's CPU
+        which allocate in the core's current region of the device (torch routes the current thread
+        only: autograd's backward threads are not routed; expandable_segments must be off). The core's
+        current region is one per device, not per thread: two threads inside `use` blocks of
+        different regions on one device both allocate in whichever entered last. CPU: torch's CPU
         allocator cannot be replaced per block, so the block runs unchanged (torch allocations stay
         where they were); it is accepted so that code written for both devices runs on a host pool.
+
+        Raises RegionAsleepError for an asleep region, on every device (the same code runs on both):
+        torch's MemPool hands out blocks it cached from the region's earlier segments without asking
+        colo, and while the region sleeps those addresses are unmapped. For the same reason, do not
+        put the region to sleep inside the block.
         """
         region = self._regions.get(name)
         if region is None:
             raise KeyError(f"no region named {name!r} in this pool (have: {sorted(self._regions)})")
+        _check_awake_for_use(region)
         if self.device.type != "cuda":
             yield region
             return

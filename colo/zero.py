@@ -10,7 +10,7 @@ updated weights are all-gathered straight into the weights every rank serves.
 
 The parameters, ordered by address, form one flat "store". When they lie in one pool region with
 nothing but their own padding between them (the engine's weights as colo loads them: fused
-`qkv_proj` rows, embedding padding rows, 256-byte allocation rounding), the store is that memory
+`qkv_proj` rows, embedding padding rows, the region's allocation rounding), the store is that memory
 itself, and `all_gather_into_tensor` writes every rank's updated shard directly into the weights the
 engine and the trainer share: the collective ZeRO needs anyway is the hand-off. Otherwise (ordinary
 tensors) the store is a private buffer and the gathered values are copied into the parameters.
@@ -42,10 +42,6 @@ from .sizes import round_up
 
 FORMAT = "colo.zero/1"
 _TRAINABLE = (torch.bfloat16, torch.float16, torch.float32)
-# What an allocation's size is rounded up to, so the bytes after a storage's end up to there are its
-# own padding: colo's regions round to 256 bytes (CPU, where vLLM allocates straight from the region);
-# on CUDA torch's caching allocator serves the region through a MemPool and rounds blocks to 512.
-_ALLOCATION_ROUNDING = {"cpu": 256, "cuda": 512}
 
 
 @dataclass(frozen=True)
@@ -361,7 +357,13 @@ def _alias_store(params, region):
     spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in params)
     if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
         return None  # overlapping parameters: a gather would write one with the other's values
-    rounding = _ALLOCATION_ROUNDING.get(params[0].device.type, 1)
+    # The bytes after a storage's end up to the region's next alignment boundary are its own padding;
+    # anything further is another allocation's. The region says what it rounds to, on every device:
+    # the engine's weights come from Region.empty on a GPU too, and a bigger rounding assumed there
+    # (torch's caching allocator's 512) took a foreign 256-byte block for padding and gathered over it.
+    # Tensors torch carved from the region through pool.use (512-byte blocks) may be refused by this
+    # rule (a private store), never overwritten.
+    rounding = region.alignment
     owned = _merged((s.data_ptr(), round_up(s.data_ptr() + s.nbytes(), rounding))
                     for s in (p.untyped_storage() for p in params))
     owned_starts = [lo for lo, _ in owned]

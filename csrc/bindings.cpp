@@ -115,6 +115,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("name", &Region::name)
       .def_property_readonly("asleep", &Region::asleep)  // cheap, unlike stats() (resident bytes)
       .def_property_readonly("budget_bytes", &Region::budget)
+      .def_property_readonly("alignment", &Region::alignment)
       .def("allocate", [](Region& r, size_t bytes) { return reinterpret_cast<uintptr_t>(r.allocate(bytes)); })
       .def("free", [](Region& r, uintptr_t ptr) { r.free(reinterpret_cast<void*>(ptr)); })
       .def("allocate_dlpack", &allocate_dlpack, py::arg("bytes"), py::arg("shape"), py::arg("code") = static_cast<uint8_t>(kDLUInt),

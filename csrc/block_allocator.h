@@ -25,6 +25,7 @@ class BlockAllocator {
   size_t block_size(size_t offset) const;
 
   size_t capacity() const { return capacity_; }
+  size_t alignment() const { return alignment_; }
   size_t allocated_bytes() const { return allocated_bytes_; }
   size_t largest_free_block() const;
   size_t live_blocks() const { return live_.size(); }

@@ -80,6 +80,9 @@ class Region : public std::enable_shared_from_this<Region> {
   RegionStats stats() const;
   bool asleep() const;
   size_t budget() const { return budget_; }
+  // Every block starts at a multiple of it and is rounded up to one: the bytes after a block's end
+  // up to the next multiple are that block's own padding, never another block's.
+  size_t alignment() const { return blocks_.alignment(); }
   const std::string& name() const { return name_; }
   Backend& backend() const { return *backend_; }
   bool contains(const void* ptr) const;

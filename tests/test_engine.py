@@ -40,6 +40,29 @@ def test_the_weights_and_kv_cache_are_in_their_regions_from_load(pool_and_engine
     assert weights.budget == weights.stats()["committed_bytes"] < 2 * weights.stats()["allocated_bytes"] + (2 << 20)
     assert engine.engine_pool(llm) is pool
     assert sum(engine.cpu_kernels(llm).values()) == len(placement.linears) > 0
+    contents = engine.weights_region_contents(llm)
+    assert contents["model"] > 0 and contents["model"] + contents["runtime"] == weights.stats()["allocated_bytes"]
+
+
+def test_runtime_buffers_made_in_the_weights_hook_are_counted_apart_from_the_model():
+    """Model Runner V2 builds its sampler and model state inside vLLM's "weights" hook, after the
+    model (v1/worker/gpu/model_runner.py, load_model); V2 needs Triton, which vLLM-CPU lacks, so a
+    worker doing the same in the same order stands in. The region's bytes split into the model's and
+    the runtime's."""
+    from types import SimpleNamespace
+
+    pool = colo.Pool("cpu", capacity=256 << 20)
+    placement = compat.EnginePlacement(pool)
+    runner = SimpleNamespace()
+    worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: runner.model))
+    with placement.loading_weights(worker):
+        runner.model = torch.nn.Linear(64, 32)          # 8 KiB of weight, 128 B of bias
+        runner.model.register_buffer("scale", torch.ones(10))
+        runner.sampler_state = torch.zeros(1000)        # 4,000 B: the runtime's, not the model's
+    region = pool.regions["weights"]
+    assert all(region.contains(t) for t in (runner.model.weight, runner.model.bias, runner.sampler_state))
+    assert placement.model_bytes == 64 * 32 * 4 + 256 + 256
+    assert placement.runtime_bytes == 4096 == region.stats()["allocated_bytes"] - placement.model_bytes
 
 
 def _allocations_inside_the_hook(function) -> list[bool]:
@@ -228,17 +251,53 @@ def test_the_memory_fraction_given_to_a_gpu_engine_passes_vllms_start_up_check()
         compat.startup_memory_fraction(free, total, kv_cache_bytes=39 << 30)
 
 
+def _preemptions(llm) -> int:
+    """Requests vLLM's scheduler preempted so far (its vllm:num_preemptions counter; the engine must be
+    built with disable_log_stats=False)."""
+    return sum(metric.value for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions")
+
+
 @pytest.mark.slow
 def test_the_rollout_kv_cache_holds_the_whole_batch_beside_vllms_null_block(tiny_model_dir):
-    """vLLM keeps one KV block as its null block: sized without it, one sequence of every full batch
-    was preempted and recomputed. vLLM's own block count decides."""
+    """vLLM keeps one KV block as its null block: sized without it, a full batch had one block too
+    few and one sequence was preempted and recomputed every batch. vLLM's own block count and its
+    preemption counter decide: 8 sequences of 100 + 30 tokens need 2 blocks of 128 each, 16 blocks,
+    which 16 blocks minus the null block cannot hold."""
     from colo.grpo.rollout_engine import RolloutEngine
     from colo.vllm_compat import kv_cache_block_count
 
-    engine = RolloutEngine(tiny_model_dir("qwen2"), colo.Pool("cpu"), seed=0, max_num_seqs=8, sequence_tokens=130,
-                           max_model_len=256, enforce_eager=True)
+    sequences, prompt_tokens, new_tokens = 8, 100, 30
+    engine = RolloutEngine(tiny_model_dir("qwen2"), colo.Pool("cpu"), seed=0, max_num_seqs=sequences,
+                           sequence_tokens=prompt_tokens + new_tokens, max_model_len=256, enforce_eager=True,
+                           disable_log_stats=False)
     try:
         blocks, tokens_per_block = kv_cache_block_count(engine.llm)
-        assert blocks - 1 == 8 * -(-130 // tokens_per_block)
+        assert tokens_per_block == 128
+        assert blocks - 1 == sequences * -(-(prompt_tokens + new_tokens) // tokens_per_block)
+        prompts = [[(7 * i + j) % 900 + 50 for j in range(prompt_tokens)] for i in range(sequences)]
+        sampling = [dict(n=1, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, seed=i)
+                    for i in range(sequences)]
+        completions = engine.generate(prompts, sampling)
+        assert [len(c.token_ids) for c in completions] == [new_tokens] * sequences
+        assert _preemptions(engine.llm) == 0
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_the_weights_region_commits_the_weights_and_at_most_one_chunk_more(pool_and_engine):
+    """The weights region is made with all the pool has left as its budget; its chunks are sized for
+    weights (WEIGHTS_CHUNK_BYTES), not for that budget, so once fitted it keeps the weights' bytes
+    rounded up to one chunk committed, not a chunk of 1/64 of the device (on CUDA: ~1.2 GB for any
+    model, which the KV cache then missed). Host chunks were 2 MiB before too; the CUDA case runs on
+    the fake driver (test_fake_cuda_driver.py)."""
+    from colo.regions import WEIGHTS_CHUNK_BYTES
+    from colo.sizes import round_up
+
+    pool, llm = pool_and_engine
+    weights = engine.weights_region(llm)
+    stats = weights.stats()
+    chunk = stats["chunk_bytes"]
+    assert chunk == round_up(WEIGHTS_CHUNK_BYTES, pool.granularity) <= 32 << 20
+    weight_bytes = sum(round_up(p.nbytes, weights.alignment) for p in engine.engine_model(llm).parameters())
+    assert 0 < stats["committed_bytes"] <= round_up(weight_bytes, chunk)

@@ -215,3 +215,32 @@ def test_a_tensor_freed_with_work_queued_on_its_stream_is_not_reused_until_that_
         print("ordered frees ok")
     """)
     assert "ordered frees ok" in out
+
+
+def test_the_engine_weights_region_commits_in_chunks_sized_for_weights(fake_driver_dir):
+    # The weights region's budget is all the pool has left (40 GiB here); the core's default CUDA
+    # chunk for that is 1/64 of it, 640 MiB, which a fitted budget then keeps committed for a 1 MB
+    # model. colo's engine placement asks for chunks sized for weights instead.
+    out = run_with_fake_driver(fake_driver_dir, """
+        import colo
+        from colo import _C
+        from colo.vllm_compat import EnginePlacement
+
+        # torch here is a CPU build, so colo.Pool("cuda") is refused: a pool whose backend is the fake
+        # driver's device stands in (the backend alone decides chunks and commits; nothing becomes a tensor).
+        pool = colo.Pool("cpu", capacity=40 << 30)
+        pool._backend = _C.make_cuda_backend(0)
+        region = EnginePlacement(pool).weights_region()
+        assert region.budget == 40 << 30, region.budget
+        chunk = region.stats()["chunk_bytes"]
+        assert chunk <= 32 << 20, chunk
+        model = [region._native.allocate(n) for n in (300 << 10, 700 << 10, 24 << 10)]  # a ~1 MB model
+        scratch = region._native.allocate(64 << 20)  # load-time scratch, freed before the budget is fitted
+        region._native.free(scratch)
+        region.fit_budget()
+        committed = region.stats()["committed_bytes"]
+        assert 0 < committed <= -(-(1 << 20) // chunk) * chunk, (committed, chunk)
+        assert region.budget == committed
+        print("weights chunks ok:", chunk, committed)
+    """, device_memory=48 << 30)
+    assert "weights chunks ok: 2097152 2097152" in out

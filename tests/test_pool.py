@@ -355,6 +355,33 @@ def test_use_makes_a_region_current_and_rejects_unknown_names(pool):
             pass
 
 
+def test_use_refuses_an_asleep_region_by_name(pool):
+    """On CUDA torch's MemPool would hand out blocks it cached from the region, unmapped while it
+    sleeps; the same code refuses on a host pool."""
+    region = pool.region("grads", budget=16 * MiB)
+    region.sleep(offload=False)
+    with pytest.raises(colo.RegionAsleepError, match="'grads' is asleep"):
+        with pool.use("grads"):
+            pytest.fail("the block ran on an asleep region")
+    region.wake()
+    with pool.use("grads") as used:
+        assert used is region
+
+
+def test_region_alignment_is_the_allocation_rounding(pool):
+    default = pool.region("weights", budget=16 * MiB)
+    wide = pool.region("wide", budget=16 * MiB, alignment=1024)
+    assert default.alignment == 256 and wide.alignment == 1024
+    a, b = wide.empty((10,), torch.uint8), wide.empty((10,), torch.uint8)
+    assert a.data_ptr() % 1024 == 0 and b.data_ptr() - a.data_ptr() == 1024
+    with pytest.raises(ValueError, match="power of two of at least 256"):
+        pool.region("odd", budget=MiB, alignment=384)
+    with pytest.raises(ValueError, match="power of two of at least 256"):
+        pool.region("small", budget=MiB, alignment=128)
+    with pytest.raises(ValueError, match="at most the pool's granularity"):
+        pool.region("huge", budget=MiB, alignment=2 * pool.granularity)
+
+
 def test_two_threads_allocate_and_free_concurrently(pool):
     region = pool.region("train", budget=512 * MiB)
     errors = []

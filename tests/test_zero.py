@@ -196,3 +196,34 @@ def test_the_gather_lands_in_place_only_where_nothing_else_lies_between_the_para
     assert not ShardLayout([a, param(torch.zeros(5, dtype=torch.bfloat16))], 1, 0, store_region=region).in_place
     with pytest.raises(ValueError, match="rank 2 is not in a world of 2"):
         ShardLayout([a], 2, 2)
+
+
+@pytest.mark.parametrize("alignment", [256, 1024])
+def test_only_the_regions_own_alignment_counts_as_padding(alignment):
+    """Between two parameters, the bytes up to the region's next alignment boundary are the first
+    one's padding; anything after that belongs to someone else and must never be gathered over.
+    colo used to assume 512-byte rounding on CUDA, where the weights come from Region.empty at 256
+    bytes too, so a foreign block of up to 512 bytes right after a parameter was taken for padding
+    and overwritten by the all-gather. torch here has no CUDA; host regions of two alignments show
+    the rule follows the region (a rule fixed at 256 or 512 takes the 1024 case's own padding for a
+    foreign block)."""
+    import colo
+    from colo.zero import ShardLayout
+
+    def param(n):
+        return torch.nn.Parameter(region.empty((n,), torch.bfloat16).fill_(1.0))
+
+    pool = colo.Pool("cpu", capacity=64 << 20)
+    region = pool.region("weights", budget=1 << 20, alignment=alignment)
+    a, b = param(100), param(3)  # 200 bytes, padded to one alignment unit, then b
+    assert b.data_ptr() - a.data_ptr() == alignment
+    assert ShardLayout([a, b], 2, 0, store_region=region).in_place
+
+    c = param(100)
+    foreign = region.empty((alignment // 2,), torch.bfloat16)  # one alignment unit, not c's
+    d = param(3)
+    assert foreign.data_ptr() - c.data_ptr() == alignment and d.data_ptr() - c.data_ptr() == 2 * alignment
+    assert not ShardLayout([c, d], 2, 0, store_region=region).in_place
+    # The optimizer falls back to a private store and says what that costs per step.
+    opt = colo.ShardedMasterWeightOptimizer([c, d], torch.optim.AdamW, lr=LR, store_region=region)
+    assert not opt.layout.in_place and opt.copied_bytes_per_step == 2 * (100 + 3)

@@ -178,14 +178,16 @@ def main(argv=None) -> int:
     task = ToyTask(vocab, seed=config.seed)
     scheduler = GRPOScheduler(model_dir, task.rewards, task.prompts, config, out_dir=out, log_path=args.log,
                               trace_path=args.trace, resume=args.resume)
+    records = []
     try:
         if scheduler.step >= args.steps:
             if world.is_main:
                 print(f"colo.grpo: the run in {out} has already done {scheduler.step} steps (--steps {args.steps})")
-            return 0
-        records = scheduler.run(args.steps, progress=not args.no_progress)
+        else:
+            records = scheduler.run(args.steps, progress=not args.no_progress)
     finally:
         scheduler.close()
+    D.leave_world()  # every rank got here: nothing is left to say to the others
     if world.is_main and records:
         first, last = records[0], records[-1]
         print(f"colo.grpo: steps {first['step']}-{last['step']} done; reward {first['reward_mean']:.3f} -> "

@@ -40,10 +40,26 @@ def init_world(device_type: str) -> World:
             dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
         else:
             dist.init_process_group("gloo")
+        global _started_here
+        _started_here = dist.group.WORLD
     if dist.is_initialized():
         device = f"cuda:{local_rank}" if dist.get_backend() == "nccl" else "cpu"
         return World(dist.get_rank(), dist.get_world_size(), local_rank, device)
     return World(0, 1, 0)
+
+
+# The default group init_world made, if it made one: leave_world destroys that only (a caller's own
+# group is the caller's to destroy).
+_started_here = None
+
+
+def leave_world() -> None:
+    """Destroy the process group init_world started (NCCL frees its communicators and buffers only
+    then; torch warns at exit otherwise). Call once every rank is done with it, on the way out."""
+    global _started_here
+    if _started_here is not None and dist.is_initialized() and dist.group.WORLD is _started_here:
+        dist.destroy_process_group()
+    _started_here = None
 
 
 def rank_share(count: int, world: World, rank: int | None = None) -> range:

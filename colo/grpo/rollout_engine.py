@@ -88,6 +88,9 @@ class RolloutEngine:
         # 128-token block on CPU. Sizing by tokens alone left the toy batch 5x short of blocks here,
         # and generation crawled through preemptions.
         block = llm_kwargs.pop("block_size", None) or default_block_size(pool.device)
+        # vLLM makes bytes // (block x the layers' page bytes) blocks (v1/core/kv_cache_utils.py,
+        # get_kv_cache_config_from_groups); a full-attention page is block x one layer's K and V per
+        # token, so these bytes give exactly `blocks`, null block included.
         blocks = max(kv_cache_blocks(max_num_seqs, sequence_tokens, block), kv_cache_blocks(1, self.max_model_len, block))
         self.kv_cache_bytes = self._kv_budget(blocks * block * kv_bytes_per_token(config, dtype), config)
         self._llm_kwargs = dict(skip_tokenizer_init=True, max_num_seqs=max_num_seqs, block_size=block, **llm_kwargs)

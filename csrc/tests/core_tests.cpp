@@ -421,6 +421,32 @@ static void test_cuda_free_waits_for_its_stream(const FakeDriverHooks& fake) {
   }
 }
 
+// torch frees a MemPool block through colo_torch_free with the stream it was allocated on: the
+// block must not be handed out again while work queued on that stream may still use it.
+static void test_cuda_torch_free_waits_for_its_stream(const FakeDriverHooks& fake) {
+  auto backend = colo::make_cuda_backend(0);
+  auto torch_stream = backend->streams().create_stream(colo::StreamRole::kTrain);  // torch's allocation stream
+  auto stream = torch_stream->native_handle();
+  const size_t half = 4u << 20;
+  auto region = std::make_shared<colo::Region>(backend, "torch-ordered", 2 * half);
+  colo::set_current_region(0, region);
+  void* a = colo_torch_alloc(static_cast<ssize_t>(half), 0, reinterpret_cast<void*>(stream));
+  colo::set_current_region(0, nullptr);
+  CHECK(a != nullptr && region->contains(a));
+  fake.hold_stream(stream, 1);  // a kernel reading `a` is still queued when torch frees it
+  colo_torch_free(a, static_cast<ssize_t>(half), 0, reinterpret_cast<void*>(stream));
+  CHECK(region->stats().pending_free_bytes == half && region->stats().allocated_bytes == 0);
+  void* b = region->allocate(half);
+  CHECK(b != a);  // the other half: `a` waits for its stream
+  region->free(b);
+  fake.hold_stream(stream, 0);
+  backend->streams().record_event(stream)->synchronize();  // the device catches up
+  void* c = region->allocate(2 * half);  // needs `a` back: reaped now that its work ran
+  CHECK(c == a && region->stats().pending_free_bytes == 0);
+  region->free(c);
+  region->trim();  // the registry keeps the region alive until exit: leave nothing committed
+}
+
 static void test_cuda_backend() {
   auto probe = colo::probe_cuda();
   if (!probe.available) {
@@ -440,6 +466,7 @@ static void test_cuda_backend() {
   test_cuda_driver_calls_scale_with_chunks(fake);
   test_cuda_region_destructor_synchronizes(fake);
   test_cuda_free_waits_for_its_stream(fake);
+  test_cuda_torch_free_waits_for_its_stream(fake);
 }
 
 int main() {
