@@ -6,9 +6,16 @@
     trainer.train()
 
 What changes (everything else is TRL's: rewards, datasets, logging, callbacks, checkpoints):
-- the engine is built by colo.engine.build_llm in the trainer's dtype: its weights in the pool's
-  `weights` region, its KV cache in `kv_cache`, vLLM's default (compiled) mode, the same vLLM
-  arguments TRL passes. vLLM reads no checkpoint: the trainer's weights are written into it once;
+- the engine is built by colo.engine.build_llm: its weights in the pool's `weights` region, its KV
+  cache in `kv_cache`, vLLM's default (compiled) mode, the same vLLM arguments TRL passes. vLLM
+  reads no checkpoint: the trainer's weights are written into it once;
+- its dtype is the one that makes the whole step fastest on the device (colo.dtype_choice): an fp32
+  model (TRL's default) on a device that computes bf16 at speed (CUDA, CPUs with AVX512_BF16 or
+  AMX) gets a bf16 engine, the trainer's parameters become those bf16 tensors and TRL's optimizer
+  steps fp32 masters of them (the model's own fp32 values: colo.optimizer_masters), which its
+  checkpoints and `save_model` save; elsewhere, or with `bf16=False`, an explicit
+  `model_init_kwargs={"dtype": ...}`, a 16-bit model or `cast_lm_head_to_fp32`, the trainer's
+  dtype. `colo_engine_dtype=` decides instead (bf16 for an fp32 model: the masters as above);
 - the trainer's parameters become views of the engine's tensors (colo.share_weights), so TRL's
   `sync_weights` is `publish()`: no `load_weights` call, 0 bytes copied (on a CPU, vLLM's packed
   kernel copies are refreshed in place) and the prefix cache reset TRL does;
@@ -20,7 +27,7 @@ What changes (everything else is TRL's: rewards, datasets, logging, callbacks, c
   reported as `reshared_bytes` in `colo_sync_reports`.
 
 The copy path is used, and reported by `trainer.colo_shared`, where a parameter cannot alias: an
-engine dtype other than the trainer's (`colo_engine_dtype=`), or tensor-parallel shards. Supported:
+fp32 engine for a 16-bit trainer (`colo_engine_dtype=`), or tensor-parallel shards. Supported:
 one process or DDP under accelerate/torchrun (each rank its own engine, TRL's external launcher
 layout). Not supported, with a NotImplementedError: DeepSpeed ZeRO-3 and FSDP (the trainer holds
 shards, not the weights an engine serves), vLLM server mode, vLLM's own sleep mode (colo sleeps the
@@ -57,8 +64,9 @@ trl, _VLLMGeneration = _import_trl()
 class ColoVLLMGeneration(_VLLMGeneration):
     """TRL's VLLMGeneration with the engine built and shared by colo (colocate mode only)."""
 
-    def __init__(self, *args, pool=None, engine_dtype=None, **kwargs):
-        self.colo_pool, self.colo_engine_dtype = pool, engine_dtype
+    def __init__(self, *args, pool=None, engine_dtype=None, fp32_masters=False, **kwargs):
+        self.colo_pool, self.colo_engine_dtype, self.colo_fp32_masters = pool, engine_dtype, fp32_masters
+        self.colo_masters: dict = {}  # parameter -> its fp32 values, for TRL's optimizer (fp32_masters)
         self.colo_shared = None
         self.colo_sync_reports: list[dict] = []
         super().__init__(*args, **kwargs)
@@ -102,6 +110,11 @@ class ColoVLLMGeneration(_VLLMGeneration):
         device = accelerator.device if accelerator.device.type != "cpu" else torch.device("cpu")
         if next(model.parameters()).device != device:
             model.to(device)
+        if self.colo_fp32_masters:
+            # The fp32 values become the optimizer's masters (kept, not copied); the parameters become
+            # 16-bit, and then views of the engine's tensors.
+            self.colo_masters = {p: p.data for p in model.parameters()}
+            model.to(dtype)
         pool = self.colo_pool if self.colo_pool is not None else colo.Pool(device)
         config = model.config
         max_model_len = self.max_model_length or getattr(config, "max_position_embeddings", 2048)
@@ -162,11 +175,37 @@ class ColoVLLMGeneration(_VLLMGeneration):
             sleep_kv_cache(self.llm)
 
 
+def choose_engine_dtype(model, args, asked=None, device="cpu") -> tuple[torch.dtype, bool, str]:
+    """(engine dtype, whether TRL's optimizer steps fp32 masters of bf16 weights, why), for a trainer
+    whose model is `model` and whose TRL config is `args`; `asked`: colo_engine_dtype."""
+    from .dtype_choice import fastest_dtype
+
+    trained = next(model.parameters()).dtype
+    if asked is not None:
+        asked = getattr(torch, asked) if isinstance(asked, str) else asked
+        masters = asked in (torch.bfloat16, torch.float16) and trained == torch.float32
+        return asked, masters, "colo_engine_dtype" + ("; fp32 masters in TRL's optimizer" if masters else "")
+    if trained != torch.float32:
+        return trained, False, f"the trainer's {str(trained).removeprefix('torch.')}"
+    explicit = (args.model_init_kwargs or {}).get("dtype")
+    if explicit not in (None, "auto"):
+        return trained, False, f"model_init_kwargs dtype={explicit}: the trainer's dtype"
+    if not args.bf16:
+        return trained, False, "bf16=False: the trainer's float32"
+    if getattr(args, "cast_lm_head_to_fp32", False):
+        return trained, False, "cast_lm_head_to_fp32: the trainer's float32"
+    choice = fastest_dtype(device)
+    if choice.dtype == torch.bfloat16:
+        return torch.bfloat16, True, f"auto: {choice.reason}; fp32 masters in TRL's optimizer"
+    return trained, False, f"auto: {choice.reason}"
+
+
 class GRPOTrainer(trl.GRPOTrainer):
     """trl.GRPOTrainer whose colocated vLLM engine is colo's (see the module docstring).
 
     Extra keyword arguments: colo_pool (a colo.Pool; default: a new one on the model's device) and
-    colo_engine_dtype (default: the trainer's dtype, so the weights alias).
+    colo_engine_dtype (default: choose_engine_dtype's choice, said at start and kept in
+    `colo_engine_dtype_reason`).
     """
 
     def __init__(self, *args, colo_pool=None, colo_engine_dtype=None, **kwargs):
@@ -174,6 +213,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if config is None or not config.use_vllm or config.vllm_mode != "colocate":
             raise ValueError("colo.trl.GRPOTrainer is TRL's colocate mode: pass args=trl.GRPOConfig(use_vllm=True, "
                              "vllm_mode='colocate', ...)")
+        self.colo_fp32_masters = None  # colo.optimizer_masters.FP32Masters, once TRL's optimizer exists
         # TRL builds its own engine in __init__ when use_vllm is set; build colo's instead, after it.
         config.use_vllm = False
         try:
@@ -182,9 +222,14 @@ class GRPOTrainer(trl.GRPOTrainer):
             config.use_vllm = True
         self.use_vllm = True
         args = self.args
+        model = self.accelerator.unwrap_model(self.model)
+        engine_dtype, fp32_masters, self.colo_engine_dtype_reason = choose_engine_dtype(
+            model, args, colo_engine_dtype, self.accelerator.device)
+        if self.accelerator.is_main_process:
+            print(f"colo.trl: engine weights in {engine_dtype} ({self.colo_engine_dtype_reason})", flush=True)
         self.vllm_generation = ColoVLLMGeneration(
             model=self.model, accelerator=self.accelerator, processing_class=self.processing_class,
-            pool=colo_pool, engine_dtype=colo_engine_dtype,
+            pool=colo_pool, engine_dtype=engine_dtype, fp32_masters=fp32_masters,
             mode=args.vllm_mode, structured_outputs_regex=args.vllm_structured_outputs_regex,
             tensor_parallel_size=args.vllm_tensor_parallel_size, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             max_model_length=args.vllm_max_model_length,
@@ -194,6 +239,28 @@ class GRPOTrainer(trl.GRPOTrainer):
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             max_completion_length=self.max_completion_length, logprobs=0, generation_kwargs=args.generation_kwargs)
         self._last_loaded_step = -1  # as TRL: sync once per optimizer step, not per micro-batch
+
+    def create_optimizer(self, model=None):
+        """TRL's optimizer, as TRL builds it; with a bf16 engine for an fp32 model, stepping the
+        model's fp32 values (masters) and rounding them into the shared bf16 weights."""
+        optimizer = super().create_optimizer(model)
+        masters = self.vllm_generation.colo_masters
+        if masters and self.colo_fp32_masters is None:
+            from .optimizer_masters import FP32Masters
+
+            self.colo_fp32_masters = FP32Masters(optimizer, masters)
+        return optimizer
+
+    def _save(self, output_dir=None, state_dict=None):
+        # With fp32 masters, the trained model is the masters (the bf16 weights are their rounding).
+        masters = self.vllm_generation.colo_masters
+        if masters and state_dict is None:
+            model = self.accelerator.unwrap_model(self.model)
+            state_dict = model.state_dict()
+            for name, param in model.named_parameters(remove_duplicate=False):
+                if param in masters:
+                    state_dict[name] = masters[param].detach()
+        return super()._save(output_dir, state_dict=state_dict)
 
     def compute_loss(self, *args, **kwargs):
         # TRL trains now: a KV cache woken outside TRL's generate (a user's llm.generate, an eval

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from colo.vllm_compat import (engine_model, forced_cpu_gemm, forced_kernel_outcome, kv_cache_block_count,
                                sgl_unavailable_reason)
@@ -86,7 +87,6 @@ def assert_engine_serves_the_trained_model(trainer, model_dir, dtype, tolerance,
     """The engine's log-probabilities against the trainer's own forward pass, after a sync as TRL
     does before each generation; and the model did train."""
     from colo.engine import kv_cache_region
-    from transformers import AutoModelForCausalLM
 
     llm = trainer.vllm_generation.llm
     trainer.vllm_generation.sync_weights()
@@ -143,3 +143,75 @@ def test_unsupported_setups_are_refused_with_what_is_supported(tmp_path, trl_mod
     with pytest.raises(NotImplementedError, match="ZeRO-3 and FSDP"):
         GRPOTrainer(model=str(trl_model_dir), reward_funcs=even_digits, train_dataset=dataset(),
                     args=trl_config(tmp_path, "float32"))
+
+
+@pytest.mark.cpu_kind
+def test_an_fp32_model_trains_with_a_bf16_engine_and_fp32_masters_in_trls_optimizer(tmp_path, trl_model_dir,
+                                                                                     prompt_logprobs):
+    """TRL's default fp32 model with a bf16 engine (what `auto` picks where bf16 is fast; asked for
+    here, so every CPU kind runs it): the parameters are the engine's bf16 tensors, TRL's own
+    optimizer steps the model's fp32 values and rounds them into those tensors, and save_model and
+    checkpoints keep the fp32 values."""
+    from safetensors.torch import load_file
+
+    from colo.optimizer_masters import MASTERS_KEY
+    from colo.trl import GRPOTrainer
+
+    initial = {n: p.detach().clone() for n, p in AutoModelForCausalLM.from_pretrained(trl_model_dir).named_parameters()}
+    trainer = GRPOTrainer(model=str(trl_model_dir), reward_funcs=even_digits, train_dataset=dataset(),
+                          args=trl_config(tmp_path, "auto", max_steps=2, save_strategy="steps", save_steps=2),
+                          colo_engine_dtype="bfloat16")
+    assert "fp32 masters" in trainer.colo_engine_dtype_reason
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert trainer.colo_shared.aliased_bytes == sum(p.nbytes for p in model.parameters())
+    masters = trainer.vllm_generation.colo_masters
+    for name, p in model.named_parameters():  # the masters are the model's fp32 values as loaded
+        assert torch.equal(masters[p], initial[name])
+    trainer.train()
+
+    assert all(r["bytes_copied"] == 0 for r in trainer.vllm_generation.colo_sync_reports)
+    stepped = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    assert {p.dtype for p in stepped} == {torch.float32} and len(stepped) == len(masters)
+    trained = {n: masters[p] for n, p in model.named_parameters()}
+    assert any(not torch.equal(trained[n], initial[n]) for n in initial), "nothing was trained"
+    for name, p in model.named_parameters():  # the shared bf16 weights are the masters, rounded
+        assert torch.equal(p.detach(), trained[name].bfloat16()), name
+    # Some updates are smaller than bf16's spacing at the weight: the masters keep them.
+    assert any(torch.equal(initial[n].bfloat16(), trained[n].bfloat16()) and not torch.equal(initial[n], trained[n])
+               for n in initial)
+    history = [h for h in trainer.state.log_history if "reward" in h]
+    assert max(h["sampling/sampling_logp_difference/max"] for h in history) < 5e-2
+    assert_engine_serves_the_trained_model(trainer, trl_model_dir, "float32", 5e-2, prompt_logprobs)
+
+    # The checkpoint TRL wrote at step 2 holds the fp32 values, in the model and the optimizer state.
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    saved = load_file(checkpoint / "model.safetensors")
+    assert all(saved[n].dtype == torch.float32 and torch.equal(saved[n], trained[n]) for n in saved)
+    state = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert len(state[MASTERS_KEY]) == len(masters)
+    trainer.save_model(str(tmp_path / "final"))
+    final = load_file(tmp_path / "final" / "model.safetensors")
+    assert all(torch.equal(final[n], trained[n]) for n in final)
+
+
+def test_the_engine_dtype_follows_the_device_and_the_users_explicit_choices(monkeypatch, trl_model_dir, tmp_path):
+    from colo import trl as colo_trl
+    from colo.dtype_choice import DtypeChoice
+
+    fp32_model = AutoModelForCausalLM.from_pretrained(trl_model_dir)
+
+    def choice(device_dtype, **config):
+        monkeypatch.setattr("colo.dtype_choice.fastest_dtype", lambda device: DtypeChoice(device_dtype, "measured"))
+        args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **config)
+        return colo_trl.choose_engine_dtype(fp32_model, args)[:2]
+
+    assert choice(torch.bfloat16) == (torch.bfloat16, True)   # TRL's defaults: fp32 model, bf16=True
+    assert choice(torch.float32) == (torch.float32, False)    # an AVX2 CPU: fp32 one copy
+    assert choice(torch.bfloat16, bf16=False) == (torch.float32, False)
+    assert choice(torch.bfloat16, model_init_kwargs={"dtype": "float32"}) == (torch.float32, False)
+    assert choice(torch.bfloat16, model_init_kwargs={"dtype": "auto"}) == (torch.bfloat16, True)
+    assert choice(torch.bfloat16, cast_lm_head_to_fp32=True) == (torch.float32, False)
+    args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True)
+    assert colo_trl.choose_engine_dtype(fp32_model.bfloat16(), args)[:2] == (torch.bfloat16, False)
+    assert colo_trl.choose_engine_dtype(fp32_model, args, "float32")[:2] == (torch.float32, False)
