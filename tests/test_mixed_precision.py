@@ -101,3 +101,53 @@ def test_masters_and_main_grads_go_into_the_regions_given():
 def test_bad_parameters_are_refused(bad, error, message):
     with pytest.raises(error, match=message):
         MasterWeightOptimizer(bad(tiny_model(torch.bfloat16)), torch.optim.AdamW)
+
+
+def test_fp32_masters_for_an_optimizer_built_elsewhere_step_save_and_restore():
+    from colo.optimizer_masters import MASTERS_KEY, FP32Masters
+
+    torch.manual_seed(0)
+    values = [torch.randn(16, 8), torch.randn(8)]
+    params = [torch.nn.Parameter(v.bfloat16()) for v in values]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)  # built over the bf16 parameters, as a trainer does
+    addresses = [p.data_ptr() for p in params]
+    masters = FP32Masters(optimizer, {p: v.clone() for p, v in zip(params, values)})
+    assert [p.dtype for p in optimizer.param_groups[0]["params"]] == [torch.float32] * 2
+    for _ in range(3):
+        (params[0].float().sum() + 2 * params[1].float().sum()).backward()
+        optimizer.step()
+        for p in params:
+            p.grad = None
+    # The fp32 step is exact AdamW on fp32 values; the parameters are its rounding, in place. An
+    # update of ~1e-4 is below bf16's spacing at these weights: only the masters hold it.
+    reference = [torch.nn.Parameter(v.clone()) for v in values]
+    plain = torch.optim.AdamW(reference, lr=1e-4)
+    for _ in range(3):
+        (reference[0].sum() + 2 * reference[1].sum()).backward()
+        plain.step()
+        plain.zero_grad()
+    assert all(torch.equal(m, r) for m, r in zip(masters.masters, reference))
+    assert all(torch.equal(p.detach(), m.bfloat16()) for p, m in zip(params, masters.masters))
+    assert [p.data_ptr() for p in params] == addresses
+    assert any(((m != v) & (m.bfloat16() == v.bfloat16())).any() for m, v in zip(masters.masters, values))
+
+    state = optimizer.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(state[MASTERS_KEY], masters.masters))
+    fresh = [torch.nn.Parameter(v.bfloat16()) for v in values]
+    restored_optimizer = torch.optim.AdamW(fresh, lr=1e-4)
+    restored = FP32Masters(restored_optimizer, {p: v.clone() for p, v in zip(fresh, values)})
+    restored_optimizer.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(restored.masters, masters.masters))
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(fresh, params))
+    # A state saved without masters (e.g. before colo): the masters restart from the parameters.
+    del state[MASTERS_KEY]
+    restored_optimizer.load_state_dict(state)
+    assert all(torch.equal(m, p.detach().float()) for m, p in zip(restored.masters, fresh))
+
+    with pytest.raises(ValueError, match="has not stepped yet"):
+        FP32Masters(optimizer, {})
+    with pytest.raises(ValueError, match="no fp32 master"):
+        FP32Masters(torch.optim.SGD([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))], lr=1), {})
+    other = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="not float32 of the same shape"):
+        FP32Masters(torch.optim.SGD([other], lr=1), {other: torch.ones(3)})

@@ -2,9 +2,10 @@
 same tiny model, tokenizer, prompts and batch, and `colo.grpo`'s own scheduler on the same model and
 batch, so colo's scheduler is compared with TRL's too.
 
-- colo: `colo.trl.GRPOTrainer`: the engine built by colo (vLLM's default mode and kernels), the
-  trainer's bf16 parameters shared with it, `sync_weights` = publish() (0 bytes), the KV cache
-  asleep while TRL trains.
+- colo: `colo.trl.GRPOTrainer`: the engine built by colo (vLLM's default mode and kernels) in the
+  dtype colo.trl picks for the device (bf16 with fp32 masters in TRL's optimizer where bf16 is
+  fast, fp32 elsewhere), the trainer's parameters shared with it, `sync_weights` = publish()
+  (0 bytes), the KV cache asleep while TRL trains.
 - stock TRL: `trl.GRPOTrainer`, its own vLLM engine (default mode) and its per-parameter sync. Where
   vLLM packed the CPU linears, stock TRL crashes at its first sync (it is run, and the row quotes
   the error); the named variant then runs instead: stock TRL with vLLM's packed CPU kernels
@@ -12,14 +13,15 @@ batch, so colo's scheduler is compared with TRL's too.
 - colo.trl on the variant's kernels (where stock TRL cannot run): colo.trl with the same F.linear
   kernels as that baseline, so the row shows what colo itself adds or saves per step, apart from
   the kernel vLLM picks.
-- colo.grpo: GRPOScheduler, bf16, the same prompts per step, completions per prompt and length.
+- colo.grpo: GRPOScheduler, dtype auto, the same prompts per step, completions per prompt and length.
 
 Every run is a fresh Python process, as a user's script would be: TRL sets RANK/WORLD_SIZE and
 torch.distributed state for its engine, and an earlier run's memory would shrink the KV cache stock
 vLLM sizes from the free memory.
 
-Both TRL sides run the same script (bf16 trainer, learning rate, seeds), each for warm-up steps
-plus measured steps, in alternating rounds so that load from other processes hits both alike; the
+Both TRL sides run the same script (TRL's default dtypes: an fp32 model and bf16=True; learning rate,
+seeds), each for warm-up steps plus measured steps, in alternating rounds so that load from other
+processes hits both alike; the
 row gives TRL's own `step_time` (median over measured steps of all rounds; TRL times its
 training_step, which leaves out the optimizer step and logging), the sync time and bytes per sync,
 memory (the KV cache bytes held while training and the process RSS), and where each side's whole
@@ -48,8 +50,11 @@ SIZES = {
                            num_key_value_heads=1),
     "qwen2-trl-12M": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
                           num_key_value_heads=2),
+    # Qwen2-0.5B's layers (its vocabulary is the tokenizer's here): 0.36B parameters.
+    "qwen2-trl-0.36B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                            num_key_value_heads=2),
 }
-QUICK_SIZES, FULL_SIZES = ("qwen2-trl-0.4M",), ("qwen2-trl-0.4M", "qwen2-trl-12M")
+QUICK_SIZES, FULL_SIZES = ("qwen2-trl-0.4M",), ("qwen2-trl-0.4M", "qwen2-trl-12M", "qwen2-trl-0.36B")
 BATCH = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=16)
 WARMUP = 2
 
@@ -86,8 +91,7 @@ def trl_args(out: Path, steps: int):
 
     return trl.GRPOConfig(output_dir=str(out), use_vllm=True, vllm_mode="colocate", max_steps=steps, logging_steps=1,
                           report_to="none", learning_rate=1e-3, vllm_max_model_length=64, save_strategy="no",
-                          use_cpu=True, bf16=False, seed=0, model_init_kwargs={"dtype": "bfloat16"},
-                          disable_tqdm=True, **BATCH)
+                          use_cpu=True, seed=0, disable_tqdm=True, **BATCH)  # TRL's dtypes: fp32 model, bf16=True
 
 
 def run_trl(side: str, model_dir: Path, out: Path, steps: int) -> dict:
@@ -95,7 +99,7 @@ def run_trl(side: str, model_dir: Path, out: Path, steps: int) -> dict:
     import trl
 
     from colo.engine import kv_cache_region, release_llm
-    from colo.vllm_compat import forced_cpu_gemm
+    from colo.vllm_compat import engine_dtype, forced_cpu_gemm
 
     from colo.trl import GRPOTrainer
 
@@ -129,6 +133,9 @@ def run_trl(side: str, model_dir: Path, out: Path, steps: int) -> dict:
             "sync_bytes": max(r["bytes_copied"] + r["reshared_bytes"] for r in generation.colo_sync_reports[WARMUP:])
             if side.startswith("colo") else param_bytes,
             "reward": [h["reward"] for h in trainer.state.log_history if "reward" in h],
+            "engine_dtype": str(engine_dtype(generation.llm)).removeprefix("torch."),
+            "trainer_dtype": str(next(trainer.model.parameters()).dtype).removeprefix("torch."),
+            "engine_dtype_why": getattr(trainer, "colo_engine_dtype_reason", "vLLM's default for the checkpoint"),
             "phases": clock.steps[WARMUP:],
         }
     finally:
@@ -256,7 +263,7 @@ def run_colo_grpo(model_dir: Path, steps: int) -> dict:
     task = ToyTask(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     config = GRPOConfig(prompts_per_step=BATCH["per_device_train_batch_size"] // BATCH["num_generations"],
                         num_generations=BATCH["num_generations"], max_new_tokens=BATCH["max_completion_length"],
-                        learning_rate=1e-3, save_every=0, dtype="bf16", ignore_eos=True)
+                        learning_rate=1e-3, save_every=0, ignore_eos=True)  # dtype auto, as TRL's side
     run = GRPOScheduler(model_dir, task.rewards, task.prompts, config)
     try:
         records = [run.train_step() for _ in range(WARMUP + steps)][WARMUP:]
@@ -264,7 +271,8 @@ def run_colo_grpo(model_dir: Path, steps: int) -> dict:
         run.close()
         del run
         gc.collect()
-    return {"step_s": [r["step_s"] for r in records], "sync_s": [r["publish_s"] for r in records]}
+    return {"step_s": [r["step_s"] for r in records], "sync_s": [r["publish_s"] for r in records],
+            "dtype": config.resolve_dtype("cpu").dtype}
 
 
 def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[dict]:
@@ -285,7 +293,10 @@ def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[
     breakdown = {side: phase_medians(values["phases"]) for side, values in merged.items()}
     colo, base = merged["colo"], merged[baseline]
     base_name = f"stock TRL on {UPDATABLE_VARIANT}" if refused else "stock TRL (vLLM default mode)"
-    common = {"section": SECTION, "device": device, "model": name, "params": params, "dtype": "bfloat16",
+    dtypes = {f"{key}_{what}": sides[side][0][what] for key, side in (("colo", "colo"), ("baseline", baseline))
+              for what in ("engine_dtype", "trainer_dtype")}
+    common = {"section": SECTION, "device": device, "model": name, "params": params, **dtypes,
+              "colo_engine_dtype_why": sides["colo"][0]["engine_dtype_why"],
               "cpu_kernels": kernels, **{f"batch_{k}": v for k, v in BATCH.items()},
               "steps_measured": len(colo["step_s"])}
     note = (f"TRL 1.16 GRPOTrainer, colocate mode, same script on both sides; medians of TRL's step_time over "
@@ -319,7 +330,9 @@ def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[
                  "baseline": base_name, "baseline_s": base_step, "ratio": ratio(base_step, grpo_step),
                  "colo_sync_s": statistics.median(grpo["sync_s"]), "goal": "<= 0.8x TRL's step",
                  "goal_met": grpo_step <= 0.8 * base_step,
-                 "note": "colo.grpo's GRPOScheduler (bf16, toy task) with TRL's batch: prompts per step = "
+                 "colo_engine_dtype": grpo["dtype"], "colo_trainer_dtype": grpo["dtype"] + " (fp32 masters)"
+                 if grpo["dtype"] == "bf16" else grpo["dtype"],
+                 "note": f"colo.grpo's GRPOScheduler (dtype auto, toy task) with TRL's batch: prompts per step = "
                          "per_device_train_batch_size / num_generations, same completion length; TRL's step "
                          "includes its own reward, logging and dataloader work"})
     return rows
