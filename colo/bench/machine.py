@@ -114,12 +114,18 @@ def torch_info() -> dict:
         "version": torch.__version__,
         "cuda": torch.version.cuda or "",
         "threads": torch.get_num_threads(),
+        # What torch dispatches its CPU kernels at and which ISA extensions it reports: the CPU kind
+        # as the measured code saw it (a colo.cpu_persona run shows the persona's, named below).
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_extensions": sorted(k for k, v in torch.cpu.get_capabilities().items() if v is True
+                                 and k.startswith(("avx", "amx"))),
     }
 
 
 def machine_info() -> dict:
     return {
         "cpu_model": cpu_model(),
+        "cpu_persona": os.environ.get("COLO_CPU_PERSONA", ""),  # python -m colo.cpu_persona NAME -- ...
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "memory_bytes": memory_bytes(),
