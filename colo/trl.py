@@ -175,6 +175,19 @@ class ColoVLLMGeneration(_VLLMGeneration):
             sleep_kv_cache(self.llm)
 
 
+def _say_fp32_in_config(directory) -> None:
+    """save_pretrained writes the parameters' dtype (bf16) into config.json; the weights saved are the
+    fp32 masters, and from_pretrained loads in the dtype config.json names."""
+    import json
+    from pathlib import Path
+
+    path = Path(directory) / "config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+        config["dtype"] = "float32"
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def choose_engine_dtype(model, args, asked=None, device="cpu") -> tuple[torch.dtype, bool, str]:
     """(engine dtype, whether TRL's optimizer steps fp32 masters of bf16 weights, why), for a trainer
     whose model is `model` and whose TRL config is `args`; `asked`: colo_engine_dtype."""
@@ -260,7 +273,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             for name, param in model.named_parameters(remove_duplicate=False):
                 if param in masters:
                     state_dict[name] = masters[param].detach()
-        return super()._save(output_dir, state_dict=state_dict)
+        super()._save(output_dir, state_dict=state_dict)
+        if masters and self.args.should_save:
+            _say_fp32_in_config(output_dir or self.args.output_dir)
 
     def compute_loss(self, *args, **kwargs):
         # TRL trains now: a KV cache woken outside TRL's generate (a user's llm.generate, an eval

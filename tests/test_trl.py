@@ -192,6 +192,8 @@ def test_an_fp32_model_trains_with_a_bf16_engine_and_fp32_masters_in_trls_optimi
     trainer.save_model(str(tmp_path / "final"))
     final = load_file(tmp_path / "final" / "model.safetensors")
     assert all(torch.equal(final[n], trained[n]) for n in final)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final")  # in the dtype config.json names
+    assert all(p.dtype == torch.float32 and torch.equal(p, trained[n]) for n, p in reloaded.named_parameters())
 
 
 def test_the_engine_dtype_follows_the_device_and_the_users_explicit_choices(monkeypatch, trl_model_dir, tmp_path):
