@@ -188,6 +188,10 @@ def _say_fp32_in_config(directory) -> None:
         path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+_ENGINE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                  "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
 def choose_engine_dtype(model, args, asked=None, device="cpu") -> tuple[torch.dtype, bool, str]:
     """(engine dtype, whether TRL's optimizer steps fp32 masters of bf16 weights, why), for a trainer
     whose model is `model` and whose TRL config is `args`; `asked`: colo_engine_dtype."""
@@ -195,7 +199,10 @@ def choose_engine_dtype(model, args, asked=None, device="cpu") -> tuple[torch.dt
 
     trained = next(model.parameters()).dtype
     if asked is not None:
-        asked = getattr(torch, asked) if isinstance(asked, str) else asked
+        asked = _ENGINE_DTYPES.get(asked, asked) if isinstance(asked, str) else asked
+        if asked not in _ENGINE_DTYPES.values():
+            raise ValueError(f"colo_engine_dtype must be one of {sorted(_ENGINE_DTYPES)} or the torch dtype, "
+                             f"got {asked!r}")
         masters = asked in (torch.bfloat16, torch.float16) and trained == torch.float32
         return asked, masters, "colo_engine_dtype" + ("; fp32 masters in TRL's optimizer" if masters else "")
     if trained != torch.float32:

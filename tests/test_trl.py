@@ -214,5 +214,8 @@ def test_the_engine_dtype_follows_the_device_and_the_users_explicit_choices(monk
     assert choice(torch.bfloat16, model_init_kwargs={"dtype": "auto"}) == (torch.bfloat16, True)
     assert choice(torch.bfloat16, cast_lm_head_to_fp32=True) == (torch.float32, False)
     args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True)
-    assert colo_trl.choose_engine_dtype(fp32_model.bfloat16(), args)[:2] == (torch.bfloat16, False)
     assert colo_trl.choose_engine_dtype(fp32_model, args, "float32")[:2] == (torch.float32, False)
+    assert colo_trl.choose_engine_dtype(fp32_model, args, "bf16")[:2] == (torch.bfloat16, True)
+    with pytest.raises(ValueError, match="colo_engine_dtype must be one of"):
+        colo_trl.choose_engine_dtype(fp32_model, args, "int8")
+    assert colo_trl.choose_engine_dtype(fp32_model.bfloat16(), args)[:2] == (torch.bfloat16, False)  # in place: last
