@@ -33,11 +33,14 @@ class MainGradientOptimizer:
     def _register_hooks(self) -> None:
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate(i)) for i, p in enumerate(self.params)]
 
+    param_scales: list[float] | None = None  # MasterWeightOptimizer(scales=...): parameter units per master unit
+
     def _accumulate(self, i: int):
         main = self.main_grads[i]
+        scale = self.param_scales[i] if self.param_scales else 1.0
 
         def hook(param):
-            main.add_(param.grad)  # in fp32; the parameter's own gradient is dropped at once
+            main.add_(param.grad, alpha=scale)  # in fp32; the parameter's own gradient is dropped at once
             param.grad = None
         return hook
 
@@ -60,12 +63,22 @@ class MasterWeightOptimizer(MainGradientOptimizer):
 
     params: 16-bit tensors that require grad, or param-group dicts of them (torch's format).
     The inner optimizer is `.optimizer` (give it to an LR scheduler); `.masters` are its parameters.
+    scales: {parameter: s} where a parameter holds s times what the optimizer should step (a LoRA B
+        in vLLM's slot holds alpha/rank x PEFT's B; colo.lora): its master is param / s, its main
+        gradient s x its gradient, and the step writes s x master back, so the inner optimizer,
+        clipping and weight decay see the unscaled parameter. fp32 parameters are accepted then.
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, *, master_region=None, grad_region=None,
-                 **optimizer_kwargs):
+                 scales: dict | None = None, **optimizer_kwargs):
         groups = param_groups(params)
-        self.params = checked_params(groups, "MasterWeightOptimizer", _SIXTEEN_BIT)
+        dtypes = (*_SIXTEEN_BIT, torch.float32) if scales else _SIXTEEN_BIT
+        self.params = checked_params(groups, "MasterWeightOptimizer", dtypes)
+        if scales:
+            unknown = [i for i, p in enumerate(self.params) if p not in scales]
+            if unknown or len(scales) != len(self.params):
+                raise ValueError(f"scales must name every parameter once (parameter {unknown[:1]} has none)")
+            self.param_scales = [float(scales[p]) for p in self.params]
         numel = sum(p.numel() for p in self.params)
         device = self.params[0].device
         self.master_flat = fp32_buffer(master_region, numel, device)
@@ -74,11 +87,13 @@ class MasterWeightOptimizer(MainGradientOptimizer):
         offset = 0
         with torch.no_grad():
             for p in self.params:
-                master = self.master_flat[offset:offset + p.numel()].view_as(p)
+                master = self.master_flat[offset:offset + p.numel()].view(p.shape)
                 master.copy_(p)
                 self.masters.append(master)
-                self.main_grads.append(self.grad_flat[offset:offset + p.numel()].view_as(p))
+                self.main_grads.append(self.grad_flat[offset:offset + p.numel()].view(p.shape))
                 offset += p.numel()
+            if self.param_scales:
+                torch._foreach_div_(self.masters, self.param_scales)
         self.grad_flat.zero_()
         for master, grad in zip(self.masters, self.main_grads):
             master.grad = grad
@@ -105,7 +120,11 @@ class MasterWeightOptimizer(MainGradientOptimizer):
     def step(self) -> None:
         """Step the inner optimizer on the masters, then round them into the 16-bit parameters in place."""
         self.optimizer.step()
-        torch._foreach_copy_([p.data for p in self.params], self.masters)
+        self._write_params()
+
+    def _write_params(self) -> None:
+        masters = torch._foreach_mul(self.masters, self.param_scales) if self.param_scales else self.masters
+        torch._foreach_copy_([p.data for p in self.params], masters)
 
     def state_dict(self) -> dict:
         """The inner optimizer's state and the fp32 master weights (what resuming needs exactly)."""
@@ -119,7 +138,7 @@ class MasterWeightOptimizer(MainGradientOptimizer):
         self.optimizer.load_state_dict(state["optimizer"])
         with torch.no_grad():
             self.master_flat.copy_(masters)
-            torch._foreach_copy_([p.data for p in self.params], self.masters)
+            self._write_params()
 
 def checked_params(groups: list[dict], owner: str, dtypes) -> list[torch.Tensor]:
     """The parameters of `groups`, in order; TypeError/ValueError naming the first one that is not a

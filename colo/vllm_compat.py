@@ -251,7 +251,7 @@ def _keep_linear_weights(model, mode: _LoadMode) -> list[CpuLinear]:
     linears, seen = [], set()
     lm_head = getattr(model, "lm_head", None)
     for name, module in model.named_modules():
-        fn = getattr(module, "cpu_linear", None)
+        fn = None if _is_lora_wrapper(module) else getattr(module, "cpu_linear", None)
         if fn is None or id(module) in seen:
             continue
         seen.add(id(module))
@@ -492,8 +492,11 @@ def engine_layout(model) -> tuple[list[EngineTensor], list]:
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     tensors, linears, seen = [], [], set()
     for module_name, module in model.named_modules():
+        if _is_lora_wrapper(module):  # its base layer (a submodule) holds the weights
+            continue
         if hasattr(module, "cpu_linear"):
             linears.append(module)
+        module_name = lora_base_name(module_name)
         for attr, param in module._parameters.items():
             if param is None or id(param) in seen:  # a tied LM head is the embedding's own parameter
                 continue
@@ -512,6 +515,19 @@ def engine_layout(model) -> tuple[list[EngineTensor], list]:
                 raise RuntimeError(f"colo misread the engine's layout: {name} is {tuple(param.shape)}, expected {shape}")
             tensors.append(EngineTensor(name, param, shape, pieces))
     return tensors, linears
+
+
+def _is_lora_wrapper(module) -> bool:
+    # vLLM's LoRA layers (enable_lora=True) wrap the model's layers and forward attribute reads, the
+    # kernel's `cpu_linear` included, to `base_layer`; the weights are the base layer's.
+    from vllm.lora.layers.base import BaseLayerWithLoRA
+
+    return isinstance(module, BaseLayerWithLoRA)
+
+
+def lora_base_name(module_name: str) -> str:
+    """The layer's name in the model without LoRA: `...qkv_proj.base_layer` -> `...qkv_proj`."""
+    return module_name.removesuffix(".base_layer")
 
 
 def _linear_pieces(module, module_name, attr, packed):
@@ -633,3 +649,73 @@ def forced_cpu_gemm(kernel: str):
         yield
     finally:
         layer_utils.check_cpu_sgl_kernel, ops._supports_onednn = saved
+
+
+# --- LoRA: the engine's adapter slots --------------------------------------------------------------
+
+# vLLM pads every adapter to `max_lora_rank`, which must be one of these (vllm/config/lora.py, MaxLoRARanks).
+LORA_SLOT_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_engine_options(rank: int) -> dict:
+    """vllm.LLM options for one trainable adapter of `rank`: one slot (`max_loras=1`), slots padded to
+    the smallest rank vLLM allows that holds it, in the model's dtype (`lora_dtype="auto"`)."""
+    if not 1 <= rank <= LORA_SLOT_RANKS[-1]:
+        raise ValueError(f"LoRA rank must be in [1, {LORA_SLOT_RANKS[-1]}] (vLLM's largest max_lora_rank), got {rank}")
+    return dict(enable_lora=True, max_loras=1, max_cpu_loras=1,
+                max_lora_rank=next(r for r in LORA_SLOT_RANKS if r >= rank))
+
+
+@dataclass
+class AdapterSlice:
+    """One Hugging Face linear layer's place in the engine's adapter slot.
+
+    A is lora_a_stacked[slice][slot, 0, :rank, :] (rank x in) and B is lora_b_stacked[slice][slot, 0, :, :rank]
+    (out x rank): vLLM's layers compute `out += (x @ A.T) @ B.T` (PunicaWrapper.add_lora_linear with
+    scale 1.0), with the adapter's alpha/rank already multiplied into B when the adapter was set
+    (LoRALayerWeights.optimize). Fused layers (q/k/v, gate/up) have one A and one B per sub-projection.
+    """
+    hf_module: str
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+
+
+def activate_adapter(llm, lora_request) -> int:
+    """Load `lora_request` into the engine's slot once and pin it there (an LRU cache would otherwise be
+    free to evict it and, on its next use, copy the adapter from disk over what the trainer wrote).
+    Returns the slot index."""
+    if not llm.llm_engine.vllm_config.lora_config:
+        raise RuntimeError("this engine was built without enable_lora=True; it has no adapter slots")
+    llm.llm_engine.add_lora(lora_request)
+    llm.llm_engine.pin_lora(lora_request.lora_int_id)
+    return adapter_slot(llm, lora_request.lora_int_id)
+
+
+def adapter_slot(llm, lora_id: int) -> int | None:
+    """The slot that serves adapter `lora_id` now, or None if it is not active."""
+    slots = engine_worker(llm).model_runner.lora_manager._adapter_manager.lora_index_to_id
+    return slots.index(lora_id) if lora_id in slots else None
+
+
+def adapter_slices(llm, slot: int, rank: int) -> list[AdapterSlice]:
+    """Views of slot `slot` of every LoRA layer of the engine, one per Hugging Face linear layer."""
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+    model = engine_model(llm)
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    slices = []
+    for name, module in model.named_modules():
+        if not _is_lora_wrapper(module):
+            continue
+        if not isinstance(module, BaseLinearLayerWithLoRA):
+            raise NotImplementedError(f"{name}: colo trains adapters of linear layers only, not of a "
+                                      f"{type(module).__name__}")
+        if module.tp_size > 1:
+            raise NotImplementedError(f"{name}: adapters of tensor-parallel engines are not shared yet")
+        prefix, _, short = name.rpartition(".")
+        parts = packed.get(short, [short]) if module.n_slices > 1 else [short]
+        if len(parts) != module.n_slices:
+            raise NotImplementedError(f"{name}: {module.n_slices} fused adapter slices but the mapping names {parts}")
+        for part, a, b in zip(parts, module.lora_a_stacked, module.lora_b_stacked):
+            slices.append(AdapterSlice(f"{prefix}.{part}" if prefix else part, a[slot, 0, :rank, :], b[slot, 0, :, :rank]))
+    return slices

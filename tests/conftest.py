@@ -115,13 +115,15 @@ def tiny_engine(tiny_model_dir, build_engine):
 
 @pytest.fixture(scope="session")
 def prompt_logprobs():
-    """Function: prompt_logprobs(llm, prompts=PROMPTS) -> 1-D float64 tensor of log p(token_i | tokens_<i)
-    for every prompt token after the first, as the engine computes them (a full forward, no sampling)."""
-    def score(llm, prompts=PROMPTS):
+    """Function: prompt_logprobs(llm, prompts=PROMPTS, lora_request=None) -> 1-D float64 tensor of
+    log p(token_i | tokens_<i) for every prompt token after the first, as the engine computes them (a
+    full forward, no sampling), with the adapter of `lora_request` if given."""
+    def score(llm, prompts=PROMPTS, lora_request=None):
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False,
+                               lora_request=lora_request)
         values = []
         for prompt, output in zip(prompts, outputs):
             for token, entry in zip(prompt[1:], output.prompt_logprobs[1:]):

@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-optimizer", action="store_true",
                    help="ZeRO-1: each rank keeps 1/world of the fp32 master weights and AdamW moments; the "
                         "updated weights are all-gathered straight into every rank's engine weights")
+    p.add_argument("--lora-rank", type=_non_negative_int, default=0, metavar="R",
+                   help="train a LoRA adapter of rank R on the frozen base instead of every weight (0, the "
+                        "default: full fine-tuning); the adapter is the engine's LoRA slot, so nothing is copied "
+                        "per step, and OUT/adapter holds it in PEFT's format")
+    p.add_argument("--lora-alpha", type=float, default=8.0, metavar="A", help="LoRA alpha (scaling A/R; default %(default)s, as PEFT)")
+    p.add_argument("--lora-targets", nargs="+", metavar="NAME", default=list(GRPOConfig.lora_targets),
+                   help="linear layers the adapter adapts (default: all of them)")
     p.add_argument("--seed", type=_non_negative_int, default=0, help="seeds the toy model, prompts and sampling")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -108,7 +115,8 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
                                "learning_rate": args.lr, "seed": args.seed, "save_every": args.save_every,
                                "keep_checkpoints": args.keep_checkpoints,
                                "offload_optimizer": OFFLOAD_CHOICES[args.offload_optimizer],
-                               "shard_optimizer": args.shard_optimizer,
+                               "shard_optimizer": args.shard_optimizer, "lora_rank": args.lora_rank,
+                               "lora_alpha": args.lora_alpha, "lora_targets": tuple(args.lora_targets),
                                "dtype": None if args.dtype == "auto" else args.dtype})
     except ValueError as e:
         parser.error(str(e))
@@ -167,6 +175,10 @@ def main(argv=None) -> int:
     config = config.resolve_dtype(world.device)
     if world.is_main:
         print(f"colo.grpo: weights in {config.dtype} ({why})", flush=True)
+        if config.lora_rank:
+            print(f"colo.grpo: LoRA rank {config.lora_rank}, alpha {config.lora_alpha:g} on "
+                  f"{', '.join(config.lora_targets)}; the base is frozen; adapter in PEFT's format in {out / 'adapter'}",
+                  flush=True)
         if not args.resume:
             (out / "run.json").write_text(json.dumps({"model_dir": str(model_dir), "config": config.to_dict(),
                                                       "dtype_chosen_because": why}, indent=2))

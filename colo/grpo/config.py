@@ -45,6 +45,11 @@ class GRPOConfig:
     # ZeRO-1: each rank keeps 1/world of the fp32 master weights and AdamW moments; gradients are
     # reduce-scattered to their shard and the updated weights all-gathered into the engine's weights.
     shard_optimizer: bool = False
+    # LoRA (colo.lora): > 0 trains an adapter of this rank on the frozen base instead of every weight;
+    # the adapter is the engine's adapter slot (vLLM's native LoRA), the base the engine's weights.
+    lora_rank: int = 0
+    lora_alpha: float = 8.0            # PEFT's lora_alpha (scaling alpha / rank)
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     save_every: int = 10               # checkpoint period in steps (0: only at the end)
     keep_checkpoints: int = 2          # newest ones kept (0: all)
     seed: int = 0
@@ -75,8 +80,24 @@ class GRPOConfig:
             raise ValueError(f"shard_optimizer must be True or False, got {self.shard_optimizer!r}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
+        check_int(self.lora_rank, "lora_rank", 0)
+        self.lora_targets = (self.lora_targets,) if isinstance(self.lora_targets, str) else tuple(self.lora_targets)
+        if self.lora_rank:
+            self.lora_spec  # noqa: B018 - validates rank, alpha and targets
+            if self.shard_optimizer:
+                raise ValueError("shard_optimizer with lora_rank > 0: an adapter's optimizer state is small; "
+                                 "train it unsharded")
         if self.dtype not in (None, *DTYPES):
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or None (the fastest here), got {self.dtype!r}")
+
+    @property
+    def lora_spec(self):
+        """The colo.lora.LoraSpec of the adapter to train, or None (lora_rank 0: full fine-tuning)."""
+        if not self.lora_rank:
+            return None
+        from ..lora import LoraSpec
+
+        return LoraSpec(self.lora_rank, self.lora_alpha, self.lora_targets)
 
     @property
     def torch_dtype(self):
@@ -96,6 +117,7 @@ class GRPOConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["adam_betas"] = list(self.adam_betas)
+        d["lora_targets"] = list(self.lora_targets)
         return d
 
     @classmethod

@@ -14,6 +14,7 @@ import torch
 
 from .. import engine as colo_engine
 from ..errors import EngineFailure, OutOfMemoryError  # noqa: F401 - EngineFailure raised here, re-exported
+from ..lora import LoraSpec, share_adapter, slot_bytes
 from ..regions import KV_CACHE
 from ..weights import share_weights, shared_model
 
@@ -69,11 +70,15 @@ class RolloutEngine:
     alias=False: the trainer loads its own copy of the weights from disk, in `trainer_dtype` (default:
     `dtype`), and publish() copies them into the engine (colo.share_weights' copy path; the usual
     way, for comparisons).
+    lora: a colo.lora.LoraSpec: the base is frozen and shared as above, and `adapter` (colo.lora) is
+    the trainable adapter, a view of the engine's adapter slot; every generation uses it and
+    publish() copies nothing. `workdir` holds the zero adapter the engine loads once at start.
     """
 
     def __init__(self, model_dir, pool, *, seed: int, max_num_seqs: int, sequence_tokens: int = 1,
                  max_model_len: int | None = None, dtype: torch.dtype = torch.float32, alias: bool = True,
-                 trainer_dtype: torch.dtype | None = None, **llm_kwargs):
+                 trainer_dtype: torch.dtype | None = None, lora: LoraSpec | None = None, workdir=None,
+                 **llm_kwargs):
         from transformers import AutoConfig
 
         self.model_dir, self.pool, self.seed, self.alias, self.dtype = model_dir, pool, seed, alias, dtype
@@ -81,6 +86,12 @@ class RolloutEngine:
             raise ValueError("a trainer that shares the engine's weights has the engine's dtype; trainer_dtype "
                              "needs alias=False")
         self.trainer_dtype = trainer_dtype or dtype
+        if lora is not None:
+            if not alias:
+                raise ValueError("a LoRA adapter is trained on the engine's own base weights; lora needs alias=True")
+            if workdir is None:
+                raise ValueError("lora needs a workdir for the adapter the engine loads at start")
+            llm_kwargs.update(lora.engine_options())
         config = AutoConfig.from_pretrained(model_dir)
         self.vocab_size = config.vocab_size
         self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", 2048)
@@ -92,18 +103,20 @@ class RolloutEngine:
         # get_kv_cache_config_from_groups); a full-attention page is block x one layer's K and V per
         # token, so these bytes give exactly `blocks`, null block included.
         blocks = max(kv_cache_blocks(max_num_seqs, sequence_tokens, block), kv_cache_blocks(1, self.max_model_len, block))
+        self.adapter_slot_bytes = slot_bytes(config, lora, dtype) if lora else 0
         self.kv_cache_bytes = self._kv_budget(blocks * block * kv_bytes_per_token(config, dtype), config)
         self._llm_kwargs = dict(skip_tokenizer_init=True, max_num_seqs=max_num_seqs, block_size=block, **llm_kwargs)
         self.llm = self._build(load_format="auto")
         self.shared = self._share()
         self.hf_model = self.shared.hf_model
+        self.adapter = share_adapter(self.hf_model, self.llm, lora, workdir, seed=seed) if lora else None
 
     def _kv_budget(self, wanted: int, config) -> int:
         if KV_CACHE in self.pool.regions:
             return self.pool.regions[KV_CACHE].budget
         # The weights are not loaded yet: leave room for them. Regions asleep now (the training
         # memory, while generating) do not count.
-        left = self.pool.unbudgeted_bytes - parameter_bytes(config, self.dtype) - _KV_HEADROOM
+        left = self.pool.unbudgeted_bytes - parameter_bytes(config, self.dtype) - self.adapter_slot_bytes - _KV_HEADROOM
         if left < wanted:
             raise OutOfMemoryError(f"the KV cache needs {wanted} bytes for the rollout batch but the pool has "
                                    f"only {max(left, 0)} left after the weights and the regions awake during "
@@ -147,7 +160,8 @@ class RolloutEngine:
         from vllm.sampling_params import RequestOutputKind
 
         params = [SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **s) for s in sampling]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                    lora_request=self.adapter.request if self.adapter else None)
         completions = []
         for out, s in zip(outputs, sampling):
             if len(out.outputs) != s["n"]:
@@ -159,7 +173,8 @@ class RolloutEngine:
         return completions
 
     def publish(self) -> dict:
-        return self.shared.publish()
+        # With an adapter the base never changes: nothing of it to publish (or repack, on CPU).
+        return self.adapter.publish() if self.adapter else self.shared.publish()
 
     def rebuild(self) -> None:
         """Replace a broken engine by a fresh one serving the trainer's weights (nothing read from disk)."""
@@ -180,11 +195,16 @@ class RolloutEngine:
             region.wake()
         # "dummy" fills the new engine with placeholder weights instead of reading the checkpoint.
         self.llm = self._build(load_format="dummy")
-        self.shared = self._share(self.hf_model)
+        if self.adapter is None:
+            self.shared = self._share(self.hf_model)
+            return
+        with self.adapter.unregistered():
+            self.shared = self._share(self.hf_model)
+        self.adapter.rebind(self.llm)  # the same parameters (the optimizer's), now in the new engine's slot
 
     def close(self) -> None:
         if self.llm is not None:
             colo_engine.release_llm(self.llm)
-        self.llm = self.shared = self.hf_model = None
+        self.llm = self.shared = self.hf_model = self.adapter = None
         gc.collect()
 

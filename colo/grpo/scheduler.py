@@ -22,6 +22,7 @@ import copy
 import logging
 import math
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -102,11 +103,18 @@ class GRPOScheduler:
 
     def _start_engine(self, engine_options: dict) -> None:
         """The engine first: vLLM loads the weights into the pool, and the trainer's model is a view of them."""
+        lora = self.config.lora_spec
+        # The zero adapter the engine loads once at start (one directory per rank: no shared writes).
+        self._workdir = tempfile.TemporaryDirectory(prefix="colo-grpo-") if lora else None
         self.engine = RolloutEngine(self.model_dir, self.pool, seed=self.config.seed, dtype=self.config.torch_dtype,
                                     max_num_seqs=self._sequences_per_rank(),
-                                    sequence_tokens=self._longest_sequence(), **engine_options)
+                                    sequence_tokens=self._longest_sequence(), lora=lora,
+                                    workdir=self._workdir.name if lora else None, **engine_options)
         self.model = self.engine.hf_model
-        self.reference = self._frozen_copy(self.model) if self.config.beta > 0 else None
+        self.adapter = self.engine.adapter
+        self.reference = None
+        if self.config.beta > 0:  # with an adapter the reference is the shared base itself: no copy
+            self.reference = self.adapter.base_model(self.model) if self.adapter else self._frozen_copy(self.model)
 
     def _build_training(self) -> None:
         """Gradients, optimizer state and the optimizer, with exact budgets in the pool."""
@@ -119,7 +127,8 @@ class GRPOScheduler:
         # ZeRO-1: this rank's shard of masters and moments; the all-gather lands in the engine's weights.
         shard = ShardLayout(params, self.world.size, self.world.rank, store_region=self.pool.regions[WEIGHTS]) \
             if cfg.shard_optimizer else None
-        self.memory = TrainingMemory(self.pool, params, offload_optimizer=cfg.offload_optimizer, shard=shard)
+        self.memory = TrainingMemory(self.pool, params, offload_optimizer=cfg.offload_optimizer, shard=shard,
+                                     scales=self.adapter.scales() if self.adapter else None)
         # fp32 parameters: AdamW itself; bf16: a colo.MasterWeightOptimizer stepping fp32 masters in the
         # optimizer region; sharded: a colo.ShardedMasterWeightOptimizer.
         self.optimizer = self.memory.build_optimizer(torch.optim.AdamW, lr=cfg.learning_rate, betas=cfg.adam_betas,
@@ -172,6 +181,10 @@ class GRPOScheduler:
         if is_sharded(state) != self.config.shard_optimizer:
             raise CheckpointError(f"{path} holds {'sharded' if is_sharded(state) else 'unsharded'} optimizer state; "
                                   f"resume it with shard_optimizer={is_sharded(state)}")
+        saved_rank = int(state.get("config", {}).get("lora_rank", 0))
+        if saved_rank != self.config.lora_rank:
+            raise CheckpointError(f"{path} was trained with lora_rank={saved_rank}; resume it with the same lora_rank "
+                                  f"(this run has {self.config.lora_rank})")
         if is_sharded(state):
             state["optimizer"] = load_optimizer_shards(path, state)  # any number of ranks: re-sharded on load
         return state
@@ -179,6 +192,9 @@ class GRPOScheduler:
     def _restore(self, state: dict) -> None:
         """Load a checkpoint into the live, weight-sharing model, then let the engine see it."""
         missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        if self.adapter is not None:  # an adapter's checkpoint holds the adapter only; the base is the model's
+            trainable = set(self._trainable_names())
+            missing = [n for n in missing if n in trainable]
         if missing or unexpected:
             raise CheckpointError(f"checkpoint does not fit the model at {self.model_dir}: "
                                   f"missing {missing[:3]}, unexpected {unexpected[:3]}")
@@ -186,7 +202,7 @@ class GRPOScheduler:
             self.optimizer.load_state_dict(state["optimizer"])
             self.memory.adopt_optimizer_state(self.optimizer)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        if self.reference is not None and "reference" in state:
+        if isinstance(self.reference, torch.nn.Module) and "reference" in state:
             self.reference.load_state_dict(state["reference"])
         # Generation is seeded per prompt, not by these; with another number of ranks, a rank the old
         # run did not have keeps its fresh seed.
@@ -449,15 +465,26 @@ class GRPOScheduler:
         if self.world.is_main:
             with self.timeline.span("checkpoint", step=self.step):
                 optimizer = {"sharded_over": self.world.size} if self.memory.shard is not None else self._optimizer_state()
-                state = {"model": self.model.state_dict(), "optimizer": optimizer,
+                state = {"model": self._model_state(), "optimizer": optimizer,
                          "lr_scheduler": self.lr_scheduler.state_dict(), "rng": rng,
                          "config": self.config.to_dict(), "model_dir": str(self.model_dir)}
-                if self.reference is not None:
+                if isinstance(self.reference, torch.nn.Module):
                     state["reference"] = self.reference.state_dict()
                 path = save_checkpoint(self.out_dir, self.step, state, keep=self.config.keep_checkpoints)
+                if self.adapter is not None:  # the newest adapter in PEFT's format, for PEFT and vLLM
+                    self.adapter.save_pretrained(self.out_dir / "adapter", base_model=str(self.model_dir))
         D.barrier(self.world)
         self._last_saved_step = self.step
         return path
+
+    def _trainable_names(self) -> list[str]:
+        return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def _model_state(self) -> dict:
+        """What a checkpoint keeps of the model: every weight, or with an adapter the adapter only."""
+        if self.adapter is None:
+            return self.model.state_dict()
+        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
 
     def _check_ranks_agree(self) -> None:
         """Every rank applies the same averaged update, so their weights must be identical; rank 0's
@@ -496,6 +523,8 @@ class GRPOScheduler:
     def close(self) -> None:
         self.timeline.close()
         self.engine.close()
+        if self._workdir is not None:
+            self._workdir.cleanup()
 
 
 class _TerminationRequest:

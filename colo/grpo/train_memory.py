@@ -50,14 +50,21 @@ class TrainingMemory:
     needs it (must_offload); True/False force it.
     shard: a colo.zero.ShardLayout (ZeRO-1): the optimizer region holds only this rank's shard of the
     masters and moments, and the grads region the fp32 main gradients over the whole weight store.
+    scales: {parameter: s} for parameters that hold s times what the optimizer steps (a LoRA adapter
+    in vLLM's slot, colo.lora): they train through fp32 masters whatever their dtype.
     """
 
-    def __init__(self, pool, params, *, offload_optimizer: bool | None = None, shard: ShardLayout | None = None):
+    def __init__(self, pool, params, *, offload_optimizer: bool | None = None, shard: ShardLayout | None = None,
+                 scales: dict | None = None):
         self.pool = pool
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
-        self.master_weights = uses_master_weights(self.params)
+        if scales and shard is not None:
+            raise NotImplementedError("shard_optimizer with scaled (LoRA) parameters: an adapter's optimizer "
+                                      "state is small; train it unsharded")
+        self.scales = scales or None
+        self.master_weights = uses_master_weights(self.params) or self.scales is not None
         self.shard = shard
         numel = sum(p.numel() for p in self.params)
         by_dtype = defaultdict(list)
@@ -104,7 +111,7 @@ class TrainingMemory:
                                                      **kwargs)
         elif self.master_weights:
             optimizer = MasterWeightOptimizer(self.params, optimizer_class, master_region=self.optimizer_region,
-                                              grad_region=self.grads, **kwargs)
+                                              grad_region=self.grads, scales=self.scales, **kwargs)
         else:
             return optimizer_class(self.params, **kwargs)
         self.flat_grads = {torch.float32: optimizer.grad_flat}

@@ -1,0 +1,334 @@
+"""LoRA with one copy: the base weights are the engine's (frozen), the adapter is the engine's LoRA slot.
+
+    spec = colo.lora.LoraSpec(rank=16, alpha=32)
+    llm = colo.engine.build_llm(path, pool, **spec.engine_options())   # vLLM's native LoRA, one slot
+    model = colo.shared_model(llm).hf_model                             # base: the engine's tensors
+    adapter = colo.lora.share_adapter(model, llm, spec, workdir)        # A/B: views of the engine's slot
+    opt = colo.MasterWeightOptimizer(adapter.parameters(), scales=adapter.scales(), lr=1e-4)
+    ...; opt.step(); adapter.publish()                                  # 0 bytes: the engine reads the slot
+    llm.generate(prompts, params, lora_request=adapter.request)
+    adapter.save_pretrained(out)                                        # PEFT's format
+
+vLLM keeps every adapter in preallocated per-layer slots (`lora_a_stacked` / `lora_b_stacked`, one
+slice per fused sub-projection, rank padded to `max_lora_rank`) and computes
+`out += (x @ A.T) @ B.T` from them. colo loads a zero adapter into the one slot once (the only
+adapter read from disk), pins it, and makes each trained linear layer of the Hugging Face model
+compute the same thing from views of that slot (a forward hook; the layer's `lora_A` / `lora_B`
+parameters). The optimizer writes the slot, the engine reads it: no merge, no `load_weights`, no
+reload.
+
+vLLM multiplies PEFT's scaling (alpha / rank) into B when it sets an adapter, so the slot's B is
+`scaling * B_peft`. To train exactly as PEFT does (same learning rate, clipping and weight decay
+meaning), the optimizer steps fp32 masters in PEFT's units: `scales()` gives each parameter's factor
+for colo.MasterWeightOptimizer (1 for A, `scaling` for B), which also keeps fp32 masters for bf16
+adapters. `save_pretrained` writes PEFT's B.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import vllm_compat as compat
+from .engine import reset_prefix_cache
+from .regions import WEIGHTS
+
+# Every linear layer of a Llama/Qwen2 decoder layer (PEFT's "all-linear" for these models).
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_ID = 1            # vLLM's int id of the adapter colo trains
+ADAPTER_NAME = "colo"
+_PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What adapter to train: rank, alpha (PEFT's lora_alpha; scaling = alpha / rank), the names of
+    the linear layers it adapts (the last part of a module name, as PEFT's target_modules), dropout
+    on the adapter's input while training (PEFT's lora_dropout)."""
+    rank: int
+    alpha: float = 8.0     # PEFT's default lora_alpha
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 1 <= self.rank <= compat.LORA_SLOT_RANKS[-1]:
+            raise ValueError(f"LoRA rank must be an int in [1, {compat.LORA_SLOT_RANKS[-1]}], got {self.rank!r}")
+        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not self.alpha > 0:
+            raise ValueError(f"LoRA alpha must be a number > 0, got {self.alpha!r}")
+        targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+        if not targets or not all(isinstance(t, str) and t and "." not in t for t in targets):
+            raise ValueError(f"LoRA targets must be module names such as 'q_proj', got {self.targets!r}")
+        object.__setattr__(self, "targets", tuple(sorted(set(targets))))
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def engine_options(self) -> dict:
+        """The vllm.LLM / build_llm options that give the engine one adapter slot of this rank."""
+        return compat.lora_engine_options(self.rank)
+
+    def peft_config(self, base_model: str = "") -> dict:
+        """adapter_config.json as PEFT writes it (what PEFT and vLLM read back)."""
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
+                "lora_dropout": self.dropout, "target_modules": sorted(self.targets), "bias": "none",
+                "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
+                "base_model_name_or_path": base_model, "inference_mode": True}
+
+
+def slot_bytes(hf_config, spec: LoraSpec, dtype: torch.dtype) -> int:
+    """Bytes of the engine's one adapter slot for a Llama/Qwen2-shaped model: vLLM makes A and B
+    slices of rank `max_lora_rank` for every linear layer of every decoder layer, targeted or not."""
+    c = hf_config
+    rank = spec.engine_options()["max_lora_rank"]
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    h, i = c.hidden_size, c.intermediate_size
+    per_layer = (h + q) * 2 + (h + kv) * 2 + (h + i) * 2 + (i + h)  # q o, k v, gate up, down: in + out each
+    return rank * per_layer * c.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class _Layer:
+    module: torch.nn.Linear
+    lora_a: torch.nn.Parameter     # rank x in: a view of the engine's slot
+    lora_b: torch.nn.Parameter     # out x rank: a view of the engine's slot (scaling x PEFT's B)
+    hook: object = None
+
+
+@dataclass
+class SharedAdapter:
+    """The trainer's adapter, a view of the engine's adapter slot; see the module docstring."""
+    spec: LoraSpec
+    llm: object
+    request: object                           # the vllm LoRARequest to generate with
+    slot: int
+    layers: dict[str, _Layer]                 # Hugging Face module name -> its adapter
+    enabled: bool = True
+    publish_count: int = 0
+    _slot_ptrs: list = field(default_factory=list, repr=False)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for layer in self.layers.values() for p in (layer.lora_a, layer.lora_b)]
+
+    def scales(self) -> dict[torch.nn.Parameter, float]:
+        """Engine units per PEFT unit of each parameter (A: 1, B: alpha/rank), for the master optimizer."""
+        return {p: (self.spec.scaling if p is layer.lora_b else 1.0)
+                for layer in self.layers.values() for p in (layer.lora_a, layer.lora_b)}
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def publish(self) -> dict:
+        """Make the engine serve the adapter the optimizer just wrote: nothing to copy (the engine
+        reads the slot the trainer wrote); checks the slot still belongs to this adapter and forgets
+        vLLM's cached prefixes (their KV was computed with the old adapter)."""
+        self._check_still_shared()
+        reset_prefix_cache(self.llm)
+        self.publish_count += 1
+        return {"bytes_copied": 0, "bytes_repacked": 0, "adapter_bytes": sum(p.nbytes for p in self.parameters())}
+
+    def _check_still_shared(self) -> None:
+        if compat.adapter_slot(self.llm, ADAPTER_ID) != self.slot:
+            raise RuntimeError(f"vLLM no longer serves colo's adapter from slot {self.slot} (it was removed or "
+                               "evicted); the trained adapter is in the trainer's optimizer masters")
+        moved = [name for (name, ptr), p in zip(self._slot_ptrs, self.parameters()) if p.data_ptr() != ptr]
+        if moved:
+            raise RuntimeError(f"{moved[0]} was given new storage after share_adapter (e.g. model.to() or "
+                               "assigning .data); the engine no longer sees it")
+
+    @contextlib.contextmanager
+    def disabled(self):
+        """The trainer's model without the adapter (the base, e.g. as a KL reference) inside the block."""
+        self.enabled, before = False, self.enabled
+        try:
+            yield
+        finally:
+            self.enabled = before
+
+    def base_model(self, model):
+        """`model` called without the adapter: the frozen base, e.g. GRPO's KL reference, at no memory cost."""
+        return _WithoutAdapter(model, self)
+
+    @contextlib.contextmanager
+    def unregistered(self):
+        """The layers without their lora_A/lora_B parameters inside the block (so colo.share_weights
+        sees the base model only, when a rebuilt engine takes the base weights over)."""
+        for layer in self.layers.values():
+            del layer.module._parameters["lora_A"], layer.module._parameters["lora_B"]
+        try:
+            yield
+        finally:
+            for layer in self.layers.values():
+                layer.module.register_parameter("lora_A", layer.lora_a)
+                layer.module.register_parameter("lora_B", layer.lora_b)
+
+    # -- PEFT's format ------------------------------------------------------------------------------
+    def peft_state_dict(self) -> dict[str, torch.Tensor]:
+        """The adapter as PEFT names and scales it (B divided by alpha/rank), in the adapter's dtype."""
+        with torch.no_grad():
+            state = {}
+            for name, layer in self.layers.items():
+                state[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_a.detach().clone()
+                state[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = (layer.lora_b.detach().float() / self.spec.scaling
+                                                               ).to(layer.lora_b.dtype)
+        return state
+
+    def save_pretrained(self, directory, base_model: str = "") -> Path:
+        """Write adapter_config.json and adapter_model.safetensors (PEFT's format; loads in PEFT and
+        in vLLM with a LoRARequest)."""
+        return write_adapter(directory, self.spec, self.peft_state_dict(), base_model)
+
+    def load_peft_state_dict(self, state: dict) -> None:
+        """Write a PEFT-format adapter of this spec into the slot (and so into the trainer's parameters)."""
+        expected = {f"{_PEFT_PREFIX}{n}.lora_{x}.weight" for n in self.layers for x in "AB"}
+        if set(state) != expected:
+            missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+            raise ValueError(f"not an adapter for these layers: missing {missing[:3]}, unexpected {extra[:3]}")
+        with torch.no_grad():
+            for name, layer in self.layers.items():
+                a, b = state[f"{_PEFT_PREFIX}{name}.lora_A.weight"], state[f"{_PEFT_PREFIX}{name}.lora_B.weight"]
+                if tuple(a.shape) != tuple(layer.lora_a.shape) or tuple(b.shape) != tuple(layer.lora_b.shape):
+                    raise ValueError(f"{name}: adapter shapes {tuple(a.shape)}/{tuple(b.shape)}, expected "
+                                     f"{tuple(layer.lora_a.shape)}/{tuple(layer.lora_b.shape)}")
+                layer.lora_a.copy_(a)
+                layer.lora_b.copy_(b.float() * self.spec.scaling)
+
+    def rebind(self, llm) -> None:
+        """Point the same parameters (an optimizer holds them) at a new engine's slot, with their values."""
+        values = [p.detach().clone() for p in self.parameters()]
+        fresh = _activate(llm, self.spec, self.layers, self.request)
+        with torch.no_grad():
+            for (name, layer), (a, b) in zip(self.layers.items(), (fresh[n] for n in self.layers)):
+                layer.lora_a.data, layer.lora_b.data = a, b
+            for p, v in zip(self.parameters(), values):
+                p.copy_(v)
+        self.llm, self.slot = llm, compat.adapter_slot(llm, ADAPTER_ID)
+        self._slot_ptrs = [(name, p.data_ptr()) for name, p in _named(self.layers)]
+
+
+def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0) -> SharedAdapter:
+    """Give `hf_model` (whose base weights are the engine's: colo.shared_model) a trainable LoRA adapter
+    that is the engine's adapter slot. The base parameters are frozen; A starts as PEFT's (Kaiming
+    uniform, from `seed`), B at zero. `workdir`: where the zero adapter the engine loads once goes."""
+    from vllm.lora.request import LoRARequest
+
+    modules = {name: m for name, m in hf_model.named_modules()
+               if name.rpartition(".")[2] in spec.targets and isinstance(m, torch.nn.Linear)}
+    if not modules:
+        raise ValueError(f"no linear layer of the model is named one of {list(spec.targets)}")
+    if any(hasattr(m, "lora_A") for m in modules.values()):
+        raise ValueError("this model already has LoRA adapters (lora_A parameters)")
+    directory = Path(workdir) / "colo-adapter-slot"
+    zero = {}
+    for name, m in modules.items():
+        zero[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = torch.zeros(spec.rank, m.in_features)
+        zero[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = torch.zeros(m.out_features, spec.rank)
+    write_adapter(directory, spec, zero)
+    request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(directory))
+    slices = _activate(llm, spec, modules, request)
+    for p in hf_model.parameters():
+        p.requires_grad_(False)
+    adapter = SharedAdapter(spec, llm, request, compat.adapter_slot(llm, ADAPTER_ID), {})
+    generator = torch.Generator().manual_seed(seed)
+    for name, module in modules.items():
+        a_view, b_view = slices[name]
+        with torch.no_grad():  # PEFT's init: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0
+            bound = 1 / math.sqrt(module.in_features)
+            a_view.copy_(torch.rand(a_view.shape, generator=generator).mul_(2 * bound).sub_(bound))
+            b_view.zero_()
+        lora_a, lora_b = torch.nn.Parameter(a_view), torch.nn.Parameter(b_view)
+        module.register_parameter("lora_A", lora_a)
+        module.register_parameter("lora_B", lora_b)
+        layer = _Layer(module, lora_a, lora_b)
+        layer.hook = module.register_forward_hook(_adapter_forward(adapter, spec.dropout))
+        adapter.layers[name] = layer
+    adapter._slot_ptrs = [(name, p.data_ptr()) for name, p in _named(adapter.layers)]
+    return adapter
+
+
+def _activate(llm, spec: LoraSpec, modules, request) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Load the adapter into the engine's slot and return {HF module name: (A view, B view)}."""
+    slot = compat.activate_adapter(llm, request)
+    by_name = {s.hf_module: s for s in compat.adapter_slices(llm, slot, spec.rank)}
+    missing = [name for name in modules if name not in by_name]
+    if missing:
+        raise NotImplementedError(f"the engine has no adapter slot for {missing[0]} (vLLM adapts "
+                                  f"{sorted(by_name)[:4]}...)")
+    region = compat.engine_placement(llm).pool.regions[WEIGHTS] if compat.engine_placement(llm) else None
+    views = {}
+    for name in modules:
+        s = by_name[name]
+        if region is not None and not (region.contains(s.lora_a) and region.contains(s.lora_b)):
+            raise RuntimeError(f"{name}: the engine's adapter slot is not in colo's weights region")
+        views[name] = (s.lora_a, s.lora_b)
+    return views
+
+
+class _WithoutAdapter:
+    def __init__(self, model, adapter: SharedAdapter):
+        self.model, self.adapter = model, adapter
+
+    def __call__(self, *args, **kwargs):
+        with self.adapter.disabled():
+            return self.model(*args, **kwargs)
+
+
+def _named(layers: dict[str, _Layer]):
+    for name, layer in layers.items():
+        yield f"{name}.lora_A", layer.lora_a
+        yield f"{name}.lora_B", layer.lora_b
+
+
+def _adapter_forward(adapter: SharedAdapter, dropout: float):
+    def hook(module, args, output):
+        if not adapter.enabled:
+            return output
+        x = args[0]
+        if dropout and module.training:
+            x = F.dropout(x, dropout)
+        # What vLLM computes from the slot (PunicaWrapper.add_lora_linear, scale 1.0).
+        return output + F.linear(F.linear(x, module.lora_A), module.lora_B)
+    return hook
+
+
+def write_adapter(directory, spec: LoraSpec, state: dict[str, torch.Tensor], base_model: str = "") -> Path:
+    """Write a PEFT-format adapter (adapter_config.json, adapter_model.safetensors) to `directory`."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    staging, old = directory.with_name(directory.name + ".writing"), directory.with_name(directory.name + ".old")
+    for leftover in (staging, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    staging.mkdir(parents=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(staging / "adapter_model.safetensors"))
+    (staging / "adapter_config.json").write_text(json.dumps(spec.peft_config(base_model), indent=2))
+    if directory.exists():  # never a half-written adapter under the name: the old one until the new is whole
+        directory.rename(old)
+    staging.rename(directory)
+    shutil.rmtree(old, ignore_errors=True)
+    return directory
+
+
+def read_adapter(directory) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
+    """A PEFT-format LoRA adapter from `directory`: its spec and its tensors (PEFT's names)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config = json.loads((directory / "adapter_config.json").read_text())
+    if config.get("use_rslora") or config.get("use_dora"):
+        raise NotImplementedError(f"{directory}: rsLoRA and DoRA adapters are not supported")
+    targets = config.get("target_modules") or DEFAULT_TARGETS
+    spec = LoraSpec(int(config["r"]), float(config.get("lora_alpha", 8)), tuple(targets),
+                    float(config.get("lora_dropout") or 0.0))
+    return spec, load_file(str(directory / "adapter_model.safetensors"))
+
