@@ -98,9 +98,10 @@ def slot_bytes(hf_config, spec: LoraSpec, dtype: torch.dtype) -> int:
 
 @dataclass
 class _Layer:
-    module: torch.nn.Linear
+    module: torch.nn.Module
     lora_a: torch.nn.Parameter     # rank x in: a view of the engine's slot
-    lora_b: torch.nn.Parameter     # out x rank: a view of the engine's slot (scaling x PEFT's B)
+    lora_b: torch.nn.Parameter     # out x rank: a view of the engine's slot (scale x PEFT's B)
+    scale: float                   # PEFT's scaling of this layer (alpha / rank)
     hook: object = None
 
 
@@ -121,7 +122,7 @@ class SharedAdapter:
 
     def scales(self) -> dict[torch.nn.Parameter, float]:
         """Engine units per PEFT unit of each parameter (A: 1, B: alpha/rank), for the master optimizer."""
-        return {p: (self.spec.scaling if p is layer.lora_b else 1.0)
+        return {p: (layer.scale if p is layer.lora_b else 1.0)
                 for layer in self.layers.values() for p in (layer.lora_a, layer.lora_b)}
 
     @property
@@ -137,11 +138,32 @@ class SharedAdapter:
         self.publish_count += 1
         return {"bytes_copied": 0, "bytes_repacked": 0, "adapter_bytes": sum(p.nbytes for p in self.parameters())}
 
+    def moved_parameters(self) -> list[str]:
+        """Names of adapter parameters given new storage since they were shared (model.to(), ...)."""
+        return [name for (name, ptr), p in zip(self._slot_ptrs, self.parameters()) if p.data_ptr() != ptr]
+
+    def reshare(self) -> int:
+        """Put moved parameters back into the slot (their current values, then views again); returns
+        the bytes written. For a model that accelerate moved to "cpu:N" (torch copies for that)."""
+        written = 0
+        views = self._views()
+        with torch.no_grad():
+            for ((name, ptr), p), view in zip(zip(self._slot_ptrs, self.parameters()), views):
+                if p.data_ptr() != ptr:
+                    view.copy_(p.data)
+                    p.data = view
+                    written += view.nbytes
+        return written
+
+    def _views(self) -> list[torch.Tensor]:
+        by_name = {s.hf_module: s for s in compat.adapter_slices(self.llm, self.slot, self.spec.rank)}
+        return [t for name in self.layers for t in (by_name[name].lora_a, by_name[name].lora_b)]
+
     def _check_still_shared(self) -> None:
         if compat.adapter_slot(self.llm, ADAPTER_ID) != self.slot:
             raise RuntimeError(f"vLLM no longer serves colo's adapter from slot {self.slot} (it was removed or "
                                "evicted); the trained adapter is in the trainer's optimizer masters")
-        moved = [name for (name, ptr), p in zip(self._slot_ptrs, self.parameters()) if p.data_ptr() != ptr]
+        moved = self.moved_parameters()
         if moved:
             raise RuntimeError(f"{moved[0]} was given new storage after share_adapter (e.g. model.to() or "
                                "assigning .data); the engine no longer sees it")
@@ -179,7 +201,7 @@ class SharedAdapter:
             state = {}
             for name, layer in self.layers.items():
                 state[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_a.detach().clone()
-                state[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = (layer.lora_b.detach().float() / self.spec.scaling
+                state[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = (layer.lora_b.detach().float() / layer.scale
                                                                ).to(layer.lora_b.dtype)
         return state
 
@@ -201,7 +223,7 @@ class SharedAdapter:
                     raise ValueError(f"{name}: adapter shapes {tuple(a.shape)}/{tuple(b.shape)}, expected "
                                      f"{tuple(layer.lora_a.shape)}/{tuple(layer.lora_b.shape)}")
                 layer.lora_a.copy_(a)
-                layer.lora_b.copy_(b.float() * self.spec.scaling)
+                layer.lora_b.copy_(b.float() * layer.scale)
 
     def rebind(self, llm) -> None:
         """Point the same parameters (an optimizer holds them) at a new engine's slot, with their values."""
@@ -249,7 +271,7 @@ def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0) -> S
         lora_a, lora_b = torch.nn.Parameter(a_view), torch.nn.Parameter(b_view)
         module.register_parameter("lora_A", lora_a)
         module.register_parameter("lora_B", lora_b)
-        layer = _Layer(module, lora_a, lora_b)
+        layer = _Layer(module, lora_a, lora_b, spec.scaling)
         layer.hook = module.register_forward_hook(_adapter_forward(adapter, spec.dropout))
         adapter.layers[name] = layer
     adapter._slot_ptrs = [(name, p.data_ptr()) for name, p in _named(adapter.layers)]
@@ -332,3 +354,111 @@ def read_adapter(directory) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
                     float(config.get("lora_dropout") or 0.0))
     return spec, load_file(str(directory / "adapter_model.safetensors"))
 
+
+
+# --- PEFT models (colo.trl with peft_config) -------------------------------------------------------
+
+def peft_lora_spec(peft_model, adapter_name: str = "default") -> LoraSpec:
+    """The LoraSpec of a PEFT model's adapter, or NotImplementedError naming what colo cannot share."""
+    configs = getattr(peft_model, "peft_config", None)
+    if not isinstance(configs, dict) or adapter_name not in configs:
+        raise ValueError(f"not a PEFT model with an adapter named {adapter_name!r}")
+    others = set(configs) - {adapter_name, "ref"}  # "ref": TRL's frozen copy of a pretrained adapter (beta > 0)
+    if others:
+        raise NotImplementedError(f"colo shares one LoRA adapter with the engine ({adapter_name!r}, and TRL's "
+                                  f"'ref' copy on the trainer's side); this model also has {sorted(others)}")
+    c = configs[adapter_name]
+    unsupported = {
+        "peft_type": str(getattr(c, "peft_type", "")).rpartition(".")[2] not in ("LORA",),
+        "use_dora": bool(getattr(c, "use_dora", False)),
+        "bias": getattr(c, "bias", "none") != "none",
+        "lora_bias": bool(getattr(c, "lora_bias", False)),
+        "modules_to_save": bool(getattr(c, "modules_to_save", None)),
+        "rank_pattern": bool(getattr(c, "rank_pattern", None)),
+        "alpha_pattern": bool(getattr(c, "alpha_pattern", None)),
+        "trainable_token_indices": bool(getattr(c, "trainable_token_indices", None)),
+        "layers_to_transform": getattr(c, "layers_to_transform", None) is not None,
+    }
+    refused = [k for k, bad in unsupported.items() if bad]
+    if refused:
+        raise NotImplementedError(f"colo shares plain LoRA adapters of linear layers with vLLM's adapter slots; "
+                                  f"this adapter sets {', '.join(refused)}, which colo does not support")
+    layers = _peft_layers(peft_model, adapter_name)
+    return LoraSpec(int(c.r), float(c.lora_alpha), tuple({n.rpartition(".")[2] for n in layers}),
+                    float(c.lora_dropout or 0.0))
+
+
+def _peft_layers(peft_model, adapter_name: str) -> dict[str, torch.nn.Module]:
+    """PEFT's LoRA layers by their name in the Hugging Face model (`model.layers.0.self_attn.q_proj`)."""
+    base = peft_model.get_base_model()
+    layers = {}
+    for name, module in base.named_modules():
+        holders = (getattr(module, "lora_A", None), getattr(module, "lora_embedding_A", None))  # PEFT's LoraLayer
+        if not any(isinstance(h, (torch.nn.ModuleDict, torch.nn.ParameterDict)) and adapter_name in h for h in holders):
+            continue
+        if not isinstance(getattr(module, "base_layer", None), torch.nn.Linear):
+            raise NotImplementedError(f"{name}: colo shares adapters of linear layers only, not of a "
+                                      f"{type(getattr(module, 'base_layer', module)).__name__}")
+        layers[name] = module
+    if not layers:
+        raise ValueError(f"the PEFT model has no LoRA layer for adapter {adapter_name!r}")
+    return layers
+
+
+@contextlib.contextmanager
+def peft_base_layers(peft_model, adapter_name: str = "default"):
+    """Inside the block, the PEFT model's Hugging Face model has its plain linear layers back in place
+    of PEFT's LoRA wrappers (the same nn.Linear objects), so colo.share_weights sees the base model."""
+    base = peft_model.get_base_model()
+    layers = _peft_layers(peft_model, adapter_name)
+    swapped = []
+    for name, module in layers.items():
+        parent = base.get_submodule(name.rpartition(".")[0]) if "." in name else base
+        short = name.rpartition(".")[2]
+        setattr(parent, short, module.base_layer)
+        swapped.append((parent, short, module))
+    try:
+        yield base
+    finally:
+        for parent, short, module in swapped:
+            setattr(parent, short, module)
+
+
+def share_peft_adapter(peft_model, llm, workdir, adapter_name: str = "default") -> tuple[SharedAdapter, dict]:
+    """Make a PEFT model's LoRA parameters views of the engine's adapter slot, with their values.
+
+    The slot holds PEFT's B times the layer's scaling (vLLM's convention), so each layer's `scaling`
+    becomes 1 (its forward computes the same function from the slot) and B's gradient is multiplied by
+    the scaling as autograd makes it (PEFT's gradient, so clipping sees PEFT's norm). Returns the
+    SharedAdapter and {parameter: its fp32 values in PEFT's units}, the masters TRL's optimizer steps
+    (colo.optimizer_masters.FP32Masters with `adapter.scales()`)."""
+    from vllm.lora.request import LoRARequest
+
+    spec = peft_lora_spec(peft_model, adapter_name)
+    layers = _peft_layers(peft_model, adapter_name)
+    directory = Path(workdir) / "colo-adapter-slot"
+    zero = {}
+    for name, module in layers.items():
+        zero[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = torch.zeros(spec.rank, module.base_layer.in_features)
+        zero[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = torch.zeros(module.base_layer.out_features, spec.rank)
+    write_adapter(directory, spec, zero)
+    request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(directory))
+    slices = _activate(llm, spec, layers, request)
+    adapter = SharedAdapter(spec, llm, request, compat.adapter_slot(llm, ADAPTER_ID), {})
+    masters = {}
+    for name, module in layers.items():
+        a_view, b_view = slices[name]
+        lora_a, lora_b = module.lora_A[adapter_name].weight, module.lora_B[adapter_name].weight
+        scale = float(module.scaling[adapter_name])
+        with torch.no_grad():
+            masters[lora_a], masters[lora_b] = lora_a.detach().float().clone(), lora_b.detach().float().clone()
+            a_view.copy_(lora_a)
+            b_view.copy_(lora_b.float() * scale)
+        lora_a.data, lora_b.data = a_view, b_view
+        module.scaling[adapter_name] = 1.0
+        layer = _Layer(module, lora_a, lora_b, scale)
+        layer.hook = lora_b.register_hook(lambda grad, s=scale: grad * s)
+        adapter.layers[name] = layer
+    adapter._slot_ptrs = [(name, p.data_ptr()) for name, p in _named(adapter.layers)]
+    compat.serve_adapter_by_default(llm, request)
+    return adapter, masters

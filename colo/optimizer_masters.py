@@ -12,6 +12,10 @@ in place (their addresses stay: an engine sharing them serves the update). The g
 stay the parameters' own (16-bit, accumulated by autograd), so the owner's gradient clipping and
 zeroing keep working unchanged. `state_dict()` carries the masters and `load_state_dict()` restores
 them (from a state without them, e.g. one saved before, the masters are taken from the parameters).
+
+scales: {parameter: s} for parameters that hold s times their master (a LoRA B in vLLM's adapter
+slot holds alpha/rank x PEFT's B; colo.lora): the step writes s x master into them. Their gradients
+must already be in the master's units (colo.lora's PEFT adapter scales them as autograd makes them).
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ class FP32Masters:
     param groups to an fp32 tensor of the same shape (e.g. the parameter's fp32 values before it was
     cast), which becomes the optimizer's parameter."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, masters: dict[torch.Tensor, torch.Tensor]):
+    def __init__(self, optimizer: torch.optim.Optimizer, masters: dict[torch.Tensor, torch.Tensor],
+                 scales: dict[torch.Tensor, float] | None = None):
         if optimizer.state:
             raise ValueError("FP32Masters needs an optimizer that has not stepped yet (its state would be "
                              "keyed by the 16-bit parameters)")
@@ -43,6 +48,8 @@ class FP32Masters:
                 self.params.append(p)
                 self.masters.append(master)
                 group["params"][i] = master
+        scale_of = {id(p): float(v) for p, v in (scales or {}).items()}
+        self.scales = [scale_of.get(id(p), 1.0) for p in self.params]
         self.optimizer = optimizer
         self._handles = [optimizer.register_step_pre_hook(self._gradients_to_masters),
                          optimizer.register_step_post_hook(self._masters_to_params),
@@ -60,7 +67,7 @@ class FP32Masters:
 
     @torch.no_grad()
     def _masters_to_params(self, optimizer, args, kwargs) -> None:
-        torch._foreach_copy_([p.data for p in self.params], self.masters)  # rounded, in place
+        self._write_params()
         for master in self.masters:
             master.grad = None  # 4 bytes per parameter, needed again only at the next step
 
@@ -72,14 +79,20 @@ class FP32Masters:
     def _load_masters(self, optimizer, state_dict: dict) -> dict:
         saved = state_dict.pop(MASTERS_KEY, None)
         if saved is None:  # a state saved without masters: the parameters hold the best values there are
-            saved = [p.detach() for p in self.params]
+            saved = [p.detach().float() / s for p, s in zip(self.params, self.scales)]
         if len(saved) != len(self.masters) or any(s.shape != m.shape for s, m in zip(saved, self.masters)):
             raise ValueError(f"the optimizer state's fp32 masters do not match this model's parameters "
                              f"({len(saved)} tensors for {len(self.masters)} parameters)")
         for master, value in zip(self.masters, saved):
             master.copy_(value)
-        torch._foreach_copy_([p.data for p in self.params], self.masters)
+        self._write_params()
         return state_dict
+
+    def _write_params(self) -> None:
+        """Round the masters (times their scales) into the parameters, in place."""
+        scaled = any(s != 1.0 for s in self.scales)
+        masters = torch._foreach_mul(self.masters, self.scales) if scaled else self.masters
+        torch._foreach_copy_([p.data for p in self.params], masters)
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -26,6 +26,20 @@ What changes (everything else is TRL's: rewards, datasets, logging, callbacks, c
   CPU moves the model to "cpu:N", which torch copies) are shared again at the next sync, one copy,
   reported as `reshared_bytes` in `colo_sync_reports`.
 
+A PEFT LoRA model (`peft_config=LoraConfig(...)`, or a PeftModel): the base is shared as above,
+frozen, in the engine's dtype; the engine serves the adapter from its own LoRA slot (vLLM's
+`enable_lora`, one slot, the smallest slot rank >= r) and PEFT's lora_A / lora_B become views of that
+slot (colo.lora.share_peft_adapter: the slot holds PEFT's scaling x B, the layer's scaling becomes
+1 and B's gradient is scaled back, so clipping sees PEFT's gradients). Every request the engine gets
+is served base + adapter. TRL's optimizer steps fp32 masters of the adapter in PEFT's units, which
+checkpoints and `save_model` save in PEFT's format. A sync is the adapter's publish(): 0 bytes, no
+merge, no load_weights, no adapter reload. Supported: LoRA (rslora, dropout, any init) on the linear
+layers of the base, one adapter (and TRL's frozen "ref" copy for beta > 0 with a pretrained one).
+Refused with a NotImplementedError before the engine starts: DoRA, bias, lora_bias, modules_to_save,
+rank/alpha patterns, trainable tokens, layers_to_transform, targets other than nn.Linear (embeddings,
+Conv1D, quantized layers, target_parameters), several adapters, tensor parallelism. On a CPU, vLLM
+runs a LoRA engine eager (its CPU platform turns compilation off when LoRA is enabled).
+
 The copy path is used, and reported by `trainer.colo_shared`, where a parameter cannot alias: an
 fp32 engine for a 16-bit trainer (`colo_engine_dtype=`), or tensor-parallel shards. Supported:
 one process or DDP under accelerate/torchrun (each rank its own engine, TRL's external launcher
@@ -68,13 +82,14 @@ class ColoVLLMGeneration(_VLLMGeneration):
         self.colo_pool, self.colo_engine_dtype, self.colo_fp32_masters = pool, engine_dtype, fp32_masters
         self.colo_masters: dict = {}  # parameter -> its fp32 values, for TRL's optimizer (fp32_masters)
         self.colo_shared = None
+        self.colo_adapter = None  # colo.lora.SharedAdapter, for a PEFT model
+        self._colo_workdir = None  # where the engine's adapter slot was first loaded from (PEFT)
         self.colo_sync_reports: list[dict] = []
         super().__init__(*args, **kwargs)
 
     def _init_vllm(self):
         import colo
-        from colo.engine import build_llm, sleep_kv_cache
-        from colo.grpo.rollout_engine import default_block_size, kv_bytes_per_token, kv_cache_blocks
+        from colo.engine import sleep_kv_cache
         from trl.trainer.utils import ensure_master_addr_port
 
         if self.mode != "colocate":
@@ -88,6 +103,14 @@ class ColoVLLMGeneration(_VLLMGeneration):
                                       "shards; use a single process or DDP (each rank its own engine)")
         model = self.accelerator.unwrap_model(self.model)
         accelerator = self.accelerator
+        lora = None
+        if _is_peft(model):
+            from colo.lora import peft_lora_spec
+
+            lora = peft_lora_spec(model)  # before any engine starts: what colo cannot share is refused here
+            if self.tensor_parallel_size > 1:
+                raise NotImplementedError("colo.trl shares a PEFT adapter with a single-rank engine "
+                                          "(vllm_tensor_parallel_size=1)")
         if accelerator.num_processes % self.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must divide world size "
                              f"({accelerator.num_processes}) evenly.")
@@ -110,11 +133,33 @@ class ColoVLLMGeneration(_VLLMGeneration):
         device = accelerator.device if accelerator.device.type != "cpu" else torch.device("cpu")
         if next(model.parameters()).device != device:
             model.to(device)
-        if self.colo_fp32_masters:
-            # The fp32 values become the optimizer's masters (kept, not copied); the parameters become
-            # 16-bit, and then views of the engine's tensors.
-            self.colo_masters = {p: p.data for p in model.parameters()}
-            model.to(dtype)
+        with _base_model(model) as base:
+            if lora is not None:
+                base.to(dtype)  # the frozen base, in the engine's dtype; the adapter's masters are fp32 below
+            elif self.colo_fp32_masters:
+                # The fp32 values become the optimizer's masters (kept, not copied); the parameters become
+                # 16-bit, and then views of the engine's tensors.
+                self.colo_masters = {p: p.data for p in model.parameters()}
+                model.to(dtype)
+            self._build_llm(base, dtype, device, lora, extra)
+            self.colo_shared = colo.share_weights(base, self.llm)
+        if lora is not None:
+            import tempfile
+
+            from colo.lora import share_peft_adapter
+
+            self._colo_workdir = tempfile.TemporaryDirectory(prefix="colo-trl-")
+            self.colo_adapter, self.colo_masters = share_peft_adapter(model, self.llm, self._colo_workdir.name)
+        self._llm_weights_sleeping = False
+        sleep_kv_cache(self.llm)  # training comes first in TRL's loop only after a generation
+        accelerator.wait_for_everyone()
+
+    def _build_llm(self, model, dtype, device, lora, extra) -> None:
+        import colo
+        from colo.engine import build_llm
+        from colo.grpo.rollout_engine import default_block_size, kv_bytes_per_token, kv_cache_blocks
+
+        accelerator = self.accelerator
         pool = self.colo_pool if self.colo_pool is not None else colo.Pool(device)
         config = model.config
         max_model_len = self.max_model_length or getattr(config, "max_position_embeddings", 2048)
@@ -135,11 +180,7 @@ class ColoVLLMGeneration(_VLLMGeneration):
             seed=accelerator.process_index // self.tensor_parallel_size, max_num_batched_tokens=4096,
             logprobs_mode="processed_logprobs", trust_remote_code=self.trust_remote_code,
             load_format="dummy",  # the trainer's weights are written into the engine by share_weights
-            **extra)
-        self.colo_shared = colo.share_weights(model, self.llm)
-        self._llm_weights_sleeping = False
-        sleep_kv_cache(self.llm)  # training comes first in TRL's loop only after a generation
-        accelerator.wait_for_everyone()
+            **(lora.engine_options() if lora is not None else {}), **extra)
 
     def sync_weights(self):
         """TRL's weight sync: the engine already reads the trainer's weights; publish() orders the
@@ -152,10 +193,17 @@ class ColoVLLMGeneration(_VLLMGeneration):
         import colo
 
         reshared = 0
+        model = self.accelerator.unwrap_model(self.model)
         if self.colo_shared.moved_parameters():
-            self.colo_shared = colo.share_weights(self.accelerator.unwrap_model(self.model), self.llm)
+            with _base_model(model) as base:
+                self.colo_shared = colo.share_weights(base, self.llm)
             reshared = self.colo_shared.shared_once_bytes
-        self.colo_sync_reports.append({**self.colo_shared.publish(), "reshared_bytes": reshared})
+        if self.colo_adapter is None:
+            report = self.colo_shared.publish()
+        else:  # the base is frozen: only the adapter changed, and the engine reads it in its slot
+            reshared += self.colo_adapter.reshare() if self.colo_adapter.moved_parameters() else 0
+            report = self.colo_adapter.publish()
+        self.colo_sync_reports.append({**report, "reshared_bytes": reshared})
 
     def generate(self, *args, **kwargs):
         from colo.engine import kv_cache_region, wake_kv_cache
@@ -173,6 +221,22 @@ class ColoVLLMGeneration(_VLLMGeneration):
 
         if not kv_cache_region(self.llm).asleep:
             sleep_kv_cache(self.llm)
+
+
+def _is_peft(model) -> bool:
+    return isinstance(getattr(model, "peft_config", None), dict)
+
+
+def _base_model(model):
+    """A context giving the Hugging Face model whose weights the engine serves: a PEFT model's base
+    (its LoRA wrappers swapped for their linear layers inside the block), or the model itself."""
+    import contextlib
+
+    if _is_peft(model):
+        from colo.lora import peft_base_layers
+
+        return peft_base_layers(model)
+    return contextlib.nullcontext(model)
 
 
 def _say_fp32_in_config(directory) -> None:
@@ -198,13 +262,16 @@ def choose_engine_dtype(model, args, asked=None, device="cpu") -> tuple[torch.dt
     from .dtype_choice import fastest_dtype
 
     trained = next(model.parameters()).dtype
+    # With PEFT the base is frozen in the engine's dtype and only the adapter has masters.
+    with_masters = ("; the base frozen, PEFT's adapter in vLLM's LoRA slot with fp32 masters in TRL's optimizer"
+                    if _is_peft(model) else "; fp32 masters in TRL's optimizer")
     if asked is not None:
         asked = _ENGINE_DTYPES.get(asked, asked) if isinstance(asked, str) else asked
         if asked not in _ENGINE_DTYPES.values():
             raise ValueError(f"colo_engine_dtype must be one of {sorted(_ENGINE_DTYPES)} or the torch dtype, "
                              f"got {asked!r}")
         masters = asked in (torch.bfloat16, torch.float16) and trained == torch.float32
-        return asked, masters, "colo_engine_dtype" + ("; fp32 masters in TRL's optimizer" if masters else "")
+        return asked, masters, "colo_engine_dtype" + (with_masters if masters else "")
     if trained != torch.float32:
         return trained, False, f"the trainer's {str(trained).removeprefix('torch.')}"
     explicit = (args.model_init_kwargs or {}).get("dtype")
@@ -216,7 +283,7 @@ def choose_engine_dtype(model, args, asked=None, device="cpu") -> tuple[torch.dt
         return trained, False, "cast_lm_head_to_fp32: the trainer's float32"
     choice = fastest_dtype(device)
     if choice.dtype == torch.bfloat16:
-        return torch.bfloat16, True, f"auto: {choice.reason}; fp32 masters in TRL's optimizer"
+        return torch.bfloat16, True, f"auto: {choice.reason}{with_masters}"
     return trained, False, f"auto: {choice.reason}"
 
 
@@ -264,11 +331,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         """TRL's optimizer, as TRL builds it; with a bf16 engine for an fp32 model, stepping the
         model's fp32 values (masters) and rounding them into the shared bf16 weights."""
         optimizer = super().create_optimizer(model)
-        masters = self.vllm_generation.colo_masters
+        masters, adapter = self.vllm_generation.colo_masters, self.vllm_generation.colo_adapter
         if masters and self.colo_fp32_masters is None:
             from .optimizer_masters import FP32Masters
 
-            self.colo_fp32_masters = FP32Masters(optimizer, masters)
+            scales = adapter.scales() if adapter is not None else None  # the slot holds alpha/r x PEFT's B
+            self.colo_fp32_masters = FP32Masters(optimizer, masters, scales=scales)
         return optimizer
 
     def _save(self, output_dir=None, state_dict=None):
@@ -281,7 +349,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 if param in masters:
                     state_dict[name] = masters[param].detach()
         super()._save(output_dir, state_dict=state_dict)
-        if masters and self.args.should_save:
+        if masters and self.args.should_save and self.vllm_generation.colo_adapter is None:
             _say_fp32_in_config(output_dir or self.args.output_dir)
 
     def compute_loss(self, *args, **kwargs):

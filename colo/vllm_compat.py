@@ -719,3 +719,18 @@ def adapter_slices(llm, slot: int, rank: int) -> list[AdapterSlice]:
         for part, a, b in zip(parts, module.lora_a_stacked, module.lora_b_stacked):
             slices.append(AdapterSlice(f"{prefix}.{part}" if prefix else part, a[slot, 0, :rank, :], b[slot, 0, :, :rank]))
     return slices
+
+
+def serve_adapter_by_default(llm, lora_request) -> None:
+    """Requests to `llm` that name no adapter get `lora_request` (the trained model is base + adapter:
+    TRL, a user's `llm.generate` or an eval callback then all see it). Wraps the instance's
+    `_add_request` (vLLM's one entry for new requests, which request_guard may already wrap), holding
+    the engine weakly as request_guard does."""
+    llm_ref, default = weakref.ref(llm), lora_request
+    inner = llm.__dict__.get("_add_request")  # request_guard's wrapper, which holds the engine weakly
+
+    def add_request(prompt, params, lora_request=None, priority=0):
+        call = inner or type(llm_ref())._add_request.__get__(llm_ref())
+        return call(prompt, params, lora_request=lora_request or default, priority=priority)
+
+    llm._add_request = add_request

@@ -81,8 +81,8 @@ def test_the_engine_serves_the_adapter_the_trainer_trains_with_one_copy(dtype, t
             assert torch.equal(p, base[name]), name
     torch.testing.assert_close(prompt_logprobs(llm), served_base, atol=0, rtol=0)  # no adapter: the base
 
-    # PEFT's format: B / (alpha / rank). Merged into the base the PEFT way (W + alpha/rank B A), it
-    # gives the served log-probabilities; a stock engine loading it from disk serves them too.
+    # PEFT's format: B / (alpha / rank). Merged into the base the PEFT way (W + alpha/rank B A), and
+    # loaded by PEFT, it gives the served log-probabilities; a stock engine loading it from disk too.
     adapter.save_pretrained(tmp_path / "peft")
     read_spec, tensors = read_adapter(tmp_path / "peft")
     assert read_spec == spec
@@ -94,6 +94,10 @@ def test_the_engine_serves_the_adapter_the_trainer_trains_with_one_copy(dtype, t
                 b = tensors[f"base_model.model.{name}.lora_B.weight"].float()
                 module.weight += spec.scaling * b @ a
     torch.testing.assert_close(trainer_logprobs(merged), served, atol=TOLERANCE[dtype], rtol=0)
+    from peft import PeftModel  # PEFT itself loads it onto the base
+
+    loaded = PeftModel.from_pretrained(load_hf_model(path, torch.float32), tmp_path / "peft")
+    torch.testing.assert_close(trainer_logprobs(loaded), served, atol=TOLERANCE[dtype], rtol=0)
     stock = LLM(model=str(path), dtype=dtype, seed=0, max_model_len=256, skip_tokenizer_init=True,
                 kv_cache_memory_bytes=16 << 20, enforce_eager=True, **spec.engine_options())
     try:
