@@ -38,7 +38,8 @@ layers of the base, one adapter (and TRL's frozen "ref" copy for beta > 0 with a
 Refused with a NotImplementedError before the engine starts: DoRA, bias, lora_bias, modules_to_save,
 rank/alpha patterns, trainable tokens, layers_to_transform, targets other than nn.Linear (embeddings,
 Conv1D, quantized layers, target_parameters), several adapters, tensor parallelism. On a CPU, vLLM
-runs a LoRA engine eager (its CPU platform turns compilation off when LoRA is enabled).
+runs a LoRA engine eager (its CPU platform turns compilation off when LoRA is enabled); colo gives its
+punica wrapper a one-adapter fast path (colo.vllm_compat), without which LoRA doubled a generate.
 
 The copy path is used, and reported by `trainer.colo_shared`, where a parameter cannot alias: an
 fp32 engine for a 16-bit trainer (`colo_engine_dtype=`), or tensor-parallel shards. Supported:

@@ -39,7 +39,7 @@ def test_help_works_without_the_compiled_extension():
 
 @pytest.mark.parametrize("args, message", [
     (["--bogus"], "unrecognized arguments"),
-    (["--sections", "pool_alloc,nope"], "valid sections: pool_alloc, sleep_wake, publish, grpo_step, memory, trl"),
+    (["--sections", "pool_alloc,nope"], "valid sections: pool_alloc, sleep_wake, publish, grpo_step, memory, trl, lora"),
     (["--sections", ","], "no section named"),
     (["--device", "tpu"], "invalid choice"),
     (["--plot", "out.jpg"], "ending in .png"),
@@ -92,9 +92,9 @@ def test_cuda_rows_say_why_they_did_not_run():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the CUDA rows run instead")
-    from colo.bench import grpo_step, memory, pool_alloc, publish, sleep_wake, trl
+    from colo.bench import grpo_step, lora, memory, pool_alloc, publish, sleep_wake, trl
 
-    for section in (pool_alloc, sleep_wake, publish, grpo_step, memory, trl):
+    for section in (pool_alloc, sleep_wake, publish, grpo_step, memory, trl, lora):
         rows = section.run(quick=True, progress=lambda it, desc="": it, devices=("cuda",))
         assert len(rows) == 1 and rows[0]["device"] == "cuda"
         assert rows[0]["note"].startswith("CUDA case not run")
@@ -254,3 +254,29 @@ def test_trl_rows_compare_colo_trl_and_colo_grpo_with_stock_trl():
     for row in rows:
         assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"]) and row["steps_measured"] == 3 * 2
     assert isinstance(with_trl["goal_met"], bool) and isinstance(scheduler["goal_met"], bool)
+
+
+@pytest.mark.slow
+def test_lora_rows_compare_colo_with_stock_trl_and_peft():
+    pytest.importorskip("peft", reason="the lora section needs the trl extra (TRL and PEFT)")
+    from colo.bench import lora
+    from colo.bench.baselines import UPDATABLE_VARIANT
+
+    rows = lora.measure_size("qwen2-trl-0.4M", quick=True, progress=lambda it, desc="": it, device="cpu")
+    by_case = {row["case"].split(": ", 1)[1]: row for row in rows}
+    assert set(by_case) == {"colo.trl + PEFT", "colo.grpo scheduler"}
+    with_trl, scheduler = by_case["colo.trl + PEFT"], by_case["colo.grpo scheduler"]
+    for row in rows:
+        # Stock TRL + PEFT merges the adapter and pushes every base weight each sync; colo moves nothing.
+        assert row["colo_sync_bytes"] == 0 < row["baseline_sync_bytes"]
+        assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"])
+        assert isinstance(row["goal_met"], bool)
+        assert (UPDATABLE_VARIANT in row["baseline"]) == any(k != "plain" for k in row["cpu_kernels"])
+    # One base (trainer and engine share storages) against two: colo's weight bytes are a bit over half.
+    assert with_trl["colo_weight_bytes"] < 0.6 * with_trl["baseline_weight_bytes"]
+    assert with_trl["colo_kv_cache_bytes_during_train"] == 0 < with_trl["baseline_kv_cache_bytes_during_train"]
+    assert with_trl["steps_measured"] == 3
+    # While training the KV cache is asleep and only the adapter has gradients (at this size both regions
+    # hold one chunk; bench/results/cpu-lora-full.json shows 18 MiB of gradients against 0.7 GB of weights).
+    assert scheduler["colo_kv_cache_resident_bytes_during_train"] == 0
+    assert 0 < scheduler["colo_grads_resident_bytes_during_train"] <= scheduler["colo_weights_resident_bytes_during_train"]

@@ -58,6 +58,9 @@ def test_the_engine_serves_the_adapter_the_trainer_trains_with_one_copy(dtype, t
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
     served_base = prompt_logprobs(llm)
     adapter = share_adapter(model, llm, spec, tmp_path)
+    from colo import vllm_compat as compat  # the CPU engine serves the one adapter on the fast path
+
+    assert {type(w) for w in compat.punica_wrappers(llm)} == {compat._one_adapter_punica_cpu()}
 
     weights = colo.engine.weights_region(llm)
     assert adapter.parameters() and all(weights.contains(p) for p in adapter.parameters())
@@ -129,6 +132,43 @@ def test_the_master_optimizer_steps_scaled_parameters_as_their_unscaled_selves()
         opt.zero_grad()
     torch.testing.assert_close(a, a_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(w, s * w_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("prefill", [True, False], ids=["prefill", "decode"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_one_adapter_fast_path_computes_what_vllms_cpu_lora_ops_compute(prefill, dtype):
+    from vllm.lora.layers.utils import LoRAMapping
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    from colo.vllm_compat import _one_adapter_punica_cpu
+
+    generator = torch.Generator().manual_seed(0)
+    slot_ids, rank, hidden, slices = [10, 20], 8, 32, (24, 8, 8)  # a fused q/k/v layer, two slots
+    lora_a = tuple(torch.randn(2, 1, rank, hidden, generator=generator).to(dtype) for _ in slices)
+    lora_b = tuple(torch.randn(2, 1, size, rank, generator=generator).to(dtype) for size in slices)
+    x = torch.randn(5, hidden, generator=generator).to(dtype)
+    y_before = torch.randn(5, sum(slices), generator=generator).to(dtype)
+
+    def lora_linear(wrapper_class, token_ids):
+        wrapper = wrapper_class(16, 4, "cpu")
+        wrapper.update_metadata(LoRAMapping(token_ids, token_ids, is_prefill=prefill), slot_ids, 2, 100)
+        y = y_before.clone()
+        wrapper.add_lora_linear(y, x, lora_a, lora_b, 0.5, slices)
+        return y, wrapper
+
+    # Both compute fp32 x @ A.T and round the same products to y's dtype; only the order of the sums
+    # differs: up to (32 + 8 terms) x 2^-24 relative in fp32, one bf16 rounding (2^-8) of the update.
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+    for adapter in slot_ids:  # every token on one slot: the fast path
+        fast, wrapper = lora_linear(_one_adapter_punica_cpu(), (adapter,) * 5)
+        assert wrapper.single_slot == slot_ids.index(adapter)
+        vllm_way, _ = lora_linear(PunicaWrapperCPU, (adapter,) * 5)
+        assert not torch.allclose(fast, y_before)
+        torch.testing.assert_close(fast, vllm_way, **tolerance)
+    for mixed in [(10, 10, 20, 20, 20), (0, 0, 10, 10, 10)]:  # slots mixed, or tokens without an adapter
+        fallback, wrapper = lora_linear(_one_adapter_punica_cpu(), mixed)
+        assert wrapper.single_slot is None
+        assert torch.equal(fallback, lora_linear(PunicaWrapperCPU, mixed)[0])
 
 
 def test_scales_must_name_every_parameter():

@@ -94,8 +94,9 @@ def trl_args(out: Path, steps: int):
                           use_cpu=True, seed=0, disable_tqdm=True, **BATCH)  # TRL's dtypes: fp32 model, bf16=True
 
 
-def run_trl(side: str, model_dir: Path, out: Path, steps: int) -> dict:
-    """One TRL run of `steps` steps; step times (after warm-up), sync times and bytes, memory."""
+def run_trl(side: str, model_dir: Path, out: Path, steps: int, lora: dict | None = None) -> dict:
+    """One TRL run of `steps` steps; step times (after warm-up), sync times and bytes, memory.
+    lora: peft.LoraConfig's arguments, for a TRL script with `peft_config=LoraConfig(**lora)`."""
     import trl
 
     from colo.engine import kv_cache_region, release_llm
@@ -105,8 +106,9 @@ def run_trl(side: str, model_dir: Path, out: Path, steps: int) -> dict:
 
     trainer_class = GRPOTrainer if side.startswith("colo") else trl.GRPOTrainer
     with forced_cpu_gemm("plain") if side.endswith("variant") else contextlib.nullcontext():
+        peft = {} if lora is None else {"peft_config": __import__("peft").LoraConfig(**lora)}
         trainer = trainer_class(model=str(model_dir), reward_funcs=even_digits, train_dataset=prompts(),
-                                args=trl_args(out, steps))
+                                args=trl_args(out, steps), **peft)
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # it prints each log dict to stdout, which carries the bench's table
@@ -125,7 +127,8 @@ def run_trl(side: str, model_dir: Path, out: Path, steps: int) -> dict:
         trainer.train()
         kv_train = kv_cache_region(generation.llm).stats()["resident_bytes"] if side.startswith("colo") else \
             _stock_kv_bytes(generation.llm)
-        param_bytes = tensor_bytes(trainer.model.parameters())
+        # TRL's sync pushes every (with PEFT: merged base) parameter.
+        param_bytes = tensor_bytes(p for n, p in trainer.model.named_parameters() if "lora_" not in n)
         result = {
             "step_s": [h["step_time"] for h in trainer.state.log_history if "step_time" in h][WARMUP:],
             "sync_s": syncs[WARMUP:], "kv_cache_bytes_during_train": kv_train, "rss_bytes": rss_bytes(),
@@ -137,6 +140,7 @@ def run_trl(side: str, model_dir: Path, out: Path, steps: int) -> dict:
             "trainer_dtype": str(next(trainer.model.parameters()).dtype).removeprefix("torch."),
             "engine_dtype_why": getattr(trainer, "colo_engine_dtype_reason", "vLLM's default for the checkpoint"),
             "phases": clock.steps[WARMUP:],
+            "weight_bytes": weight_bytes(trainer.model, generation.llm),
         }
     finally:
         release_llm(generation.llm)
@@ -246,16 +250,29 @@ def _stdout_to_stderr() -> None:
     os.dup2(2, 1)
 
 
-def stock_refusal(model_dir: Path, out: Path) -> str:
+def stock_refusal(model_dir: Path, out: Path, lora: dict | None = None) -> str:
     """Run stock TRL for one step; '' when it trains, else what it raised."""
     try:
-        in_fresh_process(run_trl, "stock", model_dir, out, 1)
+        in_fresh_process(run_trl, "stock", model_dir, out, 1, lora)
     except Exception as e:  # noqa: BLE001 - the error is the finding
         return f"{type(e).__name__}: {e}"
     return ""
 
 
-def run_colo_grpo(model_dir: Path, steps: int) -> dict:
+def weight_bytes(model, llm) -> int:
+    """Bytes of the trainer's and the engine's parameters together, each storage once (one copy when
+    they are shared). vLLM's packed CPU kernel copies are not parameters and are not counted."""
+    from colo.vllm_compat import engine_model
+
+    storages = {}
+    for p in [*model.parameters(), *engine_model(llm).parameters()]:
+        if p.numel():
+            storage = p.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def run_colo_grpo(model_dir: Path, steps: int, lora: dict | None = None) -> dict:
     import json
 
     from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask
@@ -263,7 +280,9 @@ def run_colo_grpo(model_dir: Path, steps: int) -> dict:
     task = ToyTask(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     config = GRPOConfig(prompts_per_step=BATCH["per_device_train_batch_size"] // BATCH["num_generations"],
                         num_generations=BATCH["num_generations"], max_new_tokens=BATCH["max_completion_length"],
-                        learning_rate=1e-3, save_every=0, ignore_eos=True)  # dtype auto, as TRL's side
+                        learning_rate=1e-3, save_every=0, ignore_eos=True,  # dtype auto, as TRL's side
+                        **({} if lora is None else {"lora_rank": lora["r"], "lora_alpha": lora["lora_alpha"],
+                                                    "lora_targets": tuple(lora["target_modules"])}))
     run = GRPOScheduler(model_dir, task.rewards, task.prompts, config)
     try:
         records = [run.train_step() for _ in range(WARMUP + steps)][WARMUP:]
@@ -272,7 +291,7 @@ def run_colo_grpo(model_dir: Path, steps: int) -> dict:
         del run
         gc.collect()
     return {"step_s": [r["step_s"] for r in records], "sync_s": [r["publish_s"] for r in records],
-            "dtype": config.resolve_dtype("cpu").dtype}
+            "dtype": config.resolve_dtype("cpu").dtype, "records": records}
 
 
 def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[dict]:
