@@ -210,8 +210,9 @@ class SharedAdapter:
         in vLLM with a LoRARequest)."""
         return write_adapter(directory, self.spec, self.peft_state_dict(), base_model)
 
-    def load_peft_state_dict(self, state: dict) -> None:
-        """Write a PEFT-format adapter of this spec into the slot (and so into the trainer's parameters)."""
+    def load_peft_state_dict(self, state: dict, masters: dict | None = None) -> None:
+        """Write a PEFT-format adapter of this spec into the slot (and so into the trainer's parameters);
+        `masters` ({parameter: fp32 tensor}, share_peft_adapter's) get its values in PEFT's units."""
         expected = {f"{_PEFT_PREFIX}{n}.lora_{x}.weight" for n in self.layers for x in "AB"}
         if set(state) != expected:
             missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
@@ -224,6 +225,9 @@ class SharedAdapter:
                                      f"{tuple(layer.lora_a.shape)}/{tuple(layer.lora_b.shape)}")
                 layer.lora_a.copy_(a)
                 layer.lora_b.copy_(b.float() * layer.scale)
+                if masters is not None:
+                    masters[layer.lora_a].copy_(a)
+                    masters[layer.lora_b].copy_(b)
 
     def rebind(self, llm) -> None:
         """Point the same parameters (an optimizer holds them) at a new engine's slot, with their values."""

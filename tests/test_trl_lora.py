@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 import colo
 from colo.vllm_compat import engine_model, engine_worker
@@ -108,6 +109,36 @@ def test_a_trl_script_with_a_peft_lora_config_trains_the_engines_adapter_slot(dt
     reloaded = PeftModel.from_pretrained(fresh, tmp_path / "final")
     torch.testing.assert_close(peft_logprobs(reloaded), served, atol=tolerance, rtol=0)
     assert (tmp_path / "out" / "checkpoint-3" / "adapter_model.safetensors").is_file()
+
+    # Resuming: transformers loads the checkpoint's adapter (PEFT's B, written in place into the slot),
+    # then the optimizer state, whose fp32 masters put alpha/r x B back: before the first step the
+    # engine's slot holds the rounding of the saved masters, and training goes on from them.
+    saved_masters = [m.detach().clone() for m in masters.masters]
+    del trainer, generation, llm, adapter, model, masters
+    resumed = GRPOTrainer(model=str(trl_model_dir), reward_funcs=even_digits,
+                          train_dataset=prompts().select(range(64)), colo_engine_dtype=dtype,
+                          args=trl_config(tmp_path, "auto", learning_rate=2e-2, beta=0.04, max_steps=4),
+                          peft_config=LoraConfig(r=4, lora_alpha=16, target_modules=TARGETS, task_type="CAUSAL_LM"))
+    at_start = []
+
+    class Inspect(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            again = resumed.colo_fp32_masters
+            at_start.append(all(torch.equal(m, saved) for m, saved in zip(again.masters, saved_masters)) and all(
+                torch.equal(p.detach(), (m * s).to(engine_dtype)) for p, m, s in zip(again.params, again.masters, again.scales)))
+
+    resumed.add_callback(Inspect())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
+    assert at_start == [True], "the resumed slot is not the checkpoint's adapter"
+    assert resumed.state.global_step == 4
+    history = [h for h in resumed.state.log_history if "reward" in h]
+    assert [h["step"] for h in history] == [1, 2, 3, 4]  # the checkpoint's log, then the resumed step
+    assert history[-1]["sampling/sampling_logp_difference/max"] < tolerance
+    from colo.lora import LoraSpec, write_adapter
+
+    write_adapter(tmp_path / "rank8", LoraSpec(8, 16.0, tuple(TARGETS)), {})
+    with pytest.raises(ValueError, match="rank 8, alpha 16.0; this trainer's is rank 4"):
+        resumed._load_from_checkpoint(str(tmp_path / "rank8"))
 
 
 def test_peft_options_colo_cannot_share_are_refused_before_an_engine_starts(tmp_path, trl_model_dir):
