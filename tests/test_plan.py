@@ -75,3 +75,54 @@ def test_bad_input_exits_with_a_message(args, message):
 
 def test_sizes_parse():
     assert parse_bytes("80GiB") == 80 * GiB and parse_bytes("80GB") == 80 * 10**9 and parse_bytes("512") == 512
+
+
+def test_tensor_parallel_layouts_hold_one_ranks_shard():
+    """colo-TP: each rank's weights are its engine shard P_T = (P - R) / tp + R (R: the replicated norm
+    weights), its gradients the shard's, its optimizer state the shard over the data-parallel ranks;
+    verl: FSDP's fp32 shards of the whole model beside a tensor-parallel engine copy, which sleeps to
+    the host while training."""
+    shape = SHAPES["Qwen2.5-32B"]
+    colo, verl = plan(32.8e9, 16, 80 * GiB, tensor_parallel=8)
+    replicated = (2 * shape["layers"] + 1) * shape["hidden"]
+    shard = (int(32.8e9) - replicated) // 8 + replicated
+    assert colo.params_per_rank == verl.params_per_rank == shard and colo.tensor_parallel == 8
+    act = next(t.bytes for t in colo.terms if t.what.startswith("activations"))
+    assert act == int((10 + 24 / 8) * 4096 * shape["layers"] * shape["hidden"]) + 10 * 4096 * shape["vocab"] // 8
+    assert colo.phase_bytes("generate") == 2 * shard
+    assert colo.phase_bytes("train") == 2 * shard + 4 * shard + 12 * shard // 2 + act  # ZeRO-1 over 16 / 8 = 2
+    assert colo.host_bytes == 12 * shard // 2
+    full_act = next(t.bytes for t in verl.terms if t.what.startswith("activations"))
+    assert full_act > act  # FSDP keeps every layer's whole activations
+    assert verl.phase_bytes("generate") == 16 * int(32.8e9) // 16 + 2 * shard
+    assert verl.phase_bytes("train") == 16 * int(32.8e9) // 16 + full_act and verl.host_bytes == 2 * shard
+    # vLLM gives each rank 8 / 8 = 1 KV head: the KV cache per sequence is 1/8 of the whole model's.
+    assert colo.kv_bytes_per_sequence == 2 * shape["layers"] * 1 * shape["head_dim"] * 2 * 4096
+    assert colo.sequences == colo.kv_cache_bytes // colo.kv_bytes_per_sequence > 0
+
+
+def test_fewer_kv_heads_than_ranks_replicate_one_head_per_rank():
+    shape = SHAPES["Qwen2.5-1.5B"]  # 12 heads, 2 KV heads: at tensor parallel 4, each rank holds one KV head
+    colo, _ = plan(1.5e9, 4, 80 * GiB, tensor_parallel=4, seq_len=1024)
+    assert colo.kv_bytes_per_sequence == 2 * shape["layers"] * 1 * shape["head_dim"] * 2 * 1024
+
+
+@pytest.mark.parametrize("params,gpus,tp,message", [
+    (32.8e9, 8, 3, "8 GPUs do not split into tensor-parallel groups of 3"),
+    (7e9, 8, 8, "28 attention heads do not split over tensor parallel 8"),
+    (0.5e9, 14, 7, "2 KV heads neither split over nor divide tensor parallel 7"),
+    (7e9, 8, 0, "must be positive"),
+])
+def test_tensor_parallel_sizes_vllm_refuses_are_refused(params, gpus, tp, message):
+    with pytest.raises(ValueError, match=message):
+        plan(params, gpus, 80 * GiB, tensor_parallel=tp)
+
+
+def test_command_line_plans_tensor_parallel():
+    run = [sys.executable, "-m", "colo.plan", "--params", "70e9", "--gpus", "8", "--tensor-parallel", "8"]
+    text = subprocess.run(run, capture_output=True, text=True, check=True).stdout
+    assert "P_T = (P - R) / 8 + R" in text and "Llama-3-70B-like" in text and "12 x P_T / 1" in text
+    data = json.loads(subprocess.run(run + ["--json"], capture_output=True, text=True, check=True).stdout)
+    assert data["tensor_parallel"] == 8 and [layout["layout"].split(" ")[0] for layout in data["layouts"]] == ["colo-TP", "verl"]
+    refused = subprocess.run(run[:-1] + ["3"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "do not split into tensor-parallel groups of 3" in refused.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
 
 from colo.vllm_compat import (engine_model, forced_cpu_gemm, forced_kernel_outcome, kv_cache_block_count,
@@ -194,6 +195,25 @@ def test_an_fp32_model_trains_with_a_bf16_engine_and_fp32_masters_in_trls_optimi
     assert all(torch.equal(final[n], trained[n]) for n in final)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final")  # in the dtype config.json names
     assert all(p.dtype == torch.float32 and torch.equal(p, trained[n]) for n, p in reloaded.named_parameters())
+
+    # Resuming from that checkpoint: the model's fp32 values are read into the shared bf16 weights
+    # (rounded), then the optimizer state's masters replace the masters; training goes on from them.
+    del trainer, model, masters
+    resumed = GRPOTrainer(model=str(trl_model_dir), reward_funcs=even_digits, train_dataset=dataset(),
+                          args=trl_config(tmp_path, "auto", max_steps=3), colo_engine_dtype="bfloat16")
+    at_start = []
+
+    class Inspect(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            again, m = resumed.vllm_generation.colo_masters, resumed.accelerator.unwrap_model(resumed.model)
+            at_start.append(all(torch.equal(again[p], trained[n]) and torch.equal(p.detach(), trained[n].bfloat16())
+                                for n, p in m.named_parameters()))
+
+    resumed.add_callback(Inspect())
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert at_start == [True], "the resumed model is not the checkpoint's fp32 values"
+    assert resumed.state.global_step == 3
+    assert [h["step"] for h in resumed.state.log_history if "reward" in h] == [1, 2, 3]
 
 
 def test_the_engine_dtype_follows_the_device_and_the_users_explicit_choices(monkeypatch, trl_model_dir, tmp_path):
