@@ -327,6 +327,17 @@ def engine_dtype(llm) -> torch.dtype:
     return llm.llm_engine.model_config.dtype
 
 
+def tensor_parallel_group(llm) -> tuple[object, int, int]:
+    """(the torch.distributed group of the engine's tensor-parallel ranks, this rank in it, its size).
+    vLLM keeps it process-wide (`parallel_state.get_tp_group()`); its `device_group` is the one for
+    tensors on the engine's device (gloo on CPU)."""
+    from vllm.distributed import parallel_state
+
+    engine_worker(llm)  # an in-process engine: its groups are this process's
+    coordinator = parallel_state.get_tp_group()
+    return coordinator.device_group, coordinator.rank_in_group, coordinator.world_size
+
+
 def engine_hf_config(llm):
     """The transformers config the engine was built from."""
     return llm.llm_engine.model_config.hf_config

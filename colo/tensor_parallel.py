@@ -1,0 +1,291 @@
+"""Tensor parallelism with one copy: each rank's trainer holds only its shards of the weights, and
+they are views of its own vLLM engine's tensor-parallel shards.
+
+    # under torchrun, on every rank (vLLM's external_launcher: one engine shard per process)
+    llm = colo.engine.build_llm(path, pool, tensor_parallel_size=2)
+    tp = colo.tensor_parallel.shared_tp_model(llm)          # this rank's shards: views of the engine's
+    logp = tp.token_logprobs(input_ids)                     # vocabulary-parallel: no full logits
+    opt = colo.MasterWeightOptimizer(tp.parameters(), lr=1e-5)
+    (-logp.mean()).backward(); tp.clip_grad_norm_(opt, 1.0); opt.step(); opt.zero_grad()
+    tp.publish()                                            # 0 bytes: the engine reads what opt wrote
+
+vLLM's layout on tensor-parallel rank r of T (model_executor/layers/linear.py and
+vocab_parallel_embedding.py): `QKVParallelLinear` holds [q rows of its heads | k rows | v rows],
+`MergedColumnParallelLinear` [gate rows r I/T .. | up rows ..], `RowParallelLinear` the input columns
+[r in/T, (r+1) in/T), `VocabParallelEmbedding` / `ParallelLMHead` a range of the vocabulary (padded
+to a multiple of 64, padding at the tail), norms whole. A Hugging Face model built from the config
+with heads / T, KV heads / T and intermediate / T has exactly these shapes, so each of its parameters
+is a view of a row range of one engine tensor (`colo.vllm_compat.engine_layout` says which). Megatron's
+collectives make it compute the whole model: the attention's and the MLP's inputs pass through
+`copy_to_group` (identity forward, all-reduce of the gradient backward), the o_proj and down_proj
+outputs through `reduce_from_group` (all-reduce forward, identity backward): 2 all-reduces per layer
+forward and 2 backward. The embedding is vocabulary-parallel (one all-reduce), and log-probabilities
+are computed over the vocabulary shards (the max, the sum of exponentials and the target's logit
+all-reduced; the full logits are never gathered).
+
+Sharded parameters get complete gradients on their rank. Replicated ones (the norms) get the same
+gradient on every rank, since their inputs and their outputs' gradients are whole there; nothing else
+is reduced, and the gradient norm counts them once. Refused with NotImplementedError before anything
+changes: fewer KV heads than ranks (a KV head replicated on several ranks needs its gradients summed
+over them), biases of row-parallel layers (vLLM adds them on rank 0 only), LoRA, architectures other
+than colo.weights.SUPPORTED_ARCHITECTURES.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import vllm_compat as compat
+from .engine import reset_prefix_cache
+from .weights import _materialize_buffers, check_architecture
+
+
+ROW_PARALLEL_BIASES = ("o_proj.bias", "down_proj.bias")
+
+
+@dataclass
+class Collectives:
+    """All-reduces issued by a tensor-parallel model, forward and backward (for the step's count)."""
+    forward: int = 0
+    backward: int = 0
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward; the gradient is summed over the group (the input feeds every rank's shard)."""
+
+    @staticmethod
+    def forward(ctx, x, group, counts):
+        ctx.group, ctx.counts = group, counts
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        ctx.counts.backward += 1
+        return grad, None, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """Sum over the group forward (each rank holds a partial sum); identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, counts):
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        counts.forward += 1
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """This rank's rows [start, start + rows) of the vocabulary; other tokens read zeros, and the
+    ranks' results are summed."""
+
+    def __init__(self, weight: torch.nn.Parameter, start: int, group, counts: Collectives):
+        super().__init__()
+        self.weight, self.start, self.group, self.counts = weight, start, group, counts
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        out = out * inside.unsqueeze(-1).to(out.dtype)
+        return _ReduceFromGroup.apply(out, self.group, self.counts)
+
+
+def vocab_parallel_logprobs(local_logits: torch.Tensor, targets: torch.Tensor, start: int, group,
+                            counts: Collectives) -> torch.Tensor:
+    """log softmax(logits)[target] in fp32 from this rank's vocabulary columns [start, start + n)."""
+    local = local_logits.float()
+    with torch.no_grad():
+        peak = local.max(-1).values
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        counts.forward += 1
+    shifted = local - peak.unsqueeze(-1)
+    sum_exp = _ReduceFromGroup.apply(shifted.exp().sum(-1), group, counts)
+    index = targets - start
+    inside = (index >= 0) & (index < local.shape[-1])
+    picked = shifted.gather(-1, index.clamp(0, local.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * inside
+    return _ReduceFromGroup.apply(picked, group, counts) - sum_exp.log()
+
+
+@dataclass
+class TensorParallelModel:
+    """This rank's trainer model (see the module docstring); `hf_model` returns this rank's
+    vocabulary columns of the logits, `token_logprobs` the log-probabilities of whole-vocabulary
+    softmaxes."""
+    hf_model: torch.nn.Module
+    llm: object
+    group: object                          # the engine's tensor-parallel group (torch.distributed)
+    rank: int
+    size: int
+    vocab_start: int                       # the first vocabulary row this rank holds
+    replicated: list                       # parameters every rank holds whole (norms)
+    collectives: Collectives = field(default_factory=Collectives)
+    publish_count: int = 0
+    _watched: list = field(default_factory=list, repr=False)   # [(name, parameter, data_ptr)]
+    _repack: list = field(default_factory=list, repr=False)    # CPU linears whose packed copy goes stale
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.hf_model.parameters())
+
+    def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """log p(input_ids[:, t + 1] | input_ids[:, :t + 1]), fp32, [batch, length - 1]."""
+        logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask).logits
+        return vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], self.vocab_start, self.group,
+                                       self.collectives)
+
+    def grad_norm(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> float:
+        """The L2 norm of the whole model's gradient: shards summed over the ranks, replicated
+        parameters once."""
+        replicated = {id(p) for p in self.replicated}
+        sharded = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+        whole = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+        for p, g in zip(params, grads):
+            square = g.double().square().sum()
+            if id(p) in replicated:
+                whole += square
+            else:
+                sharded += square
+        dist.all_reduce(sharded, group=self.group)
+        return float((sharded + whole).sqrt())
+
+    def clip_grad_norm_(self, optimizer, max_norm: float | None) -> float:
+        """As MasterWeightOptimizer.clip_grad_norm_, with the whole model's norm; returns it."""
+        norm = self.grad_norm(optimizer.params, optimizer.main_grads)
+        if max_norm is not None and norm > max_norm:
+            torch._foreach_mul_(optimizer.main_grads, max_norm / (norm + 1e-6))
+        return norm
+
+    def publish(self) -> dict:
+        """Make the engine serve what the optimizer wrote into the shards: nothing to copy; CPU
+        kernels' packed copies are refreshed and vLLM's prefix cache forgotten."""
+        moved = [name for name, p, ptr in self._watched if p.data_ptr() != ptr]
+        if moved:
+            raise RuntimeError(f"{moved[0]} was given new storage after shared_tp_model (model.to(), assigning "
+                               ".data); the engine no longer sees it")
+        repacked = sum(linear.repack() for linear in self._repack)
+        reset_prefix_cache(self.llm)
+        self.publish_count += 1
+        return {"bytes_copied": 0, "bytes_repacked": repacked}
+
+
+def local_config(config, size: int, vocab_rows: int):
+    """The Hugging Face config whose model has one rank's shapes: heads, KV heads and the MLP's
+    width divided by the tensor-parallel size, the vocabulary this rank's rows."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if kv_heads % size:
+        raise NotImplementedError(f"{kv_heads} KV heads on {size} tensor-parallel ranks: vLLM replicates KV heads "
+                                  "over ranks then, and colo does not sum their gradients over the replicas yet")
+    if heads % size or config.intermediate_size % size:
+        raise ValueError(f"{heads} heads and intermediate size {config.intermediate_size} must split over "
+                         f"{size} ranks (vLLM refuses this engine)")
+    local = copy.deepcopy(config)
+    local.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    local.num_attention_heads, local.num_key_value_heads = heads // size, kv_heads // size
+    local.intermediate_size = config.intermediate_size // size
+    local.vocab_size, local.pad_token_id = vocab_rows, None
+    return local
+
+
+def shared_tp_model(llm) -> TensorParallelModel:
+    """This rank's trainer model over the in-process tensor-parallel engine `llm` (built by
+    colo.engine.build_llm under torchrun): its parameters are views of the engine's shards, in the
+    engine's dtype, in training mode."""
+    from transformers import AutoModelForCausalLM
+
+    config = compat.engine_hf_config(llm)
+    for arch in getattr(config, "architectures", None) or ():
+        check_architecture(arch)
+    placement = compat.engine_placement(llm)
+    if placement is None:
+        raise RuntimeError("shared_tp_model needs an engine built by colo.engine.build_llm (its weights in a pool)")
+    if llm.llm_engine.vllm_config.lora_config:
+        raise NotImplementedError("tensor parallelism with one copy does not take LoRA engines yet")
+    group, rank, size = compat.tensor_parallel_group(llm)
+    tensors, _ = compat.engine_layout(compat.engine_model(llm))
+    views, vocab = _shard_views(tensors)
+    start, rows = vocab["model.embed_tokens.weight"]
+    local = local_config(config, size, rows)
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(local, dtype=compat.engine_dtype(llm))
+    counts = Collectives()
+    params = _install(hf_model, views)
+    embedding = VocabParallelEmbedding(params["model.embed_tokens.weight"], start, group, counts)
+    hf_model.model.embed_tokens = embedding
+    if "lm_head.weight" not in params:  # tied: vLLM's LM head is the embedding's parameter
+        hf_model.lm_head.weight = embedding.weight
+    elif vocab["lm_head.weight"] != (start, rows):
+        raise RuntimeError(f"colo misread the engine's layout: LM head rows {vocab['lm_head.weight']}, "
+                           f"embedding rows {(start, rows)}")
+    _materialize_buffers(hf_model, embedding.weight.device)
+    _add_collectives(hf_model, group, counts)
+    replicated = [params[name] for name in views if views[name][1] is None]
+    model = TensorParallelModel(hf_model.train(), llm, group, rank, size, start, replicated, counts,
+                                _watched=[(name, p, p.data_ptr()) for name, p in params.items()],
+                                _repack=[lin for lin in placement.linears if lin.stale_after_update])
+    return model
+
+
+def _shard_views(tensors) -> tuple[dict, dict]:
+    """{HF name: (view of the engine tensor, (dim, start, stop) or None when whole)} and the
+    vocabulary rows of the embedding and LM head: {HF name: (first row, rows)}."""
+    views, vocab = {}, {}
+    for t in tensors:
+        for piece in t.pieces:
+            if piece.hf_name.endswith(ROW_PARALLEL_BIASES):
+                raise NotImplementedError(f"{piece.hf_name}: vLLM adds a row-parallel layer's bias on rank 0 "
+                                          "only; colo's tensor-parallel trainer does not model that yet")
+            view = t.param.detach()[piece.rows[0]:piece.rows[1]] if t.shape else t.param.detach()
+            if piece.hf_name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                vocab[piece.hf_name] = (piece.shard[1] if piece.shard else 0, view.shape[0])
+            views[piece.hf_name] = (view, piece.shard)
+    return views, vocab
+
+
+def _install(hf_model, views: dict) -> dict[str, torch.nn.Parameter]:
+    """Replace the meta model's parameters with Parameters on the engine's views; shapes must match."""
+    expected = dict(hf_model.named_parameters())
+    installed = {}
+    for name, (view, _) in views.items():
+        meta = expected.get(name)
+        if meta is None:
+            raise ValueError(f"{name}: the engine holds it but this rank's Hugging Face model has no such parameter")
+        if tuple(meta.shape) != tuple(view.shape):
+            raise ValueError(f"{name}: this rank's shard is {tuple(view.shape)} in the engine, the local model "
+                             f"expects {tuple(meta.shape)}")
+        module_name, _, attr = name.rpartition(".")
+        param = torch.nn.Parameter(view, requires_grad=True)
+        hf_model.get_submodule(module_name)._parameters[attr] = param
+        installed[name] = param
+    missing = [n for n in expected if n not in installed and n != "lm_head.weight"]
+    if missing:
+        raise ValueError(f"{missing[0]}: this rank's Hugging Face model has it but the engine has no place for it")
+    return installed
+
+
+def _add_collectives(hf_model, group, counts: Collectives) -> None:
+    def copy_input(module, args, kwargs):
+        if args:
+            return (_CopyToGroup.apply(args[0], group, counts), *args[1:]), kwargs
+        kwargs["hidden_states"] = _CopyToGroup.apply(kwargs["hidden_states"], group, counts)
+        return args, kwargs
+
+    def reduce_output(module, args, output):
+        return _ReduceFromGroup.apply(output, group, counts)
+
+    for layer in hf_model.model.layers:
+        layer.self_attn.register_forward_pre_hook(copy_input, with_kwargs=True)
+        layer.mlp.register_forward_pre_hook(copy_input, with_kwargs=True)
+        layer.self_attn.o_proj.register_forward_hook(reduce_output)
+        layer.mlp.down_proj.register_forward_hook(reduce_output)
+    hf_model.lm_head.register_forward_pre_hook(copy_input, with_kwargs=True)
