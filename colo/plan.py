@@ -23,8 +23,8 @@ Layouts (W = number of GPUs, P = parameters, d = bytes per weight in --dtype):
 
 With --tensor-parallel T (T GPUs per engine, W / T data-parallel groups), P_T = (P - R) / T + R
 parameters per rank (R: the norm weights every rank holds whole):
-- colo-TP, the layout of issue 24 (not built yet: colo.grpo has no tensor-parallel one copy): each
-  rank's trainer shard is a view of its engine shard (d P_T), fp32 gradients of the shard (4 P_T),
+- colo-TP, tensor parallelism with one copy (colo.tensor_parallel builds the model; colo.grpo does
+  not run it yet, nor ZeRO-1 over its data-parallel ranks): each rank's trainer shard is a view of its engine shard (d P_T), fp32 gradients of the shard (4 P_T),
   the optimizer state of the shard split over the data-parallel ranks (ZeRO-1) and on the host while
   generating, activations of a Megatron-style tensor-parallel layer, logits split over the vocabulary.
 - verl (FSDP + tensor-parallel engine copy): FSDP's shards (16 P / W) beside a T-way engine copy
@@ -259,7 +259,7 @@ def verl_layout(name: str, p: int, w: int, d: int, dtype: str, engine: int, engi
 
 def tensor_parallel_plan(params: float, gpus: int, gpu_memory: int, dtype: str, seq_len: int,
                          train_tokens: int | None, shape: Shape, reserve: int, tp: int) -> list[Layout]:
-    """colo with tensor parallelism (issue 24's layout: each rank's trainer shard is a view of its vLLM
+    """colo with tensor parallelism (colo.tensor_parallel: each rank's trainer shard is a view of its vLLM
     shard, ZeRO-1 over the data-parallel ranks) beside verl's FSDP with a tensor-parallel engine copy.
     P_T = the parameters on one rank: (P - R) / tp + R, R the replicated norm weights."""
     if gpus % tp:
@@ -274,7 +274,7 @@ def tensor_parallel_plan(params: float, gpus: int, gpu_memory: int, dtype: str, 
     optimizer = optimizer_per_param * shard // dp
     optimizer_math = f"{optimizer_per_param} x P_T / {dp}"
     act, act_math = activation_bytes(shape, tokens, tp)
-    colo = Layout(f"colo-TP (tensor parallel {tp} x ZeRO-1 over {dp}; issue 24, not built yet)", [
+    colo = Layout(f"colo-TP (tensor parallel {tp} x ZeRO-1 over {dp}; planned: colo.grpo does not run it yet)", [
         Term(f"weights ({dtype}, this rank's shard, shared with the engine's)", d * shard, f"{d} x P_T",
              generate=True, train=True),
         Term("gradients (fp32, this rank's shard)", 4 * shard, "4 x P_T", generate=False, train=True),
@@ -328,7 +328,7 @@ def main(argv=None) -> int:
     p.add_argument("--reserve", default="4GiB", help="memory kept free per GPU (context, NCCL, slack)")
     p.add_argument("--config", default=None, help="a Hugging Face config.json for the model's shape")
     p.add_argument("--tensor-parallel", type=int, default=1,
-                   help="GPUs per tensor-parallel group: colo-TP (issue 24's layout) beside verl with a tensor-parallel engine")
+                   help="GPUs per tensor-parallel group: colo-TP (planned) beside verl with a tensor-parallel engine")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = p.parse_args(argv)
     plans = []

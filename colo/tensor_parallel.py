@@ -2,6 +2,7 @@
 they are views of its own vLLM engine's tensor-parallel shards.
 
     # under torchrun, on every rank (vLLM's external_launcher: one engine shard per process)
+    import colo, colo.engine, colo.tensor_parallel
     llm = colo.engine.build_llm(path, pool, tensor_parallel_size=2)
     tp = colo.tensor_parallel.shared_tp_model(llm)          # this rank's shards: views of the engine's
     logp = tp.token_logprobs(input_ids)                     # vocabulary-parallel: no full logits
