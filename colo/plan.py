@@ -21,8 +21,9 @@ Layouts (W = number of GPUs, P = parameters, d = bytes per weight in --dtype):
   optimizer state (12 P / W in bf16); gradients stay whole (4 P) until reduce-scattered, and the
   updated weights are all-gathered into the engine's weights, so there is still one copy.
 
-With --tensor-parallel T (T GPUs per engine, W / T data-parallel groups), P_T = (P - R) / T + R
-parameters per rank (R: the norm weights every rank holds whole):
+With --tensor-parallel T (T GPUs per engine, W / T data-parallel groups), P_T = (P - R - K) / T + R
++ K / min(T, KV heads) parameters per rank (R: the norm weights every rank holds whole; K: the k/v
+projections, of which each rank holds whole KV heads):
 - colo-TP, tensor parallelism with one copy (colo.tensor_parallel builds the model; colo.grpo does
   not run it yet, nor ZeRO-1 over its data-parallel ranks): each rank's trainer shard is a view of its engine shard (d P_T), fp32 gradients of the shard (4 P_T),
   the optimizer state of the shard split over the data-parallel ranks (ZeRO-1) and on the host while
@@ -82,6 +83,17 @@ class Shape:
         """Parameters every tensor-parallel rank holds whole: the RMSNorm weights (two per layer and
         the final one). Everything else is split over the ranks."""
         return (2 * self.layers + 1) * self.hidden
+
+    @property
+    def kv_projection_params(self) -> int:
+        """The k_proj and v_proj weights: with fewer KV heads than tensor-parallel ranks, vLLM gives
+        every rank a whole KV head, so they split kv_heads ways, not tp ways."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.hidden
+
+    def params_per_rank(self, params: int, tensor_parallel: int) -> int:
+        """P_T = (P - R - K) / T + R + K / min(T, kv_heads): R the replicated norms, K the k/v weights."""
+        r, k = self.replicated_params, self.kv_projection_params
+        return (params - r - k) // tensor_parallel + r + k // min(tensor_parallel, self.kv_heads)
 
     def check_tensor_parallel(self, tensor_parallel: int) -> None:
         """What vLLM requires of a tensor-parallel size (attention heads divisible; KV heads divisible
@@ -261,12 +273,12 @@ def tensor_parallel_plan(params: float, gpus: int, gpu_memory: int, dtype: str, 
                          train_tokens: int | None, shape: Shape, reserve: int, tp: int) -> list[Layout]:
     """colo with tensor parallelism (colo.tensor_parallel: each rank's trainer shard is a view of its vLLM
     shard, ZeRO-1 over the data-parallel ranks) beside verl's FSDP with a tensor-parallel engine copy.
-    P_T = the parameters on one rank: (P - R) / tp + R, R the replicated norm weights."""
+    P_T = the parameters on one rank (Shape.params_per_rank)."""
     if gpus % tp:
         raise ValueError(f"{gpus} GPUs do not split into tensor-parallel groups of {tp}")
     shape.check_tensor_parallel(tp)
     d, p, w, dp = DTYPE_BYTES[dtype], int(params), gpus, gpus // tp
-    shard = (p - shape.replicated_params) // tp + shape.replicated_params
+    shard = shape.params_per_rank(p, tp)
     tokens = train_tokens or seq_len
     common = dict(gpu_memory=gpu_memory, reserve=reserve, kv_bytes_per_sequence=shape.kv_bytes_per_token(d, tp) * seq_len,
                   tensor_parallel=tp, params_per_rank=shard)
@@ -295,8 +307,9 @@ def render(layouts: list[Layout], params: float, gpus: int, seq_len: int, shape:
              f"{gib(first.reserve)} kept free per GPU; shape {shape.name} ({shape.layers} layers, hidden "
              f"{shape.hidden}, {shape.kv_heads} KV heads x {shape.head_dim}); KV cache "
              f"{gib(first.kv_bytes_per_sequence)} per sequence of {seq_len} tokens"
-             + (f" per GPU; tensor parallel {first.tensor_parallel}: P_T = (P - R) / {first.tensor_parallel} + R = "
-                f"{first.params_per_rank:.4g} parameters per rank (R: the replicated norm weights)"
+             + (f" per GPU; tensor parallel {first.tensor_parallel}: P_T = (P - R - K) / {first.tensor_parallel} + R + "
+                f"K / {min(first.tensor_parallel, shape.kv_heads)} = {first.params_per_rank:.4g} parameters per rank "
+                "(R: the replicated norm weights, K: the k/v projections, split over the KV heads)"
                 if first.tensor_parallel > 1 else ""), ""]
     for layout in layouts:
         lines.append(f"== {layout.name}")

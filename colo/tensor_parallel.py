@@ -25,11 +25,13 @@ are computed over the vocabulary shards (the max, the sum of exponentials and th
 all-reduced; the full logits are never gathered).
 
 Sharded parameters get complete gradients on their rank. Replicated ones (the norms) get the same
-gradient on every rank, since their inputs and their outputs' gradients are whole there; nothing else
-is reduced, and the gradient norm counts them once. Refused with NotImplementedError before anything
-changes: fewer KV heads than ranks (a KV head replicated on several ranks needs its gradients summed
-over them), biases of row-parallel layers (vLLM adds them on rank 0 only), LoRA, architectures other
-than colo.weights.SUPPORTED_ARCHITECTURES.
+gradient on every rank, since their inputs and their outputs' gradients are whole there, and the
+gradient norm counts them once. With fewer KV heads than ranks, vLLM gives each rank one KV head,
+shared by size / kv_heads consecutive ranks whose query heads use it: each of those ranks computes part
+of its k_proj / v_proj gradient, summed over them by one all-reduce per parameter as autograd
+produces it (before any optimizer's hook sees it), and counted once in the norm. Refused with
+NotImplementedError before anything changes: biases of row-parallel layers (vLLM adds them on rank 0
+only), LoRA, architectures other than colo.weights.SUPPORTED_ARCHITECTURES.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from .weights import _materialize_buffers, check_architecture
 
 
 ROW_PARALLEL_BIASES = ("o_proj.bias", "down_proj.bias")
+KV_PARAMETERS = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
 
 
 @dataclass
@@ -130,6 +133,8 @@ class TensorParallelModel:
     size: int
     vocab_start: int                       # the first vocabulary row this rank holds
     replicated: list                       # parameters every rank holds whole (norms)
+    kv_replicas: int = 1                   # ranks sharing one KV head (1: KV heads split over the ranks)
+    kv_params: list = field(default_factory=list)  # k_proj / v_proj parameters, when kv_replicas > 1
     collectives: Collectives = field(default_factory=Collectives)
     publish_count: int = 0
     _watched: list = field(default_factory=list, repr=False)   # [(name, parameter, data_ptr)]
@@ -147,15 +152,15 @@ class TensorParallelModel:
     def grad_norm(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> float:
         """The L2 norm of the whole model's gradient: shards summed over the ranks, replicated
         parameters once."""
-        replicated = {id(p) for p in self.replicated}
+        replicated, kv = {id(p) for p in self.replicated}, {id(p) for p in self.kv_params}
         sharded = torch.zeros((), dtype=torch.float64, device=grads[0].device)
         whole = torch.zeros((), dtype=torch.float64, device=grads[0].device)
         for p, g in zip(params, grads):
             square = g.double().square().sum()
             if id(p) in replicated:
                 whole += square
-            else:
-                sharded += square
+            else:  # a KV head's parameters are on kv_replicas ranks of the sum
+                sharded += square / self.kv_replicas if id(p) in kv else square
         dist.all_reduce(sharded, group=self.group)
         return float((sharded + whole).sqrt())
 
@@ -184,15 +189,16 @@ def local_config(config, size: int, vocab_rows: int):
     width divided by the tensor-parallel size, the vocabulary this rank's rows."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if kv_heads % size:
-        raise NotImplementedError(f"{kv_heads} KV heads on {size} tensor-parallel ranks: vLLM replicates KV heads "
-                                  "over ranks then, and colo does not sum their gradients over the replicas yet")
+    if kv_heads % size and size % kv_heads:
+        raise ValueError(f"{kv_heads} KV heads neither split over nor divide {size} tensor-parallel ranks "
+                         "(vLLM refuses this engine)")
     if heads % size or config.intermediate_size % size:
         raise ValueError(f"{heads} heads and intermediate size {config.intermediate_size} must split over "
                          f"{size} ranks (vLLM refuses this engine)")
     local = copy.deepcopy(config)
     local.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    local.num_attention_heads, local.num_key_value_heads = heads // size, kv_heads // size
+    # Fewer KV heads than ranks: vLLM gives each rank one, replicated on size / kv_heads ranks.
+    local.num_attention_heads, local.num_key_value_heads = heads // size, max(1, kv_heads // size)
     local.intermediate_size = config.intermediate_size // size
     local.vocab_size, local.pad_token_id = vocab_rows, None
     return local
@@ -230,11 +236,36 @@ def shared_tp_model(llm) -> TensorParallelModel:
                            f"embedding rows {(start, rows)}")
     _materialize_buffers(hf_model, embedding.weight.device)
     _add_collectives(hf_model, group, counts)
-    replicated = [params[name] for name in views if views[name][1] is None]
-    model = TensorParallelModel(hf_model.train(), llm, group, rank, size, start, replicated, counts,
-                                _watched=[(name, p, p.data_ptr()) for name, p in params.items()],
-                                _repack=[lin for lin in placement.linears if lin.stale_after_update])
-    return model
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    replicas = size // kv_heads if kv_heads < size else 1
+    kv_params = [p for name, p in params.items() if name.endswith(KV_PARAMETERS)] if replicas > 1 else []
+    if kv_params:
+        _sum_kv_gradients(kv_params, _kv_replica_group(size, replicas), counts)
+    kv_ids = {id(p) for p in kv_params}
+    replicated = [params[name] for name in views if views[name][1] is None and id(params[name]) not in kv_ids]
+    return TensorParallelModel(hf_model.train(), llm, group, rank, size, start, replicated, replicas, kv_params,
+                               counts, _watched=[(name, p, p.data_ptr()) for name, p in params.items()],
+                               _repack=[lin for lin in placement.linears if lin.stale_after_update])
+
+
+def _kv_replica_group(size: int, replicas: int):
+    """The group of the ranks that hold this rank's KV head: vLLM gives rank r of each tensor-parallel
+    group head r // replicas, and its groups are consecutive global ranks. Every rank of the job takes
+    part in creating every group (torch.distributed's rule)."""
+    world = dist.get_world_size()
+    groups = [[base + head * replicas + i for i in range(replicas)]
+              for base in range(0, world, size) for head in range(size // replicas)]
+    mine, _ = dist.new_subgroups_by_enumeration(groups)
+    return mine
+
+
+def _sum_kv_gradients(kv_params: list, group, counts: Collectives) -> None:
+    def hook(param):
+        dist.all_reduce(param.grad, group=group)
+        counts.backward += 1
+
+    for p in kv_params:
+        p.register_post_accumulate_grad_hook(hook)
 
 
 def _shard_views(tensors) -> tuple[dict, dict]:

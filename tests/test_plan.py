@@ -79,7 +79,7 @@ def test_sizes_parse():
 
 def test_tensor_parallel_layouts_hold_one_ranks_shard():
     """colo-TP: each rank's weights are its engine shard P_T = (P - R) / tp + R (R: the replicated norm
-    weights), its gradients the shard's, its optimizer state the shard over the data-parallel ranks;
+    weights; with as many KV heads as ranks the k/v projections split like the rest), its gradients the shard's, its optimizer state the shard over the data-parallel ranks;
     verl: FSDP's fp32 shards of the whole model beside a tensor-parallel engine copy, which sleeps to
     the host while training."""
     shape = SHAPES["Qwen2.5-32B"]
@@ -105,6 +105,10 @@ def test_fewer_kv_heads_than_ranks_replicate_one_head_per_rank():
     shape = SHAPES["Qwen2.5-1.5B"]  # 12 heads, 2 KV heads: at tensor parallel 4, each rank holds one KV head
     colo, _ = plan(1.5e9, 4, 80 * GiB, tensor_parallel=4, seq_len=1024)
     assert colo.kv_bytes_per_sequence == 2 * shape["layers"] * 1 * shape["head_dim"] * 2 * 1024
+    # ... and its k/v projections whole: they split 2 ways, the rest 4 ways.
+    replicated = (2 * shape["layers"] + 1) * shape["hidden"]
+    kv = 2 * shape["layers"] * 2 * shape["head_dim"] * shape["hidden"]
+    assert colo.params_per_rank == (int(1.5e9) - replicated - kv) // 4 + replicated + kv // 2
 
 
 @pytest.mark.parametrize("params,gpus,tp,message", [
@@ -121,7 +125,7 @@ def test_tensor_parallel_sizes_vllm_refuses_are_refused(params, gpus, tp, messag
 def test_command_line_plans_tensor_parallel():
     run = [sys.executable, "-m", "colo.plan", "--params", "70e9", "--gpus", "8", "--tensor-parallel", "8"]
     text = subprocess.run(run, capture_output=True, text=True, check=True).stdout
-    assert "P_T = (P - R) / 8 + R" in text and "Llama-3-70B-like" in text and "12 x P_T / 1" in text
+    assert "P_T = (P - R - K) / 8 + R + K / 8" in text and "Llama-3-70B-like" in text and "12 x P_T / 1" in text
     data = json.loads(subprocess.run(run + ["--json"], capture_output=True, text=True, check=True).stdout)
     assert data["tensor_parallel"] == 8 and [layout["layout"].split(" ")[0] for layout in data["layouts"]] == ["colo-TP", "verl"]
     refused = subprocess.run(run[:-1] + ["3"], capture_output=True, text=True)

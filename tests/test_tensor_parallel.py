@@ -17,6 +17,7 @@ from conftest import PROMPTS
 pytestmark = pytest.mark.slow
 
 TP_CONFIG = dict(vocab_size=777, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+ONE_KV_HEAD = dict(vocab_size=777, num_attention_heads=2, num_key_value_heads=1, head_dim=64)  # replicated at TP=2
 LR = 0.5
 
 SCRIPT = """
@@ -102,10 +103,12 @@ def tp_model_dir(tiny_model_dir):
     return tiny_model_dir("qwen2", **TP_CONFIG)
 
 
-def test_two_ranks_train_like_one_with_their_shards_views_of_the_engines(tmp_path, tp_model_dir):
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_two_ranks_train_like_one_with_their_shards_views_of_the_engines(kv_heads, tmp_path, tiny_model_dir):
     """fp32, so that TP=2 and TP=1 differ only in the order of sums: the loss, the gradient norm and
     every updated shard equal the matching slice of the one-rank run's (SGD: a weight's error is lr
-    times its gradient's)."""
+    times its gradient's). With one KV head, both ranks hold it and sum its gradients."""
+    tp_model_dir = tiny_model_dir("qwen2", **(TP_CONFIG if kv_heads == 2 else ONE_KV_HEAD))
     two, two_shards = run_ranks(tmp_path, tp_model_dir, 2, "float32")
     one, (one_shards,) = run_ranks(tmp_path, tp_model_dir, 1, "float32")
     for r in two:
@@ -116,11 +119,12 @@ def test_two_ranks_train_like_one_with_their_shards_views_of_the_engines(tmp_pat
         assert r["norm"] == pytest.approx(one[0]["norm"], rel=1e-5)
         torch.testing.assert_close(torch.tensor(r["after"]), torch.tensor(one[0]["after"]), atol=1e-4, rtol=0)
         # Per layer 2 all-reduces forward and 2 backward; the embedding 1 forward; the log-probabilities
-        # 3 (max, sum of exponentials, the target's logit); the LM head's input 1 backward.
+        # 3 (max, sum of exponentials, the target's logit); the LM head's input 1 backward; a replicated
+        # KV head's k/v weights and biases 4 per layer backward.
         layers = r["layers"]
-        assert r["collectives"] == [2 * layers + 1 + 3, 2 * layers + 1]
-    # Each rank holds about half the weights: everything but the norms is split. colo.plan's colo-TP
-    # layout counts them as (P - R) / 2 + R; the vocabulary splits 416 / 361 rows here, hence 4%.
+        assert r["collectives"] == [2 * layers + 1 + 3, 2 * layers + 1 + (4 * layers if kv_heads == 1 else 0)]
+    # Each rank holds about half the weights: everything but the norms (and a lone KV head) is split.
+    # colo.plan's colo-TP layout counts P_T; the vocabulary splits 416 / 361 rows here, hence 4%.
     from colo.plan import plan, shape_from_config
 
     colo_tp, _ = plan(one[0]["param_bytes"] // 4, 2, 1 << 30, dtype="fp32", tensor_parallel=2,
@@ -128,9 +132,12 @@ def test_two_ranks_train_like_one_with_their_shards_views_of_the_engines(tmp_pat
     planned = next(t.bytes for t in colo_tp.terms if t.what.startswith("weights"))
     for r in two:
         assert r["param_bytes"] == pytest.approx(planned, rel=0.04)
-    # Together the ranks hold the model once, plus the replicated norms once more: one copy.
-    norms = shape_from_config(str(tp_model_dir / "config.json")).replicated_params
-    assert sum(r["param_bytes"] for r in two) == one[0]["param_bytes"] + 4 * norms
+    # Together the ranks hold the model once, plus what both hold whole once more: the norms, and
+    # with one KV head its k/v projections (weights and biases).
+    shape = shape_from_config(str(tp_model_dir / "config.json"))
+    both_hold = shape.replicated_params + (shape.kv_projection_params + 2 * shape.layers * shape.head_dim
+                                           if kv_heads == 1 else 0)
+    assert sum(r["param_bytes"] for r in two) == one[0]["param_bytes"] + 4 * both_hold
     whole = one_shards["shards"]
     for rank, saved in enumerate(two_shards):
         for name, (shard, value) in saved["shards"].items():
@@ -151,15 +158,17 @@ def test_bf16_shards_train_with_fp32_masters_and_the_engine_serves_them(tmp_path
     assert two[0]["loss"] == two[1]["loss"] and two[0]["norm"] == pytest.approx(two[1]["norm"], rel=1e-6)
 
 
-def test_fewer_kv_heads_than_ranks_are_refused_with_the_reason():
+def test_each_ranks_config_has_its_shapes_and_sizes_vllm_refuses_are_refused():
     from transformers import Qwen2Config
 
     from colo.tensor_parallel import local_config
 
-    config = Qwen2Config(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=1,
-                         vocab_size=777)
-    with pytest.raises(NotImplementedError, match="1 KV heads on 2 tensor-parallel ranks"):
-        local_config(config, 2, 416)
+    one_kv = local_config(Qwen2Config(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                      num_key_value_heads=1, vocab_size=777), 2, 416)
+    assert (one_kv.num_attention_heads, one_kv.num_key_value_heads) == (2, 1)  # the KV head replicated
+    with pytest.raises(ValueError, match="2 KV heads neither split over nor divide 3"):
+        local_config(Qwen2Config(hidden_size=96, intermediate_size=96, num_attention_heads=6,
+                                 num_key_value_heads=2, vocab_size=777), 3, 259)
     local = local_config(Qwen2Config(hidden_size=128, intermediate_size=256, num_attention_heads=4,
                                      num_key_value_heads=2, vocab_size=777, pad_token_id=700), 2, 416)
     assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size, local.head_dim,
