@@ -9,6 +9,8 @@ they are views of its own vLLM engine's tensor-parallel shards.
     opt = colo.MasterWeightOptimizer(tp.parameters(), lr=1e-5)
     (-logp.mean()).backward(); tp.clip_grad_norm_(opt, 1.0); opt.step(); opt.zero_grad()
     tp.publish()                                            # 0 bytes: the engine reads what opt wrote
+    whole = tp.full_state_dict({p: m for p, m in zip(opt.params, opt.masters)})  # rank 0: HF names, shapes
+    tp.load_full_state_dict(state)                          # whole weights (any TP size's) into this rank's shards
 
 vLLM's layout on tensor-parallel rank r of T (model_executor/layers/linear.py and
 vocab_parallel_embedding.py): `QKVParallelLinear` holds [q rows of its heads | k rows | v rows],
@@ -136,6 +138,8 @@ class TensorParallelModel:
     kv_replicas: int = 1                   # ranks sharing one KV head (1: KV heads split over the ranks)
     kv_params: list = field(default_factory=list)  # k_proj / v_proj parameters, when kv_replicas > 1
     collectives: Collectives = field(default_factory=Collectives)
+    shards: dict = field(default_factory=dict, repr=False)     # HF name -> every rank's (start, stop), in rank order
+    layout: dict = field(default_factory=dict, repr=False)     # HF name -> (parameter, shard, whole shape)
     publish_count: int = 0
     _watched: list = field(default_factory=list, repr=False)   # [(name, parameter, data_ptr)]
     _repack: list = field(default_factory=list, repr=False)    # CPU linears whose packed copy goes stale
@@ -170,6 +174,42 @@ class TensorParallelModel:
         if max_norm is not None and norm > max_norm:
             torch._foreach_mul_(optimizer.main_grads, max_norm / (norm + 1e-6))
         return norm
+
+    def full_state_dict(self, values: dict | None = None) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights, Hugging Face names and shapes (what save_pretrained writes), on
+        the first rank of the tensor-parallel group (None on the others): each shard gathered there
+        one tensor at a time. values: {parameter: tensor to gather instead}, e.g. fp32 masters."""
+        whole_on_me = self.rank == 0
+        owner = dist.get_global_rank(self.group, 0)
+        state = {} if whole_on_me else None
+        for name, (param, shard, shape) in self.layout.items():
+            local = (values or {}).get(param, param).detach()
+            if shard is None:  # the same on every rank: rank 0's
+                if whole_on_me:
+                    state[name] = local.clone()
+                continue
+            dim, start, stop = shard
+            pieces = _gather_shards(local, dim, self.shards[name], owner, self.group, whole_on_me)
+            if whole_on_me:
+                whole = local.new_empty(shape)
+                for (begin, end), piece in zip(self.shards[name], pieces):
+                    whole.narrow(dim, begin, end - begin).copy_(piece.narrow(dim, 0, end - begin))
+                state[name] = whole
+        return state
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict) -> None:
+        """Write whole weights (Hugging Face names and shapes, from a run of any tensor-parallel size)
+        into this rank's shards, in place; the engine serves them after publish(). Optimizer masters
+        are the caller's to refresh."""
+        missing = [name for name in self.layout if name not in state]
+        if missing:
+            raise ValueError(f"the state has no {missing[0]} (it must hold the whole model's weights)")
+        for name, (param, shard, shape) in self.layout.items():
+            whole = state[name]
+            if tuple(whole.shape) != tuple(shape):
+                raise ValueError(f"{name}: the state's is {tuple(whole.shape)}, this model's is {tuple(shape)}")
+            param.copy_(whole.narrow(shard[0], shard[1], shard[2] - shard[1]) if shard else whole)
 
     def publish(self) -> dict:
         """Make the engine serve what the optimizer wrote into the shards: nothing to copy; CPU
@@ -244,8 +284,34 @@ def shared_tp_model(llm) -> TensorParallelModel:
     kv_ids = {id(p) for p in kv_params}
     replicated = [params[name] for name in views if views[name][1] is None and id(params[name]) not in kv_ids]
     return TensorParallelModel(hf_model.train(), llm, group, rank, size, start, replicated, replicas, kv_params,
-                               counts, _watched=[(name, p, p.data_ptr()) for name, p in params.items()],
-                               _repack=[lin for lin in placement.linears if lin.stale_after_update])
+                               counts, layout={name: (params[name], shard, shape) for name, (_, shard, shape) in views.items()},
+                               _watched=[(name, p, p.data_ptr()) for name, p in params.items()],
+                               _repack=[lin for lin in placement.linears if lin.stale_after_update],
+                               shards=_every_ranks_shards(views, group, size))
+
+
+def _every_ranks_shards(views: dict, group, size: int) -> dict:
+    """{HF name: [(start, stop) of each rank's shard]} for the sharded parameters (one small
+    collective at start, so gathering whole weights later needs no metadata)."""
+    mine = {name: shard[1:] for name, (_, shard, _) in views.items() if shard is not None}
+    everyone = [None] * size
+    dist.all_gather_object(everyone, mine, group=group)
+    return {name: [ranks[name] for ranks in everyone] for name in mine}
+
+
+def _gather_shards(local: torch.Tensor, dim: int, ranges: list, owner: int, group, whole_on_me: bool):
+    """Every rank's shard of one tensor on the group's first rank (padded along `dim` to the longest,
+    as torch.distributed.gather takes equal shapes)."""
+    longest = max(end - begin for begin, end in ranges)
+    padded = local
+    if local.shape[dim] < longest:
+        shape = list(local.shape)
+        shape[dim] = longest - local.shape[dim]
+        padded = torch.cat([local, local.new_zeros(shape)], dim)
+    padded = padded.contiguous()
+    pieces = [torch.empty_like(padded) for _ in ranges] if whole_on_me else None
+    dist.gather(padded, pieces, dst=owner, group=group)
+    return pieces
 
 
 def _kv_replica_group(size: int, replicas: int):
@@ -269,7 +335,7 @@ def _sum_kv_gradients(kv_params: list, group, counts: Collectives) -> None:
 
 
 def _shard_views(tensors) -> tuple[dict, dict]:
-    """{HF name: (view of the engine tensor, (dim, start, stop) or None when whole)} and the
+    """{HF name: (view of the engine tensor, (dim, start, stop) or None when whole, the whole shape)} and the
     vocabulary rows of the embedding and LM head: {HF name: (first row, rows)}."""
     views, vocab = {}, {}
     for t in tensors:
@@ -280,7 +346,7 @@ def _shard_views(tensors) -> tuple[dict, dict]:
             view = t.param.detach()[piece.rows[0]:piece.rows[1]] if t.shape else t.param.detach()
             if piece.hf_name.endswith(("embed_tokens.weight", "lm_head.weight")):
                 vocab[piece.hf_name] = (piece.shard[1] if piece.shard else 0, view.shape[0])
-            views[piece.hf_name] = (view, piece.shard)
+            views[piece.hf_name] = (view, piece.shard, piece.hf_shape)
     return views, vocab
 
 
@@ -288,7 +354,7 @@ def _install(hf_model, views: dict) -> dict[str, torch.nn.Parameter]:
     """Replace the meta model's parameters with Parameters on the engine's views; shapes must match."""
     expected = dict(hf_model.named_parameters())
     installed = {}
-    for name, (view, _) in views.items():
+    for name, (view, *_) in views.items():
         meta = expected.get(name)
         if meta is None:
             raise ValueError(f"{name}: the engine holds it but this rank's Hugging Face model has no such parameter")

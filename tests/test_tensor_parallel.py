@@ -68,6 +68,16 @@ report = tp.publish()
 with torch.no_grad():
     after = tp.token_logprobs(ids)[0].double()
 served_after = served()
+whole = tp.full_state_dict(None if values is params else dict(zip(params, values)))
+if dist.get_rank() == 0:
+    torch.save(whole, f"{out}/whole.pt")
+# The whole initial weights, as on disk, written back into the shards: the model is the untrained one again.
+from safetensors.torch import load_file
+tp.load_full_state_dict(load_file(f"{path}/model.safetensors"))
+tp.publish()
+with torch.no_grad():
+    reloaded = tp.token_logprobs(ids)[0].double()
+served_reloaded = served()
 pieces = {}
 for layout in colo.vllm_compat.engine_layout(colo.vllm_compat.engine_model(llm))[0]:
     for piece in layout.pieces:
@@ -81,7 +91,8 @@ open(f"{out}/rank{dist.get_rank()}.json", "w").write(json.dumps({
     "param_bytes": sum(p.nbytes for p in params),
     "engine_err_before": (served_before - before).abs().max().item(),
     "engine_err_after": (served_after - after).abs().max().item(),
-    "changed": (after - before).abs().max().item(), "after": after.tolist()}))
+    "changed": (after - before).abs().max().item(), "after": after.tolist(),
+    "reload_err": (reloaded - before).abs().max().item(), "served_reload_err": (served_reloaded - before).abs().max().item()}))
 """
 
 
@@ -138,6 +149,15 @@ def test_two_ranks_train_like_one_with_their_shards_views_of_the_engines(kv_head
     both_hold = shape.replicated_params + (shape.kv_projection_params + 2 * shape.layers * shape.head_dim
                                            if kv_heads == 1 else 0)
     assert sum(r["param_bytes"] for r in two) == one[0]["param_bytes"] + 4 * both_hold
+    # Whole weights gathered on rank 0 (what a checkpoint keeps) are the one-rank run's, name for name,
+    # and the whole weights on disk written back into each rank's shards give the untrained model.
+    from safetensors.torch import load_file
+
+    gathered, single = (torch.load(tmp_path / f"tp{n}-float32" / "whole.pt", weights_only=True) for n in (2, 1))
+    assert set(gathered) == set(single) == set(load_file(tp_model_dir / "model.safetensors"))
+    for name, value in gathered.items():
+        torch.testing.assert_close(value, single[name], atol=LR * 1e-5, rtol=1e-5, msg=name)
+    assert all(r["reload_err"] < 1e-9 and r["served_reload_err"] < 1e-4 for r in two)
     whole = one_shards["shards"]
     for rank, saved in enumerate(two_shards):
         for name, (shard, value) in saved["shards"].items():
@@ -155,6 +175,7 @@ def test_bf16_shards_train_with_fp32_masters_and_the_engine_serves_them(tmp_path
         assert r["views"] and r["ptrs_kept"] and r["bytes_copied"] == 0 and r["changed"] > 1e-2
         # bf16: vLLM's GEMMs and the trainer's round in other orders (as test_weights' bf16 bound).
         assert r["engine_err_before"] < 5e-2 and r["engine_err_after"] < 5e-2
+        assert r["reload_err"] < 1e-9 and r["served_reload_err"] < 5e-2  # the disk's weights, rounded as at load
     assert two[0]["loss"] == two[1]["loss"] and two[0]["norm"] == pytest.approx(two[1]["norm"], rel=1e-6)
 
 
