@@ -188,7 +188,7 @@ class TensorParallelModel:
                 if whole_on_me:
                     state[name] = local.clone()
                 continue
-            dim, start, stop = shard
+            dim = shard[0]
             pieces = _gather_shards(local, dim, self.shards[name], owner, self.group, whole_on_me)
             if whole_on_me:
                 whole = local.new_empty(shape)
@@ -205,10 +205,11 @@ class TensorParallelModel:
         missing = [name for name in self.layout if name not in state]
         if missing:
             raise ValueError(f"the state has no {missing[0]} (it must hold the whole model's weights)")
-        for name, (param, shard, shape) in self.layout.items():
+        for name, (_, _, shape) in self.layout.items():  # all checked before anything is written
+            if tuple(state[name].shape) != tuple(shape):
+                raise ValueError(f"{name}: the state's is {tuple(state[name].shape)}, this model's is {tuple(shape)}")
+        for name, (param, shard, _) in self.layout.items():
             whole = state[name]
-            if tuple(whole.shape) != tuple(shape):
-                raise ValueError(f"{name}: the state's is {tuple(whole.shape)}, this model's is {tuple(shape)}")
             param.copy_(whole.narrow(shard[0], shard[1], shard[2] - shard[1]) if shard else whole)
 
     def publish(self) -> dict:
@@ -256,7 +257,7 @@ def shared_tp_model(llm) -> TensorParallelModel:
     placement = compat.engine_placement(llm)
     if placement is None:
         raise RuntimeError("shared_tp_model needs an engine built by colo.engine.build_llm (its weights in a pool)")
-    if llm.llm_engine.vllm_config.lora_config:
+    if compat.has_lora_slots(llm):
         raise NotImplementedError("tensor parallelism with one copy does not take LoRA engines yet")
     group, rank, size = compat.tensor_parallel_group(llm)
     tensors, _ = compat.engine_layout(compat.engine_model(llm))

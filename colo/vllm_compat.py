@@ -698,12 +698,17 @@ def activate_adapter(llm, lora_request) -> int:
     """Load `lora_request` into the engine's slot once and pin it there (an LRU cache would otherwise be
     free to evict it and, on its next use, copy the adapter from disk over what the trainer wrote).
     Returns the slot index."""
-    if not llm.llm_engine.vllm_config.lora_config:
+    if not has_lora_slots(llm):
         raise RuntimeError("this engine was built without enable_lora=True; it has no adapter slots")
     llm.llm_engine.add_lora(lora_request)
     llm.llm_engine.pin_lora(lora_request.lora_int_id)
     _one_adapter_fast_path(llm)
     return adapter_slot(llm, lora_request.lora_int_id)
+
+
+def has_lora_slots(llm) -> bool:
+    """Whether the engine was built with enable_lora=True (it has adapter slots)."""
+    return bool(llm.llm_engine.vllm_config.lora_config)
 
 
 def _one_adapter_fast_path(llm) -> None:

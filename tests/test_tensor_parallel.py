@@ -73,7 +73,14 @@ if dist.get_rank() == 0:
     torch.save(whole, f"{out}/whole.pt")
 # The whole initial weights, as on disk, written back into the shards: the model is the untrained one again.
 from safetensors.torch import load_file
-tp.load_full_state_dict(load_file(f"{path}/model.safetensors"))
+on_disk = load_file(f"{path}/model.safetensors")
+refused = []
+for bad in ({k: v for k, v in on_disk.items() if "norm" not in k}, {**on_disk, "model.norm.weight": torch.ones(3)}):
+    try:
+        tp.load_full_state_dict(bad)
+    except ValueError as e:
+        refused.append(str(e))
+tp.load_full_state_dict(on_disk)
 tp.publish()
 with torch.no_grad():
     reloaded = tp.token_logprobs(ids)[0].double()
@@ -92,7 +99,7 @@ open(f"{out}/rank{dist.get_rank()}.json", "w").write(json.dumps({
     "engine_err_before": (served_before - before).abs().max().item(),
     "engine_err_after": (served_after - after).abs().max().item(),
     "changed": (after - before).abs().max().item(), "after": after.tolist(),
-    "reload_err": (reloaded - before).abs().max().item(), "served_reload_err": (served_reloaded - before).abs().max().item()}))
+    "refused": refused, "reload_err": (reloaded - before).abs().max().item(), "served_reload_err": (served_reloaded - before).abs().max().item()}))
 """
 
 
@@ -176,6 +183,8 @@ def test_bf16_shards_train_with_fp32_masters_and_the_engine_serves_them(tmp_path
         # bf16: vLLM's GEMMs and the trainer's round in other orders (as test_weights' bf16 bound).
         assert r["engine_err_before"] < 5e-2 and r["engine_err_after"] < 5e-2
         assert r["reload_err"] < 1e-9 and r["served_reload_err"] < 5e-2  # the disk's weights, rounded as at load
+        # Whole weights that miss a tensor or have another shape are refused, naming it, before any is written.
+        assert len(r["refused"]) == 2 and "norm.weight" in r["refused"][0] and "(3,)" in r["refused"][1]
     assert two[0]["loss"] == two[1]["loss"] and two[0]["norm"] == pytest.approx(two[1]["norm"], rel=1e-6)
 
 

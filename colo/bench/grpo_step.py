@@ -92,6 +92,7 @@ def measure_size(name: str, steps: int, progress, device: str = "cpu") -> list[d
     dtype, each against the same usual-way baseline (the three take their steps in turn)."""
     from colo.dtype_choice import NAMES, fastest_dtype
     from colo.engine import cpu_kernels
+    from colo.vllm_compat import engine_dtype
 
     max_new_tokens = COMPLETION_TOKENS[name]
     choice = fastest_dtype(device)
@@ -103,7 +104,7 @@ def measure_size(name: str, steps: int, progress, device: str = "cpu") -> list[d
                 "colo_other": new_run(model_dir, max_new_tokens, True, dtype=other),
                 "baseline": new_run(model_dir, max_new_tokens, False)}
         kernels = {side: cpu_kernels(run.engine.llm) for side, run in runs.items()}
-        dtypes = {side: NAMES[run.engine.llm.llm_engine.model_config.dtype] for side, run in runs.items()}
+        dtypes = {side: NAMES[engine_dtype(run.engine.llm)] for side, run in runs.items()}
         ran_on = {run.device.type for run in runs.values()}
         if ran_on != {device}:  # the scheduler picks the GPU whenever torch sees one
             raise RuntimeError(f"asked for a {device} step but the scheduler runs on {', '.join(sorted(ran_on))}")
