@@ -105,10 +105,14 @@ def run_trl(side: str, model_dir: Path, out: Path, steps: int, lora: dict | None
     from colo.trl import GRPOTrainer
 
     trainer_class = GRPOTrainer if side.startswith("colo") else trl.GRPOTrainer
+    peft_kwargs = {}
+    if lora is not None:
+        from peft import LoraConfig
+
+        peft_kwargs["peft_config"] = LoraConfig(**lora)
     with forced_cpu_gemm("plain") if side.endswith("variant") else contextlib.nullcontext():
-        peft = {} if lora is None else {"peft_config": __import__("peft").LoraConfig(**lora)}
         trainer = trainer_class(model=str(model_dir), reward_funcs=even_digits, train_dataset=prompts(),
-                                args=trl_args(out, steps), **peft)
+                                args=trl_args(out, steps), **peft_kwargs)
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # it prints each log dict to stdout, which carries the bench's table
