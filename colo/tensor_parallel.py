@@ -153,6 +153,18 @@ class TensorParallelModel:
         return vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], self.vocab_start, self.group,
                                        self.collectives)
 
+    def completion_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor, *, attention_mask=None,
+                            position_ids=None, temperature: float = 1.0) -> torch.Tensor:
+        """log p(targets) under softmax(logits / temperature), fp32, for the last targets.shape[1]
+        positions of `input_ids` (colo.grpo's completion columns): the logits of the
+        targets.shape[1] positions before each target, over the vocabulary shards."""
+        keep = targets.shape[1]
+        logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               logits_to_keep=keep + 1, use_cache=False).logits[:, :-1]
+        if temperature != 1.0:
+            logits = logits.float() / temperature
+        return vocab_parallel_logprobs(logits, targets, self.vocab_start, self.group, self.collectives)
+
     def grad_norm(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> float:
         """The L2 norm of the whole model's gradient: shards summed over the ranks, replicated
         parameters once."""
@@ -245,6 +257,16 @@ def local_config(config, size: int, vocab_rows: int):
     return local
 
 
+def check_shardable(config, size: int) -> None:
+    """Refuse, before any engine starts, a model whose shards this trainer cannot hold: sizes vLLM
+    refuses (ValueError) and row-parallel biases (NotImplementedError)."""
+    local_config(config, size, 1)
+    for flag in ("attention_bias", "mlp_bias"):  # Llama-style configs: biases on o_proj / down_proj too
+        if getattr(config, flag, False):
+            raise NotImplementedError(f"{flag}=True: vLLM adds a row-parallel layer's bias on rank 0 only; colo's "
+                                      "tensor-parallel trainer does not model that yet")
+
+
 def shared_tp_model(llm) -> TensorParallelModel:
     """This rank's trainer model over the in-process tensor-parallel engine `llm` (built by
     colo.engine.build_llm under torchrun): its parameters are views of the engine's shards, in the
@@ -327,12 +349,16 @@ def _kv_replica_group(size: int, replicas: int):
 
 
 def _sum_kv_gradients(kv_params: list, group, counts: Collectives) -> None:
-    def hook(param):
-        dist.all_reduce(param.grad, group=group)
+    # On the gradient each backward produces, before it is accumulated into .grad: summing the
+    # accumulated .grad instead would sum earlier micro-batches again at every backward.
+    def hook(grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=group)
         counts.backward += 1
+        return grad
 
     for p in kv_params:
-        p.register_post_accumulate_grad_hook(hook)
+        p.register_hook(hook)
 
 
 def _shard_views(tensors) -> tuple[dict, dict]:

@@ -62,7 +62,12 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0
 
 
 def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
-    """log p(completion token | everything before it) for every completion column, shape (B, C)."""
+    """log p(completion token | everything before it) for every completion column, shape (B, C).
+    model: a Hugging Face causal LM, or a colo.tensor_parallel.TensorParallelModel (its rank's
+    vocabulary shard of the logits; the log-probabilities are over the whole vocabulary)."""
+    if hasattr(model, "completion_logprobs"):
+        return model.completion_logprobs(batch.input_ids, batch.completion_ids, attention_mask=batch.attention_mask,
+                                         position_ids=batch.position_ids, temperature=temperature)
     completion_len = batch.completion_ids.shape[1]
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                 position_ids=batch.position_ids, logits_to_keep=completion_len + 1, use_cache=False)

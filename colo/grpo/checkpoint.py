@@ -9,6 +9,9 @@ only a `.tmp` file that the next save removes.
 With the optimizer state sharded over ranks (ZeRO-1), each rank first writes its shard the same way,
 `step-000012.optimizer-rank1-of-4.pt`, and only then does rank 0 write `step-000012.pt` (whose
 "optimizer" entry names the shards): a checkpoint that can be found is one whose shards are complete.
+With tensor parallelism the model entry still holds the whole weights (Hugging Face names and
+shapes, gathered when saving), and each tensor-parallel rank's optimizer state (its shards' masters
+and moments) is a file of its own, `step-000012.optimizer-tp1-of-2.pt`, written the same way.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from ..errors import CheckpointError  # noqa: F401 - raised here, re-exported
 
 FORMAT = "colo.grpo.checkpoint/1"
 _NAME = re.compile(r"^step-(\d{6,})\.pt$")
-_SHARD_NAME = re.compile(r"^step-(\d{6,})\.optimizer-rank\d+-of-\d+\.pt$")
+_SHARD_NAME = re.compile(r"^step-(\d{6,})\.optimizer-(rank|tp)\d+-of-\d+\.pt$")
 
 
 def checkpoint_path(out_dir: str | Path, step: int) -> Path:
@@ -48,8 +51,9 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def optimizer_shard_path(out_dir: str | Path, step: int, rank: int, world_size: int) -> Path:
-    return Path(out_dir) / f"step-{step:06d}.optimizer-rank{rank}-of-{world_size}.pt"
+def optimizer_shard_path(out_dir: str | Path, step: int, rank: int, world_size: int, kind: str = "rank") -> Path:
+    """kind: "rank" for a ZeRO-1 shard, "tp" for a tensor-parallel rank's optimizer state."""
+    return Path(out_dir) / f"step-{step:06d}.optimizer-{kind}{rank}-of-{world_size}.pt"
 
 
 def save_checkpoint(out_dir: str | Path, step: int, state: dict, keep: int = 2) -> Path:
@@ -72,9 +76,10 @@ def save_checkpoint(out_dir: str | Path, step: int, state: dict, keep: int = 2) 
     return final
 
 
-def save_optimizer_shard(out_dir: str | Path, step: int, rank: int, world_size: int, state: dict) -> Path:
+def save_optimizer_shard(out_dir: str | Path, step: int, rank: int, world_size: int, state: dict,
+                         kind: str = "rank") -> Path:
     """Atomically write this rank's optimizer shard of `step` (before rank 0 writes the checkpoint)."""
-    path = optimizer_shard_path(out_dir, step, rank, world_size)
+    path = optimizer_shard_path(out_dir, step, rank, world_size, kind)
     _write_atomically(path, {"format": FORMAT, "step": step, "optimizer": state})
     return path
 
@@ -94,6 +99,25 @@ def load_optimizer_shards(checkpoint: str | Path, state: dict) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - torch raises many types for a truncated or foreign file
             raise CheckpointError(f"cannot read optimizer shard {path}: {type(e).__name__}: {e}") from e
     return shards
+
+
+def tensor_parallel_size(state: dict) -> int:
+    """The tensor-parallel size of the run that wrote this checkpoint (1: none)."""
+    return int(state.get("config", {}).get("tensor_parallel", 1))
+
+
+def load_tensor_parallel_optimizer(checkpoint: str | Path, state: dict, tp_rank: int) -> dict:
+    """The optimizer state of tensor-parallel rank `tp_rank` that a checkpoint names."""
+    checkpoint = Path(checkpoint)
+    size = tensor_parallel_size(state)
+    path = optimizer_shard_path(checkpoint.parent, int(state["step"]), tp_rank, size, "tp")
+    if not path.is_file():
+        raise CheckpointError(f"{checkpoint} holds the optimizer state of {size} tensor-parallel ranks, but {path} "
+                              "is missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)["optimizer"]
+    except Exception as e:  # noqa: BLE001 - torch raises many types for a truncated or foreign file
+        raise CheckpointError(f"cannot read optimizer state {path}: {type(e).__name__}: {e}") from e
 
 
 def is_sharded(state: dict) -> bool:

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-alpha", type=float, default=8.0, metavar="A", help="LoRA alpha (scaling A/R; default %(default)s, as PEFT)")
     p.add_argument("--lora-targets", nargs="+", metavar="NAME", default=list(GRPOConfig.lora_targets),
                    help="linear layers the adapter adapts (default: all of them)")
+    p.add_argument("--tensor-parallel", type=_positive_int, default=None, metavar="N",
+                   help="ranks per engine (under torchrun; each holds only its shards of the weights, views of its "
+                        "engine's; default 1, or the resumed run's)")
     p.add_argument("--seed", type=_non_negative_int, default=0, help="seeds the toy model, prompts and sampling")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -106,6 +109,10 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
             load_checkpoint(newest)  # fail here, with a clear message, before any engine starts
         except CheckpointError as e:
             parser.error(f"--resume: {e}")
+        if args.tensor_parallel not in (None, config.tensor_parallel):
+            parser.error(f"--resume: the run in {out} was trained with --tensor-parallel {config.tensor_parallel}; "
+                         f"colo does not re-slice its optimizer state for --tensor-parallel {args.tensor_parallel}: "
+                         f"resume with --tensor-parallel {config.tensor_parallel}")
         return model_dir, config
     if list_checkpoints(out):
         parser.error(f"{out} already holds checkpoints of a run; pass --resume to continue it or choose another --out")
@@ -117,8 +124,9 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
                                "offload_optimizer": OFFLOAD_CHOICES[args.offload_optimizer],
                                "shard_optimizer": args.shard_optimizer, "lora_rank": args.lora_rank,
                                "lora_alpha": args.lora_alpha, "lora_targets": tuple(args.lora_targets),
+                               "tensor_parallel": args.tensor_parallel or 1,
                                "dtype": None if args.dtype == "auto" else args.dtype})
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:
         parser.error(str(e))
     if args.model:
         model_dir = Path(args.model)
@@ -157,7 +165,7 @@ def main(argv=None) -> int:
 
     quiet_vllm_logs()  # the progress bar and the summary, not a vLLM INFO line per step
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    world = D.init_world("cuda" if _cuda() else "cpu")
+    world = D.init_world("cuda" if _cuda() else "cpu")  # the scheduler makes the tensor-parallel groups
     out = Path(args.out)
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -175,6 +183,10 @@ def main(argv=None) -> int:
     config = config.resolve_dtype(world.device)
     if world.is_main:
         print(f"colo.grpo: weights in {config.dtype} ({why})", flush=True)
+        if config.tensor_parallel > 1:
+            print(f"colo.grpo: tensor parallel {config.tensor_parallel} x data parallel "
+                  f"{world.size // config.tensor_parallel}: each rank trains its shards of the weights, views of "
+                  "its engine's", flush=True)
         if config.lora_rank:
             print(f"colo.grpo: LoRA rank {config.lora_rank}, alpha {config.lora_alpha:g} on "
                   f"{', '.join(config.lora_targets)}; the base is frozen; adapter in PEFT's format in {out / 'adapter'}",

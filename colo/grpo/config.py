@@ -50,6 +50,9 @@ class GRPOConfig:
     lora_rank: int = 0
     lora_alpha: float = 8.0            # PEFT's lora_alpha (scaling alpha / rank)
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # Tensor parallelism (colo.tensor_parallel): ranks per engine; each holds only its shards, views of
+    # its engine's. The torchrun world is world / tensor_parallel data-parallel groups of it.
+    tensor_parallel: int = 1
     save_every: int = 10               # checkpoint period in steps (0: only at the end)
     keep_checkpoints: int = 2          # newest ones kept (0: all)
     seed: int = 0
@@ -87,6 +90,12 @@ class GRPOConfig:
             if self.shard_optimizer:
                 raise ValueError("shard_optimizer with lora_rank > 0: an adapter's optimizer state is small; "
                                  "train it unsharded")
+        check_int(self.tensor_parallel, "tensor_parallel")
+        if self.tensor_parallel > 1:
+            for name, unsupported in (("lora_rank > 0", self.lora_rank), ("shard_optimizer", self.shard_optimizer),
+                                      ("beta > 0 (a reference model)", self.beta > 0)):
+                if unsupported:
+                    raise NotImplementedError(f"tensor_parallel={self.tensor_parallel} with {name} is not built yet")
         if self.dtype not in (None, *DTYPES):
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or None (the fastest here), got {self.dtype!r}")
 

@@ -27,10 +27,12 @@ class Completion:
     logprobs: list[float] | None  # the engine's log-probability of each sampled token (raw logits)
 
 
-def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token occupies over all layers."""
+def kv_bytes_per_token(hf_config, dtype: torch.dtype, tensor_parallel: int = 1) -> int:
+    """Bytes of K and V one token occupies over all layers, on one of `tensor_parallel` ranks (each
+    holds its share of the KV heads, at least one: vLLM replicates a head over several ranks)."""
     text = getattr(hf_config, "text_config", hf_config)
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    heads = max(1, heads // tensor_parallel)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return 2 * text.num_hidden_layers * heads * head_dim * dtype.itemsize
 
@@ -73,12 +75,15 @@ class RolloutEngine:
     lora: a colo.lora.LoraSpec: the base is frozen and shared as above, and `adapter` (colo.lora) is
     the trainable adapter, a view of the engine's adapter slot; every generation uses it and
     publish() copies nothing. `workdir` holds the zero adapter the engine loads once at start.
+    tensor_parallel: ranks of the engine (under torchrun, consecutive ranks): `tensor_parallel` is
+    then this rank's colo.tensor_parallel.TensorParallelModel, `hf_model` its module (this rank's
+    shards, views of the engine's), and publish() copies nothing.
     """
 
     def __init__(self, model_dir, pool, *, seed: int, max_num_seqs: int, sequence_tokens: int = 1,
                  max_model_len: int | None = None, dtype: torch.dtype = torch.float32, alias: bool = True,
                  trainer_dtype: torch.dtype | None = None, lora: LoraSpec | None = None, workdir=None,
-                 **llm_kwargs):
+                 tensor_parallel: int = 1, **llm_kwargs):
         from transformers import AutoConfig
 
         self.model_dir, self.pool, self.seed, self.alias, self.dtype = model_dir, pool, seed, alias, dtype
@@ -92,6 +97,12 @@ class RolloutEngine:
             if workdir is None:
                 raise ValueError("lora needs a workdir for the adapter the engine loads at start")
             llm_kwargs.update(lora.engine_options())
+        if tensor_parallel > 1:
+            if lora is not None or not alias:
+                raise NotImplementedError("tensor parallelism shares the engine's shards with the trainer: it takes "
+                                          "neither a LoRA adapter nor alias=False yet")
+            llm_kwargs["tensor_parallel_size"] = tensor_parallel
+        self.tp_size = tensor_parallel
         config = AutoConfig.from_pretrained(model_dir)
         self.vocab_size = config.vocab_size
         self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", 2048)
@@ -104,10 +115,11 @@ class RolloutEngine:
         # token, so these bytes give exactly `blocks`, null block included.
         blocks = max(kv_cache_blocks(max_num_seqs, sequence_tokens, block), kv_cache_blocks(1, self.max_model_len, block))
         self.adapter_slot_bytes = slot_bytes(config, lora, dtype) if lora else 0
-        self.kv_cache_bytes = self._kv_budget(blocks * block * kv_bytes_per_token(config, dtype), config)
+        self.kv_cache_bytes = self._kv_budget(blocks * block * kv_bytes_per_token(config, dtype, tensor_parallel), config)
         self._llm_kwargs = dict(skip_tokenizer_init=True, max_num_seqs=max_num_seqs, block_size=block, **llm_kwargs)
         self.llm = self._build(load_format="auto")
         self.shared = self._share()
+        self.tensor_parallel = self.shared if tensor_parallel > 1 else None
         self.hf_model = self.shared.hf_model
         self.adapter = share_adapter(self.hf_model, self.llm, lora, workdir, seed=seed) if lora else None
 
@@ -116,7 +128,8 @@ class RolloutEngine:
             return self.pool.regions[KV_CACHE].budget
         # The weights are not loaded yet: leave room for them. Regions asleep now (the training
         # memory, while generating) do not count.
-        left = self.pool.unbudgeted_bytes - parameter_bytes(config, self.dtype) - self.adapter_slot_bytes - _KV_HEADROOM
+        weights = parameter_bytes(config, self.dtype) // self.tp_size  # a rank's shards (norms whole: small)
+        left = self.pool.unbudgeted_bytes - weights - self.adapter_slot_bytes - _KV_HEADROOM
         if left < wanted:
             raise OutOfMemoryError(f"the KV cache needs {wanted} bytes for the rollout batch but the pool has "
                                    f"only {max(left, 0)} left after the weights and the regions awake during "
@@ -131,6 +144,10 @@ class RolloutEngine:
     def _share(self, hf_model=None):
         if hf_model is not None:
             return share_weights(hf_model, self.llm, alias=self.alias)
+        if self.tp_size > 1:
+            from ..tensor_parallel import shared_tp_model
+
+            return shared_tp_model(self.llm)
         if self.alias:
             return shared_model(self.llm, self.dtype)
         from transformers import AutoModelForCausalLM
@@ -178,6 +195,9 @@ class RolloutEngine:
 
     def rebuild(self) -> None:
         """Replace a broken engine by a fresh one serving the trainer's weights (nothing read from disk)."""
+        if self.tp_size > 1:  # the other ranks' engine shards would have to be rebuilt in step with this one
+            raise EngineFailure("a tensor-parallel engine is not rebuilt after a failure; resume from the last "
+                                "checkpoint")
         region = self.kv_region
         # The trainer's parameters are views of the old engine's tensors. Give them a private copy
         # for the moment, so the old tensors die with the old engine and the new one can take their

@@ -14,6 +14,10 @@ One step:
               that copy runs; the step ends once it is done, before the KV cache wakes again
 
 Every rank of a torchrun job runs this same loop with its own engine and its share of the prompts.
+With tensor parallelism (config.tensor_parallel = T) an engine spans T consecutive ranks: each holds
+its shards of the weights and the trainer's model on it is those shards (colo.tensor_parallel); the T
+ranks see the same prompts, and prompts and gradients are split and averaged over the data-parallel
+ranks only.
 """
 from __future__ import annotations
 
@@ -40,7 +44,8 @@ from ..zero import ShardLayout
 from . import distributed as D
 from .batch import pack
 from .checkpoint import (CheckpointError, capture_rng, is_sharded, latest_checkpoint, load_checkpoint,
-                         load_optimizer_shards, restore_rng, save_checkpoint, save_optimizer_shard)
+                         load_optimizer_shards, load_tensor_parallel_optimizer, restore_rng, save_checkpoint,
+                         save_optimizer_shard, tensor_parallel_size)
 from .config import GRPOConfig
 from .loss import group_advantages
 from .metrics import GpuMonitor, StepLog, Timeline, rss_bytes
@@ -76,7 +81,7 @@ class GRPOScheduler:
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self._join_world()
         resume_state = self._find_resume_state() if resume else None
-        torch.manual_seed(self.config.seed + self.world.rank)
+        torch.manual_seed(self.config.seed + self.world.dp_rank)  # an engine's tensor-parallel ranks alike
         self.pool = colo.Pool(self.device, capacity=pool_capacity)
         self._check_model_dir()
         self.config = self.config.resolve_dtype(self.device)
@@ -95,11 +100,12 @@ class GRPOScheduler:
     # -- set-up ------------------------------------------------------------------------------------
     def _join_world(self) -> None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        self.world = D.init_world(device_type)  # on a GPU also makes this rank's device current
+        # on a GPU also makes this rank's device current
+        self.world = D.init_world(device_type, self.config.tensor_parallel)
         self.device = torch.device("cuda", self.world.local_rank) if device_type == "cuda" else torch.device("cpu")
-        if self.config.prompts_per_step < self.world.size:
+        if self.config.prompts_per_step < self.world.dp_size:
             raise ValueError(f"prompts_per_step={self.config.prompts_per_step} leaves ranks without prompts: "
-                             f"it must be at least the number of ranks ({self.world.size})")
+                             f"it must be at least the number of data-parallel ranks ({self.world.dp_size})")
 
     def _start_engine(self, engine_options: dict) -> None:
         """The engine first: vLLM loads the weights into the pool, and the trainer's model is a view of them."""
@@ -109,8 +115,10 @@ class GRPOScheduler:
         self.engine = RolloutEngine(self.model_dir, self.pool, seed=self.config.seed, dtype=self.config.torch_dtype,
                                     max_num_seqs=self._sequences_per_rank(),
                                     sequence_tokens=self._longest_sequence(), lora=lora,
-                                    workdir=self._workdir.name if lora else None, **engine_options)
+                                    workdir=self._workdir.name if lora else None,
+                                    tensor_parallel=self.config.tensor_parallel, **engine_options)
         self.model = self.engine.hf_model
+        self.tp = self.engine.tensor_parallel  # this rank's TensorParallelModel, or None
         self.adapter = self.engine.adapter
         self.reference = None
         if self.config.beta > 0:  # with an adapter the reference is the shared base itself: no copy
@@ -149,6 +157,12 @@ class GRPOScheduler:
             raise FileNotFoundError(f"no Hugging Face model at {self.model_dir} (config.json missing)")
         for arch in json.loads(config.read_text()).get("architectures") or ():
             check_architecture(arch)
+        if self.config.tensor_parallel > 1:
+            from transformers import AutoConfig
+
+            from ..tensor_parallel import check_shardable
+
+            check_shardable(AutoConfig.from_pretrained(self.model_dir), self.config.tensor_parallel)
 
     @staticmethod
     def _frozen_copy(model):
@@ -185,13 +199,25 @@ class GRPOScheduler:
         if saved_rank != self.config.lora_rank:
             raise CheckpointError(f"{path} was trained with lora_rank={saved_rank}; resume it with the same lora_rank "
                                   f"(this run has {self.config.lora_rank})")
+        saved_tp = tensor_parallel_size(state)
+        if saved_tp != self.config.tensor_parallel:
+            raise CheckpointError(f"{path} was trained with tensor_parallel={saved_tp}; this run has "
+                                  f"tensor_parallel={self.config.tensor_parallel}, and colo does not re-slice the "
+                                  f"optimizer state between tensor-parallel sizes: resume with tensor_parallel={saved_tp}")
         if is_sharded(state):
             state["optimizer"] = load_optimizer_shards(path, state)  # any number of ranks: re-sharded on load
+        elif saved_tp > 1:  # this rank's shards' optimizer state; any number of data-parallel ranks
+            state["optimizer"] = load_tensor_parallel_optimizer(path, state, self.world.tp_rank)
         return state
 
     def _restore(self, state: dict) -> None:
         """Load a checkpoint into the live, weight-sharing model, then let the engine see it."""
-        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        if self.tp is not None:  # whole weights, this rank's shards written in place
+            try:
+                self.tp.load_full_state_dict(state["model"])
+            except ValueError as e:
+                raise CheckpointError(f"checkpoint does not fit the model at {self.model_dir}: {e}") from e
+        missing, unexpected = ([], []) if self.tp is not None else self.model.load_state_dict(state["model"], strict=False)
         if self.adapter is not None:  # an adapter's checkpoint holds the adapter only; the base is the model's
             trainable = set(self._trainable_names())
             missing = [n for n in missing if n in trainable]
@@ -326,7 +352,7 @@ class GRPOScheduler:
         record["reward_s"] = span["seconds"]
         n, total, squares, tokens = D.sum_floats(
             [rewards.numel(), rewards.sum().item(), (rewards.double() ** 2).sum().item(),
-             sum(len(c) for c in completions)], self.world)
+             sum(len(c) for c in completions)], self.world, data_parallel=True)
         mean = total / n
         record["reward_mean"] = mean
         record["reward_std"] = math.sqrt(max(squares / n - mean * mean, 0.0))
@@ -344,11 +370,13 @@ class GRPOScheduler:
             self.memory.wake_for_training()  # optimizer state starts coming back on the copy stream
             record["phase_switch_s"] += time.perf_counter() - switch
             self.timeline.counter("resident_bytes", self._resident())
-            global_tokens = D.sum_floats([float(batch.completion_mask.sum())], self.world)[0]
-            # Each rank divides by global_tokens / world size; averaging the gradients over ranks
-            # then yields the exact token-level mean over the whole batch.
+            global_tokens = D.sum_floats([float(batch.completion_mask.sum())], self.world, data_parallel=True)[0]
+            # Each rank divides by global_tokens / data-parallel size; averaging the gradients over
+            # those ranks then yields the exact token-level mean over the whole batch.
+            collectives = (self.tp.collectives.forward + self.tp.collectives.backward) if self.tp else 0
             stats = accumulate_gradients(
-                self.model, batch, advantages.to(self.device), cfg, num_tokens=global_tokens / self.world.size,
+                self.tp or self.model, batch, advantages.to(self.device), cfg,
+                num_tokens=global_tokens / self.world.dp_size,
                 reference=self.reference, engine_logprobs=engine_logprobs if cfg.temperature == 1.0 else None,
                 after_forward=lambda: self._sample_residency("train", record))
             self.memory.check_grads_attached()
@@ -365,14 +393,22 @@ class GRPOScheduler:
             self.lr_scheduler.step()
             record["optimizer_state_bytes"] = self.memory.optimizer_state_bytes()
         record["train_s"] = span["seconds"]
+        if self.tp is not None:  # the step's tensor-parallel all-reduces (forward, backward, vocabulary, KV heads)
+            record["tp_all_reduces"] = self.tp.collectives.forward + self.tp.collectives.backward - collectives
         record["loss"], record["clip_fraction"], record["kl"] = (
-            v / self.world.size for v in D.sum_floats([stats["loss"], stats["clip_fraction"], stats["kl"]], self.world))
+            v / self.world.dp_size for v in D.sum_floats([stats["loss"], stats["clip_fraction"], stats["kl"]],
+                                                         self.world, data_parallel=True))
         if "engine_logprob_max_abs_diff" in stats:
             record["engine_logprob_max_abs_diff"] = stats["engine_logprob_max_abs_diff"]
 
     def _clip_gradients(self) -> float:
         flats = list(self.memory.flat_grads.values())
-        norm = math.sqrt(sum(float(torch.linalg.vector_norm(f)) ** 2 for f in flats))
+        if self.tp is not None:  # the whole model's norm: shards summed over the ranks, replicated ones once
+            params = self.memory.params
+            grads = self.optimizer.main_grads if hasattr(self.optimizer, "main_grads") else [p.grad for p in params]
+            norm = self.tp.grad_norm(getattr(self.optimizer, "params", params), grads)
+        else:
+            norm = math.sqrt(sum(float(torch.linalg.vector_norm(f)) ** 2 for f in flats))
         limit = self.config.max_grad_norm
         if limit is not None and norm > limit:
             for f in flats:
@@ -462,10 +498,17 @@ class GRPOScheduler:
         if self.memory.shard is not None:  # every rank's shard is on disk before the checkpoint names them
             save_optimizer_shard(self.out_dir, self.step, self.world.rank, self.world.size, self._optimizer_state())
             D.barrier(self.world)
+        model_state = self._model_state()  # with tensor parallelism a collective: every rank takes part
+        if self.tp is not None:  # each tensor-parallel rank's optimizer state, once (data-parallel rank 0's)
+            if self.world.dp_rank == 0:
+                save_optimizer_shard(self.out_dir, self.step, self.world.tp_rank, self.world.tp_size,
+                                     self._optimizer_state(), kind="tp")
+            D.barrier(self.world)
         if self.world.is_main:
             with self.timeline.span("checkpoint", step=self.step):
-                optimizer = {"sharded_over": self.world.size} if self.memory.shard is not None else self._optimizer_state()
-                state = {"model": self._model_state(), "optimizer": optimizer,
+                optimizer = {"sharded_over": self.world.size} if self.memory.shard is not None else \
+                    {"tensor_parallel_over": self.world.tp_size} if self.tp is not None else self._optimizer_state()
+                state = {"model": model_state, "optimizer": optimizer,
                          "lr_scheduler": self.lr_scheduler.state_dict(), "rng": rng,
                          "config": self.config.to_dict(), "model_dir": str(self.model_dir)}
                 if isinstance(self.reference, torch.nn.Module):
@@ -481,7 +524,13 @@ class GRPOScheduler:
         return [n for n, p in self.model.named_parameters() if p.requires_grad]
 
     def _model_state(self) -> dict:
-        """What a checkpoint keeps of the model: every weight, or with an adapter the adapter only."""
+        """What a checkpoint keeps of the model: every weight, or with an adapter the adapter only. With
+        tensor parallelism the whole weights, gathered on rank 0 (None on the other ranks)."""
+        if self.tp is not None:
+            state = self.tp.full_state_dict()
+            if state is not None and "lm_head.weight" not in state and "lm_head.weight" in self.model.state_dict():
+                state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied: state_dict names both
+            return state
         if self.adapter is None:
             return self.model.state_dict()
         return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
@@ -493,7 +542,8 @@ class GRPOScheduler:
             return
         with torch.no_grad():
             digest = float(sum(p.sum(dtype=torch.float64) for p in self.model.parameters()))
-        digests = D.gather_objects(digest, self.world)
+        # The ranks holding the same shards (the same tensor-parallel rank of every engine) must agree.
+        digests = D.gather_objects(digest, self.world)[self.world.tp_rank::self.world.tp_size]
         if max(digests) - min(digests) > 1e-9 * max(1.0, abs(digest)):
             raise RuntimeError(f"the ranks' weights diverged at step {self.step} (parameter sums {digests}); "
                                "gradients were not averaged identically")
