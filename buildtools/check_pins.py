@@ -140,21 +140,25 @@ def cuda_conflicts(engines: dict[str, list[str]], torch_name: str, torch_require
 
 
 def installed_torch_mismatch(torch_version: str, torch_cuda: str | None, engine: str, engine_major: int,
-                             pypi_torch_major: int | None = None) -> str | None:
+                             pypi_torch_major: int | None = None, engine_installed: bool = False) -> str | None:
     """A fix-it message when an installed torch (torch.__version__, torch.version.cuda such as "12.6")
-    is built for another CUDA major than the vLLM wheel `engine` ("vllm==0.32.0"); None when they
-    match, or when torch is a CPU build (torch_cuda None: no CUDA to pair)."""
-    if torch_cuda is None:
-        return None
-    torch_major = int(torch_cuda.split(".")[0])
-    if torch_major == engine_major:
-        return None
+    is built for another CUDA major than the vLLM wheel `engine` ("vllm==0.32.0"), or is a CPU build
+    (torch_cuda None) while that vLLM is the one installed here (engine_installed); else None."""
     base = torch_version.split("+")[0]
-    if pypi_torch_major == engine_major:
-        get_torch = (f"`pip uninstall -y torch && pip install torch=={base}` "
+    if pypi_torch_major == engine_major:  # === takes PyPI's wheel, never a local build (+cpu, +cu126)
+        get_torch = (f"`pip uninstall -y torch && pip install 'torch==={base}'` "
                      f"(PyPI's Linux wheel of torch {base} is built for CUDA {engine_major})")
     else:
         get_torch = f"install a torch {base} built for CUDA {engine_major}"
+    if torch_cuda is None:
+        if not engine_installed:
+            return None
+        return (f"the installed torch {torch_version} is a CPU build, but the installed {engine} is built for CUDA "
+                f"{engine_major}: vLLM's kernels will not load with this torch. pip accepts the pair because "
+                f"{engine}'s torch=={base} ignores the local label of {torch_version}. Fix: {get_torch}.")
+    torch_major = int(torch_cuda.split(".")[0])
+    if torch_major == engine_major:
+        return None
     return (f"the installed torch {torch_version} is built for CUDA {torch_cuda} (CUDA {torch_major}), but {engine} "
             f"is built for CUDA {engine_major}: vLLM's kernels will not load with this torch. pip accepts the pair "
             f"because {engine}'s torch=={base} ignores the local label of {torch_version}. Fix: {get_torch}, or "
@@ -212,7 +216,8 @@ def main() -> int:
         for name, requires in metadata.items():
             engine_major = _major_or_none(requires)
             if engine_major is not None:
-                mismatch = installed_torch_mismatch(installed.version, installed.cuda, name, engine_major, pypi_torch_major)
+                mismatch = installed_torch_mismatch(installed.version, installed.cuda, name, engine_major, pypi_torch_major,
+                                                    engine_installed=_is_installed(name))
                 mismatches += [mismatch] if mismatch else []
 
     for problem in problems:
@@ -220,6 +225,17 @@ def main() -> int:
     for mismatch in mismatches:
         print(f"CUDA mismatch: {mismatch}", file=sys.stderr)
     return 1 if problems or mismatches else 0
+
+
+def _is_installed(requirement: str) -> bool:
+    """Whether this Python has exactly `requirement` ("vllm==0.32.0") installed."""
+    from importlib import metadata
+
+    name, _, version = requirement.partition("==")
+    try:
+        return metadata.version(name) == version
+    except metadata.PackageNotFoundError:
+        return False
 
 
 def _major_or_none(requires_dist: list[str]) -> int | None:

@@ -286,7 +286,7 @@ def tensor_parallel_plan(params: float, gpus: int, gpu_memory: int, dtype: str, 
     optimizer = optimizer_per_param * shard // dp
     optimizer_math = f"{optimizer_per_param} x P_T / {dp}"
     act, act_math = activation_bytes(shape, tokens, tp)
-    colo = Layout(f"colo-TP (tensor parallel {tp} x ZeRO-1 over {dp}; planned: colo.grpo does not run it yet)", [
+    colo = Layout(f"colo-TP (tensor parallel {tp} x ZeRO-1 over {dp}: colo.grpo --tensor-parallel {tp} --shard-optimizer)", [
         Term(f"weights ({dtype}, this rank's shard, shared with the engine's)", d * shard, f"{d} x P_T",
              generate=True, train=True),
         Term("gradients (fp32, this rank's shard)", 4 * shard, "4 x P_T", generate=False, train=True),
@@ -341,7 +341,7 @@ def main(argv=None) -> int:
     p.add_argument("--reserve", default="4GiB", help="memory kept free per GPU (context, NCCL, slack)")
     p.add_argument("--config", default=None, help="a Hugging Face config.json for the model's shape")
     p.add_argument("--tensor-parallel", type=int, default=1,
-                   help="GPUs per tensor-parallel group: colo-TP (planned) beside verl with a tensor-parallel engine")
+                   help="GPUs per tensor-parallel group: colo-TP (colo.grpo --tensor-parallel) beside verl with a tensor-parallel engine")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = p.parse_args(argv)
     plans = []

@@ -180,6 +180,14 @@ class TensorParallelModel:
         dist.all_reduce(sharded, group=self.group)
         return float((sharded + whole).sqrt())
 
+    def norm_weights(self, params: list[torch.Tensor]) -> dict[int, float]:
+        """{index in params: w} such that summing w x each parameter's squared gradient over the ranks
+        gives the whole model's: 1 / size for parameters every rank holds whole, 1 / kv_replicas for a
+        KV head several ranks share (for colo.ShardedMasterWeightOptimizer.clip_grad_norm_)."""
+        replicated, kv = {id(p) for p in self.replicated}, {id(p) for p in self.kv_params}
+        return {i: 1.0 / self.size if id(p) in replicated else 1.0 / self.kv_replicas
+                for i, p in enumerate(params) if id(p) in replicated or id(p) in kv}
+
     def clip_grad_norm_(self, optimizer, max_norm: float | None) -> float:
         """As MasterWeightOptimizer.clip_grad_norm_, with the whole model's norm; returns it."""
         norm = self.grad_norm(optimizer.params, optimizer.main_grads)

@@ -192,23 +192,45 @@ class ShardedMasterWeightOptimizer(MainGradientOptimizer):
                 tail.div_(world)
         self._reduced = True
 
-    def clip_grad_norm_(self, max_norm: float | None) -> float:
+    def clip_grad_norm_(self, max_norm: float | None, *, weights: dict | None = None, sum_group=None) -> float:
         """The fp32 L2 norm of the averaged gradient over all ranks; scales this rank's pieces to
-        `max_norm` when above it (None: no clip)."""
+        `max_norm` when above it (None: no clip).
+
+        weights: {parameter index: w} multiplying that parameter's squares, and sum_group a group the
+        squares are then summed over as well: a tensor-parallel model's parameters are shards of the
+        whole model's, summed over its tensor-parallel group, with the parameters every rank holds
+        whole counted once (colo.tensor_parallel.TensorParallelModel.norm_weights)."""
         self.reduce_gradients()
         lay = self.layout
         shard = self.grad_flat[lay.rank * lay.shard_numel:(lay.rank + 1) * lay.shard_numel]
         tail = self.grad_flat[lay.tail_start:]
-        squares = torch.linalg.vector_norm(shard, dtype=torch.float32) ** 2
+        if weights is None:
+            squares = torch.linalg.vector_norm(shard, dtype=torch.float32) ** 2
+            tail_squares = float(torch.linalg.vector_norm(tail, dtype=torch.float32)) ** 2
+        else:
+            squares, tail_squares = self._weighted_squares(weights)
         if lay.world_size > 1:
             squares = squares.to(torch.float64)
             dist.all_reduce(squares, group=self.group)
-        norm = math.sqrt(float(squares) + float(torch.linalg.vector_norm(tail, dtype=torch.float32)) ** 2)
+        total = float(squares) + float(tail_squares)
+        if sum_group is not None:
+            summed = torch.tensor(total, dtype=torch.float64, device=shard.device)
+            dist.all_reduce(summed, group=sum_group)
+            total = float(summed)
+        norm = math.sqrt(total)
         if max_norm is not None and math.isfinite(norm) and norm > max_norm:
             scale = max_norm / (norm + 1e-6)
             shard.mul_(scale)
             tail.mul_(scale)
         return norm
+
+    def _weighted_squares(self, weights: dict):
+        """Sums of squares (fp64) of this rank's shard and of the tail, parameter i's scaled by weights[i]."""
+        squares = [torch.zeros((), dtype=torch.float64, device=self.grad_flat.device) for _ in range(2)]
+        for piece in self.layout.pieces:
+            part = self.grad_flat[piece.start:piece.stop]
+            squares[piece.start >= self.layout.tail_start] += weights.get(piece.param, 1.0) * part.double().square().sum()
+        return tuple(squares)
 
     @torch.no_grad()
     def step(self) -> None:

@@ -57,9 +57,16 @@ def assert_first_step_like_one_rank(tp_run, one) -> None:
     assert float(gaps.mean()) < 1e-3 * LR
 
 
-def test_tensor_parallel_trains_like_one_rank_with_one_copy_and_resumes_exactly(one, tmp_path):
-    two, resumed = tmp_path / "two", tmp_path / "resumed"
-    torchrun(two, 2, 29651, "--steps", "2", "--tensor-parallel", "2", *COMMON)
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """Tensor parallel 2: one engine over two ranks."""
+    out = tmp_path_factory.mktemp("grpo-tp2")
+    torchrun(out, 2, 29651, "--steps", "2", "--tensor-parallel", "2", *COMMON)
+    return out
+
+
+def test_tensor_parallel_trains_like_one_rank_with_one_copy_and_resumes_exactly(one, two, tmp_path):
+    resumed = tmp_path / "resumed"
     b = records(two)
     assert [r["step"] for r in b] == [1, 2]
     assert_first_step_like_one_rank(two, one)
@@ -96,15 +103,21 @@ def test_tensor_parallel_trains_like_one_rank_with_one_copy_and_resumes_exactly(
     assert "--tensor-parallel 2" in done.stderr and "--tensor-parallel 1" in done.stderr
 
 
-def test_two_engines_of_two_ranks_train_like_one_rank(one, tmp_path):
-    """Data parallel 2 x tensor parallel 2 (ranks 0-1 one engine, 2-3 another): each engine takes half
-    the prompts, the ranks holding the same shards average their gradients, and the step is one rank's."""
+def test_two_engines_of_two_ranks_with_zero_train_like_one_rank(one, two, tmp_path):
+    """Data parallel 2 x tensor parallel 2 (ranks 0-1 one engine, 2-3 another) with ZeRO-1 over the
+    data-parallel ranks: each engine takes half the prompts, the ranks holding the same shards
+    reduce-scatter their gradients and each steps half of them, the updated halves are all-gathered
+    into the engines' shards, and the step is one rank's."""
     out = tmp_path / "dp2-tp2"
-    torchrun(out, 4, 29655, "--steps", "1", "--tensor-parallel", "2", *COMMON)
+    torchrun(out, 4, 29655, "--steps", "1", "--tensor-parallel", "2", "--shard-optimizer", *COMMON)
     assert_first_step_like_one_rank(out, one)
-    assert records(out)[0]["publish_bytes_copied"] == 0
+    first = records(out)[0]
+    assert first["publish_bytes_copied"] == 0  # the all-gather landed in the engines' shards
+    # AdamW's moments of a tensor-parallel rank's shards (8 bytes per fp32 element), half on each.
+    unsharded = records(two)[0]["optimizer_state_bytes"]
+    assert unsharded / 2 <= first["optimizer_state_bytes"] < unsharded / 2 * 1.05
     assert sorted(p.name for p in out.glob("step-000001.optimizer-*")) == [
-        "step-000001.optimizer-tp0-of-2.pt", "step-000001.optimizer-tp1-of-2.pt"]
+        f"step-000001.optimizer-tp{t}-rank{d}-of-2.pt" for t in (0, 1) for d in (0, 1)]
 
 
 def test_what_tensor_parallelism_cannot_take_is_refused_before_any_engine(tmp_path):
@@ -113,7 +126,7 @@ def test_what_tensor_parallelism_cannot_take_is_refused_before_any_engine(tmp_pa
     from colo.grpo import GRPOConfig
     from colo.tensor_parallel import check_shardable
 
-    for option in ({"shard_optimizer": True}, {"lora_rank": 4}, {"beta": 0.1}):
+    for option in ({"lora_rank": 4}, {"beta": 0.1}):
         with pytest.raises(NotImplementedError, match=next(iter(option))):
             GRPOConfig(tensor_parallel=2, **option)
     toy = Qwen2Config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)

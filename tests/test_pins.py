@@ -90,7 +90,7 @@ def test_an_installed_torch_for_another_cuda_gets_a_fix_it_message():
     message = check_pins.installed_torch_mismatch("2.13.0+cu126", "12.6", "vllm==0.32.0", 13, pypi_torch_major=13)
     assert "torch 2.13.0+cu126 is built for CUDA 12.6 (CUDA 12)" in message
     assert "vllm==0.32.0 is built for CUDA 13" in message
-    assert "pip uninstall -y torch && pip install torch==2.13.0" in message  # PyPI's wheel is the fix
+    assert "pip uninstall -y torch && pip install 'torch===2.13.0'" in message  # PyPI's wheel, never a local build
     assert "a vllm==0.32.0 built for CUDA 12" in message
     # When PyPI's torch is not the engine's CUDA either, no command is promised, only what to get.
     other = check_pins.installed_torch_mismatch("2.13.0+cu126", "12.6", "vllm==0.32.0", 13, pypi_torch_major=12)
@@ -98,3 +98,8 @@ def test_an_installed_torch_for_another_cuda_gets_a_fix_it_message():
     assert check_pins.installed_torch_mismatch("2.13.0", "13.0", "vllm==0.32.0", 13) is None
     assert check_pins.installed_torch_mismatch("2.13.0+cu130", "13.0", "vllm==0.32.0", 13) is None
     assert check_pins.installed_torch_mismatch("2.13.0+cpu", None, "vllm==0.32.0", 13) is None
+    # A CPU torch under the GPU vLLM that is installed here: the same local-label trap.
+    cpu = check_pins.installed_torch_mismatch("2.13.0+cpu", None, "vllm==0.32.0", 13, pypi_torch_major=13,
+                                              engine_installed=True)
+    assert "torch 2.13.0+cpu is a CPU build, but the installed vllm==0.32.0 is built for CUDA 13" in cpu
+    assert "pip install 'torch===2.13.0'" in cpu

@@ -26,7 +26,7 @@ from ..errors import CheckpointError  # noqa: F401 - raised here, re-exported
 
 FORMAT = "colo.grpo.checkpoint/1"
 _NAME = re.compile(r"^step-(\d{6,})\.pt$")
-_SHARD_NAME = re.compile(r"^step-(\d{6,})\.optimizer-(rank|tp)\d+-of-\d+\.pt$")
+_SHARD_NAME = re.compile(r"^step-(\d{6,})\.optimizer-(tp\d+-)?(rank|tp)\d+-of-\d+\.pt$")
 
 
 def checkpoint_path(out_dir: str | Path, step: int) -> Path:
@@ -52,7 +52,8 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 
 
 def optimizer_shard_path(out_dir: str | Path, step: int, rank: int, world_size: int, kind: str = "rank") -> Path:
-    """kind: "rank" for a ZeRO-1 shard, "tp" for a tensor-parallel rank's optimizer state."""
+    """kind: "rank" for a ZeRO-1 shard, "tp" for a tensor-parallel rank's optimizer state, "tp{t}-rank"
+    for a ZeRO-1 shard of tensor-parallel rank t's."""
     return Path(out_dir) / f"step-{step:06d}.optimizer-{kind}{rank}-of-{world_size}.pt"
 
 
@@ -84,13 +85,14 @@ def save_optimizer_shard(out_dir: str | Path, step: int, rank: int, world_size: 
     return path
 
 
-def load_optimizer_shards(checkpoint: str | Path, state: dict) -> list[dict]:
-    """The optimizer shards a sharded checkpoint names, every rank's, in rank order."""
+def load_optimizer_shards(checkpoint: str | Path, state: dict, kind: str = "rank") -> list[dict]:
+    """The optimizer shards a sharded checkpoint names, every rank's, in rank order (kind: as
+    optimizer_shard_path's; with tensor parallelism, those of one tensor-parallel rank)."""
     checkpoint = Path(checkpoint)
     world_size = int(state["optimizer"]["sharded_over"])
     shards = []
     for rank in range(world_size):
-        path = optimizer_shard_path(checkpoint.parent, int(state["step"]), rank, world_size)
+        path = optimizer_shard_path(checkpoint.parent, int(state["step"]), rank, world_size, kind)
         if not path.is_file():
             raise CheckpointError(f"{checkpoint} holds optimizer state sharded over {world_size} ranks, but {path} "
                                   "is missing")

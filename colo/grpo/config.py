@@ -92,8 +92,7 @@ class GRPOConfig:
                                  "train it unsharded")
         check_int(self.tensor_parallel, "tensor_parallel")
         if self.tensor_parallel > 1:
-            for name, unsupported in (("lora_rank > 0", self.lora_rank), ("shard_optimizer", self.shard_optimizer),
-                                      ("beta > 0 (a reference model)", self.beta > 0)):
+            for name, unsupported in (("lora_rank > 0", self.lora_rank), ("beta > 0 (a reference model)", self.beta > 0)):
                 if unsupported:
                     raise NotImplementedError(f"tensor_parallel={self.tensor_parallel} with {name} is not built yet")
         if self.dtype not in (None, *DTYPES):

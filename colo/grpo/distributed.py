@@ -71,10 +71,10 @@ def init_world(device_type: str, tensor_parallel: int = 1) -> World:
     if world.size % tensor_parallel:
         raise ValueError(f"tensor_parallel={tensor_parallel} must divide the number of ranks ({world.size}): "
                          f"launch torchrun with a multiple of {tensor_parallel} processes")
-    dp_group = None
-    if world.size > tensor_parallel:  # every rank takes part in creating every group (torch's rule)
-        groups = [list(range(t, world.size, tensor_parallel)) for t in range(tensor_parallel)]
-        dp_group, _ = dist.new_subgroups_by_enumeration(groups)
+    # Every rank takes part in creating every group (torch's rule); a group of one where there is one
+    # engine, so a sharded optimizer sees its own data-parallel world.
+    groups = [list(range(t, world.size, tensor_parallel)) for t in range(tensor_parallel)]
+    dp_group, _ = dist.new_subgroups_by_enumeration(groups)
     return dataclasses.replace(world, tp_size=tensor_parallel, dp_group=dp_group)
 
 

@@ -133,9 +133,11 @@ class GRPOScheduler:
         if cfg.memory_phases:
             self.engine.sleep_kv_cache()
         # ZeRO-1: this rank's shard of masters and moments; the all-gather lands in the engine's weights.
-        shard = ShardLayout(params, self.world.size, self.world.rank, store_region=self.pool.regions[WEIGHTS]) \
+        # With tensor parallelism, over the data-parallel ranks (those holding the same shards).
+        shard = ShardLayout(params, self.world.dp_size, self.world.dp_rank, store_region=self.pool.regions[WEIGHTS]) \
             if cfg.shard_optimizer else None
         self.memory = TrainingMemory(self.pool, params, offload_optimizer=cfg.offload_optimizer, shard=shard,
+                                     shard_group=self.world.dp_group,
                                      scales=self.adapter.scales() if self.adapter else None)
         # fp32 parameters: AdamW itself; bf16: a colo.MasterWeightOptimizer stepping fp32 masters in the
         # optimizer region; sharded: a colo.ShardedMasterWeightOptimizer.
@@ -204,8 +206,8 @@ class GRPOScheduler:
             raise CheckpointError(f"{path} was trained with tensor_parallel={saved_tp}; this run has "
                                   f"tensor_parallel={self.config.tensor_parallel}, and colo does not re-slice the "
                                   f"optimizer state between tensor-parallel sizes: resume with tensor_parallel={saved_tp}")
-        if is_sharded(state):
-            state["optimizer"] = load_optimizer_shards(path, state)  # any number of ranks: re-sharded on load
+        if is_sharded(state):  # any number of (data-parallel) ranks: re-sharded on load
+            state["optimizer"] = load_optimizer_shards(path, state, self._shard_kind())
         elif saved_tp > 1:  # this rank's shards' optimizer state; any number of data-parallel ranks
             state["optimizer"] = load_tensor_parallel_optimizer(path, state, self.world.tp_rank)
         return state
@@ -381,7 +383,9 @@ class GRPOScheduler:
                 after_forward=lambda: self._sample_residency("train", record))
             self.memory.check_grads_attached()
             if self.memory.shard is not None:  # reduce-scatter into this rank's shard, then the global norm
-                record["grad_norm"] = self.optimizer.clip_grad_norm_(cfg.max_grad_norm)
+                whole_model = {} if self.tp is None else {  # the shards' squares summed over the engine's ranks
+                    "weights": self.tp.norm_weights(self.optimizer.params), "sum_group": self.tp.group}
+                record["grad_norm"] = self.optimizer.clip_grad_norm_(cfg.max_grad_norm, **whole_model)
             else:
                 D.average_(list(self.memory.flat_grads.values()), self.world)
                 record["grad_norm"] = self._clip_gradients()
@@ -496,18 +500,21 @@ class GRPOScheduler:
         self._check_ranks_agree()
         path = None
         if self.memory.shard is not None:  # every rank's shard is on disk before the checkpoint names them
-            save_optimizer_shard(self.out_dir, self.step, self.world.rank, self.world.size, self._optimizer_state())
+            save_optimizer_shard(self.out_dir, self.step, self.world.dp_rank, self.world.dp_size,
+                                 self._optimizer_state(), self._shard_kind())
             D.barrier(self.world)
         model_state = self._model_state()  # with tensor parallelism a collective: every rank takes part
-        if self.tp is not None:  # each tensor-parallel rank's optimizer state, once (data-parallel rank 0's)
+        if self.tp is not None and self.memory.shard is None:  # each TP rank's optimizer state, once
             if self.world.dp_rank == 0:
                 save_optimizer_shard(self.out_dir, self.step, self.world.tp_rank, self.world.tp_size,
                                      self._optimizer_state(), kind="tp")
             D.barrier(self.world)
         if self.world.is_main:
             with self.timeline.span("checkpoint", step=self.step):
-                optimizer = {"sharded_over": self.world.size} if self.memory.shard is not None else \
-                    {"tensor_parallel_over": self.world.tp_size} if self.tp is not None else self._optimizer_state()
+                optimizer = {"sharded_over": self.world.dp_size} if self.memory.shard is not None else \
+                    {} if self.tp is not None else self._optimizer_state()
+                if self.tp is not None:
+                    optimizer["tensor_parallel_over"] = self.world.tp_size
                 state = {"model": model_state, "optimizer": optimizer,
                          "lr_scheduler": self.lr_scheduler.state_dict(), "rng": rng,
                          "config": self.config.to_dict(), "model_dir": str(self.model_dir)}
@@ -519,6 +526,10 @@ class GRPOScheduler:
         D.barrier(self.world)
         self._last_saved_step = self.step
         return path
+
+    def _shard_kind(self) -> str:
+        """The name of this rank's ZeRO-1 optimizer shard files (colo.grpo.checkpoint.optimizer_shard_path)."""
+        return "rank" if self.world.tp_size == 1 else f"tp{self.world.tp_rank}-rank"
 
     def _trainable_names(self) -> list[str]:
         return [n for n, p in self.model.named_parameters() if p.requires_grad]

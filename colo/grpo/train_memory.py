@@ -49,14 +49,15 @@ class TrainingMemory:
     offload_optimizer: None (auto) offloads the optimizer state while generating only where the pool
     needs it (must_offload); True/False force it.
     shard: a colo.zero.ShardLayout (ZeRO-1): the optimizer region holds only this rank's shard of the
-    masters and moments, and the grads region the fp32 main gradients over the whole weight store.
+    masters and moments, and the grads region the fp32 main gradients over the whole weight store;
+    shard_group: the ranks it is sharded over (None: every rank).
     scales: {parameter: s} for parameters that hold s times what the optimizer steps (a LoRA adapter
     in vLLM's slot, colo.lora): they train through fp32 masters whatever their dtype.
     """
 
     def __init__(self, pool, params, *, offload_optimizer: bool | None = None, shard: ShardLayout | None = None,
-                 scales: dict | None = None):
-        self.pool = pool
+                 shard_group=None, scales: dict | None = None):
+        self.pool, self.shard_group = pool, shard_group
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
@@ -106,7 +107,7 @@ class TrainingMemory:
         16-bit ones a colo.MasterWeightOptimizer with its masters in the optimizer region and its fp32
         main gradients in the grads region."""
         if self.shard is not None:
-            optimizer = ShardedMasterWeightOptimizer(self.params, optimizer_class, layout=self.shard,
+            optimizer = ShardedMasterWeightOptimizer(self.params, optimizer_class, layout=self.shard, group=self.shard_group,
                                                      master_region=self.optimizer_region, grad_region=self.grads,
                                                      **kwargs)
         elif self.master_weights:
