@@ -51,8 +51,13 @@ served_before = served()
 tp.collectives.forward = tp.collectives.backward = 0  # count one training step's
 if dtype == "float32":
     optimizer = torch.optim.SGD(params, lr=LR)
-    loss = -tp.token_logprobs(ids).mean()
-    loss.backward()
+    logp = tp.token_logprobs(ids)
+    loss = -logp.mean()
+    # In two backward passes, as micro-batches accumulate: each pass's gradients summed over the ranks
+    # that share a KV head, never the .grad accumulated so far.
+    half = logp.shape[1] // 2
+    (-logp[:, :half].sum() / logp.numel()).backward(retain_graph=True)
+    (-logp[:, half:].sum() / logp.numel()).backward()
     norm = tp.grad_norm(params, [p.grad for p in params])
     optimizer.step()
     values = params
@@ -138,9 +143,9 @@ def test_two_ranks_train_like_one_with_their_shards_views_of_the_engines(kv_head
         torch.testing.assert_close(torch.tensor(r["after"]), torch.tensor(one[0]["after"]), atol=1e-4, rtol=0)
         # Per layer 2 all-reduces forward and 2 backward; the embedding 1 forward; the log-probabilities
         # 3 (max, sum of exponentials, the target's logit); the LM head's input 1 backward; a replicated
-        # KV head's k/v weights and biases 4 per layer backward.
+        # KV head's k/v weights and biases 4 per layer backward; two backward passes.
         layers = r["layers"]
-        assert r["collectives"] == [2 * layers + 1 + 3, 2 * layers + 1 + (4 * layers if kv_heads == 1 else 0)]
+        assert r["collectives"] == [2 * layers + 1 + 3, 2 * (2 * layers + 1 + (4 * layers if kv_heads == 1 else 0))]
     # Each rank holds about half the weights: everything but the norms (and a lone KV head) is split.
     # colo.plan's colo-TP layout counts P_T; the vocabulary splits 416 / 361 rows here, hence 4%.
     from colo.plan import plan, shape_from_config

@@ -219,7 +219,9 @@ class GRPOScheduler:
                 self.tp.load_full_state_dict(state["model"])
             except ValueError as e:
                 raise CheckpointError(f"checkpoint does not fit the model at {self.model_dir}: {e}") from e
-        missing, unexpected = ([], []) if self.tp is not None else self.model.load_state_dict(state["model"], strict=False)
+            missing = unexpected = []
+        else:
+            missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
         if self.adapter is not None:  # an adapter's checkpoint holds the adapter only; the base is the model's
             trainable = set(self._trainable_names())
             missing = [n for n in missing if n in trainable]
