@@ -169,7 +169,8 @@ class ColoVLLMGeneration(_VLLMGeneration):
         # short, a sequence was preempted every generation, 2x its time at 0.4M parameters). No memory
         # fraction to tune.
         sequences = self.max_num_seqs or 1
-        kv_cache_bytes = kv_cache_blocks(sequences, max_model_len, block) * block * kv_bytes_per_token(config, dtype)
+        kv_cache_bytes = kv_cache_blocks(sequences, max_model_len, block) * block * \
+            kv_bytes_per_token(config, dtype, self.tensor_parallel_size)  # this rank's share of the KV heads
         if self.gpu_memory_utilization != TRL_DEFAULT_MEMORY_FRACTION:
             logger.warning("colo.trl: vllm_gpu_memory_utilization=%s is not used: the KV cache holds exactly "
                            "max_num_seqs (%d) sequences of %d tokens, %d bytes, in colo's pool",

@@ -374,3 +374,17 @@ def test_state_replaced_while_its_offload_is_in_flight_is_what_comes_back():
     memory.finish_prefetch()
     for index, p in enumerate(params):
         assert torch.equal(optimizer.state[p]["exp_avg"], saved["state"][index]["exp_avg"])
+
+
+def test_each_tensor_parallel_rank_holds_its_share_of_the_kv_heads():
+    """The KV cache is sized per rank: its share of the KV heads, or one head that vLLM replicates
+    when there are fewer KV heads than ranks."""
+    from transformers import Qwen2Config
+
+    from colo.grpo.rollout_engine import kv_bytes_per_token
+
+    config = Qwen2Config(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=3)
+    whole = kv_bytes_per_token(config, torch.bfloat16)
+    assert whole == 2 * 3 * 4 * 32 * 2  # K and V, layers, KV heads, head_dim, bytes
+    assert kv_bytes_per_token(config, torch.bfloat16, 2) == whole // 2
+    assert kv_bytes_per_token(config, torch.bfloat16, 8) == whole // 4  # one (replicated) head per rank
