@@ -25,7 +25,7 @@ class World:
     local_rank: int
     device: str = "cpu"  # where small collectives run: NCCL takes only CUDA tensors
     tp_size: int = 1     # ranks per engine (tensor parallelism)
-    dp_group: object = None  # the ranks holding the same shards as this one (None: every rank, or only this one)
+    dp_group: object = None  # the ranks holding the same shards as this one (None: every rank)
 
     @property
     def is_main(self) -> bool:
