@@ -59,6 +59,10 @@ class Collectives:
     forward: int = 0
     backward: int = 0
 
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward
+
 
 class _CopyToGroup(torch.autograd.Function):
     """Identity forward; the gradient is summed over the group (the input feeds every rank's shard)."""
@@ -168,17 +172,12 @@ class TensorParallelModel:
     def grad_norm(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> float:
         """The L2 norm of the whole model's gradient: shards summed over the ranks, replicated
         parameters once."""
-        replicated, kv = {id(p) for p in self.replicated}, {id(p) for p in self.kv_params}
-        sharded = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-        whole = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-        for p, g in zip(params, grads):
-            square = g.double().square().sum()
-            if id(p) in replicated:
-                whole += square
-            else:  # a KV head's parameters are on kv_replicas ranks of the sum
-                sharded += square / self.kv_replicas if id(p) in kv else square
-        dist.all_reduce(sharded, group=self.group)
-        return float((sharded + whole).sqrt())
+        weights = self.norm_weights(params)
+        squares = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+        for i, g in enumerate(grads):
+            squares += weights.get(i, 1.0) * g.double().square().sum()
+        dist.all_reduce(squares, group=self.group)
+        return float(squares.sqrt())
 
     def norm_weights(self, params: list[torch.Tensor]) -> dict[int, float]:
         """{index in params: w} such that summing w x each parameter's squared gradient over the ranks

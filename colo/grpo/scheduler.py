@@ -377,7 +377,7 @@ class GRPOScheduler:
             global_tokens = D.sum_floats([float(batch.completion_mask.sum())], self.world, data_parallel=True)[0]
             # Each rank divides by global_tokens / data-parallel size; averaging the gradients over
             # those ranks then yields the exact token-level mean over the whole batch.
-            collectives = (self.tp.collectives.forward + self.tp.collectives.backward) if self.tp else 0
+            collectives = self.tp.collectives.total if self.tp else 0
             stats = accumulate_gradients(
                 self.tp or self.model, batch, advantages.to(self.device), cfg,
                 num_tokens=global_tokens / self.world.dp_size,
@@ -400,7 +400,7 @@ class GRPOScheduler:
             record["optimizer_state_bytes"] = self.memory.optimizer_state_bytes()
         record["train_s"] = span["seconds"]
         if self.tp is not None:  # the step's tensor-parallel all-reduces (forward, backward, vocabulary, KV heads)
-            record["tp_all_reduces"] = self.tp.collectives.forward + self.tp.collectives.backward - collectives
+            record["tp_all_reduces"] = self.tp.collectives.total - collectives
         record["loss"], record["clip_fraction"], record["kl"] = (
             v / self.world.dp_size for v in D.sum_floats([stats["loss"], stats["clip_fraction"], stats["kl"]],
                                                          self.world, data_parallel=True))
@@ -410,9 +410,10 @@ class GRPOScheduler:
     def _clip_gradients(self) -> float:
         flats = list(self.memory.flat_grads.values())
         if self.tp is not None:  # the whole model's norm: shards summed over the ranks, replicated ones once
-            params = self.memory.params
-            grads = self.optimizer.main_grads if hasattr(self.optimizer, "main_grads") else [p.grad for p in params]
-            norm = self.tp.grad_norm(getattr(self.optimizer, "params", params), grads)
+            # fp32 parameters keep their gradients in .grad; 16-bit ones the optimizer's fp32 main gradients
+            # (colo.MasterWeightOptimizer, over the same parameters in the same order).
+            grads = getattr(self.optimizer, "main_grads", None) or [p.grad for p in self.memory.params]
+            norm = self.tp.grad_norm(self.memory.params, grads)
         else:
             norm = math.sqrt(sum(float(torch.linalg.vector_norm(f)) ** 2 for f in flats))
         limit = self.config.max_grad_norm
