@@ -1,10 +1,15 @@
 """`python -m colo.grpo`: a colocated GRPO run from the command line.
 
     python -m colo.grpo --steps 40 --json log.jsonl --out ckpt/ [--resume] [--model PATH] [--trace trace.json]
+    python -m colo.grpo --model DIR --dataset train.jsonl --reward math --reward my_rewards.py:fmt
+        --eval-dataset eval.jsonl --eval-every 10 --steps 100 --json log.jsonl --out ckpt/
 
-Without --model it trains a small random Qwen2 model (written to OUT/toy-model) on the toy task of
-colo.grpo.toy_task: reward = share of completion tokens that obey a token rule. With --model it trains
-that Hugging Face model on the same verifiable task. The run's settings are saved in OUT/run.json;
+With --dataset it trains --model on a user's dataset (JSONL/JSON, Parquet, CSV or a save_to_disk
+directory; a `prompt` column of text or chat messages, every other column passed to the reward
+functions by name) with --reward functions in TRL's signature (colo.grpo.rewards). Without it, the
+toy task of colo.grpo.toy_task (reward = share of completion tokens that obey a token rule), on a small
+random Qwen2 model written to OUT/toy-model unless --model is given. --config FILE.yaml holds any of
+the flags (names with - or _); the command line wins. The run's settings are saved in OUT/run.json;
 --resume continues from the newest checkpoint in OUT with those settings.
 Exit status: 0 done, 2 bad arguments or unreadable checkpoint, 1 the run failed, 143 stopped by
 SIGTERM after a checkpointed step (continue with --resume).
@@ -20,10 +25,23 @@ from pathlib import Path
 from ..checks import int_kind
 from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 from .config import DTYPES, GRPOConfig
+from .loss import LOSS_TYPES, SCALES
 
 OFFLOAD_CHOICES = {"auto": None, "on": True, "off": False}
 TOY_DEFAULTS = dict(prompts_per_step=8, num_generations=8, max_new_tokens=16, ignore_eos=True,
                     learning_rate=3e-3, temperature=1.0)
+# A real model on a user's dataset: TRL's GRPOConfig defaults (max_completion_length 256, lr 1e-6).
+DATASET_DEFAULTS = dict(prompts_per_step=8, num_generations=8, max_new_tokens=256, ignore_eos=False,
+                        learning_rate=1e-6, temperature=1.0)
+# Flags that fill GRPOConfig fields of the same meaning: flag dest -> field.
+CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_generations",
+                    max_new_tokens="max_new_tokens", lr="learning_rate", seed="seed", save_every="save_every",
+                    keep_checkpoints="keep_checkpoints", shard_optimizer="shard_optimizer", lora_rank="lora_rank",
+                    lora_alpha="lora_alpha", temperature="temperature", top_p="top_p", top_k="top_k",
+                    max_prompt_length="max_prompt_length", truncate_prompts="truncate_prompts",
+                    mask_truncated="mask_truncated", loss_type="loss_type", epsilon="epsilon_low",
+                    epsilon_high="epsilon_high", scale_rewards="scale_rewards", beta="beta", eval_every="eval_every",
+                    chat_template_kwargs="chat_template_kwargs")
 
 
 def _int_at_least(minimum: int):
@@ -56,13 +74,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="FILE", help="Chrome-trace/Perfetto timeline of the phases")
     p.add_argument("--save-every", type=_non_negative_int, default=10, metavar="N", help="checkpoint period (0: only at the end)")
     p.add_argument("--keep-checkpoints", type=_non_negative_int, default=2, metavar="K", help="newest checkpoints kept (0: all)")
-    p.add_argument("--prompts-per-step", type=_positive_int, default=TOY_DEFAULTS["prompts_per_step"], metavar="P",
-                   help="prompts per step over all ranks (default %(default)s)")
-    p.add_argument("--num-generations", type=_positive_int, default=TOY_DEFAULTS["num_generations"], metavar="G",
-                   help="completions per prompt, the GRPO group (default %(default)s)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=TOY_DEFAULTS["max_new_tokens"], metavar="T",
-                   help="completion length (default %(default)s)")
-    p.add_argument("--lr", type=float, default=TOY_DEFAULTS["learning_rate"], help="AdamW learning rate (default %(default)s)")
+    p.add_argument("--config", metavar="FILE.yaml", help="a YAML mapping of any of these flags (the command line wins)")
+    task = p.add_argument_group("the task (default: the toy task)")
+    task.add_argument("--dataset", metavar="PATH", help="training prompts: .jsonl/.json/.parquet/.csv or a save_to_disk "
+                      "directory, with a `prompt` column (text or {role, content} messages); needs --model and --reward")
+    task.add_argument("--reward", action="append", metavar="SPEC", help="a reward function: FILE.py:NAME, "
+                      "module:NAME, math, gsm8k or regex:PATTERN (repeatable; TRL's signature, see colo.grpo.rewards)")
+    task.add_argument("--reward-weights", type=float, nargs="+", metavar="W", help="one weight per --reward (default 1 each)")
+    task.add_argument("--eval-dataset", metavar="PATH", help="prompts for greedy pass@1 per reward function")
+    task.add_argument("--eval-every", type=_non_negative_int, metavar="N", help="evaluate every N steps (default 0: never)")
+    task.add_argument("--chat-template-kwargs", type=_json_object, metavar="JSON",
+                      help='extra arguments of the chat template, e.g. \'{"enable_thinking": false}\'')
+    task.add_argument("--max-prompt-length", type=_positive_int, metavar="N",
+                      help="refuse longer prompts, naming the row (or cut them with --truncate-prompts left)")
+    task.add_argument("--truncate-prompts", choices=("left",), help="keep the last --max-prompt-length tokens")
+    gen = p.add_argument_group("generation and loss (defaults: the toy's, or TRL's with --dataset)")
+    gen.add_argument("--prompts-per-step", type=_positive_int, metavar="P", help="prompts per step over all ranks (8)")
+    gen.add_argument("--num-generations", type=_positive_int, metavar="G", help="completions per prompt, the GRPO group (8)")
+    gen.add_argument("--max-new-tokens", type=_positive_int, metavar="T", help="longest completion (16; 256 with --dataset)")
+    gen.add_argument("--temperature", type=_positive_float, help="sampling temperature (1.0)")
+    gen.add_argument("--top-p", type=float, help="nucleus sampling (1.0: off)")
+    gen.add_argument("--top-k", type=_non_negative_int, help="sample from the k likeliest tokens (0: off)")
+    gen.add_argument("--mask-truncated", action="store_true", default=None,
+                     help="leave completions cut by --max-new-tokens out of the loss (TRL's mask_truncated_completions)")
+    gen.add_argument("--loss-type", choices=LOSS_TYPES, help="grpo: sequence means; dapo (default): token mean over the "
+                     "batch; dr_grpo: token sum / (sequences x max new tokens)")
+    gen.add_argument("--epsilon", type=float, help="clip range below ratio 1 (and above, unless --epsilon-high) (0.2)")
+    gen.add_argument("--epsilon-high", type=float, help="clip range above ratio 1 (DAPO's clip-higher)")
+    gen.add_argument("--scale-rewards", choices=SCALES, help="divide advantages by the group's std (default), the "
+                     "batch's, or none (Dr. GRPO)")
+    gen.add_argument("--beta", type=float, help="KL-to-reference weight (0: none). With LoRA the reference is the shared "
+                     "base, free; with full fine-tuning a frozen second copy of the weights (colo.plan shows its bytes)")
+    p.add_argument("--lr", type=float, help="AdamW learning rate (3e-3 for the toy; 1e-6, TRL's, with --dataset)")
     p.add_argument("--offload-optimizer", choices=sorted(OFFLOAD_CHOICES), default="auto",
                    help="optimizer state to host memory while generating (auto: only where the pool cannot hold "
                         "it beside the engine's weights and KV cache)")
@@ -85,8 +128,69 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks per engine (under torchrun; each holds only its shards of the weights, views of its "
                         "engine's; default 1, or the resumed run's)")
     p.add_argument("--seed", type=_non_negative_int, default=0, help="seeds the toy model, prompts and sampling")
+    p.add_argument("--eager", action="store_true", help="run the engine without compiling it (starts faster, "
+                   "generates slower; vLLM's enforce_eager)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """The flags, with --config FILE.yaml's values as defaults under the command line's."""
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--config")
+    args = first.parse_known_args(argv)[0]
+    if not args.config:
+        return parser.parse_args(argv)
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(Path(args.config).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        parser.error(f"--config: cannot read {args.config}: {e}")
+    if not isinstance(loaded, dict):
+        parser.error(f"--config: {args.config} must hold a mapping of flags to values")
+    known = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    defaults = {}
+    for key, value in loaded.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest == "json":
+            dest = "log"
+        if dest not in known:
+            parser.error(f"--config: {args.config}: unknown setting {key!r}")
+        action = known[dest]
+        if action.type is not None and value is not None and not isinstance(value, (list, dict, bool)):
+            try:
+                value = action.type(str(value))
+            except (argparse.ArgumentTypeError, ValueError) as e:
+                parser.error(f"--config: {args.config}: {key}: {e}")
+        if dest == "reward" and isinstance(value, str):
+            value = [value]
+        defaults[dest] = value
+    for action in parser._actions:  # required flags the file provides are no longer required
+        if action.dest in defaults:
+            action.required = False
+    parser.set_defaults(**defaults)
+    return parser.parse_args(argv)
 
 
 def _settings(args, parser) -> tuple[Path, GRPOConfig]:
@@ -100,6 +204,8 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
             saved = json.loads(run_file.read_text())
             config = GRPOConfig.from_dict(saved["config"])
             model_dir = Path(args.model) if args.model else Path(saved["model_dir"])
+            for key, value in (saved.get("task") or {}).items():
+                setattr(args, key if key != "rewards" else "reward", value)
         except (OSError, ValueError, KeyError, TypeError) as e:
             parser.error(f"--resume: cannot read {run_file}: {e}")
         newest = latest_checkpoint(out)
@@ -116,18 +222,17 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
         return model_dir, config
     if list_checkpoints(out):
         parser.error(f"{out} already holds checkpoints of a run; pass --resume to continue it or choose another --out")
+    values = dict(DATASET_DEFAULTS if args.dataset else TOY_DEFAULTS)
+    values.update({field: getattr(args, flag) for flag, field in CONFIG_FLAGS.items() if getattr(args, flag) is not None})
+    if args.epsilon is not None and args.epsilon_high is None:
+        values["epsilon_high"] = args.epsilon  # TRL: epsilon_high defaults to epsilon
     try:
-        config = GRPOConfig(**{**TOY_DEFAULTS, "prompts_per_step": args.prompts_per_step,
-                               "num_generations": args.num_generations, "max_new_tokens": args.max_new_tokens,
-                               "learning_rate": args.lr, "seed": args.seed, "save_every": args.save_every,
-                               "keep_checkpoints": args.keep_checkpoints,
-                               "offload_optimizer": OFFLOAD_CHOICES[args.offload_optimizer],
-                               "shard_optimizer": args.shard_optimizer, "lora_rank": args.lora_rank,
-                               "lora_alpha": args.lora_alpha, "lora_targets": tuple(args.lora_targets),
-                               "tensor_parallel": args.tensor_parallel or 1,
+        config = GRPOConfig(**{**values, "offload_optimizer": OFFLOAD_CHOICES[args.offload_optimizer],
+                               "lora_targets": tuple(args.lora_targets), "tensor_parallel": args.tensor_parallel or 1,
                                "dtype": None if args.dtype == "auto" else args.dtype})
     except (ValueError, NotImplementedError) as e:
         parser.error(str(e))
+    _check_task_flags(args, parser)
     if args.model:
         model_dir = Path(args.model)
         if not model_dir.is_dir():
@@ -138,6 +243,49 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
     else:
         model_dir = out / "toy-model"
     return model_dir, config
+
+
+def _check_task_flags(args, parser) -> None:
+    """The dataset flags go together; reward functions and data files are loaded here, before any
+    engine starts, so a wrong name fails in a second."""
+    from .rewards import load_reward
+    from .task import PROMPT, load_dataset_file
+
+    if not args.dataset:
+        for flag in ("reward", "reward_weights", "eval_dataset", "eval_every", "chat_template_kwargs",
+                     "max_prompt_length"):
+            if getattr(args, flag):
+                parser.error(f"--{flag.replace('_', '-')} needs --dataset (the toy task has its own prompts and reward)")
+        return
+    if not args.model:
+        parser.error("--dataset needs --model (a Hugging Face model directory with its tokenizer)")
+    if not args.reward:
+        parser.error("--dataset needs at least one --reward")
+    if args.reward_weights and len(args.reward_weights) != len(args.reward):
+        parser.error(f"--reward-weights: {len(args.reward_weights)} weights for {len(args.reward)} --reward functions")
+    if args.eval_every and not args.eval_dataset:
+        parser.error("--eval-every needs --eval-dataset")
+    for spec in args.reward:
+        try:
+            load_reward(spec)
+        except (ValueError, ImportError) as e:
+            parser.error(f"--reward: {e}")
+    for flag in ("dataset", "eval_dataset"):
+        path = getattr(args, flag)
+        if path:
+            try:
+                columns = load_dataset_file(path).column_names
+            except (ValueError, ImportError) as e:
+                parser.error(f"--{flag.replace('_', '-')}: {e}")
+            if PROMPT not in columns:
+                parser.error(f"--{flag.replace('_', '-')}: {path} has no {PROMPT!r} column (it has "
+                             f"{', '.join(columns)})")
+
+
+def task_settings(args) -> dict:
+    """What run.json keeps of the task, so --resume trains on the same data with the same rewards."""
+    return {"dataset": args.dataset, "eval_dataset": args.eval_dataset, "rewards": args.reward,
+            "reward_weights": args.reward_weights}
 
 
 def _check_model_architecture(model_dir: Path, parser) -> None:
@@ -157,7 +305,7 @@ def _check_model_architecture(model_dir: Path, parser) -> None:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     model_dir, config = _settings(args, parser)
 
     from ..engine import quiet_vllm_logs
@@ -193,15 +341,22 @@ def main(argv=None) -> int:
                   flush=True)
         if not args.resume:
             (out / "run.json").write_text(json.dumps({"model_dir": str(model_dir), "config": config.to_dict(),
+                                                      "task": task_settings(args),
                                                       "dtype_chosen_because": why}, indent=2))
 
     from .scheduler import GRPOScheduler
-    from .toy_task import ToyTask
 
-    vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
-    task = ToyTask(vocab, seed=config.seed)
-    scheduler = GRPOScheduler(model_dir, task.rewards, task.prompts, config, out_dir=out, log_path=args.log,
-                              trace_path=args.trace, resume=args.resume)
+    if args.dataset:
+        task = dict(dataset=args.dataset, reward_funcs=args.reward, reward_weights=args.reward_weights,
+                    eval_dataset=args.eval_dataset)
+    else:
+        from .toy_task import ToyTask
+
+        toy = ToyTask(json.loads((model_dir / "config.json").read_text()).get("vocab_size"), seed=config.seed)
+        task = dict(reward_fn=toy.rewards, prompt_fn=toy.prompts)
+    scheduler = GRPOScheduler(model_dir, config=config, **task, out_dir=out, log_path=args.log,
+                              trace_path=args.trace, resume=args.resume,
+                              engine_options={"enforce_eager": True} if args.eager else None)
     records = []
     try:
         if scheduler.step >= args.steps:
@@ -235,7 +390,7 @@ def run_cli(argv=None) -> int:
     except CheckpointError as e:
         print(f"colo.grpo: error: {e}", file=sys.stderr)
         return 2
-    except (EngineFailure, FileNotFoundError, ValueError, MemoryError, NotImplementedError) as e:
+    except (EngineFailure, FileNotFoundError, ValueError, MemoryError, NotImplementedError, ImportError) as e:
         print(f"colo.grpo: error: {e}", file=sys.stderr)
         return 1
     except Terminated as e:

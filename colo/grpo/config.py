@@ -7,7 +7,7 @@ awake during generation leave of the pool; the training memory asleep then lends
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..checks import check_int
 
@@ -22,7 +22,17 @@ class GRPOConfig:
     max_new_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0                     # sample from the k likeliest tokens (0: all)
     ignore_eos: bool = False           # toy task: fixed-length completions
+    # Completions that hit max_new_tokens (truncated, counted in the record's clipped_ratio) are left
+    # out of the loss (DAPO's overlong filtering; TRL's mask_truncated_completions).
+    mask_truncated: bool = False
+    # Prompts longer than this many tokens: refused, naming the row, or with truncate_prompts="left"
+    # cut to their last max_prompt_length tokens. None: only prompt + completion must fit the model.
+    max_prompt_length: int | None = None
+    truncate_prompts: str | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)  # e.g. {"enable_thinking": False}
+    eval_every: int = 0                # steps between greedy pass@1 evaluations on an eval dataset (0: none)
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.99)
@@ -31,7 +41,13 @@ class GRPOConfig:
     epsilon_low: float = 0.2           # PPO clip range below and above ratio 1
     epsilon_high: float = 0.2
     beta: float = 0.0                  # KL-to-reference weight; > 0 keeps a frozen reference copy
-    scale_rewards: bool = True         # divide advantages by the group std (False: Dr. GRPO)
+    # Advantages divided by the std of the group ("group", or True), of the whole batch ("batch"), or
+    # not at all ("none", or False: Dr. GRPO). TRL's scale_rewards.
+    scale_rewards: str = "group"
+    # How token losses are averaged (TRL's loss_type): "grpo" each sequence's mean, then the mean over
+    # sequences; "dapo" (TRL's default) the mean over every token of the batch; "dr_grpo" the sum over
+    # sequences x max_new_tokens.
+    loss_type: str = "dapo"
     micro_batch_size: int | None = None  # sequences per forward/backward; None: the whole rollout
     memory_phases: bool = True         # KV cache asleep while training, gradients asleep while generating
     # Optimizer state to host memory while generating. None: only where the pool cannot hold it beside
@@ -61,7 +77,7 @@ class GRPOConfig:
         self.adam_betas = tuple(self.adam_betas)
         for name in ("prompts_per_step", "num_generations", "max_new_tokens"):
             check_int(getattr(self, name), name)
-        for name in ("warmup_steps", "save_every", "keep_checkpoints", "seed"):
+        for name in ("warmup_steps", "save_every", "keep_checkpoints", "seed", "top_k", "eval_every"):
             check_int(getattr(self, name), name, 0)
         if self.micro_batch_size is not None:
             check_int(self.micro_batch_size, "micro_batch_size")
@@ -81,6 +97,21 @@ class GRPOConfig:
                              f"{self.offload_optimizer!r}")
         if not isinstance(self.shard_optimizer, bool):
             raise ValueError(f"shard_optimizer must be True or False, got {self.shard_optimizer!r}")
+        from .loss import LOSS_TYPES, SCALES
+
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        if self.scale_rewards not in SCALES:
+            raise ValueError(f"scale_rewards must be one of {', '.join(SCALES)}, got {self.scale_rewards!r}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
+        if self.max_prompt_length is not None:
+            check_int(self.max_prompt_length, "max_prompt_length")
+        if self.truncate_prompts not in (None, "left"):
+            raise ValueError(f"truncate_prompts must be None or 'left', got {self.truncate_prompts!r}")
+        if self.truncate_prompts and self.max_prompt_length is None:
+            raise ValueError("truncate_prompts='left' needs max_prompt_length (the tokens to keep)")
+        if not isinstance(self.chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a dict, got {self.chat_template_kwargs!r}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
         check_int(self.lora_rank, "lora_rank", 0)

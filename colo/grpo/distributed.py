@@ -121,6 +121,15 @@ def sum_floats(values: list[float], world: World, data_parallel: bool = False) -
     return t.tolist()
 
 
+def min_max(low: float, high: float, world: World) -> tuple[float, float]:
+    """(smallest `low`, largest `high`) over the data-parallel ranks."""
+    if world.dp_size == 1:
+        return low, high
+    t = torch.tensor([-low, high], dtype=torch.float64, device=world.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.dp_group)
+    return -t[0].item(), t[1].item()
+
+
 def gather_objects(obj, world: World) -> list:
     if world.size == 1:
         return [obj]

@@ -17,24 +17,45 @@ from ..checks import check_int
 ADVANTAGE_EPS = 1e-4  # keeps a group whose rewards are all equal at advantage 0 instead of 0/0
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True) -> torch.Tensor:
-    """(reward - mean of its group) / (std of its group + eps), for rewards laid out group after group.
+SCALES = ("group", "batch", "none")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool | str = "group", *,
+                     allow_unscorable: bool = False, batch_std: float | None = None) -> torch.Tensor:
+    """(reward - mean of its group) / (std + eps), for rewards laid out group after group (TRL's rule).
 
     rewards: shape (num_prompts * group_size,), the completions of prompt i at [i*G, (i+1)*G).
-    scale=False returns only the centred rewards (Dr. GRPO drops the std division).
+    scale: "group" (or True) divides by the group's std, "batch" by the std of the whole batch
+    (`batch_std`, e.g. over every rank; default: of these rewards), "none" (or False, Dr. GRPO) not at all.
+    allow_unscorable: NaN marks a completion no reward function could score (TRL: all returned None);
+    it is left out of its group's mean and std and gets advantage 0. Otherwise NaN is an error.
     """
     check_int(group_size, "group_size")
+    scale = {True: "group", False: "none"}.get(scale, scale)
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {', '.join(SCALES)}, got {scale!r}")
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
                          f"got shape {tuple(rewards.shape)}")
-    if not torch.isfinite(rewards).all():
+    if torch.isinf(rewards).any() or (not allow_unscorable and torch.isnan(rewards).any()):
         raise ValueError("rewards contain NaN or infinity; the reward function must return finite numbers")
     grouped = rewards.view(-1, group_size)
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
-    if scale and group_size > 1:
-        centred = centred / (grouped.std(dim=1, keepdim=True) + ADVANTAGE_EPS)
-    return centred.reshape(-1)
+    centred = grouped - grouped.nanmean(dim=1, keepdim=True)
+    if scale == "group" and group_size > 1:
+        centred = centred / (nanstd(grouped, dim=1, keepdim=True) + ADVANTAGE_EPS)
+    elif scale == "batch" and rewards.numel() > 1:
+        centred = centred / ((nanstd(rewards) if batch_std is None else batch_std) + ADVANTAGE_EPS)
+    return torch.nan_to_num(centred.reshape(-1), nan=0.0)
+
+
+def nanstd(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """The unbiased std over the non-NaN entries (TRL's nanstd); NaN where fewer than two."""
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True) if dim is not None else (~torch.isnan(x)).sum()
+    mean = x.nanmean(dim=dim, keepdim=True) if dim is not None else x.nanmean()
+    squares = ((x - mean) ** 2).nansum(dim=dim, keepdim=True) if dim is not None else ((x - mean) ** 2).nansum()
+    std = (squares / (count - 1)).sqrt()
+    return std if keepdim or dim is None else std.squeeze(dim)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -67,13 +88,14 @@ def grpo_loss(
     epsilon_high: float = 0.2,
     beta: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
-    num_tokens: float | None = None,
+    num_tokens: float | torch.Tensor | None = None,
 ) -> LossParts:
     """The GRPO objective, negated for minimisation, as a token-level mean.
 
     logprobs, old_logprobs, ref_logprobs, mask: (batch, completion_len); advantages: (batch,).
     num_tokens: the denominator of the mean. Default mask.sum(); pass the token count of the whole
     (multi-rank, multi-micro-batch) batch so summing the pieces' gradients gives the exact global mean.
+    A (batch,) tensor gives each row its own denominator (loss_denominators: TRL's loss types).
     """
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
         raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
@@ -94,8 +116,34 @@ def grpo_loss(
         kl = torch.exp(delta) - delta - 1.0
         per_token = per_token + beta * kl
         kl_mean = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1.0))
-    denominator = float(mask.sum()) if num_tokens is None else float(num_tokens)
-    loss = (per_token * mask).sum() / max(denominator, 1.0)
+    if isinstance(num_tokens, torch.Tensor) and num_tokens.dim() == 1:
+        loss = ((per_token * mask).sum(dim=1) / num_tokens.to(per_token).clamp(min=1.0)).sum()
+    else:
+        denominator = float(mask.sum()) if num_tokens is None else float(num_tokens)
+        loss = (per_token * mask).sum() / max(denominator, 1.0)
     took_clip = (clipped_obj < unclipped_obj).to(mask.dtype) * mask
     clip_fraction = float(took_clip.sum() / mask.sum().clamp(min=1.0))
     return LossParts(loss=loss, clip_fraction=clip_fraction, kl_mean=kl_mean)
+
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+
+
+def loss_denominators(loss_type: str, completion_mask: torch.Tensor, *, global_tokens: float,
+                      global_sequences: float, max_new_tokens: int, ranks: int = 1) -> torch.Tensor:
+    """Each row's denominator in the loss, so that summing every row's (masked token sum / denominator)
+    over micro-batches, then averaging over `ranks` data-parallel ranks, gives TRL's loss exactly:
+
+    grpo     mean over sequences of each sequence's token mean  -> |o_i| * sequences
+    dapo     token mean over the whole batch (TRL's default)     -> tokens
+    dr_grpo  token sum over sequences x max completion length    -> sequences * max_new_tokens
+    (global_*: counted over every rank; the gradient average over ranks divides by `ranks` again.)
+    """
+    rows = completion_mask.shape[0]
+    if loss_type == "dapo":
+        return torch.full((rows,), global_tokens / ranks)
+    if loss_type == "grpo":
+        return completion_mask.sum(dim=1).float().clamp(min=1.0) * (global_sequences / ranks)
+    if loss_type == "dr_grpo":
+        return torch.full((rows,), global_sequences * max_new_tokens / ranks)
+    raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")

@@ -25,6 +25,7 @@ _KV_HEADROOM = 64 << 20  # room left in the pool for allocator rounding and smal
 class Completion:
     token_ids: list[int]
     logprobs: list[float] | None  # the engine's log-probability of each sampled token (raw logits)
+    truncated: bool = False       # stopped by max_tokens rather than by EOS or a stop token
 
 
 def kv_bytes_per_token(hf_config, dtype: torch.dtype, tensor_parallel: int = 1) -> int:
@@ -186,7 +187,7 @@ class RolloutEngine:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
                 logprobs = [step[t].logprob for step, t in zip(c.logprobs, ids)] if c.logprobs else None
-                completions.append(Completion(ids, logprobs))
+                completions.append(Completion(ids, logprobs, truncated=c.finish_reason == "length"))
         return completions
 
     def publish(self) -> dict:

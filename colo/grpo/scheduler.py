@@ -29,6 +29,7 @@ import signal
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -47,9 +48,10 @@ from .checkpoint import (CheckpointError, capture_rng, is_sharded, latest_checkp
                          load_optimizer_shards, load_tensor_parallel_optimizer, restore_rng, save_checkpoint,
                          save_optimizer_shard, tensor_parallel_size)
 from .config import GRPOConfig
-from .loss import group_advantages
+from .loss import group_advantages, loss_denominators
 from .metrics import GpuMonitor, StepLog, Timeline, rss_bytes
 from .rollout_engine import EngineFailure, RolloutEngine
+from .task import CallableTask, DatasetTask, Task
 from .train_memory import TrainingMemory
 from .update import accumulate_gradients
 
@@ -62,28 +64,38 @@ RewardFn = Callable[[list, list], list]        # (prompts, completions) -> one f
 class GRPOScheduler:
     """Runs GRPO steps on `model_dir` (a Hugging Face causal LM directory) colocated with a vLLM engine.
 
-    prompt_fn(step, count) returns `count` prompts (lists of token ids) for a step; it must depend only
-    on its arguments so a resumed run sees the same prompts. reward_fn(prompts, completions) returns
-    one float per completion, prompts repeated once per completion.
+    What it trains on, one of:
+    - dataset + reward_funcs (TRL's conventions; colo.grpo.task.DatasetTask): a `datasets.Dataset` or
+      a file/directory path with a `prompt` column (text, or messages through the model's chat
+      template), reward functions f(prompts, completions, completion_ids, **columns) or their names
+      (colo.grpo.rewards), reward_weights; eval_dataset for greedy pass@1 every config.eval_every steps.
+    - prompt_fn + reward_fn, token ids only: prompt_fn(step, count) returns `count` prompts (lists of
+      token ids) for a step; it must depend only on its arguments so a resumed run sees the same
+      prompts. reward_fn(prompts, completions) returns one float per completion, prompts repeated once
+      per completion.
+    - task: a colo.grpo.task.Task.
     out_dir: where checkpoints go (None: no checkpoints). resume=True continues from its latest one.
     pool_capacity: bytes of the device (or RAM) this run's pool may use; default: all that is free.
     The regions time-share it: the KV cache may use the bytes of the training memory that sleeps
     while generating (see colo.Pool).
     """
 
-    def __init__(self, model_dir: str | Path, reward_fn: RewardFn, prompt_fn: PromptFn,
-                 config: GRPOConfig | None = None, *, out_dir: str | Path | None = None,
+    def __init__(self, model_dir: str | Path, reward_fn: RewardFn | None = None, prompt_fn: PromptFn | None = None,
+                 config: GRPOConfig | None = None, *, dataset=None, reward_funcs=None, reward_weights=None,
+                 eval_dataset=None, tokenizer=None, task: Task | None = None, out_dir: str | Path | None = None,
                  log_path: str | Path | None = None, trace_path: str | Path | None = None,
                  resume: bool = False, engine_options: dict | None = None, pool_capacity: int | None = None):
         self.config = config or GRPOConfig()
-        self.reward_fn, self.prompt_fn = reward_fn, prompt_fn
         self.model_dir = Path(model_dir)
         self.out_dir = Path(out_dir) if out_dir is not None else None
+        self._check_model_dir()
+        self.task, self.eval_task = self._build_tasks(task, dataset, reward_funcs, reward_weights, eval_dataset,
+                                                      tokenizer, prompt_fn, reward_fn)
+        engine_options = self._fit_model_length(dict(engine_options or {}))
         self._join_world()
         resume_state = self._find_resume_state() if resume else None
         torch.manual_seed(self.config.seed + self.world.dp_rank)  # an engine's tensor-parallel ranks alike
         self.pool = colo.Pool(self.device, capacity=pool_capacity)
-        self._check_model_dir()
         self.config = self.config.resolve_dtype(self.device)
         self._start_engine(engine_options or {})
         self._build_training()
@@ -106,6 +118,62 @@ class GRPOScheduler:
         if self.config.prompts_per_step < self.world.dp_size:
             raise ValueError(f"prompts_per_step={self.config.prompts_per_step} leaves ranks without prompts: "
                              f"it must be at least the number of data-parallel ranks ({self.world.dp_size})")
+
+    def _build_tasks(self, task, dataset, reward_funcs, reward_weights, eval_dataset, tokenizer, prompt_fn,
+                     reward_fn) -> tuple[Task, Task | None]:
+        """The training task (and the eval one), built and checked before any engine starts."""
+        cfg = self.config
+        given = [name for name, value in (("task", task), ("dataset", dataset), ("prompt_fn", prompt_fn))
+                 if value is not None]
+        if len(given) != 1:
+            raise ValueError("give the scheduler one of: dataset (with reward_funcs), prompt_fn (with reward_fn), "
+                             f"or task; got {', '.join(given) or 'none'}")
+        if eval_dataset is not None and dataset is None:
+            raise ValueError("eval_dataset needs a dataset task (dataset and reward_funcs)")
+        if cfg.eval_every and eval_dataset is None:
+            raise ValueError(f"eval_every={cfg.eval_every} needs an eval_dataset")
+        if task is not None:
+            return task, None
+        if prompt_fn is not None:
+            if reward_fn is None:
+                raise ValueError("prompt_fn needs a reward_fn")
+            return CallableTask(prompt_fn, reward_fn), None
+        if reward_funcs is None:
+            raise ValueError("a dataset needs reward_funcs (TRL's reward functions, or names: colo.grpo.rewards)")
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        options = dict(seed=cfg.seed, chat_template_kwargs=cfg.chat_template_kwargs,
+                       max_prompt_length=cfg.max_prompt_length, truncate=cfg.truncate_prompts)
+        train = DatasetTask(dataset, tokenizer, reward_funcs, reward_weights, name="dataset", **options)
+        evaluation = None
+        if eval_dataset is not None:
+            evaluation = DatasetTask(eval_dataset, tokenizer, train.reward_funcs, train.weights.tolist(),
+                                     name="eval dataset", **options)
+        return train, evaluation
+
+    def _fit_model_length(self, engine_options: dict) -> dict:
+        """Refuse a prompt that cannot fit the model with its completion, naming it; and size the
+        engine's sequences for the task's longest one (not the model's whole context) where known."""
+        from transformers import AutoConfig
+
+        limit = getattr(AutoConfig.from_pretrained(self.model_dir), "max_position_embeddings", None)
+        limit = engine_options.get("max_model_len") or limit
+        longest = 0
+        for task in (self.task, self.eval_task):
+            if task is None or task.longest_prompt() is None:
+                continue
+            for row, ids in enumerate(task.prompt_token_ids):
+                if limit and len(ids) + self.config.max_new_tokens > limit:
+                    raise ValueError(f"{task.describe_row(row)}: prompt of {len(ids)} tokens + max_new_tokens="
+                                     f"{self.config.max_new_tokens} exceeds the model's {limit} positions "
+                                     "(shorten it, set max_prompt_length with truncate_prompts='left', or lower "
+                                     "max_new_tokens)")
+            longest = max(longest, task.longest_prompt())
+        if longest and "max_model_len" not in engine_options:
+            engine_options["max_model_len"] = longest + self.config.max_new_tokens
+        return engine_options
 
     def _start_engine(self, engine_options: dict) -> None:
         """The engine first: vLLM loads the weights into the pool, and the trainer's model is a view of them."""
@@ -155,6 +223,8 @@ class GRPOScheduler:
         import json
 
         config = self.model_dir / "config.json"
+        if self.config.eval_every and self.config.tensor_parallel > 1:
+            raise NotImplementedError("eval_every with tensor_parallel > 1 is not built yet")
         if not config.is_file():
             raise FileNotFoundError(f"no Hugging Face model at {self.model_dir} (config.json missing)")
         for arch in json.loads(config.read_text()).get("architectures") or ():
@@ -174,9 +244,12 @@ class GRPOScheduler:
         return reference
 
     def _longest_sequence(self) -> int:
-        """Prompt plus completion tokens of the longest sequence, judged by the first step's prompts."""
-        probe = self.prompt_fn(1, self.config.prompts_per_step)
-        return max((len(p) for p in probe), default=1) + self.config.max_new_tokens
+        """Prompt plus completion tokens of the longest sequence: the task's longest prompt where it
+        knows it, else judged by the first step's prompts."""
+        longest = self.task.longest_prompt()
+        if longest is None:
+            longest = max((len(p) for p in self.task.batch(1, self.config.prompts_per_step)[1]), default=1)
+        return longest + self.config.max_new_tokens
 
     def _sequences_per_rank(self) -> int:
         return len(D.rank_share(self.config.prompts_per_step, self.world, rank=0)) * self.config.num_generations
@@ -249,9 +322,9 @@ class GRPOScheduler:
         step = self.step + 1
         record: dict = {"step": step, "dtype": self.config.dtype}
         started = time.perf_counter()
-        prompts, completions, engine_logprobs = self._generate_phase(step, record)
-        rewards = self._reward_phase(step, prompts, completions, record)
-        self._train_phase(step, prompts, completions, rewards, engine_logprobs, record)
+        rollout = self._generate_phase(step, record)
+        rewards = self._reward_phase(step, rollout, record)
+        self._train_phase(step, rollout, rewards, record)
         self._publish_phase(step, record)
         # The optimizer state's copy out overlapped the publish; between steps every region is settled
         # (a user may checkpoint, or wake the KV cache, before the next step).
@@ -259,13 +332,17 @@ class GRPOScheduler:
         self.memory.finish_offload()
         record["phase_switch_s"] += time.perf_counter() - switch
         record["step_s"] = time.perf_counter() - started
+        record["tokens_per_s"] = record["tokens_generated"] / record["step_s"]
         record["lr"] = self.lr_scheduler.get_last_lr()[0]
         self.step = step
+        if self.eval_task is not None and self.config.eval_every and step % self.config.eval_every == 0:
+            record.update(self.evaluate())
         return record
 
-    def _generate_phase(self, step: int, record: dict):
+    def _generate_phase(self, step: int, record: dict) -> "Rollout":
         cfg = self.config
-        all_prompts = self._checked_prompts(self.prompt_fn(step, cfg.prompts_per_step), step)
+        all_rows, all_prompts = self.task.batch(step, cfg.prompts_per_step)
+        all_prompts = self._checked_prompts(all_prompts, step)
         share = D.rank_share(cfg.prompts_per_step, self.world)  # uneven when the ranks do not divide it
         prompts = all_prompts[share.start:share.stop]
         with self.timeline.span("generate", step=step) as span:
@@ -286,10 +363,11 @@ class GRPOScheduler:
                 raise EngineFailure(f"step {step}: generation failed on another rank (see its error)")
             self._sample_residency("generate", record)
         record["generate_s"] = span["seconds"]
-        expanded = [p for p in prompts for _ in range(cfg.num_generations)]
-        completions = [c.token_ids for c in outputs]
-        logprobs = [c.logprobs for c in outputs]
-        return expanded, completions, logprobs
+        g = cfg.num_generations
+        return Rollout(rows=[r for r in all_rows[share.start:share.stop] for _ in range(g)],
+                       prompts=[p for p in prompts for _ in range(g)],
+                       completions=[c.token_ids for c in outputs], logprobs=[c.logprobs for c in outputs],
+                       truncated=[c.truncated for c in outputs])
 
     def _generate_with_retry(self, step, prompts, share, record):
         try:
@@ -318,8 +396,10 @@ class GRPOScheduler:
         resumed run, or a run with a different number of ranks, draws the same completions."""
         cfg = self.config
         per_step = cfg.prompts_per_step * cfg.num_generations
+        stop = dict(stop_token_ids=list(self.task.stop_token_ids)) if self.task.stop_token_ids else {}
+        top_k = dict(top_k=cfg.top_k) if cfg.top_k else {}
         return [dict(n=cfg.num_generations, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                     top_p=cfg.top_p, ignore_eos=cfg.ignore_eos,
+                     top_p=cfg.top_p, ignore_eos=cfg.ignore_eos, **stop, **top_k,
                      seed=(cfg.seed * 1_000_003 * per_step + step * per_step
                            + i * cfg.num_generations) % (2**63 - 1),
                      logprobs=0)
@@ -344,29 +424,47 @@ class GRPOScheduler:
             checked.append(p)
         return checked
 
-    def _reward_phase(self, step, prompts, completions, record) -> torch.Tensor:
+    def _reward_phase(self, step, rollout: "Rollout", record) -> torch.Tensor:
+        """Every completion's reward (NaN: no function could score it) and the step's reward record:
+        overall and per function, mean and std over every rank's completions, as TRL logs them."""
         with self.timeline.span("reward", step=step) as span:
-            rewards = self.reward_fn(prompts, completions)
-            try:
-                rewards = torch.tensor([float(r) for r in rewards], dtype=torch.float32)
-            except (TypeError, ValueError) as e:
-                raise TypeError(f"reward_fn must return one number per completion: {e}") from e
-            if rewards.numel() != len(completions):
-                raise ValueError(f"reward_fn returned {rewards.numel()} rewards for {len(completions)} completions")
+            scores = self.task.score(step, rollout.rows, rollout.prompts, rollout.completions)
         record["reward_s"] = span["seconds"]
-        n, total, squares, tokens = D.sum_floats(
-            [rewards.numel(), rewards.sum().item(), (rewards.double() ** 2).sum().item(),
-             sum(len(c) for c in completions)], self.world, data_parallel=True)
-        mean = total / n
-        record["reward_mean"] = mean
-        record["reward_std"] = math.sqrt(max(squares / n - mean * mean, 0.0))
-        record["tokens_generated"] = int(tokens)
+        rewards = scores.total
+        for name, column in [("", rewards), *((n, scores.per_function[:, i]) for i, n in enumerate(scores.names))]:
+            scored = column[~torch.isnan(column)].double()
+            n, total, squares = D.sum_floats([scored.numel(), scored.sum().item(), (scored ** 2).sum().item()],
+                                             self.world, data_parallel=True)
+            mean = total / n if n else math.nan
+            std = math.sqrt(max(squares / n - mean * mean, 0.0) * n / (n - 1)) if n > 1 else 0.0
+            if name:
+                record[f"rewards/{name}/mean"], record[f"rewards/{name}/std"] = mean, std
+            else:  # (std with Bessel's correction, as TRL's nanstd)
+                record["reward_mean"], record["reward_std"] = mean, std
+        lengths = [len(c) for c in rollout.completions]
+        n, tokens, clipped, unscored = D.sum_floats(
+            [len(lengths), sum(lengths), sum(rollout.truncated), float(torch.isnan(rewards).sum())],
+            self.world, data_parallel=True)
+        shortest, longest = D.min_max(min(lengths), max(lengths), self.world)
+        record.update(tokens_generated=int(tokens), completion_length_mean=tokens / n,
+                      completion_length_min=shortest, completion_length_max=longest, clipped_ratio=clipped / n,
+                      unscored_completions=int(unscored))
         return rewards
 
-    def _train_phase(self, step, prompts, completions, rewards, engine_logprobs, record) -> None:
+    def _train_phase(self, step, rollout: "Rollout", rewards, record) -> None:
         cfg = self.config
-        advantages = group_advantages(rewards, cfg.num_generations, scale=cfg.scale_rewards)
-        batch = pack(prompts, completions).to(self.device)
+        batch_std = None
+        if cfg.scale_rewards == "batch":  # the std of every rank's rewards
+            scored = rewards[~torch.isnan(rewards)].double()
+            n, total, squares = D.sum_floats([scored.numel(), scored.sum().item(), (scored ** 2).sum().item()],
+                                             self.world, data_parallel=True)
+            batch_std = math.sqrt(max(squares - total * total / n, 0.0) / (n - 1)) if n > 1 else 0.0
+        advantages = group_advantages(rewards, cfg.num_generations, scale=cfg.scale_rewards, allow_unscorable=True,
+                                      batch_std=batch_std)
+        batch = pack(rollout.prompts, rollout.completions)
+        if cfg.mask_truncated:  # the tokens stay in the sequence; they only stop counting in the loss
+            batch.completion_mask[torch.tensor(rollout.truncated, dtype=torch.bool)] = 0
+        batch = batch.to(self.device)
         with self.timeline.span("train", step=step) as span:
             switch = time.perf_counter()
             if cfg.memory_phases:
@@ -374,14 +472,18 @@ class GRPOScheduler:
             self.memory.wake_for_training()  # optimizer state starts coming back on the copy stream
             record["phase_switch_s"] += time.perf_counter() - switch
             self.timeline.counter("resident_bytes", self._resident())
-            global_tokens = D.sum_floats([float(batch.completion_mask.sum())], self.world, data_parallel=True)[0]
-            # Each rank divides by global_tokens / data-parallel size; averaging the gradients over
-            # those ranks then yields the exact token-level mean over the whole batch.
+            global_tokens, global_sequences = D.sum_floats([float(batch.completion_mask.sum()), float(len(batch))],
+                                                           self.world, data_parallel=True)
+            # Each row's denominator is its share of the loss type's global one (over data-parallel
+            # ranks); averaging the gradients over those ranks then yields the exact global loss.
+            denominators = loss_denominators(cfg.loss_type, batch.completion_mask.cpu(), global_tokens=global_tokens,
+                                             global_sequences=global_sequences, max_new_tokens=cfg.max_new_tokens,
+                                             ranks=self.world.dp_size)
             collectives = self.tp.collectives.total if self.tp else 0
             stats = accumulate_gradients(
                 self.tp or self.model, batch, advantages.to(self.device), cfg,
-                num_tokens=global_tokens / self.world.dp_size,
-                reference=self.reference, engine_logprobs=engine_logprobs if cfg.temperature == 1.0 else None,
+                num_tokens=denominators,
+                reference=self.reference, engine_logprobs=rollout.logprobs if cfg.temperature == 1.0 else None,
                 after_forward=lambda: self._sample_residency("train", record))
             self.memory.check_grads_attached()
             if self.memory.shard is not None:  # reduce-scatter into this rank's shard, then the global norm
@@ -404,8 +506,11 @@ class GRPOScheduler:
         record["loss"], record["clip_fraction"], record["kl"] = (
             v / self.world.dp_size for v in D.sum_floats([stats["loss"], stats["clip_fraction"], stats["kl"]],
                                                          self.world, data_parallel=True))
-        if "engine_logprob_max_abs_diff" in stats:
-            record["engine_logprob_max_abs_diff"] = stats["engine_logprob_max_abs_diff"]
+        if "engine_logprob_max_abs_diff" in stats:  # sampled tokens: the trainer's log-prob against the engine's
+            gap, tokens = D.sum_floats([stats["engine_logprob_abs_diff_sum"], stats["engine_logprob_tokens"]],
+                                       self.world, data_parallel=True)
+            record["engine_logprob_max_abs_diff"] = D.min_max(0.0, stats["engine_logprob_max_abs_diff"], self.world)[1]
+            record["engine_logprob_mean_abs_diff"] = gap / max(tokens, 1.0)
 
     def _clip_gradients(self) -> float:
         flats = list(self.memory.flat_grads.values())
@@ -439,6 +544,31 @@ class GRPOScheduler:
         record["publish_s"] = span["seconds"]
         record["publish_bytes_copied"] = int(result.get("bytes_copied", 0))
         self.timeline.counter("resident_bytes", self._resident())
+
+    # -- evaluation --------------------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        """Greedy pass@1 on the eval dataset: one completion per row at temperature 0, each reward
+        function's mean over the rows it scored ({"eval/<name>": mean}); the rows are split over the
+        data-parallel ranks. Runs between steps, with the weights of the step just finished."""
+        task, cfg = self.eval_task, self.config
+        share = D.rank_share(len(task.prompt_token_ids), self.world)
+        rows = list(share)
+        prompts = [task.prompt_token_ids[r] for r in rows]
+        record = {}
+        with self.timeline.span("eval", step=self.step) as span:
+            if self.engine.kv_cache_asleep:
+                self.engine.wake_kv_cache()
+            stop = dict(stop_token_ids=list(task.stop_token_ids)) if task.stop_token_ids else {}
+            outputs = self.engine.generate(prompts, [dict(n=1, max_tokens=cfg.max_new_tokens, temperature=0.0,
+                                                          **stop)] * len(prompts)) if prompts else []
+            scores = task.score(self.step, rows, prompts, [c.token_ids for c in outputs]) if prompts else None
+        for i, name in enumerate(task.reward_names):
+            column = scores.per_function[:, i] if scores is not None else torch.empty(0)
+            scored = column[~torch.isnan(column)]
+            n, total = D.sum_floats([scored.numel(), scored.sum().item()], self.world, data_parallel=True)
+            record[f"eval/{name}"] = total / n if n else math.nan
+        record["eval_s"] = span["seconds"]
+        return record
 
     # -- memory accounting -------------------------------------------------------------------------
     def _resident(self) -> dict:
@@ -589,6 +719,16 @@ class GRPOScheduler:
         self.engine.close()
         if self._workdir is not None:
             self._workdir.cleanup()
+
+
+@dataclass
+class Rollout:
+    """One rank's completions of a step, one entry per completion (prompts repeated per completion)."""
+    rows: list[int]                  # the task's row of each completion's prompt
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    logprobs: list                   # the engine's log-probability of each sampled token
+    truncated: list[bool]            # stopped by max_new_tokens, not by EOS
 
 
 class _TerminationRequest:

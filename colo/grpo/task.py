@@ -1,0 +1,305 @@
+"""What a GRPO run trains on: prompts for each step, and the rewards of their completions.
+
+Two kinds, one interface for the scheduler:
+
+- `DatasetTask`: a user's dataset (a `prompt` column of text or {role, content} messages; message
+  prompts go through the model's chat template) and reward functions with TRL's signature
+  (colo.grpo.rewards); completions are decoded with the model's tokenizer and stop at its EOS and
+  chat end tokens.
+- `CallableTask`: the token-level API (prompt_fn(step, count) -> token id lists, reward_fn(prompts,
+  completions) -> floats), which the toy task uses.
+
+Every step's prompts depend only on (seed, step), so a resumed run sees the prompts the interrupted
+one would have seen. A reward function that raises, or returns the wrong length, NaN or a
+non-number, stops the run with a `RewardError` naming the function, the step and the prompt.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .rewards import RewardFunc, reward_name
+
+PROMPT = "prompt"
+# Columns TRL passes to reward functions under their own names, never as dataset columns.
+RESERVED = ("prompt", "completion", "completion_ids", "prompts", "completions")
+# Chat end tokens of common templates; a run stops at the ones its template uses (besides EOS).
+CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+class RewardError(ValueError):
+    """A reward function failed or returned something that is not one reward per completion."""
+
+
+@dataclass
+class Scores:
+    per_function: torch.Tensor   # (completions, functions) float32; NaN where a function returned None
+    weights: torch.Tensor        # (functions,)
+    names: tuple[str, ...]
+
+    @property
+    def total(self) -> torch.Tensor:
+        """The weighted sum over functions (None counted as nothing); NaN where every one was None."""
+        total = (self.per_function * self.weights).nansum(dim=1)
+        total[torch.isnan(self.per_function).all(dim=1)] = math.nan
+        return total
+
+
+def check_rewards(values, expected: int, function: str, step: int) -> list[float]:
+    """One finite float or None per completion, or a RewardError saying what came back instead."""
+    try:
+        count = len(values)
+    except TypeError:
+        raise RewardError(f"reward function {function!r} returned a {type(values).__name__} at step {step}; "
+                          f"it must return a list of {expected} numbers (None to skip one)") from None
+    if count != expected:
+        raise RewardError(f"reward function {function!r} returned {count} rewards for {expected} completions at "
+                          f"step {step}; it must return one per completion")
+    checked = []
+    for i, value in enumerate(values):
+        if value is None:
+            checked.append(math.nan)
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise RewardError(f"reward function {function!r} returned {value!r} for completion {i} at step {step}: "
+                              "not a number (None to skip a completion)") from None
+        if not math.isfinite(number):
+            raise RewardError(f"reward function {function!r} returned {number} for completion {i} at step {step}: "
+                              "rewards must be finite (None to skip a completion)")
+        checked.append(number)
+    return checked
+
+
+class Task:
+    """The interface the scheduler uses (see the module doc)."""
+
+    reward_names: tuple[str, ...] = ("reward",)
+    stop_token_ids: tuple[int, ...] = ()
+
+    def batch(self, step: int, count: int) -> tuple[list[int], list[list[int]]]:
+        """(rows, prompt token ids) of a step's `count` prompts; rows identify them to score()."""
+        raise NotImplementedError
+
+    def longest_prompt(self) -> int | None:
+        """Tokens of the longest prompt this task can give, when known up front."""
+        return None
+
+    def score(self, step: int, rows: list[int], prompt_ids: list[list[int]],
+              completion_ids: list[list[int]]) -> Scores:
+        raise NotImplementedError
+
+    def describe_row(self, row: int) -> str:
+        return f"prompt {row}"
+
+
+class CallableTask(Task):
+    """prompt_fn(step, count) -> token id lists; reward_fn(prompts, completions) -> one float each."""
+
+    def __init__(self, prompt_fn, reward_fn):
+        self.prompt_fn, self.reward_fn = prompt_fn, reward_fn
+        self.reward_names = (reward_name(reward_fn),)
+
+    def batch(self, step, count):
+        prompts = self.prompt_fn(step, count)
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompt_fn({step}, {count}) must return a list of {count} prompts, got "
+                             f"{type(prompts).__name__}")
+        return list(range(len(prompts))), [list(p) for p in prompts]
+
+    def score(self, step, rows, prompt_ids, completion_ids):
+        name = self.reward_names[0]
+        try:
+            values = self.reward_fn(prompt_ids, completion_ids)
+        except Exception as e:
+            raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e} at step {step}") from e
+        values = check_rewards(values, len(completion_ids), name, step)
+        return Scores(torch.tensor(values, dtype=torch.float32).unsqueeze(1), torch.ones(1), self.reward_names)
+
+
+class DatasetTask(Task):
+    """A dataset's prompts and reward functions with TRL's signature, through the model's tokenizer.
+
+    dataset: a `datasets.Dataset` (or anything load_dataset_file reads) with a `prompt` column.
+    reward_funcs: functions (or their names, colo.grpo.rewards.load_reward); reward_weights: one per
+    function (default 1 each). max_prompt_length: None refuses nothing here (the scheduler checks
+    prompt + completion against the model); a number refuses longer prompts, naming the row, or with
+    truncate="left" keeps their last tokens. Rows are taken in a fresh seeded shuffle every epoch.
+    """
+
+    def __init__(self, dataset, tokenizer, reward_funcs, reward_weights=None, *, seed: int = 0,
+                 chat_template_kwargs: dict | None = None, max_prompt_length: int | None = None,
+                 truncate: str | None = None, name: str = "dataset"):
+        from .rewards import load_reward
+
+        self.name, self.seed, self.tokenizer = name, seed, tokenizer
+        self.dataset = load_dataset_file(dataset) if isinstance(dataset, (str, Path)) else dataset
+        columns = list(self.dataset.column_names)
+        if PROMPT not in columns:
+            raise ValueError(f"{name} has no {PROMPT!r} column (it has {', '.join(columns) or 'none'}); TRL's "
+                             "convention: a `prompt` column of text or of {role, content} messages")
+        if len(self.dataset) == 0:
+            raise ValueError(f"{name} has no rows")
+        if truncate not in (None, "left"):
+            raise ValueError(f"truncate must be None or 'left', got {truncate!r}")
+        funcs = [load_reward(f) if isinstance(f, str) else f for f in _as_list(reward_funcs)]
+        if not funcs:
+            raise ValueError("a dataset task needs at least one reward function")
+        for f in funcs:
+            if not callable(f):
+                raise ValueError(f"reward function {f!r} is not callable")
+        weights = [1.0] * len(funcs) if reward_weights is None else [float(w) for w in reward_weights]
+        if len(weights) != len(funcs):
+            raise ValueError(f"{len(weights)} reward weights for {len(funcs)} reward functions")
+        self.reward_funcs = funcs
+        self.reward_names = tuple(reward_name(f) for f in funcs)
+        self.weights = torch.tensor(weights, dtype=torch.float32)
+        self.prompts = self.dataset[PROMPT]
+        self.conversational = _is_conversational(self.prompts[0])
+        self.columns = {c: self.dataset[c] for c in columns if c not in RESERVED}
+        self.prompt_token_ids = self._tokenize(chat_template_kwargs or {}, max_prompt_length, truncate)
+        self.stop_token_ids = tuple(stop_token_ids(tokenizer, chat=self.conversational))
+
+    def _tokenize(self, template_kwargs, max_prompt_length, truncate) -> list[list[int]]:
+        tok = self.tokenizer
+        if self.conversational:
+            if not getattr(tok, "chat_template", None):
+                raise ValueError(f"{self.name}'s prompts are messages but the tokenizer has no chat template")
+            ids = []
+            for row, messages in enumerate(self.prompts):
+                if not _is_conversational(messages):
+                    raise ValueError(f"{self.name} row {row}: prompt is not a list of {{role, content}} messages "
+                                     "like row 0's")
+                ids.append(list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=True, **template_kwargs)["input_ids"]))
+        else:
+            for row, text in enumerate(self.prompts):
+                if not isinstance(text, str):
+                    raise ValueError(f"{self.name} row {row}: prompt is a {type(text).__name__}, not text like "
+                                     "row 0's")
+            ids = [list(x) for x in tok(list(self.prompts))["input_ids"]]
+        for row, x in enumerate(ids):
+            if not x:
+                raise ValueError(f"{self.name} row {row}: the prompt has no tokens")
+            if max_prompt_length is not None and len(x) > max_prompt_length:
+                if truncate != "left":
+                    raise ValueError(f"{self.name} row {row}: prompt of {len(x)} tokens is longer than "
+                                     f"max_prompt_length={max_prompt_length} (truncate it with "
+                                     "--truncate-prompts left, or raise the limit)")
+                ids[row] = x[-max_prompt_length:]
+        return ids
+
+    def rows(self, step: int, count: int) -> list[int]:
+        """The rows of a step: position k of the run is row perm_epoch[k % len], epoch = k // len."""
+        n = len(self.prompt_token_ids)
+        out, cache = [], {}
+        for k in range((step - 1) * count, step * count):
+            epoch = k // n
+            if epoch not in cache:
+                cache[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
+            out.append(int(cache[epoch][k % n]))
+        return out
+
+    def batch(self, step, count):
+        rows = self.rows(step, count)
+        return rows, [self.prompt_token_ids[r] for r in rows]
+
+    def longest_prompt(self):
+        return max(len(x) for x in self.prompt_token_ids)
+
+    def describe_row(self, row):
+        return f"{self.name} row {row}"
+
+    def decode(self, completion_ids: list[list[int]]) -> list[str]:
+        return self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+
+    def score(self, step, rows, prompt_ids, completion_ids):
+        texts = self.decode(completion_ids)
+        prompts = [self.prompts[r] for r in rows]
+        if self.conversational:
+            completions = [[{"role": "assistant", "content": t}] for t in texts]
+        else:
+            completions = texts
+        columns = {name: [values[r] for r in rows] for name, values in self.columns.items()}
+        per_function = []
+        for function, name in zip(self.reward_funcs, self.reward_names):
+            call = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            try:
+                values = function(**call)
+            except Exception as e:
+                where = self._first_failing_row(function, call, rows)
+                raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e} at step {step}"
+                                  f"{where}") from e
+            per_function.append(check_rewards(values, len(completion_ids), name, step))
+        values = torch.tensor(per_function, dtype=torch.float32).T.contiguous()
+        return Scores(values, self.weights, self.reward_names)
+
+    def _first_failing_row(self, function, call: dict, rows: list[int]) -> str:
+        """Which prompt made `function` raise: call it on one completion at a time (rewards are cheap
+        next to a step; this runs only on the way to stopping the run)."""
+        for i, row in enumerate(rows):
+            one = {k: v[i:i + 1] for k, v in call.items()}
+            try:
+                function(**one)
+            except Exception:  # noqa: BLE001 - the row is what we are looking for
+                return f", on {self.describe_row(row)} (completion {i} of the step's batch)"
+        return ""
+
+
+def stop_token_ids(tokenizer, chat: bool) -> list[int]:
+    """EOS (the tokenizer's and the generation config's) and, for chat prompts, the end-of-turn token
+    the chat template writes."""
+    ids = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if chat:
+        for token in CHAT_END_TOKENS:
+            if token in template:
+                token_id = tokenizer.convert_tokens_to_ids(token)
+                if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+                    ids.append(token_id)
+    return sorted(set(ids))
+
+
+def load_dataset_file(path: str | Path):
+    """A `datasets.Dataset` from a JSONL/JSON, Parquet or CSV file or a save_to_disk directory."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError("reading a dataset needs the `datasets` package: pip install 'colo[tasks]'") from e
+    path = Path(path)
+    if path.is_dir():
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"{path} is not a dataset saved with save_to_disk: {e}") from e
+        if isinstance(loaded, datasets.DatasetDict):
+            if "train" not in loaded:
+                raise ValueError(f"{path} holds splits {list(loaded)}, none named 'train'; point at one split")
+            loaded = loaded["train"]
+        return loaded
+    if not path.is_file():
+        raise ValueError(f"dataset {path}: no such file or directory")
+    builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+    builder = builders.get(path.suffix.lower())
+    if builder is None:
+        raise ValueError(f"dataset {path}: unknown format {path.suffix!r}; give .jsonl, .json, .parquet, .csv "
+                         "or a save_to_disk directory")
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds for unreadable files
+        raise ValueError(f"dataset {path}: cannot read it as {builder}: {type(e).__name__}: {e}") from e
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _is_conversational(prompt) -> bool:
+    return (isinstance(prompt, list) and len(prompt) > 0
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt))
