@@ -86,6 +86,8 @@ def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_byt
     # vLLM's CPU platform lets this legacy variable override an explicit size.
     env = {"VLLM_CPU_KVCACHE_SPACE": None} if kv_cache_bytes is not None else {}
     placement = compat.EnginePlacement(pool)
+    if llm_kwargs.get("skip_tokenizer_init"):
+        compat.quiet_chat_warmup_without_tokenizer()
     with in_process_env(env), compat.placing(placement) as worker_cls:
         llm = vllm.LLM(model=path, dtype=dtype, seed=seed, enforce_eager=enforce_eager, worker_cls=worker_cls,
                        **llm_kwargs)

@@ -17,6 +17,7 @@ A vLLM upgrade that moves one of these fails here, loudly, rather than somewhere
 """
 from __future__ import annotations
 
+import logging
 import contextlib
 import functools
 import gc
@@ -818,3 +819,20 @@ def serve_adapter_by_default(llm, lora_request) -> None:
         return call(prompt, params, lora_request=lora_request or default, priority=priority)
 
     llm._add_request = add_request
+
+
+class _ChatWarmupFailure(logging.Filter):
+    """vLLM 0.32's LLM() renders a chat at start-up even with skip_tokenizer_init=True
+    (entrypoints/llm.py: renderer.warmup), which fails for want of the tokenizer and logs the
+    traceback as a warning whenever the model directory has a chat template. colo hands the engine
+    token ids and never asks it to render a chat: drop that one record, nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Chat template warmup failed"
+
+
+_CHAT_WARMUP_FILTER = _ChatWarmupFailure()
+
+
+def quiet_chat_warmup_without_tokenizer() -> None:
+    logging.getLogger("vllm.renderers.base").addFilter(_CHAT_WARMUP_FILTER)  # idempotent: the same filter object

