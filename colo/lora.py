@@ -308,6 +308,13 @@ class _WithoutAdapter:
         with self.adapter.disabled():
             return self.model(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def as_model(self):
+        """The Hugging Face model itself, its adapter off inside the block: for callers that run its
+        parts one by one (colo.grpo.logprobs: the decoder, then the head in chunks)."""
+        with self.adapter.disabled():
+            yield self.model
+
 
 def _named(layers: dict[str, _Layer]):
     for name, layer in layers.items():

@@ -39,7 +39,8 @@ def test_help_works_without_the_compiled_extension():
 
 @pytest.mark.parametrize("args, message", [
     (["--bogus"], "unrecognized arguments"),
-    (["--sections", "pool_alloc,nope"], "valid sections: pool_alloc, sleep_wake, publish, grpo_step, memory, trl, lora"),
+    (["--sections", "pool_alloc,nope"],
+     "valid sections: pool_alloc, sleep_wake, publish, grpo_step, memory, trl, lora, logprob_memory"),
     (["--sections", ","], "no section named"),
     (["--device", "tpu"], "invalid choice"),
     (["--plot", "out.jpg"], "ending in .png"),
@@ -92,9 +93,9 @@ def test_cuda_rows_say_why_they_did_not_run():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the CUDA rows run instead")
-    from colo.bench import grpo_step, lora, memory, pool_alloc, publish, sleep_wake, trl
+    from colo.bench import grpo_step, logprob_memory, lora, memory, pool_alloc, publish, sleep_wake, trl
 
-    for section in (pool_alloc, sleep_wake, publish, grpo_step, memory, trl, lora):
+    for section in (pool_alloc, sleep_wake, publish, grpo_step, memory, trl, lora, logprob_memory):
         rows = section.run(quick=True, progress=lambda it, desc="": it, devices=("cuda",))
         assert len(rows) == 1 and rows[0]["device"] == "cuda"
         assert rows[0]["note"].startswith("CUDA case not run")
@@ -280,3 +281,19 @@ def test_lora_rows_compare_colo_with_stock_trl_and_peft():
     # hold one chunk; bench/results/cpu-lora-full.json shows 18 MiB of gradients against 0.7 GB of weights).
     assert scheduler["colo_kv_cache_resident_bytes_during_train"] == 0
     assert 0 < scheduler["colo_grads_resident_bytes_during_train"] <= scheduler["colo_weights_resident_bytes_during_train"]
+
+
+@pytest.mark.slow
+def test_logprob_memory_row_chunked_holds_less_than_all_logits_at_once():
+    from colo.bench import logprob_memory
+
+    vocab, sequences, tokens = 49152, 2, 512  # 1024 positions: 192 MiB of fp32 logits at once, 48 MiB per chunk
+    row = logprob_memory.measure_vocab(vocab, sequences, tokens, "cpu")
+    assert row["section"] == "logprob_memory" and row["device"] == "cpu" and row["params"] > 0
+    assert 0 < row["peak_bytes"] < row["baseline_peak_bytes"]
+    assert row["memory_ratio"] == pytest.approx(row["baseline_peak_bytes"] / row["peak_bytes"])
+    # The straightforward way keeps at least the fp32 logits for backward; the chunked way none of them.
+    assert row["baseline_saved_for_backward_bytes"] - row["saved_for_backward_bytes"] >= sequences * tokens * vocab * 4
+    assert row["chunk_logits_bytes"] == row["chunk_tokens"] * vocab * 4
+    assert row["logprob_sum_abs_diff"] < 1e-2  # the same log-probabilities (1024 of them, about -11 each)
+    assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"])

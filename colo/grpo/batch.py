@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .loss import token_logprobs
+from .logprobs import completion_logprobs_chunked, full_logits_logprobs, has_plain_head
 
 
 @dataclass
@@ -63,14 +63,15 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0
 
 def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
     """log p(completion token | everything before it) for every completion column, shape (B, C).
-    model: a Hugging Face causal LM, or a colo.tensor_parallel.TensorParallelModel (its rank's
-    vocabulary shard of the logits; the log-probabilities are over the whole vocabulary)."""
+    model: a Hugging Face causal LM (Llama/Mistral/Qwen2/Qwen3: logits computed a chunk of tokens at a
+    time, colo.grpo.logprobs), colo.lora's base_model() of one, or a
+    colo.tensor_parallel.TensorParallelModel (its rank's vocabulary shard of the logits; the
+    log-probabilities are over the whole vocabulary)."""
     if hasattr(model, "completion_logprobs"):
         return model.completion_logprobs(batch.input_ids, batch.completion_ids, attention_mask=batch.attention_mask,
                                          position_ids=batch.position_ids, temperature=temperature)
-    completion_len = batch.completion_ids.shape[1]
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                position_ids=batch.position_ids, logits_to_keep=completion_len + 1, use_cache=False)
-    # Logits at column t predict token t + 1: drop the prediction after the last token.
-    logits = out.logits[:, :-1, :]
-    return token_logprobs(logits, batch.completion_ids, temperature)
+    if hasattr(model, "as_model"):  # colo.lora's base_model(): the same model with its adapter off
+        with model.as_model() as hf_model:
+            return completion_logprobs(hf_model, batch, temperature)
+    args = (model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids, temperature)
+    return completion_logprobs_chunked(*args) if has_plain_head(model) else full_logits_logprobs(*args)
