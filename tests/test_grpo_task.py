@@ -241,3 +241,19 @@ def test_a_prompt_longer_than_the_model_is_refused_before_any_engine(smollm2_mod
     with pytest.raises(ValueError, match="eval_every=2 needs an eval_dataset"):
         GRPOScheduler(smollm2_model_dir, config=GRPOConfig(eval_every=2), dataset=tmp_path / "d.jsonl",
                       reward_funcs=["math"])
+
+
+def test_plot_draws_a_run_log(tmp_path):
+    from colo.grpo.plot import main
+
+    log = tmp_path / "log.jsonl"
+    records = [{"step": s, "reward_mean": s / 10, "reward_std": 0.1, "rewards/math/mean": s / 10,
+                "rewards/fmt/mean": 0.5, "completion_length_mean": 10 - s, "completion_length_min": 2,
+                "completion_length_max": 12, "clipped_ratio": 0.5 / s, **({"eval/math": 0.3} if s == 2 else {})}
+               for s in (1, 2, 3)]
+    log.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 4, "rew')  # killed mid-line
+    assert main([str(log), "-o", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "d.png")])

@@ -339,6 +339,15 @@ def main(argv=None) -> int:
             print(f"colo.grpo: LoRA rank {config.lora_rank}, alpha {config.lora_alpha:g} on "
                   f"{', '.join(config.lora_targets)}; the base is frozen; adapter in PEFT's format in {out / 'adapter'}",
                   flush=True)
+        if config.beta > 0 and not config.lora_rank:
+            from transformers import AutoConfig
+
+            from .rollout_engine import parameter_bytes
+
+            copy_bytes = parameter_bytes(AutoConfig.from_pretrained(model_dir), config.torch_dtype)
+            print(f"colo.grpo: --beta {config.beta:g} with full fine-tuning keeps a frozen reference copy of the "
+                  f"weights ({copy_bytes / 2**20:.0f} MiB in {config.dtype}, outside the pool) beside the shared one; "
+                  "with --lora-rank the reference is the shared base itself, free", flush=True)
         if not args.resume:
             (out / "run.json").write_text(json.dumps({"model_dir": str(model_dir), "config": config.to_dict(),
                                                       "task": task_settings(args),

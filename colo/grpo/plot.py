@@ -1,0 +1,87 @@
+"""`python -m colo.grpo.plot log.jsonl -o curve.png`: a run's learning curve from its step log.
+
+Top: the reward per step (mean, with the std as a band) and each reward function's mean, with the
+eval pass@1 points where the run evaluated. Bottom: completion length per step (mean, min-max band)
+and the share of completions cut by max_new_tokens (clipped_ratio, right axis).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def read_log(path: str | Path) -> list[dict]:
+    """The step records of a JSON-lines log (a half-written last line of a killed run is skipped)."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    if not records:
+        raise ValueError(f"{path} holds no step records")
+    return records
+
+
+def plot(records: list[dict], out: str | Path, title: str | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    mean = [r["reward_mean"] for r in records]
+    std = [r.get("reward_std", 0.0) for r in records]
+    top.plot(steps, mean, color="black", label="reward (weighted sum)")
+    top.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                     color="black", alpha=0.1)
+    functions = sorted({k.split("/")[1] for r in records for k in r if k.startswith("rewards/") and k.endswith("/mean")})
+    if len(functions) > 1:
+        for name in functions:
+            top.plot(steps, [r.get(f"rewards/{name}/mean") for r in records], label=name, alpha=0.8)
+    for key in sorted({k for r in records for k in r if k.startswith("eval/")}):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        top.plot(*zip(*points), "o--", label=f"{key} (greedy pass@1)")
+    top.set_ylabel("reward")
+    top.legend(fontsize=8)
+    top.grid(alpha=0.3)
+    if "completion_length_mean" in records[0]:
+        bottom.plot(steps, [r["completion_length_mean"] for r in records], color="tab:blue", label="completion tokens")
+        bottom.fill_between(steps, [r["completion_length_min"] for r in records],
+                            [r["completion_length_max"] for r in records], color="tab:blue", alpha=0.15)
+        clipped = bottom.twinx()
+        clipped.plot(steps, [r["clipped_ratio"] for r in records], color="tab:red", label="clipped ratio")
+        clipped.set_ylim(-0.02, 1.02)
+        clipped.set_ylabel("clipped ratio", color="tab:red")
+    else:
+        bottom.plot(steps, [r["tokens_generated"] for r in records], label="tokens generated")
+    bottom.set_ylabel("completion tokens", color="tab:blue")
+    bottom.set_xlabel("step")
+    bottom.grid(alpha=0.3)
+    fig.suptitle(title or "colo.grpo")
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m colo.grpo.plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("log", help="the step log of a run (--json)")
+    parser.add_argument("-o", "--out", default="curve.png", help="PNG to write (default %(default)s)")
+    parser.add_argument("--title")
+    args = parser.parse_args(argv)
+    try:
+        print(plot(read_log(args.log), args.out, args.title))
+    except (OSError, ValueError, KeyError) as e:
+        parser.error(f"{args.log}: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
