@@ -59,7 +59,7 @@ def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_byt
     distributed_executor_backend="external_launcher" unless told otherwise.
     Other keyword arguments go to `vllm.LLM` unchanged (not `worker_cls`: colo's worker places the memory).
     """
-    import colo
+    from .pool import Pool
 
     vllm = import_vllm()
     if kv_cache_bytes is not None:
@@ -71,7 +71,7 @@ def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_byt
     if (os.path.isabs(path) or path.startswith(".")) and not os.path.isdir(path):
         raise FileNotFoundError(f"build_llm: no model directory at {path}")
     if pool is None:
-        pool = colo.Pool(engine_device())
+        pool = Pool(engine_device())
     if torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
         llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")

@@ -42,6 +42,8 @@ import re
 import sys
 from dataclasses import asdict, dataclass
 
+from .kv_sizing import kv_bytes
+
 # Model shapes for the KV cache and activation estimates: the nearest by parameter count is used
 # unless --config names a Hugging Face config.json. Public Qwen2.5 and Llama 3 configurations.
 SHAPES = {
@@ -76,7 +78,7 @@ class Shape:
     def kv_bytes_per_token(self, dtype_bytes: int, tensor_parallel: int = 1) -> int:
         """K and V of one token on one GPU: vLLM gives each tensor-parallel rank kv_heads / tp heads,
         or one (replicated) when there are fewer KV heads than ranks."""
-        return 2 * self.layers * max(1, self.kv_heads // tensor_parallel) * self.head_dim * dtype_bytes
+        return kv_bytes(self.layers, self.kv_heads, self.head_dim, dtype_bytes, tensor_parallel)
 
     @property
     def replicated_params(self) -> int:

@@ -158,7 +158,7 @@ class ColoVLLMGeneration(_VLLMGeneration):
     def _build_llm(self, model, dtype, device, lora, extra) -> None:
         import colo
         from colo.engine import build_llm
-        from colo.grpo.rollout_engine import default_block_size, kv_bytes_per_token, kv_cache_blocks
+        from colo.kv_sizing import default_block_size, kv_bytes_per_token, kv_cache_blocks
 
         accelerator = self.accelerator
         pool = self.colo_pool if self.colo_pool is not None else colo.Pool(device)

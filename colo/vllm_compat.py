@@ -141,6 +141,20 @@ def placing(placement: EnginePlacement):
         _pending.placement = None
 
 
+def job_init_method(init_method: str) -> str:
+    """vLLM's CPU worker names its shared-memory segments after the init method's last ':' part
+    (cpu_worker.py: VLLM_DIST_IDENT), which is "env://" for every external_launcher job, so two
+    tensor-parallel jobs on one host collide ("create shm in SHMManager failed. errno: 17"). Under
+    torchrun, name them after the job: its rendezvous port (unique per concurrent job on a host) and
+    run id. The process group exists before the engine starts (colo.grpo, colo.trl), so vLLM reads
+    this string for nothing else."""
+    port = os.environ.get("MASTER_PORT")
+    if init_method != "env://" or port is None or not torch.distributed.is_initialized():
+        return init_method
+    run_id = "".join(c if c.isalnum() else "-" for c in os.environ.get("TORCHELASTIC_RUN_ID", "none"))
+    return f"env://colo-{port}-{run_id}"
+
+
 class _ColoWorkerMixin:
     def __init__(self, *args, **kwargs):
         placement = getattr(_pending, "placement", None)
@@ -149,6 +163,7 @@ class _ColoWorkerMixin:
                                "that builds the engine (it needs the colo.Pool to place memory in)")
         self.colo_placement = placement
         super().__init__(*args, **kwargs)
+        self.distributed_init_method = job_init_method(self.distributed_init_method)
 
     def _maybe_get_memory_pool_context(self, tag: str):
         if tag == "weights":

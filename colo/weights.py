@@ -284,9 +284,9 @@ def _place_engine_weights(llm, engine: _Engine, pool):
 
 
 def _foreign_engine_pool(llm, device):
-    import colo
+    from .pool import Pool
 
-    return colo.Pool(device)
+    return Pool(device)
 
 
 def _move_into_pool(pool, tensors, linear_modules) -> None:

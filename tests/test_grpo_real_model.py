@@ -72,3 +72,26 @@ def test_real_model_on_a_dataset_stops_at_eos_and_resumes_after_a_failing_reward
     assert min(r["completion_length_min"] for r in log) < MAX_NEW
     assert any(r["clipped_ratio"] < 1 for r in log)
     assert 0 <= log[1]["eval/math"] <= 1 and "eval/flaky" in log[1]
+
+
+def test_truncated_completions_left_out_of_the_loss(tmp_path):
+    """The toy task ignores EOS, so every completion runs to --max-new-tokens: all are truncated
+    (clipped_ratio 1), and with --mask-truncated none counts in the loss: zero loss and gradient,
+    weights unchanged; without it the same step has a gradient."""
+    import torch
+
+    records = {}
+    for masked in (True, False):
+        out = tmp_path / f"masked-{masked}"
+        done = run(out, "--steps", "1", "--prompts-per-step", "2", "--num-generations", "4", "--dtype", "fp32",
+                   *(["--mask-truncated"] if masked else []))
+        assert done.returncode == 0, done.stderr[-2000:]
+        records[masked] = json.loads((out / "log.jsonl").read_text().splitlines()[0])
+        assert records[masked]["clipped_ratio"] == 1.0
+    assert records[True]["grad_norm"] == 0.0 and records[True]["loss"] == 0.0
+    assert records[False]["grad_norm"] > 0.0
+    from safetensors.torch import load_file
+
+    initial = load_file(str(tmp_path / "masked-True" / "toy-model" / "model.safetensors"))
+    trained = torch.load(tmp_path / "masked-True" / "step-000001.pt", map_location="cpu", weights_only=True)["model"]
+    assert all(torch.equal(trained[name], initial[name]) for name in initial)

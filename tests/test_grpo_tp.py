@@ -141,3 +141,24 @@ def test_what_tensor_parallelism_cannot_take_is_refused_before_any_engine(tmp_pa
                           capture_output=True, text=True, timeout=120, cwd=REPO, env=ENV)
     assert done.returncode == 1
     assert "tensor_parallel=2 must divide the number of ranks (1)" in done.stderr
+
+
+def test_two_tensor_parallel_jobs_on_one_host_at_once(tmp_path):
+    """vLLM's CPU workers name their shared-memory segments after the job (colo.vllm_compat.
+    job_init_method): two TP=2 jobs started together on this host both finish. Before, both named
+    them after "env://" and the second failed creating its segment (errno 17)."""
+    import sys
+
+    jobs = []
+    for port in (29531, 29532):
+        out = tmp_path / f"job{port}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+               "-m", "colo.grpo", *grpo_command(out, "--steps", "1", "--tensor-parallel", "2", "--eager",
+                                                "--prompts-per-step", "2", "--num-generations", "2",
+                                                "--dtype", "fp32")[3:]]
+        jobs.append((out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                           cwd=REPO, env=ENV)))
+    for out, job in jobs:
+        _, stderr = job.communicate(timeout=600)
+        assert job.returncode == 0, stderr[-3000:]
+        assert [r["step"] for r in records(out)] == [1]

@@ -342,7 +342,7 @@ def main(argv=None) -> int:
         if config.beta > 0 and not config.lora_rank:
             from transformers import AutoConfig
 
-            from .rollout_engine import parameter_bytes
+            from ..kv_sizing import parameter_bytes
 
             copy_bytes = parameter_bytes(AutoConfig.from_pretrained(model_dir), config.torch_dtype)
             print(f"colo.grpo: --beta {config.beta:g} with full fine-tuning keeps a frozen reference copy of the "

@@ -14,6 +14,7 @@ import torch
 
 from .. import engine as colo_engine
 from ..errors import EngineFailure, OutOfMemoryError  # noqa: F401 - EngineFailure raised here, re-exported
+from ..kv_sizing import default_block_size, kv_bytes_per_token, kv_cache_blocks, parameter_bytes  # noqa: F401
 from ..lora import LoraSpec, share_adapter, slot_bytes
 from ..regions import KV_CACHE
 from ..weights import share_weights, shared_model
@@ -26,38 +27,6 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float] | None  # the engine's log-probability of each sampled token (raw logits)
     truncated: bool = False       # stopped by max_tokens rather than by EOS or a stop token
-
-
-def kv_bytes_per_token(hf_config, dtype: torch.dtype, tensor_parallel: int = 1) -> int:
-    """Bytes of K and V one token occupies over all layers, on one of `tensor_parallel` ranks (each
-    holds its share of the KV heads, at least one: vLLM replicates a head over several ranks)."""
-    text = getattr(hf_config, "text_config", hf_config)
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    heads = max(1, heads // tensor_parallel)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * text.num_hidden_layers * heads * head_dim * dtype.itemsize
-
-
-def parameter_bytes(hf_config, dtype: torch.dtype) -> int:
-    """Bytes of a model's parameters in `dtype`, counted on the meta device (nothing allocated)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
-
-
-def default_block_size(device) -> int:
-    """vLLM's own default KV block size: 128 tokens on CPU (its CPU attention kernels prefer it), 16 on CUDA.
-    Passed explicitly so the KV budget can be counted in whole blocks."""
-    return 128 if device.type == "cpu" else 16
-
-
-def kv_cache_blocks(sequences: int, sequence_tokens: int, block: int) -> int:
-    """KV blocks for `sequences` sequences of `sequence_tokens` tokens held at once: whole blocks per
-    sequence, plus the one block vLLM keeps as its null block (v1/core/block_pool.py), which no
-    sequence can use. One short, a sequence is preempted and recomputed every batch."""
-    return sequences * -(-sequence_tokens // block) + 1
 
 
 class RolloutEngine:

@@ -35,10 +35,9 @@ from typing import Callable
 
 import torch
 
-import colo
-
 from ..checks import check_int
 from ..errors import Terminated
+from ..pool import Pool
 from ..regions import WEIGHTS
 from ..weights import check_architecture
 from ..zero import ShardLayout
@@ -95,7 +94,7 @@ class GRPOScheduler:
         self._join_world()
         resume_state = self._find_resume_state() if resume else None
         torch.manual_seed(self.config.seed + self.world.dp_rank)  # an engine's tensor-parallel ranks alike
-        self.pool = colo.Pool(self.device, capacity=pool_capacity)
+        self.pool = Pool(self.device, capacity=pool_capacity)
         self.config = self.config.resolve_dtype(self.device)
         self._start_engine(engine_options or {})
         self._build_training()
@@ -432,14 +431,10 @@ class GRPOScheduler:
         record["reward_s"] = span["seconds"]
         rewards = scores.total
         for name, column in [("", rewards), *((n, scores.per_function[:, i]) for i, n in enumerate(scores.names))]:
-            scored = column[~torch.isnan(column)].double()
-            n, total, squares = D.sum_floats([scored.numel(), scored.sum().item(), (scored ** 2).sum().item()],
-                                             self.world, data_parallel=True)
-            mean = total / n if n else math.nan
-            std = math.sqrt(max(squares / n - mean * mean, 0.0) * n / (n - 1)) if n > 1 else 0.0
+            mean, std = self._scored_mean_std(column)
             if name:
                 record[f"rewards/{name}/mean"], record[f"rewards/{name}/std"] = mean, std
-            else:  # (std with Bessel's correction, as TRL's nanstd)
+            else:
                 record["reward_mean"], record["reward_std"] = mean, std
         lengths = [len(c) for c in rollout.completions]
         n, tokens, clipped, unscored = D.sum_floats(
@@ -451,14 +446,19 @@ class GRPOScheduler:
                       unscored_completions=int(unscored))
         return rewards
 
+    def _scored_mean_std(self, values: torch.Tensor) -> tuple[float, float]:
+        """Mean and std (Bessel's correction, as TRL's nanstd) of the non-NaN values of every
+        data-parallel rank's batch."""
+        scored = values[~torch.isnan(values)].double()
+        n, total, squares = D.sum_floats([scored.numel(), scored.sum().item(), (scored ** 2).sum().item()],
+                                         self.world, data_parallel=True)
+        mean = total / n if n else math.nan
+        std = math.sqrt(max(squares - total * mean, 0.0) / (n - 1)) if n > 1 else 0.0
+        return mean, std
+
     def _train_phase(self, step, rollout: "Rollout", rewards, record) -> None:
         cfg = self.config
-        batch_std = None
-        if cfg.scale_rewards == "batch":  # the std of every rank's rewards
-            scored = rewards[~torch.isnan(rewards)].double()
-            n, total, squares = D.sum_floats([scored.numel(), scored.sum().item(), (scored ** 2).sum().item()],
-                                             self.world, data_parallel=True)
-            batch_std = math.sqrt(max(squares - total * total / n, 0.0) / (n - 1)) if n > 1 else 0.0
+        batch_std = self._scored_mean_std(rewards)[1] if cfg.scale_rewards == "batch" else None  # every rank's
         advantages = group_advantages(rewards, cfg.num_generations, scale=cfg.scale_rewards, allow_unscorable=True,
                                       batch_std=batch_std)
         batch = pack(rollout.prompts, rollout.completions)
