@@ -29,6 +29,7 @@ import contextlib
 import json
 import math
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from . import vllm_compat as compat
-from .engine import reset_prefix_cache
+from .shared import EngineViews, PublishReport
 from .regions import WEIGHTS
 
 # Every linear layer of a Llama/Qwen2 decoder layer (PEFT's "all-linear" for these models).
@@ -106,7 +107,7 @@ class _Layer:
 
 
 @dataclass
-class SharedAdapter:
+class SharedAdapter(EngineViews):
     """The trainer's adapter, a view of the engine's adapter slot; see the module docstring."""
     spec: LoraSpec
     llm: object
@@ -115,7 +116,7 @@ class SharedAdapter:
     layers: dict[str, _Layer]                 # Hugging Face module name -> its adapter
     enabled: bool = True
     publish_count: int = 0
-    _slot_ptrs: list = field(default_factory=list, repr=False)
+    _watched: list = field(default_factory=list, repr=False)   # [(name, parameter, data_ptr)]: EngineViews.watch
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for layer in self.layers.values() for p in (layer.lora_a, layer.lora_b)]
@@ -129,18 +130,14 @@ class SharedAdapter:
     def numel(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def publish(self) -> dict:
+    def publish(self) -> PublishReport:
         """Make the engine serve the adapter the optimizer just wrote: nothing to copy (the engine
         reads the slot the trainer wrote); checks the slot still belongs to this adapter and forgets
         vLLM's cached prefixes (their KV was computed with the old adapter)."""
+        started = time.perf_counter()
         self._check_still_shared()
-        reset_prefix_cache(self.llm)
-        self.publish_count += 1
-        return {"bytes_copied": 0, "bytes_repacked": 0, "adapter_bytes": sum(p.nbytes for p in self.parameters())}
-
-    def moved_parameters(self) -> list[str]:
-        """Names of adapter parameters given new storage since they were shared (model.to(), ...)."""
-        return [name for (name, ptr), p in zip(self._slot_ptrs, self.parameters()) if p.data_ptr() != ptr]
+        nbytes = sum(p.nbytes for p in self.parameters())
+        return self.finish_publish(started, aliased_bytes=nbytes, adapter_bytes=nbytes)
 
     def reshare(self) -> int:
         """Put moved parameters back into the slot (their current values, then views again); returns
@@ -148,7 +145,7 @@ class SharedAdapter:
         written = 0
         views = self._views()
         with torch.no_grad():
-            for ((name, ptr), p), view in zip(zip(self._slot_ptrs, self.parameters()), views):
+            for (name, p, ptr), view in zip(self._watched, views):
                 if p.data_ptr() != ptr:
                     view.copy_(p.data)
                     p.data = view
@@ -163,10 +160,7 @@ class SharedAdapter:
         if compat.adapter_slot(self.llm, ADAPTER_ID) != self.slot:
             raise RuntimeError(f"vLLM no longer serves colo's adapter from slot {self.slot} (it was removed or "
                                "evicted); the trained adapter is in the trainer's optimizer masters")
-        moved = self.moved_parameters()
-        if moved:
-            raise RuntimeError(f"{moved[0]} was given new storage after share_adapter (e.g. model.to() or "
-                               "assigning .data); the engine no longer sees it")
+        self.check_not_moved("colo.lora.share_adapter")
 
     @contextlib.contextmanager
     def disabled(self):
@@ -239,7 +233,7 @@ class SharedAdapter:
             for p, v in zip(self.parameters(), values):
                 p.copy_(v)
         self.llm, self.slot = llm, compat.adapter_slot(llm, ADAPTER_ID)
-        self._slot_ptrs = [(name, p.data_ptr()) for name, p in _named(self.layers)]
+        self.watch(_named(self.layers))
 
 
 def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0) -> SharedAdapter:
@@ -278,7 +272,7 @@ def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0) -> S
         layer = _Layer(module, lora_a, lora_b, spec.scaling)
         layer.hook = module.register_forward_hook(_adapter_forward(adapter, spec.dropout))
         adapter.layers[name] = layer
-    adapter._slot_ptrs = [(name, p.data_ptr()) for name, p in _named(adapter.layers)]
+    adapter.watch(_named(adapter.layers))
     return adapter
 
 
@@ -470,6 +464,6 @@ def share_peft_adapter(peft_model, llm, workdir, adapter_name: str = "default") 
         layer = _Layer(module, lora_a, lora_b, scale)
         layer.hook = lora_b.register_hook(lambda grad, s=scale: grad * s)
         adapter.layers[name] = layer
-    adapter._slot_ptrs = [(name, p.data_ptr()) for name, p in _named(adapter.layers)]
+    adapter.watch(_named(adapter.layers))
     compat.serve_adapter_by_default(llm, request)
     return adapter, masters

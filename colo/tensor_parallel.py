@@ -38,6 +38,7 @@ only), LoRA, architectures other than colo.weights.SUPPORTED_ARCHITECTURES.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -45,8 +46,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import vllm_compat as compat
-from .engine import reset_prefix_cache
-from .weights import _materialize_buffers, check_architecture
+from .shared import EngineViews, PublishReport, materialize_buffers
+from .weights import check_architecture
 
 
 ROW_PARALLEL_BIASES = ("o_proj.bias", "down_proj.bias")
@@ -128,7 +129,7 @@ def vocab_parallel_logprobs(local_logits: torch.Tensor, targets: torch.Tensor, s
 
 
 @dataclass
-class TensorParallelModel:
+class TensorParallelModel(EngineViews):
     """This rank's trainer model (see the module docstring); `hf_model` returns this rank's
     vocabulary columns of the logits, `token_logprobs` the log-probabilities of whole-vocabulary
     softmaxes."""
@@ -231,17 +232,12 @@ class TensorParallelModel:
             whole = state[name]
             param.copy_(whole.narrow(shard[0], shard[1], shard[2] - shard[1]) if shard else whole)
 
-    def publish(self) -> dict:
+    def publish(self) -> PublishReport:
         """Make the engine serve what the optimizer wrote into the shards: nothing to copy; CPU
         kernels' packed copies are refreshed and vLLM's prefix cache forgotten."""
-        moved = [name for name, p, ptr in self._watched if p.data_ptr() != ptr]
-        if moved:
-            raise RuntimeError(f"{moved[0]} was given new storage after shared_tp_model (model.to(), assigning "
-                               ".data); the engine no longer sees it")
-        repacked = sum(linear.repack() for linear in self._repack)
-        reset_prefix_cache(self.llm)
-        self.publish_count += 1
-        return {"bytes_copied": 0, "bytes_repacked": repacked}
+        started = time.perf_counter()
+        self.check_not_moved("colo.tensor_parallel.shared_tp_model")
+        return self.finish_publish(started, aliased_bytes=sum(p.nbytes for p in self.parameters()))
 
 
 def local_config(config, size: int, vocab_rows: int):
@@ -304,7 +300,7 @@ def shared_tp_model(llm) -> TensorParallelModel:
     elif vocab["lm_head.weight"] != (start, rows):
         raise RuntimeError(f"colo misread the engine's layout: LM head rows {vocab['lm_head.weight']}, "
                            f"embedding rows {(start, rows)}")
-    _materialize_buffers(hf_model, embedding.weight.device)
+    materialize_buffers(hf_model, embedding.weight.device)
     _add_collectives(hf_model, group, counts)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     replicas = size // kv_heads if kv_heads < size else 1

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from . import vllm_compat as compat
 from .checks import check_int
 from .engine import reset_prefix_cache
+from .shared import EngineViews, PublishReport, materialize_buffers
 from .regions import WEIGHTS, region_for
 from .sizes import shape_bytes
 
@@ -63,7 +64,7 @@ class _Engine(NamedTuple):
 
 
 @dataclass
-class SharedWeights:
+class SharedWeights(EngineViews):
     """The result of `share_weights` / `shared_model`; call `publish()` after each optimizer step."""
     hf_model: torch.nn.Module
     llm: object
@@ -78,7 +79,7 @@ class SharedWeights:
     superseded: bool = False                # a later share_weights on the same engine took the weights over
     publish_count: int = 0
 
-    def publish(self) -> dict:
+    def publish(self) -> PublishReport:
         """Make the engine serve the trainer's current weights.
 
         Orders the training stream before inference (copying/casting the non-aliased parameters on
@@ -90,7 +91,7 @@ class SharedWeights:
         if self.superseded:
             raise RuntimeError("a later colo.share_weights on this engine took its weights over; publish with "
                                "the SharedWeights that call returned")
-        self._check_still_shared()
+        self.check_not_moved("colo.share_weights")
         train, infer = self.pool.stream("train"), self.pool.stream("infer")
         on_cuda = self.pool.device.type == "cuda"
         if on_cuda:  # the optimizer ran on torch's current stream: make it part of the training stream
@@ -103,30 +104,8 @@ class SharedWeights:
             torch.cuda.current_stream(self.pool.device).wait_stream(infer.torch_stream())
         else:
             ready.synchronize()  # vLLM runs in this thread on the host
-        repacked = _repack(self._repack)
-        reset_prefix_cache(self.llm)
-        self.publish_count += 1
-        return {
-            "bytes_copied": self.copy_bytes,
-            "bytes_repacked": repacked,
-            "seconds": time.perf_counter() - start,
-            "aliased_bytes": self.aliased_bytes,
-            "copied_tensors": self._copies.count,
-            "buckets": self._copies.batches,
-        }
-
-    def moved_parameters(self) -> list[str]:
-        """Names of the parameters given new storage since share_weights (model.to(), .half(),
-        assigning param.data): the engine no longer sees them."""
-        return [name for name, param, ptr in self._watched if param.data_ptr() != ptr]
-
-    def _check_still_shared(self) -> None:
-        moved = self.moved_parameters()
-        if moved:
-            raise RuntimeError(
-                f"{moved[0]} was given new storage after share_weights (e.g. model.to(), .half(), or "
-                "assigning param.data); the engine no longer sees it. Call colo.share_weights again."
-            )
+        return self.finish_publish(start, bytes_copied=self.copy_bytes, aliased_bytes=self.aliased_bytes,
+                                   copied_tensors=self._copies.count, buckets=self._copies.batches)
 
 
 def check_architecture(arch: str) -> None:
@@ -341,7 +320,7 @@ def _write_and_alias(hf_model, sources, bucket_bytes: int, pool) -> int:
         _replace_parameters(hf_model, replaced)
         for s in sources:
             s.param = replaced.get(id(s.param), s.param)
-    _materialize_buffers(hf_model, sources[0].tensor.param.device)
+    materialize_buffers(hf_model, sources[0].tensor.param.device)
     return written
 
 
@@ -351,21 +330,6 @@ def _replace_parameters(module: torch.nn.Module, replaced: dict) -> None:
         for name, param in sub._parameters.items():
             if param is not None and id(param) in replaced:
                 sub._parameters[name] = replaced[id(param)]
-
-
-def _materialize_buffers(hf_model, device) -> None:
-    """A meta-device model's buffers (rotary frequencies) computed for real, as transformers does when
-    it loads a checkpoint onto the meta device."""
-    for module in hf_model.modules():
-        meta = [name for name, b in module._buffers.items() if b is not None and b.is_meta]
-        if not meta:
-            continue
-        if "RotaryEmbedding" not in type(module).__name__:
-            raise NotImplementedError(f"{type(module).__name__} has buffers colo cannot compute on the meta device "
-                                      f"({meta}); load the trainer's model from disk and call colo.share_weights")
-        for name in meta:
-            module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
-        hf_model._init_weights(module)
 
 
 def _repack(linears) -> int:

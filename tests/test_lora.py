@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import colo
+import colo.shared
 from colo.engine import release_llm
 from colo.lora import LoraSpec, read_adapter, share_adapter
 
@@ -76,6 +77,9 @@ def test_the_engine_serves_the_adapter_the_trainer_trains_with_one_copy(dtype, t
     train_steps(model, optimizer)
     report = adapter.publish()
     assert report["bytes_copied"] == 0 and [p.data_ptr() for p in adapter.parameters()] == ptrs
+    # one contract (colo.shared): the same report as every kind's, the adapter's bytes aliased, not copied
+    assert isinstance(report, colo.shared.PublishReport)
+    assert report.adapter_bytes == report.aliased_bytes == sum(p.nbytes for p in adapter.parameters()) > 0
     served = prompt_logprobs(llm, lora_request=adapter.request)
     torch.testing.assert_close(served, trainer_logprobs(model), atol=TOLERANCE[dtype], rtol=0)
     assert (served - served_base).abs().max() > 10 * TOLERANCE[dtype], "the adapter should change outputs"

@@ -99,6 +99,7 @@ torch.save({"shards": {names[id(p)]: (pieces[names[id(p)]], v.detach().float().c
 open(f"{out}/rank{dist.get_rank()}.json", "w").write(json.dumps({
     "rank": dist.get_rank(), "tp": tp.size, "loss": loss.item(), "norm": norm, "collectives": counted,
     "layers": len(tp.hf_model.model.layers), "bytes_copied": report["bytes_copied"],
+    "report_kind": type(report).__name__, "aliased_bytes": report["aliased_bytes"],
     "views": all(region.contains(p) for p in params), "ptrs_kept": [p.data_ptr() for p in params] == ptrs,
     "param_bytes": sum(p.nbytes for p in params),
     "engine_err_before": (served_before - before).abs().max().item(),
@@ -136,6 +137,7 @@ def test_two_ranks_train_like_one_with_their_shards_views_of_the_engines(kv_head
     one, (one_shards,) = run_ranks(tmp_path, tp_model_dir, 1, "float32")
     for r in two:
         assert r["tp"] == 2 and r["views"] and r["ptrs_kept"] and r["bytes_copied"] == 0
+        assert r["report_kind"] == "PublishReport" and r["aliased_bytes"] == r["param_bytes"]  # colo.shared
         # vLLM serves what the trainer computes, before and after the step, through the same tensors.
         assert r["engine_err_before"] < 1e-4 and r["engine_err_after"] < 1e-4 and r["changed"] > 1e-3
         assert r["loss"] == pytest.approx(one[0]["loss"], rel=1e-5)

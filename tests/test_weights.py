@@ -208,9 +208,12 @@ def test_publish_resets_the_prefix_cache(tiny_model_dir, tiny_engine):
 def test_publish_refuses_parameters_moved_after_sharing(tiny_model_dir, tiny_engine):
     hf = load_hf_model(tiny_model_dir("qwen2"))
     shared = colo.share_weights(hf, tiny_engine)
+    assert shared.moved_parameters() == []
     hf.to(torch.float64)  # gives every parameter new storage the engine cannot see
-    with pytest.raises(RuntimeError, match="model.embed_tokens.weight"):
+    assert "model.embed_tokens.weight" in shared.moved_parameters()
+    with pytest.raises(RuntimeError, match="model.embed_tokens.weight was given new storage after colo.share_weights"):
         shared.publish()
+    assert shared.publish_count == 0  # refused before anything was counted as served
 
 
 # A model that does not fit the engine (a tied fp32 Qwen2 with vocab 1000), and the parameter named.

@@ -16,6 +16,7 @@ from .. import engine as colo_engine
 from ..errors import EngineFailure, OutOfMemoryError  # noqa: F401 - EngineFailure raised here, re-exported
 from ..kv_sizing import default_block_size, kv_bytes_per_token, kv_cache_blocks, parameter_bytes  # noqa: F401
 from ..lora import LoraSpec, share_adapter, slot_bytes
+from ..shared import PublishReport  # noqa: F401 - publish()'s type
 from ..regions import KV_CACHE
 from ..weights import share_weights, shared_model
 
@@ -159,7 +160,7 @@ class RolloutEngine:
                 completions.append(Completion(ids, logprobs, truncated=c.finish_reason == "length"))
         return completions
 
-    def publish(self) -> dict:
+    def publish(self) -> "PublishReport":
         # With an adapter the base never changes: nothing of it to publish (or repack, on CPU).
         return self.adapter.publish() if self.adapter else self.shared.publish()
 

@@ -542,7 +542,7 @@ class GRPOScheduler:
             self._sample_residency("publish", record)
         self._unsafe_to_save = False
         record["publish_s"] = span["seconds"]
-        record["publish_bytes_copied"] = int(result.get("bytes_copied", 0))
+        record["publish_bytes_copied"] = result.bytes_copied
         self.timeline.counter("resident_bytes", self._resident())
 
     # -- evaluation --------------------------------------------------------------------------------

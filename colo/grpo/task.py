@@ -158,9 +158,10 @@ class DatasetTask(Task):
         self.reward_funcs = funcs
         self.reward_names = tuple(reward_name(f) for f in funcs)
         self.weights = torch.tensor(weights, dtype=torch.float32)
-        self.prompts = self.dataset[PROMPT]
+        # Plain lists: a datasets Column reads Arrow on every index, and rewards index them per row.
+        self.prompts = list(self.dataset[PROMPT])
         self.conversational = _is_conversational(self.prompts[0])
-        self.columns = {c: self.dataset[c] for c in columns if c not in RESERVED}
+        self.columns = {c: list(self.dataset[c]) for c in columns if c not in RESERVED}
         self.prompt_token_ids = self._tokenize(chat_template_kwargs or {}, max_prompt_length, truncate)
         self.stop_token_ids = tuple(stop_token_ids(tokenizer, chat=self.conversational))
 
