@@ -273,8 +273,14 @@ def test_lora_rows_compare_colo_with_stock_trl_and_peft():
         assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"])
         assert isinstance(row["goal_met"], bool)
         assert (UPDATABLE_VARIANT in row["baseline"]) == any(k != "plain" for k in row["cpu_kernels"])
-    # One base (trainer and engine share storages) against two: colo's weight bytes are a bit over half.
-    assert with_trl["colo_weight_bytes"] < 0.6 * with_trl["baseline_weight_bytes"]
+    # One base (trainer and engine share storages) against two: colo's weight bytes are a bit over half
+    # where the engines keep their linear weights as parameters (plain F.linear). Where vLLM packs them
+    # (oneDNN, sgl: an fp32 engine on an AVX2 CPU), the packed copies are not parameters and count on
+    # neither side (colo.bench.trl.weight_bytes), so the baseline shows its trainer's copy plus the
+    # engine's unpacked tensors: still more than colo's one base.
+    assert with_trl["colo_weight_bytes"] < with_trl["baseline_weight_bytes"]
+    if all(kernel == "plain" for kernel in with_trl["cpu_kernels"]):
+        assert with_trl["colo_weight_bytes"] < 0.6 * with_trl["baseline_weight_bytes"]
     assert with_trl["colo_kv_cache_bytes_during_train"] == 0 < with_trl["baseline_kv_cache_bytes_during_train"]
     assert with_trl["steps_measured"] == 3
     # While training the KV cache is asleep and only the adapter has gradients (at this size both regions

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..checks import int_kind
 from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
-from .config import DTYPES, GRPOConfig
+from .config import DTYPES, GRPOConfig, check_model_dir
 from .loss import LOSS_TYPES, SCALES
 
 OFFLOAD_CHOICES = {"auto": None, "on": True, "off": False}
@@ -239,7 +239,10 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
             parser.error(f"--model: {model_dir} is not a directory")
         if not (model_dir / "config.json").is_file():
             parser.error(f"--model: {model_dir} is not a Hugging Face model directory (no config.json)")
-        _check_model_architecture(model_dir, parser)
+        try:
+            check_model_dir(model_dir, config.tensor_parallel)
+        except (ValueError, NotImplementedError) as e:
+            parser.error(f"--model: {model_dir}: {e}")
     else:
         model_dir = out / "toy-model"
     return model_dir, config
@@ -286,21 +289,6 @@ def task_settings(args) -> dict:
     """What run.json keeps of the task, so --resume trains on the same data with the same rewards."""
     return {"dataset": args.dataset, "eval_dataset": args.eval_dataset, "rewards": args.reward,
             "reward_weights": args.reward_weights}
-
-
-def _check_model_architecture(model_dir: Path, parser) -> None:
-    """Refuse a model colo cannot share with the engine now, rather than after the engine has started."""
-    from ..weights import check_architecture
-
-    try:
-        architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError) as e:
-        parser.error(f"--model: cannot read {model_dir / 'config.json'}: {e}")
-    for arch in architectures:
-        try:
-            check_architecture(arch)
-        except NotImplementedError as e:
-            parser.error(f"--model: {model_dir}: {e}")
 
 
 def main(argv=None) -> int:

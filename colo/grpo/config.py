@@ -163,3 +163,31 @@ class GRPOConfig:
     def from_dict(cls, d: dict) -> "GRPOConfig":
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def check_model_dir(model_dir, tensor_parallel: int = 1) -> None:
+    """Refuse what colo cannot train before any engine starts (the CLI and the scheduler both ask):
+    no Hugging Face model there (FileNotFoundError), an unreadable config.json (ValueError), an
+    architecture colo cannot share with vLLM or a model `tensor_parallel` ranks cannot split
+    (NotImplementedError / ValueError, naming it)."""
+    import json
+    from pathlib import Path
+
+    from ..weights import check_architecture
+
+    config = Path(model_dir) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"no Hugging Face model at {model_dir} (config.json missing)")
+    try:
+        architectures = json.loads(config.read_text()).get("architectures") or ()
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"cannot read {config}: {e}") from e
+    for arch in architectures:
+        check_architecture(arch)
+    if tensor_parallel > 1:
+        from transformers import AutoConfig
+
+        from ..tensor_parallel import check_shardable
+
+        check_shardable(AutoConfig.from_pretrained(model_dir), tensor_parallel)
+

@@ -39,14 +39,13 @@ from ..checks import check_int
 from ..errors import Terminated
 from ..pool import Pool
 from ..regions import WEIGHTS
-from ..weights import check_architecture
 from ..zero import ShardLayout
 from . import distributed as D
 from .batch import pack
 from .checkpoint import (CheckpointError, capture_rng, is_sharded, latest_checkpoint, load_checkpoint,
                          load_optimizer_shards, load_tensor_parallel_optimizer, restore_rng, save_checkpoint,
                          save_optimizer_shard, tensor_parallel_size)
-from .config import GRPOConfig
+from .config import GRPOConfig, check_model_dir
 from .loss import group_advantages, loss_denominators
 from .metrics import GpuMonitor, StepLog, Timeline, rss_bytes
 from .rollout_engine import EngineFailure, RolloutEngine
@@ -219,21 +218,9 @@ class GRPOScheduler:
 
     def _check_model_dir(self) -> None:
         """Refuse a missing model or an architecture colo cannot share before any engine starts."""
-        import json
-
-        config = self.model_dir / "config.json"
         if self.config.eval_every and self.config.tensor_parallel > 1:
             raise NotImplementedError("eval_every with tensor_parallel > 1 is not built yet")
-        if not config.is_file():
-            raise FileNotFoundError(f"no Hugging Face model at {self.model_dir} (config.json missing)")
-        for arch in json.loads(config.read_text()).get("architectures") or ():
-            check_architecture(arch)
-        if self.config.tensor_parallel > 1:
-            from transformers import AutoConfig
-
-            from ..tensor_parallel import check_shardable
-
-            check_shardable(AutoConfig.from_pretrained(self.model_dir), self.config.tensor_parallel)
+        check_model_dir(self.model_dir, self.config.tensor_parallel)
 
     @staticmethod
     def _frozen_copy(model):
