@@ -60,6 +60,7 @@ def new_run(model_dir: Path, max_new_tokens: int, colocated: bool, dtype: str | 
     import torch
 
     from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask
+    from colo.shared import PublishReport
     from colo.vllm_compat import forced_cpu_gemm, served_dtype
 
     task = ToyTask(json.loads((model_dir / "config.json").read_text())["vocab_size"])
@@ -75,7 +76,7 @@ def new_run(model_dir: Path, max_new_tokens: int, colocated: bool, dtype: str | 
         run = GRPOScheduler(model_dir, task.rewards, task.prompts, config,
                             engine_options={"alias": False, "trainer_dtype": torch.float32})
     engine = run.engine
-    engine.publish = lambda: trl_sync_weights(engine.llm, engine.hf_model)
+    engine.publish = lambda: PublishReport(**trl_sync_weights(engine.llm, engine.hf_model))
     return run
 
 

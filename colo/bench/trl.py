@@ -44,6 +44,7 @@ from .measure import engine_unavailable_reason, ratio, rows_per_device
 from .models import save_random_model
 
 SECTION = "trl"
+REAL_MODEL = "SmolLM2-135M-Instruct"
 # name -> Qwen2 config; vocabulary 512 to fit the byte-level BPE tokenizer built here.
 SIZES = {
     "qwen2-trl-0.4M": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -53,8 +54,12 @@ SIZES = {
     # Qwen2-0.5B's layers (its vocabulary is the tokenizer's here): 0.36B parameters.
     "qwen2-trl-0.36B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                             num_key_value_heads=2),
+    # A real model (colo.smollm2: pretrained weights, its own tokenizer, EOS, vocabulary 49152); every
+    # side, colo.grpo included, runs TRL's task on it (these prompts, the even-digits reward, EOS).
+    REAL_MODEL: None,
 }
-QUICK_SIZES, FULL_SIZES = ("qwen2-trl-0.4M",), ("qwen2-trl-0.4M", "qwen2-trl-12M", "qwen2-trl-0.36B")
+QUICK_SIZES = ("qwen2-trl-0.4M",)
+FULL_SIZES = ("qwen2-trl-0.4M", "qwen2-trl-12M", "qwen2-trl-0.36B", REAL_MODEL)
 BATCH = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=16)
 WARMUP = 2
 
@@ -73,6 +78,15 @@ def build_model_dir(path: Path, config_kwargs: dict) -> int:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
     return save_random_model(path, dict(vocab_size=512, max_position_embeddings=128, eos_token_id=1, pad_token_id=0,
                                         bos_token_id=None, **config_kwargs))
+
+
+def real_model_params(model_dir: Path) -> int:
+    import torch
+    from transformers import AutoConfig
+
+    from colo.kv_sizing import parameter_bytes
+
+    return parameter_bytes(AutoConfig.from_pretrained(model_dir), torch.float32) // 4
 
 
 def even_digits(completions, **kwargs):
@@ -276,18 +290,23 @@ def weight_bytes(model, llm) -> int:
     return sum(storages.values())
 
 
-def run_colo_grpo(model_dir: Path, steps: int, lora: dict | None = None) -> dict:
+def run_colo_grpo(model_dir: Path, steps: int, lora: dict | None = None, trl_task: bool = False) -> dict:
+    """colo.grpo's own step on the same model and batch: on the toy task (fixed-length completions), or
+    with trl_task on TRL's (the same prompts and reward, generation stopping at EOS)."""
     import json
 
     from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask
 
-    task = ToyTask(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     config = GRPOConfig(prompts_per_step=BATCH["per_device_train_batch_size"] // BATCH["num_generations"],
                         num_generations=BATCH["num_generations"], max_new_tokens=BATCH["max_completion_length"],
-                        learning_rate=1e-3, save_every=0, ignore_eos=True,  # dtype auto, as TRL's side
+                        learning_rate=1e-3, save_every=0, ignore_eos=not trl_task,  # dtype auto, as TRL's side
                         **({} if lora is None else {"lora_rank": lora["r"], "lora_alpha": lora["lora_alpha"],
                                                     "lora_targets": tuple(lora["target_modules"])}))
-    run = GRPOScheduler(model_dir, task.rewards, task.prompts, config)
+    if trl_task:
+        run = GRPOScheduler(model_dir, config=config, dataset=prompts(), reward_funcs=[even_digits])
+    else:
+        task = ToyTask(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+        run = GRPOScheduler(model_dir, task.rewards, task.prompts, config)
     try:
         records = [run.train_step() for _ in range(WARMUP + steps)][WARMUP:]
     finally:
@@ -302,14 +321,21 @@ def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[
     steps, rounds = (3, 2) if quick else (5, 2)
     with tempfile.TemporaryDirectory(prefix="colo-trl-") as tmp:
         tmp = Path(tmp)
-        params = build_model_dir(tmp / "model", SIZES[name])
+        real = SIZES[name] is None
+        if real:
+            from colo.smollm2 import smollm2_dir
+
+            (tmp / "model").symlink_to(smollm2_dir(), target_is_directory=True)
+            params = real_model_params(tmp / "model")
+        else:
+            params = build_model_dir(tmp / "model", SIZES[name])
         refused = stock_refusal(tmp / "model", tmp / "stock-probe")
         baseline = "variant" if refused else "stock"
         sides = {"colo": [], baseline: [], **({"colo-variant": []} if refused else {})}
         for i in progress(range(rounds), name):
             for side in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
                 sides[side].append(in_fresh_process(run_trl, side, tmp / "model", tmp / f"{side}{i}", WARMUP + steps))
-        grpo = in_fresh_process(run_colo_grpo, tmp / "model", steps)
+        grpo = in_fresh_process(run_colo_grpo, tmp / "model", steps, None, real)
         kernels = in_fresh_process(kernels_of, tmp / "model")
     merged = {side: {key: [v for run in runs for v in run[key]] for key in ("step_s", "sync_s", "phases")}
               for side, runs in sides.items()}
@@ -355,9 +381,9 @@ def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[
                  "goal_met": grpo_step <= 0.8 * base_step,
                  "colo_engine_dtype": grpo["dtype"], "colo_trainer_dtype": grpo["dtype"] + " (fp32 masters)"
                  if grpo["dtype"] == "bf16" else grpo["dtype"],
-                 "note": f"colo.grpo's GRPOScheduler (dtype auto, toy task) with TRL's batch: prompts per step = "
-                         "per_device_train_batch_size / num_generations, same completion length; TRL's step "
-                         "includes its own reward, logging and dataloader work"})
+                 "note": f"colo.grpo's GRPOScheduler (dtype auto, {'TRL' if real else 'toy'} task) with TRL's "
+                         "batch: prompts per step = per_device_train_batch_size / num_generations, same completion "
+                         "length; TRL's step includes its own reward, logging and dataloader work"})
     return rows
 
 
