@@ -141,7 +141,8 @@ def test_sigterm_stops_cleanly_and_sigkill_loses_no_step(reference, tmp_path):
     out = tmp_path / "interrupted"
     # SIGTERM: the run finishes its step, checkpoints exactly there and exits 143.
     # Offload on, as in the reference run: resuming then restores optimizer state into a sleeping region.
-    proc = start_and_wait_for_step(out, 3, "--save-every", "5", "--offload-optimizer", "on")
+    # bf16 as the reference (dtype auto picks fp32 on an AVX2 CPU, and the rewards would differ).
+    proc = start_and_wait_for_step(out, 3, "--save-every", "5", "--offload-optimizer", "on", "--dtype", "bf16")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err[-2000:]
