@@ -382,7 +382,7 @@ class GRPOScheduler:
         resumed run, or a run with a different number of ranks, draws the same completions."""
         cfg = self.config
         per_step = cfg.prompts_per_step * cfg.num_generations
-        stop = dict(stop_token_ids=list(self.task.stop_token_ids)) if self.task.stop_token_ids else {}
+        stop = _stop_options(self.task)
         top_k = dict(top_k=cfg.top_k) if cfg.top_k else {}
         return [dict(n=cfg.num_generations, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                      top_p=cfg.top_p, ignore_eos=cfg.ignore_eos, **stop, **top_k,
@@ -545,15 +545,13 @@ class GRPOScheduler:
         with self.timeline.span("eval", step=self.step) as span:
             if self.engine.kv_cache_asleep:
                 self.engine.wake_kv_cache()
-            stop = dict(stop_token_ids=list(task.stop_token_ids)) if task.stop_token_ids else {}
+            stop = _stop_options(task)
             outputs = self.engine.generate(prompts, [dict(n=1, max_tokens=cfg.max_new_tokens, temperature=0.0,
                                                           **stop)] * len(prompts)) if prompts else []
             scores = task.score(self.step, rows, prompts, [c.token_ids for c in outputs]) if prompts else None
         for i, name in enumerate(task.reward_names):
             column = scores.per_function[:, i] if scores is not None else torch.empty(0)
-            scored = column[~torch.isnan(column)]
-            n, total = D.sum_floats([scored.numel(), scored.sum().item()], self.world, data_parallel=True)
-            record[f"eval/{name}"] = total / n if n else math.nan
+            record[f"eval/{name}"] = self._scored_mean_std(column)[0]
         record["eval_s"] = span["seconds"]
         return record
 
@@ -706,6 +704,11 @@ class GRPOScheduler:
         self.engine.close()
         if self._workdir is not None:
             self._workdir.cleanup()
+
+
+def _stop_options(task: Task) -> dict:
+    """SamplingParams' stop tokens for a task's completions (none: the engine's own rule)."""
+    return dict(stop_token_ids=list(task.stop_token_ids)) if task.stop_token_ids else {}
 
 
 @dataclass
