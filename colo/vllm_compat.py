@@ -368,6 +368,13 @@ def engine_placement(llm) -> EnginePlacement | None:
     return getattr(worker, "colo_placement", None)
 
 
+def external_request_id(request_id: str) -> str:
+    """The id a request's outputs carry, from the id LLM.enqueue() returned for it: vLLM 0.32 makes
+    the engine's own id by appending "-" and 8 random characters (v1/engine/input_processor.py,
+    assign_request_id), and its outputs name the request by the id before that."""
+    return request_id.rsplit("-", 1)[0]
+
+
 def is_compiled(llm) -> bool:
     """Whether the engine runs compiled code (torch.compile, CUDA graphs) that captured its tensors."""
     from vllm.config import CompilationMode, CUDAGraphMode

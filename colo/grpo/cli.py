@@ -26,6 +26,7 @@ from ..checks import int_kind
 from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 from .config import DTYPES, GRPOConfig, check_model_dir
 from .loss import LOSS_TYPES, SCALES
+from .overlap import OVERLAP_MODES
 
 OFFLOAD_CHOICES = {"auto": None, "on": True, "off": False}
 TOY_DEFAULTS = dict(prompts_per_step=8, num_generations=8, max_new_tokens=16, ignore_eos=True,
@@ -41,7 +42,7 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     max_prompt_length="max_prompt_length", truncate_prompts="truncate_prompts",
                     mask_truncated="mask_truncated", loss_type="loss_type", epsilon="epsilon_low",
                     epsilon_high="epsilon_high", scale_rewards="scale_rewards", beta="beta", eval_every="eval_every",
-                    chat_template_kwargs="chat_template_kwargs")
+                    chat_template_kwargs="chat_template_kwargs", overlap="overlap")
 
 
 def _int_at_least(minimum: int):
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks per engine (under torchrun; each holds only its shards of the weights, views of its "
                         "engine's; default 1, or the resumed run's)")
     p.add_argument("--seed", type=_non_negative_int, default=0, help="seeds the toy model, prompts and sampling")
+    p.add_argument("--overlap", choices=OVERLAP_MODES, help="train each prompt's group while the engine still decodes "
+                   "the others, exactly on-policy (auto, the default: where it measured faster on this device kind; "
+                   "the step record says why a step ran serially)")
     p.add_argument("--eager", action="store_true", help="run the engine without compiling it (starts faster, "
                    "generates slower; vLLM's enforce_eager)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

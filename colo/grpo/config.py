@@ -50,6 +50,9 @@ class GRPOConfig:
     loss_type: str = "dapo"
     micro_batch_size: int | None = None  # sequences per forward/backward; None: the whole rollout
     memory_phases: bool = True         # KV cache asleep while training, gradients asleep while generating
+    # Train each prompt's group while the engine decodes the others' (colo.grpo.overlap): "on", "off",
+    # or "auto" (on where it measured faster on this device kind). Exactly on-policy either way.
+    overlap: str = "auto"
     # Optimizer state to host memory while generating. None: only where the pool cannot hold it beside
     # the engine's weights and KV cache (TrainingMemory.must_offload); otherwise the copies would cost
     # time for nothing (on a host pool the "host copy" is even the same RAM).
@@ -98,10 +101,13 @@ class GRPOConfig:
         if not isinstance(self.shard_optimizer, bool):
             raise ValueError(f"shard_optimizer must be True or False, got {self.shard_optimizer!r}")
         from .loss import LOSS_TYPES, SCALES
+        from .overlap import OVERLAP_MODES
 
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         if self.scale_rewards not in SCALES:
             raise ValueError(f"scale_rewards must be one of {', '.join(SCALES)}, got {self.scale_rewards!r}")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
         if self.max_prompt_length is not None:

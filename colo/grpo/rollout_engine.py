@@ -8,11 +8,13 @@ how big the KV cache is and turns vLLM's outputs into plain token lists.
 from __future__ import annotations
 
 import gc
+import time
 from dataclasses import dataclass
 
 import torch
 
 from .. import engine as colo_engine
+from .. import vllm_compat as compat
 from ..errors import EngineFailure, OutOfMemoryError  # noqa: F401 - EngineFailure raised here, re-exported
 from ..kv_sizing import default_block_size, kv_bytes_per_token, kv_cache_blocks, parameter_bytes  # noqa: F401
 from ..lora import LoraSpec, share_adapter, slot_bytes
@@ -28,6 +30,26 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float] | None  # the engine's log-probability of each sampled token (raw logits)
     truncated: bool = False       # stopped by max_tokens rather than by EOS or a stop token
+
+
+class GenerationTrace:
+    """Running sequences over one generation: the tail is the time with fewer than a quarter of the
+    batch's sequences still decoding (the engine mostly idle while a few long completions finish)."""
+
+    def __init__(self):
+        self.started = self.tail_started = None
+        self.sequences = 0
+        self.tail_s = 0.0
+
+    def start(self, sequences: int) -> None:
+        self.started, self.sequences = time.perf_counter(), sequences
+
+    def sample(self, running: int) -> None:
+        now = time.perf_counter()
+        if self.tail_started is None and running < self.sequences / 4:
+            self.tail_started = now
+        if self.tail_started is not None:
+            self.tail_s = now - self.tail_started
 
 
 class RolloutEngine:
@@ -142,22 +164,55 @@ class RolloutEngine:
         """Bring the KV cache back before generating; prefixes it no longer holds are forgotten."""
         colo_engine.wake_kv_cache(self.llm)
 
-    def generate(self, prompts: list[list[int]], sampling: list[dict]) -> list[Completion]:
-        """All prompts in one engine call; returns n completions per prompt, prompt after prompt."""
+    def generate(self, prompts: list[list[int]], sampling: list[dict], on_group=None,
+                 trace: "GenerationTrace | None" = None) -> list[Completion]:
+        """All prompts in one engine call; returns n completions per prompt, prompt after prompt.
+
+        on_group(i, completions): called (on this thread, between engine steps) as soon as every
+        completion of prompt i has finished, while the engine goes on decoding the others.
+        trace: records how many sequences were running after each engine step (GenerationTrace)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         params = [SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **s) for s in sampling]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
-                                    lora_request=self.adapter.request if self.adapter else None)
+        # LLM.generate is enqueue + a loop of engine steps (vllm/entrypoints/common/offline.py,
+        # _run_engine); running that loop here sees each prompt's group the step it finishes.
+        ids = self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                               lora_request=self.adapter.request if self.adapter else None)
+        index = {compat.external_request_id(request_id): i for i, request_id in enumerate(ids)}
+        groups: list[list[Completion] | None] = [None] * len(prompts)
+        engine = self.llm.llm_engine
+        if trace is not None:
+            trace.start(engine.get_num_unfinished_requests())
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    i = index[out.request_id]
+                    groups[i] = self._completions(out, sampling[i]["n"])
+                    if on_group is not None:
+                        on_group(i, groups[i])
+                if trace is not None:
+                    trace.sample(engine.get_num_unfinished_requests())
+        except BaseException:
+            # Requests left behind would come out of the next generation's steps.
+            engine.abort_request([ids[i] for i, group in enumerate(groups) if group is None], internal=True)
+            raise
+        missing = [i for i, g in enumerate(groups) if g is None]
+        if missing:
+            raise RuntimeError(f"engine finished without the completions of prompts {missing[:5]}")
+        return [c for group in groups for c in group]
+
+    @staticmethod
+    def _completions(out, n: int) -> list[Completion]:
+        if len(out.outputs) != n:
+            raise RuntimeError(f"engine returned {len(out.outputs)} completions for a prompt, expected {n}")
         completions = []
-        for out, s in zip(outputs, sampling):
-            if len(out.outputs) != s["n"]:
-                raise RuntimeError(f"engine returned {len(out.outputs)} completions for a prompt, expected {s['n']}")
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                ids = list(c.token_ids)
-                logprobs = [step[t].logprob for step, t in zip(c.logprobs, ids)] if c.logprobs else None
-                completions.append(Completion(ids, logprobs, truncated=c.finish_reason == "length"))
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            ids = list(c.token_ids)
+            logprobs = [step[t].logprob for step, t in zip(c.logprobs, ids)] if c.logprobs else None
+            completions.append(Completion(ids, logprobs, truncated=c.finish_reason == "length"))
         return completions
 
     def publish(self) -> "PublishReport":

@@ -48,8 +48,9 @@ from .checkpoint import (CheckpointError, capture_rng, is_sharded, latest_checkp
 from .config import GRPOConfig, check_model_dir
 from .loss import group_advantages, loss_denominators
 from .metrics import GpuMonitor, StepLog, Timeline, rss_bytes
-from .rollout_engine import EngineFailure, RolloutEngine
-from .task import CallableTask, DatasetTask, Task
+from .overlap import GroupFailed, OverlappedStep, merge_stats, serial_reason
+from .rollout_engine import EngineFailure, GenerationTrace, RolloutEngine
+from .task import CallableTask, DatasetTask, Scores, Task
 from .train_memory import TrainingMemory
 from .update import accumulate_gradients
 
@@ -97,6 +98,7 @@ class GRPOScheduler:
         self.config = self.config.resolve_dtype(self.device)
         self._start_engine(engine_options or {})
         self._build_training()
+        self.serial_reason = self._overlap_refusal()  # None: each step trains finished groups while generating
         self.step = 0
         if resume_state is not None:
             self._restore(resume_state)
@@ -215,6 +217,17 @@ class GRPOScheduler:
         if cfg.memory_phases:
             self.memory.sleep_for_generation()
             self.memory.finish_offload()
+
+    def _overlap_refusal(self) -> str | None:
+        """Why this run's steps are serial (None: they overlap); logged once, a warning where asked for."""
+        groups = len(D.rank_share(self.config.prompts_per_step, self.world))
+        reason = serial_reason(self.config, device_type=self.device.type, groups=groups)
+        if reason is None and not self.memory.gradients_fit_while_generating():
+            reason = ("the gradients do not fit in the pool beside what is awake while the engine generates "
+                      "(its weights and KV cache)")
+        if reason is not None:
+            (logger.warning if self.config.overlap == "on" else logger.info)("serial GRPO steps: %s", reason)
+        return reason
 
     def _check_model_dir(self) -> None:
         """Refuse a missing model or an architecture colo cannot share before any engine starts."""
@@ -337,8 +350,9 @@ class GRPOScheduler:
                 self.engine.wake_kv_cache()  # also forgets prefixes whose KV was lost
             record["phase_switch_s"] = time.perf_counter() - switch
             error = None
+            rows = all_rows[share.start:share.stop]
             try:
-                outputs = self._generate_with_retry(step, prompts, share, record)
+                outputs, overlapped = self._generate_with_retry(step, rows, prompts, share, record)
             except EngineFailure as e:
                 error = e
             # All ranks fail together rather than leaving the others waiting in an all-reduce.
@@ -346,20 +360,27 @@ class GRPOScheduler:
             if error is not None:
                 raise error
             if failed:
+                if overlapped is not None:
+                    overlapped.abandon()
                 raise EngineFailure(f"step {step}: generation failed on another rank (see its error)")
             self._sample_residency("generate", record)
         record["generate_s"] = span["seconds"]
-        g = cfg.num_generations
-        return Rollout(rows=[r for r in all_rows[share.start:share.stop] for _ in range(g)],
-                       prompts=[p for p in prompts for _ in range(g)],
-                       completions=[c.token_ids for c in outputs], logprobs=[c.logprobs for c in outputs],
-                       truncated=[c.truncated for c in outputs])
+        record["overlap"] = overlapped is not None
+        rollout = _rollout(rows, prompts, outputs, cfg.num_generations)
+        rollout.overlapped = overlapped
+        return rollout
 
-    def _generate_with_retry(self, step, prompts, share, record):
+    def _generate_with_retry(self, step, rows, prompts, share, record):
+        """The rank's completions, and the step's OverlappedStep (None: serial)."""
+        overlapped = self._start_overlap(step, rows, prompts, record)
         try:
-            return self.engine.generate(prompts, self._sampling(step, share))
+            return self._generate(step, prompts, share, record, overlapped), overlapped
+        except GroupFailed as e:  # the user's reward function or the trainer, not the engine: no rebuild
+            raise e.__cause__ from None
         except Exception as e:  # noqa: BLE001 - any engine error gets one rebuild
             first = f"{type(e).__name__}: {e}"
+            if overlapped is not None:  # the groups trained so far are redone with the retry
+                overlapped.abandon()
             # Rebuild outside this handler: the traceback's frames hold the broken engine alive.
         logger.warning("rank %d step %d: engine raised %s; rebuilding it from the shared weights and retrying once",
                        self.world.rank, step, first)
@@ -370,12 +391,56 @@ class GRPOScheduler:
                 raise EngineFailure(f"step {step}: the engine raised {first} and could not be rebuilt from the "
                                     f"shared weights: {type(e).__name__}: {e}") from e
         record["engine_rebuild_s"] = span["seconds"]
+        overlapped = self._start_overlap(step, rows, prompts, record)
         try:
-            return self.engine.generate(prompts, self._sampling(step, share))
+            return self._generate(step, prompts, share, record, overlapped), overlapped
+        except GroupFailed as e:
+            raise e.__cause__ from None
         except Exception as second:  # noqa: BLE001
+            if overlapped is not None:
+                overlapped.abandon()
             raise EngineFailure(
                 f"step {step}: generation failed twice on rank {self.world.rank}: first {first}; after "
                 f"rebuilding the engine from the shared weights: {type(second).__name__}: {second}") from second
+
+    def _generate(self, step, prompts, share, record, overlapped):
+        trace = GenerationTrace()
+        try:
+            outputs = self.engine.generate(prompts, self._sampling(step, share), trace=trace,
+                                           on_group=overlapped.on_group if overlapped else None)
+        except GroupFailed:
+            overlapped.abandon()
+            raise
+        if overlapped is not None:
+            overlapped.generation_done()  # the trainer takes every core for the groups left
+        record["generate_tail_s"] = trace.tail_s
+        return outputs
+
+    def _start_overlap(self, step, rows, prompts, record) -> OverlappedStep | None:
+        """The gradients wake (zeroed) before generation, and each group trains as it finishes."""
+        if self.serial_reason is not None:
+            return None
+        self.memory.wake_gradients()
+        cfg, n = self.config, self.config.num_generations
+
+        def score(i, completions):
+            group = _rollout(rows[i:i + 1], prompts[i:i + 1], completions, n)
+            scores = self.task.score(step, group.rows, group.prompts, group.completions)
+            return scores, (group, group_advantages(scores.total, n, scale=cfg.scale_rewards, allow_unscorable=True))
+
+        # Denominators known now (sequences) are used as they are; dapo's token count of the whole batch
+        # is not: each group's loss is a plain sum (denominator 1), divided once the count is known.
+        global_sequences = float(cfg.prompts_per_step * n)
+        global_tokens = float(self.world.dp_size)
+
+        def train(i, work):
+            group, advantages = work
+            return self._backward(group, advantages, record, global_tokens=global_tokens,
+                                  global_sequences=global_sequences)
+
+        stream = self.pool.stream("train").torch_stream() if self.device.type == "cuda" else None
+        return OverlappedStep(score, train, len(prompts), device=self.device, cores=torch.get_num_threads(),
+                              trainer_cores=max(1, torch.get_num_threads() // 2), stream=stream)
 
     def _sampling(self, step: int, share: range) -> list[dict]:
         """Per-prompt sampling settings. Seeds depend on (run seed, step, prompt index) only, so a
@@ -413,9 +478,13 @@ class GRPOScheduler:
     def _reward_phase(self, step, rollout: "Rollout", record) -> torch.Tensor:
         """Every completion's reward (NaN: no function could score it) and the step's reward record:
         overall and per function, mean and std over every rank's completions, as TRL logs them."""
-        with self.timeline.span("reward", step=step) as span:
-            scores = self.task.score(step, rollout.rows, rollout.prompts, rollout.completions)
-        record["reward_s"] = span["seconds"]
+        if rollout.overlapped is not None:  # scored group by group as they finished
+            scores = _concatenated(rollout.overlapped.scores)
+            record["reward_s"] = rollout.overlapped.reward_s
+        else:
+            with self.timeline.span("reward", step=step) as span:
+                scores = self.task.score(step, rollout.rows, rollout.prompts, rollout.completions)
+            record["reward_s"] = span["seconds"]
         rewards = scores.total
         for name, column in [("", rewards), *((n, scores.per_function[:, i]) for i, n in enumerate(scores.names))]:
             mean, std = self._scored_mean_std(column)
@@ -445,33 +514,28 @@ class GRPOScheduler:
 
     def _train_phase(self, step, rollout: "Rollout", rewards, record) -> None:
         cfg = self.config
-        batch_std = self._scored_mean_std(rewards)[1] if cfg.scale_rewards == "batch" else None  # every rank's
-        advantages = group_advantages(rewards, cfg.num_generations, scale=cfg.scale_rewards, allow_unscorable=True,
-                                      batch_std=batch_std)
-        batch = pack(rollout.prompts, rollout.completions)
-        if cfg.mask_truncated:  # the tokens stay in the sequence; they only stop counting in the loss
-            batch.completion_mask[torch.tensor(rollout.truncated, dtype=torch.bool)] = 0
-        batch = batch.to(self.device)
         with self.timeline.span("train", step=step) as span:
             switch = time.perf_counter()
             if cfg.memory_phases:
                 self.engine.sleep_kv_cache()
-            self.memory.wake_for_training()  # optimizer state starts coming back on the copy stream
+            if rollout.overlapped is None:
+                self.memory.wake_for_training()  # optimizer state starts coming back on the copy stream
+            else:  # the gradients are awake since generation began, holding the groups trained so far
+                self.memory.start_prefetch()
             record["phase_switch_s"] += time.perf_counter() - switch
             self.timeline.counter("resident_bytes", self._resident())
-            global_tokens, global_sequences = D.sum_floats([float(batch.completion_mask.sum()), float(len(batch))],
+            global_tokens, global_sequences = D.sum_floats([_loss_tokens(rollout, cfg.mask_truncated),
+                                                            float(len(rollout.completions))],
                                                            self.world, data_parallel=True)
-            # Each row's denominator is its share of the loss type's global one (over data-parallel
-            # ranks); averaging the gradients over those ranks then yields the exact global loss.
-            denominators = loss_denominators(cfg.loss_type, batch.completion_mask.cpu(), global_tokens=global_tokens,
-                                             global_sequences=global_sequences, max_new_tokens=cfg.max_new_tokens,
-                                             ranks=self.world.dp_size)
             collectives = self.tp.collectives.total if self.tp else 0
-            stats = accumulate_gradients(
-                self.tp or self.model, batch, advantages.to(self.device), cfg,
-                num_tokens=denominators,
-                reference=self.reference, engine_logprobs=rollout.logprobs if cfg.temperature == 1.0 else None,
-                after_forward=lambda: self._sample_residency("train", record))
+            if rollout.overlapped is None:
+                batch_std = self._scored_mean_std(rewards)[1] if cfg.scale_rewards == "batch" else None  # every rank's
+                advantages = group_advantages(rewards, cfg.num_generations, scale=cfg.scale_rewards,
+                                              allow_unscorable=True, batch_std=batch_std)
+                stats = self._backward(rollout, advantages, record, global_tokens=global_tokens,
+                                       global_sequences=global_sequences)
+            else:
+                stats = self._finish_overlap(rollout.overlapped, record, global_tokens)
             self.memory.check_grads_attached()
             if self.memory.shard is not None:  # reduce-scatter into this rank's shard, then the global norm
                 whole_model = {} if self.tp is None else {  # the shards' squares summed over the engine's ranks
@@ -498,6 +562,39 @@ class GRPOScheduler:
                                        self.world, data_parallel=True)
             record["engine_logprob_max_abs_diff"] = D.min_max(0.0, stats["engine_logprob_max_abs_diff"], self.world)[1]
             record["engine_logprob_mean_abs_diff"] = gap / max(tokens, 1.0)
+
+    def _backward(self, rollout: "Rollout", advantages, record, *, global_tokens, global_sequences) -> dict:
+        """Forward, loss and backward over these completions (a rank's batch, or one prompt's group),
+        their gradients added to the parameters'."""
+        cfg = self.config
+        batch = pack(rollout.prompts, rollout.completions)
+        if cfg.mask_truncated:  # the tokens stay in the sequence; they only stop counting in the loss
+            batch.completion_mask[torch.tensor(rollout.truncated, dtype=torch.bool)] = 0
+        batch = batch.to(self.device)
+        # Each row's denominator is its share of the loss type's global one (over data-parallel
+        # ranks); averaging the gradients over those ranks then yields the exact global loss.
+        denominators = loss_denominators(cfg.loss_type, batch.completion_mask.cpu(), global_tokens=global_tokens,
+                                         global_sequences=global_sequences, max_new_tokens=cfg.max_new_tokens,
+                                         ranks=self.world.dp_size)
+        stats = accumulate_gradients(
+            self.tp or self.model, batch, advantages.to(self.device), cfg, num_tokens=denominators,
+            reference=self.reference, engine_logprobs=rollout.logprobs if cfg.temperature == 1.0 else None,
+            after_forward=lambda: self._sample_residency("train", record))
+        stats["tokens"] = float(batch.completion_mask.sum())
+        return stats
+
+    def _finish_overlap(self, overlapped: OverlappedStep, record, global_tokens: float) -> dict:
+        """Wait for the last groups; with dapo divide the summed losses' gradients by the batch's tokens."""
+        early = overlapped.join()
+        stats = merge_stats([early.results[i] for i in sorted(early.results)])
+        if self.config.loss_type == "dapo":
+            scale = self.world.dp_size / max(global_tokens, 1.0)
+            for flat in self.memory.flat_grads.values():
+                flat.mul_(scale)
+            stats["loss"] *= scale
+        record.update(overlap_train_s=early.seconds_during_generation,
+                      groups_trained_early=early.trained_during_generation)
+        return stats
 
     def _clip_gradients(self) -> float:
         flats = list(self.memory.flat_grads.values())
@@ -719,6 +816,24 @@ class Rollout:
     completions: list[list[int]]
     logprobs: list                   # the engine's log-probability of each sampled token
     truncated: list[bool]            # stopped by max_new_tokens, not by EOS
+    overlapped: OverlappedStep | None = None  # the groups scored and trained while generating
+
+
+def _rollout(rows, prompts, completions, n: int) -> Rollout:
+    """A Rollout of these prompts' completions (engine Completions, n per prompt, prompt after prompt)."""
+    return Rollout(rows=[r for r in rows for _ in range(n)], prompts=[p for p in prompts for _ in range(n)],
+                   completions=[c.token_ids for c in completions], logprobs=[c.logprobs for c in completions],
+                   truncated=[c.truncated for c in completions])
+
+
+def _loss_tokens(rollout: Rollout, mask_truncated: bool) -> float:
+    """Completion tokens that count in the loss (pack's completion_mask summed)."""
+    return float(sum(len(c) for c, cut in zip(rollout.completions, rollout.truncated) if not (mask_truncated and cut)))
+
+
+def _concatenated(scores: list) -> "Scores":
+    """Per-group Scores, in prompt order, as the whole batch's."""
+    return Scores(torch.cat([s.per_function for s in scores]), scores[0].weights, scores[0].names)
 
 
 class _TerminationRequest:

@@ -65,3 +65,18 @@ def build_toy_model(directory: str | Path, *, seed: int = 0, vocab_size: int = 5
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(staging, directory)
     return directory
+
+
+def long_tail_toy_task(vocab_size: int = 512, mean_length: int = 32, seed: int = 0):
+    """The toy task with completions of very different lengths, as real reasoning tasks have: a
+    completion ends at any of vocab_size / mean_length stop tokens, so on a random model its length is
+    about geometric with that mean (one batch of 128 holds completions of a few tokens and of five
+    times the mean), and a step's generation ends in a tail of a few long ones. The stop tokens break
+    the rule the reward counts (id % 4 == 1), so learning it also lengthens completions a little."""
+    from .task import CallableTask
+
+    toy = ToyTask(vocab_size, seed=seed)
+    task = CallableTask(toy.prompts, toy.rewards)
+    count = max(1, vocab_size // mean_length)
+    task.stop_token_ids = tuple(range(1, vocab_size, 4))[:count]
+    return task

@@ -236,6 +236,20 @@ class TrainingMemory:
 
     def wake_for_training(self) -> None:
         """Map the gradients back (zeroed) and start bringing the optimizer state back."""
+        self.wake_gradients()
+        self.start_prefetch()
+
+    def gradients_fit_while_generating(self) -> bool:
+        """Whether the gradients can be awake beside everything awake while the engine generates (the
+        engine's weights and KV cache, the optimizer state unless it is offloaded): what training
+        during generation (colo.grpo.overlap) needs of the pool."""
+        offloaded = self.offload_optimizer
+        generating = sum(r.budget for r in self.pool.regions.values()
+                         if r is not self.grads and not (offloaded and r is self.optimizer_region))
+        return self.grads.budget <= self.pool.capacity - self.pool.outside_bytes - generating
+
+    def wake_gradients(self) -> None:
+        """Map the gradients back, zeroed."""
         woke = self.grads.asleep
         if woke:
             self.grads.wake()
@@ -243,4 +257,3 @@ class TrainingMemory:
         # critical path, instead of on the copy stream where wake() started doing so.
         if not (woke and self.grads.wakes_zeroed):
             self.zero_grads()
-        self.start_prefetch()

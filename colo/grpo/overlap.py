@@ -1,0 +1,203 @@
+"""Overlap: train each prompt's group as soon as all its completions are done, while the engine
+decodes the others, exactly on-policy.
+
+A GRPO step's generation ends in a tail: a few long completions decode while the device is mostly
+idle. A group's advantages need only its own completions, so its forward and backward can run then.
+The weights the engine samples with never change within a step: gradients only accumulate while it
+decodes, and the optimizer step and the publish wait for the last group. The step is the serial
+one up to the order of float summation:
+
+- loss denominators known before generation (the number of sequences: loss types grpo, dr_grpo)
+  are used as they are; the token count of the whole batch (dapo, TRL's default) is not known until
+  the last completion ends, so each group's loss is summed with denominator 1 and the accumulated
+  gradients (and the loss) are divided by it once it is known;
+- the batch's reward std (scale_rewards="batch") and tensor parallelism (the trainer's collectives
+  would interleave with the engine's on the same ranks) run serially, with a line saying why.
+
+The trainer runs on a thread of its own: on a GPU its kernels go to the pool's `train` stream while
+the engine's run on theirs; on a CPU the cores are split between the two while both have work
+(vLLM's CPU worker takes every core for its thread otherwise), and the trainer gets them all once
+generation is done.
+"""
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+OVERLAP_MODES = ("auto", "on", "off")
+
+# Where an overlapped step measured faster than the serial one on the long-tail workload of
+# `python -m colo.bench --only overlap` (bench/results/cpu-overlap-*.json); auto turns overlap on
+# there only. No GPU has measured it yet, so auto stays serial on CUDA.
+MEASURED_FASTER = {"cpu": False, "cuda": False}
+
+
+def serial_reason(config, *, device_type: str, groups: int) -> str | None:
+    """Why this run's steps cannot overlap training with generation (None: they can, memory aside)."""
+    if config.overlap == "off":
+        return "overlap is off"
+    if config.overlap == "auto" and not MEASURED_FASTER.get(device_type, False):
+        return (f"overlap=auto: an overlapped step has not measured faster than a serial one on {device_type} "
+                "(colo.grpo.overlap.MEASURED_FASTER); use overlap='on' to run it anyway")
+    if config.tensor_parallel > 1:
+        return ("tensor parallelism: the trainer's collectives would interleave with the engine's on the same "
+                "ranks")
+    if config.scale_rewards == "batch":
+        return "scale_rewards='batch': every advantage needs the std of the whole batch's rewards"
+    if groups < 2:
+        return "one prompt per rank: its group is the last to finish, so nothing could train early"
+    return None
+
+
+@dataclass
+class EarlyTraining:
+    """What the groups trained during generation add up to (merged in prompt order)."""
+    results: dict = field(default_factory=dict)   # prompt index -> the work function's result
+    trained_during_generation: int = 0            # groups whose training started before generation ended
+    seconds_during_generation: float = 0.0        # trainer time spent while the engine was decoding
+
+
+class GroupTrainer:
+    """Runs `work(index, completions)` for each finished group on a background thread, in the order
+    the groups finish. submit() is called by the engine's loop; generation_done() when it returns;
+    join() waits for the last group and returns the EarlyTraining (re-raising the first error).
+
+    cores: this process's cores on a CPU; the trainer takes `trainer_cores` of them while the engine
+    still decodes. stream: on a GPU, the torch stream the trainer's kernels go to."""
+
+    def __init__(self, work: Callable, *, device: torch.device, cores: int, trainer_cores: int, stream=None):
+        self.work, self.device, self.stream = work, device, stream
+        self.cores, self.trainer_cores = cores, max(1, min(trainer_cores, cores - 1)) if cores > 1 else 1
+        self.early = EarlyTraining()
+        self._queue: queue.Queue = queue.Queue()
+        self._generating = True
+        self._generation_ended: float | None = None
+        self._error: BaseException | None = None
+        self._engine_threads = None
+        self._thread = threading.Thread(target=self._run, name="colo-group-trainer", daemon=True)
+        self._thread.start()
+
+    # -- the engine's side ---------------------------------------------------------------------------
+    def submit(self, index: int, completions) -> None:
+        if self._error is not None:  # stop the engine's loop at once: the step has failed
+            raise self._error
+        if self.device.type == "cpu" and self._engine_threads is None and self.cores > 1:
+            # From now on the trainer has work: the engine's thread leaves it its cores.
+            self._engine_threads = torch.get_num_threads()
+            torch._C.set_num_threads(self.cores - self.trainer_cores)
+        self._queue.put((index, completions))
+
+    def generation_done(self) -> None:
+        if self._generating:
+            self._generating, self._generation_ended = False, time.perf_counter()
+        self._restore_engine_threads()
+
+    def join(self) -> EarlyTraining:
+        self.generation_done()
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if self.stream is not None:  # the step's own work (all-reduce, optimizer) comes after the trainer's
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return self.early
+
+    def abandon(self) -> None:
+        """Stop after the group in hand and drop the rest (generation failed; the step is redone)."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
+        self.join_quietly()
+
+    def join_quietly(self) -> None:
+        self.generation_done()
+        self._queue.put(None)
+        self._thread.join()
+
+    def _restore_engine_threads(self) -> None:
+        if self._engine_threads is not None:
+            torch._C.set_num_threads(self._engine_threads)
+            self._engine_threads = None
+
+    # -- the trainer's thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        threads = None
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            while True:
+                item = self._queue.get()
+                if item is None or self._error is not None:
+                    return
+                generating = self._generating
+                if self.device.type == "cpu":
+                    wanted = self.trainer_cores if generating else self.cores
+                    if wanted != threads:  # per thread: the engine's thread keeps its own count
+                        torch._C.set_num_threads(wanted)
+                        threads = wanted
+                started = time.perf_counter()
+                try:
+                    self.early.results[item[0]] = self.work(*item)
+                except BaseException as e:  # noqa: BLE001 - handed to the step's thread, which raises it
+                    self._error = e
+                    return
+                if generating:  # the part of its training that ran while the engine was decoding
+                    ended = self._generation_ended or time.perf_counter()
+                    self.early.trained_during_generation += 1
+                    self.early.seconds_during_generation += max(0.0, min(ended, time.perf_counter()) - started)
+
+
+class GroupFailed(Exception):
+    """A finished group's scoring or training raised (its __cause__): the step fails with that error,
+    and the engine, which did nothing wrong, is not rebuilt."""
+
+
+class OverlappedStep:
+    """One step's early training. on_group(i, completions) runs on the engine's thread as each prompt's
+    group finishes: `score(i, completions)` returns (Scores, work) there (rewards are the user's code,
+    run in order as in a serial step), and `train(i, work)` runs on the trainer's thread."""
+
+    def __init__(self, score: Callable, train: Callable, prompts: int, **trainer_options):
+        self.score = score
+        self.scores: list = [None] * prompts
+        self.reward_s = 0.0
+        self.trainer = GroupTrainer(train, **trainer_options)
+
+    def on_group(self, index: int, completions) -> None:
+        started = time.perf_counter()
+        try:
+            self.scores[index], work = self.score(index, completions)
+        except Exception as e:
+            raise GroupFailed(f"group {index}: {type(e).__name__}: {e}") from e
+        self.reward_s += time.perf_counter() - started
+        try:
+            self.trainer.submit(index, work)
+        except Exception as e:
+            raise GroupFailed(f"training group {index}: {type(e).__name__}: {e}") from e
+
+    def generation_done(self) -> None:
+        self.trainer.generation_done()
+
+    def join(self) -> EarlyTraining:
+        return self.trainer.join()
+
+    def abandon(self) -> None:
+        self.trainer.abandon()
+
+
+def merge_stats(results: list[dict]) -> dict:
+    """accumulate_gradients' statistics of every group as one batch's: loss and sums add up, the
+    token-weighted means (clip fraction, KL) weigh each group by its loss tokens (`tokens`)."""
+    tokens = sum(r["tokens"] for r in results)
+    merged = {"loss": sum(r["loss"] for r in results), "tokens": tokens,
+              "clip_fraction": sum(r["clip_fraction"] * r["tokens"] for r in results) / max(tokens, 1.0),
+              "kl": sum(r["kl"] * r["tokens"] for r in results) / max(tokens, 1.0)}
+    if results and "engine_logprob_max_abs_diff" in results[0]:
+        merged["engine_logprob_max_abs_diff"] = max(r["engine_logprob_max_abs_diff"] for r in results)
+        for key in ("engine_logprob_abs_diff_sum", "engine_logprob_tokens"):
+            merged[key] = sum(r[key] for r in results)
+    return merged

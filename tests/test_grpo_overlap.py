@@ -1,0 +1,134 @@
+"""Overlap (colo.grpo.overlap): groups trained while the engine decodes the others give the serial step."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from colo.grpo import GRPOConfig
+from colo.grpo.overlap import GroupFailed, GroupTrainer, OverlappedStep, merge_stats, serial_reason
+
+
+def test_serial_reasons_name_what_prevents_overlap():
+    on = dict(device_type="cpu", groups=4)
+    assert serial_reason(GRPOConfig(overlap="on"), **on) is None
+    assert serial_reason(GRPOConfig(overlap="off"), **on) == "overlap is off"
+    assert "tensor parallelism" in serial_reason(GRPOConfig(overlap="on", tensor_parallel=2), **on)
+    assert "whole batch" in serial_reason(GRPOConfig(overlap="on", scale_rewards="batch"), **on)
+    assert "one prompt per rank" in serial_reason(GRPOConfig(overlap="on"), device_type="cpu", groups=1)
+    with pytest.raises(ValueError, match="overlap must be one of auto, on, off"):
+        GRPOConfig(overlap="yes")
+
+
+def test_merged_stats_are_the_whole_batchs():
+    groups = [dict(loss=0.5, tokens=10.0, clip_fraction=0.2, kl=0.1, engine_logprob_max_abs_diff=1e-3,
+                   engine_logprob_abs_diff_sum=2e-3, engine_logprob_tokens=10.0),
+              dict(loss=0.25, tokens=30.0, clip_fraction=0.0, kl=0.5, engine_logprob_max_abs_diff=4e-3,
+                   engine_logprob_abs_diff_sum=6e-3, engine_logprob_tokens=30.0)]
+    merged = merge_stats(groups)
+    assert merged["loss"] == 0.75 and merged["tokens"] == 40.0
+    assert merged["clip_fraction"] == pytest.approx(0.2 * 10 / 40)
+    assert merged["kl"] == pytest.approx((0.1 * 10 + 0.5 * 30) / 40)
+    assert merged["engine_logprob_max_abs_diff"] == 4e-3 and merged["engine_logprob_tokens"] == 40.0
+
+
+def test_group_trainer_runs_groups_on_its_thread_and_hands_back_the_first_error():
+    threads = []
+
+    def work(index, payload):
+        threads.append(threading.current_thread())
+        if payload == "bad":
+            raise ValueError(f"group {index} is bad")
+        return payload * 2
+
+    trainer = GroupTrainer(work, device=torch.device("cpu"), cores=2, trainer_cores=1)
+    before = torch.get_num_threads()
+    trainer.submit(1, 10)
+    trainer.submit(0, 20)
+    early = trainer.join()
+    assert early.results == {1: 20, 0: 40} and early.trained_during_generation <= 2
+    assert threads and all(t is not threading.current_thread() for t in threads)
+    assert torch.get_num_threads() == before  # the engine's thread got its cores back
+
+    failing = OverlappedStep(lambda i, c: (None, c), work, 3, device=torch.device("cpu"), cores=2, trainer_cores=1)
+    failing.on_group(0, "bad")
+    failing.trainer._thread.join()
+    with pytest.raises(GroupFailed, match="training group 1: ValueError: group 0 is bad"):
+        failing.on_group(1, 5)  # the engine's loop stops at the next group
+    with pytest.raises(ValueError, match="group 0 is bad"):
+        failing.join()
+
+    scoring_fails = OverlappedStep(lambda i, c: 1 / 0, work, 1, device=torch.device("cpu"), cores=2, trainer_cores=1)
+    with pytest.raises(GroupFailed) as raised:
+        scoring_fails.on_group(0, [])
+    assert isinstance(raised.value.__cause__, ZeroDivisionError)
+    scoring_fails.abandon()
+
+
+@pytest.mark.slow
+def test_an_overlapped_step_is_the_serial_step(tmp_path):
+    """One step on the long-tail toy task (completions end at stop tokens, so groups finish at different
+    times), serial and overlapped, from the same weights and seeds: the same completions, rewards
+    and loss; gradients equal up to float summation order, and the weights after the optimizer step
+    within what that difference can move them."""
+    from colo.grpo import GRPOScheduler, build_toy_model
+    from colo.grpo.toy_task import long_tail_toy_task
+
+    model_dir = build_toy_model(tmp_path / "model")
+    lr = 3e-3
+    runs = {}
+    for name, overlap, micro in (("serial", "off", None), ("serial, groups as micro-batches", "off", 4),
+                                 ("overlapped", "on", None)):
+        # memory_phases=False keeps the step's gradients awake after it, to compare; unclipped, so
+        # that a wrong scale shows.
+        config = GRPOConfig(prompts_per_step=6, num_generations=4, max_new_tokens=64, learning_rate=lr,
+                            max_grad_norm=None, save_every=0, memory_phases=False, overlap=overlap, micro_batch_size=micro,
+                            dtype="fp32")
+        run = GRPOScheduler(model_dir, config=config, task=long_tail_toy_task(mean_length=16),
+                            engine_options=dict(enforce_eager=True))
+        try:
+            assert (run.serial_reason is None) == (overlap == "on")
+            completions = []
+            original = run.engine.generate
+
+            def keep(*args, **kwargs):
+                out = original(*args, **kwargs)
+                completions.extend(c.token_ids for c in out)
+                return out
+
+            run.engine.generate = keep
+            record = run.train_step()
+            runs[name] = dict(record=record, completions=completions,
+                              grads={n: p.grad.detach().clone() for n, p in run.model.named_parameters()},
+                              after={n: p.detach().clone() for n, p in run.model.named_parameters()})
+        finally:
+            run.close()
+    serial, reordered, overlapped = runs["serial"], runs["serial, groups as micro-batches"], runs["overlapped"]
+    lengths = [len(c) for c in serial["completions"]]
+    assert min(lengths) < max(lengths)  # groups finish at different times
+    assert overlapped["completions"] == serial["completions"]
+    assert overlapped["record"]["overlap"] and overlapped["record"]["groups_trained_early"] >= 1
+    assert overlapped["record"]["overlap_train_s"] > 0 and "generate_tail_s" in overlapped["record"]
+    for key in ("reward_mean", "reward_std", "tokens_generated", "clipped_ratio"):
+        assert overlapped["record"][key] == serial["record"][key], key
+    # Summation order: the same serial step with each group as its own micro-batch differs from the
+    # whole-batch one only in the order float additions happen; the overlapped step (each group
+    # packed on its own, dapo's token mean applied after the sum) may differ by that much again
+    # (x4 for the packing and the later division), plus a few ulps of the largest gradient.
+    eps = torch.finfo(torch.float32).eps
+    for n, g in serial["grads"].items():
+        order_noise = (reordered["grads"][n] - g).abs().max()
+        bound = 4 * order_noise + 8 * eps * g.abs().max()
+        assert (overlapped["grads"][n] - g).abs().max() <= bound, n
+    assert overlapped["record"]["loss"] == pytest.approx(serial["record"]["loss"], rel=1e-5, abs=1e-7)
+    assert overlapped["record"]["grad_norm"] == pytest.approx(serial["record"]["grad_norm"], rel=1e-5)
+    # One AdamW step from fresh moments moves a weight by lr * g / (|g| + adam_eps): that function
+    # changes by at most |dg| / (min(|g|, |g'|) + adam_eps) per unit lr (|dg| / adam_eps across a sign
+    # change), plus the rounding of the weight itself.
+    adam_eps = 1e-8
+    for n, w in serial["after"].items():
+        g, g2 = serial["grads"][n], overlapped["grads"][n]
+        same_sign = torch.where(g * g2 > 0, torch.minimum(g.abs(), g2.abs()), torch.zeros_like(g))
+        bound = lr * (g - g2).abs() / (same_sign + adam_eps) + 4 * eps * w.abs().clamp(min=lr)
+        assert ((overlapped["after"][n] - w).abs() <= bound).all(), n
