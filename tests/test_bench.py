@@ -40,7 +40,7 @@ def test_help_works_without_the_compiled_extension():
 @pytest.mark.parametrize("args, message", [
     (["--bogus"], "unrecognized arguments"),
     (["--sections", "pool_alloc,nope"],
-     "valid sections: pool_alloc, sleep_wake, publish, grpo_step, memory, trl, lora, logprob_memory"),
+     "valid sections: pool_alloc, sleep_wake, publish, grpo_step, memory, trl, lora, logprob_memory, overlap"),
     (["--sections", ","], "no section named"),
     (["--device", "tpu"], "invalid choice"),
     (["--plot", "out.jpg"], "ending in .png"),
@@ -93,9 +93,9 @@ def test_cuda_rows_say_why_they_did_not_run():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the CUDA rows run instead")
-    from colo.bench import grpo_step, logprob_memory, lora, memory, pool_alloc, publish, sleep_wake, trl
+    from colo.bench import grpo_step, logprob_memory, lora, memory, overlap, pool_alloc, publish, sleep_wake, trl
 
-    for section in (pool_alloc, sleep_wake, publish, grpo_step, memory, trl, lora, logprob_memory):
+    for section in (pool_alloc, sleep_wake, publish, grpo_step, memory, trl, lora, logprob_memory, overlap):
         rows = section.run(quick=True, progress=lambda it, desc="": it, devices=("cuda",))
         assert len(rows) == 1 and rows[0]["device"] == "cuda"
         assert rows[0]["note"].startswith("CUDA case not run")
@@ -304,3 +304,21 @@ def test_logprob_memory_row_chunked_holds_less_than_all_logits_at_once():
     assert row["chunk_logits_bytes"] == row["chunk_tokens"] * vocab * 4
     assert row["logprob_sum_abs_diff"] < 1e-2  # the same log-probabilities (1024 of them, about -11 each)
     assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"])
+
+
+@pytest.mark.slow
+def test_overlap_row_compares_the_overlapped_step_with_the_serial_one():
+    from colo.bench import overlap
+
+    workload = dict(overlap.QUICK, steps=1)
+    row = overlap.measure(workload, progress=lambda it, desc="": it)
+    assert row["section"] == "overlap" and row["device"] == "cpu" and row["params"] > 0
+    assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"])
+    assert row["vs_bound"] == pytest.approx(row["colo_s"] / max(row["serial_generate_s"], row["serial_train_s"]))
+    assert 0 <= row["tail_fraction"] <= 1 and row["serial_generate_idle_core_s"] >= 0
+    # The overlapped side trained groups while generating, with its gradients awake then; the serial one did not.
+    assert row["overlapped_groups_trained_early"] >= 1 and row["overlapped_overlap_train_s"] > 0
+    assert row["overlapped_grads_resident_bytes_during_generate"] > 0
+    assert row["serial_grads_resident_bytes_during_generate"] == 0 and row["serial_groups_trained_early"] == 0
+    # Same prompts, seeds and weights: the same completions on both sides.
+    assert row["overlapped_completion_length_mean"] == row["serial_completion_length_mean"]

@@ -8,7 +8,7 @@ Nothing heavy is imported here, so `python -m colo.bench --help` stays instant.
 """
 
 # In the order they run; the cheap pool sections first so their rows appear early.
-SECTIONS = ("pool_alloc", "sleep_wake", "publish", "grpo_step", "memory", "trl", "lora", "logprob_memory")
+SECTIONS = ("pool_alloc", "sleep_wake", "publish", "grpo_step", "memory", "trl", "lora", "logprob_memory", "overlap")
 
 DEVICE_CHOICES = ("cpu", "cuda", "all")
 
