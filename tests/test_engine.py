@@ -150,6 +150,17 @@ def test_the_worker_refuses_to_start_without_colo_build_llm():
         compat.ColoWorker(vllm_config=None, local_rank=0, rank=0, distributed_init_method="")
 
 
+def test_the_worker_name_vllm_is_given_resolves_and_pickles_to_colos_worker():
+    import pickle
+
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    with compat.placing(compat.EnginePlacement(None)) as worker_cls:
+        assert resolve_obj_by_qualname(worker_cls) is compat.ColoWorker
+    assert f"{compat.ColoWorker.__module__}.{compat.ColoWorker.__qualname__}" == worker_cls
+    assert pickle.loads(pickle.dumps(compat.ColoWorker)) is compat.ColoWorker
+
+
 def test_build_llm_refuses_a_worker_class(tmp_path):
     with pytest.raises(ValueError, match="worker_cls"):
         engine.build_llm(tmp_path, colo.Pool("cpu"), worker_cls="my.Worker")
