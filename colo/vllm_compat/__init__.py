@@ -14,8 +14,9 @@ compat.engine_model(llm)`):
 - cpu_gemm: the CPU GEMM kernels (`dispatch_cpu_unquantized_gemm`): vLLM packs each linear weight at
   load (sgl-kernel, oneDNN or zentorch) and drops the weight; colo keeps the weight in the region,
   lets the kernel keep its packed copy, and refreshes that copy in place at publish;
-- engine: model access, compile mode, start-up memory, the guard that refuses (or wakes) requests
-  while the KV cache sleeps, teardown;
+- engine: model access, compile mode, start-up memory, the hooks run before every request and
+  engine step (the guard that refuses or wakes requests while the KV cache sleeps, the default
+  adapter), teardown;
 - layout: the parameter layout (fused q/k/v and gate/up, padded vocabulary, tensor-parallel shards);
 - lora_slots: LoRA adapter slots (`lora_a_stacked`/`lora_b_stacked`) the trainer's adapter is a view
   of, and a one-adapter fast path for vLLM's CPU punica wrapper;
@@ -29,10 +30,10 @@ from .worker import WORKER_CLS, EnginePlacement, job_init_method, placing
 from .cpu_gemm import CpuLinear
 from .layout import EngineTensor, Piece, engine_layout, lora_base_name
 from .engine import (
-    FIXED_KV_MEMORY_FRACTION, STARTUP_HEADROOM_BYTES, VLLM_DEFAULT_MEMORY_FRACTION, engine_dtype,
+    FIXED_KV_MEMORY_FRACTION, STARTUP_HEADROOM_BYTES, VLLM_DEFAULT_MEMORY_FRACTION, RequestHooks, engine_dtype,
     engine_hf_config, engine_kv_caches, engine_model, engine_placement, engine_worker, is_compiled,
     keep_process_groups, kv_cache_block_count, platform_device_type, quiet_chat_warmup_without_tokenizer,
-    release_engine, request_guard, served_dtype, startup_memory_fraction, tensor_parallel_group,
+    release_engine, request_guard, request_hooks, served_dtype, startup_memory_fraction, tensor_parallel_group,
 )
 from .lora_slots import (
     LORA_SLOT_RANKS, AdapterSlice, activate_adapter, adapter_slices, adapter_slot, has_lora_slots,
@@ -44,10 +45,10 @@ __all__ = [
     "WORKER_CLS", "EnginePlacement", "job_init_method", "placing",
     "CpuLinear",
     "EngineTensor", "Piece", "engine_layout", "lora_base_name",
-    "FIXED_KV_MEMORY_FRACTION", "STARTUP_HEADROOM_BYTES", "VLLM_DEFAULT_MEMORY_FRACTION",
+    "FIXED_KV_MEMORY_FRACTION", "STARTUP_HEADROOM_BYTES", "VLLM_DEFAULT_MEMORY_FRACTION", "RequestHooks",
     "engine_dtype", "engine_hf_config", "engine_kv_caches", "engine_model", "engine_placement", "engine_worker",
     "is_compiled", "keep_process_groups", "kv_cache_block_count", "platform_device_type",
-    "quiet_chat_warmup_without_tokenizer", "release_engine", "request_guard", "served_dtype",
+    "quiet_chat_warmup_without_tokenizer", "release_engine", "request_guard", "request_hooks", "served_dtype",
     "startup_memory_fraction", "tensor_parallel_group",
     "LORA_SLOT_RANKS", "AdapterSlice", "activate_adapter", "adapter_slices", "adapter_slot", "has_lora_slots",
     "lora_engine_options", "punica_wrappers", "serve_adapter_by_default",

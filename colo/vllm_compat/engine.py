@@ -1,5 +1,5 @@
 """The engine: model access (its worker, model, KV cache, dtype, config, groups) and its lifecycle
-(start-up memory, the guard run before every request and step, teardown).
+(start-up memory, the hooks run before every request and step, teardown).
 """
 from __future__ import annotations
 
@@ -133,25 +133,60 @@ def platform_device_type() -> str:
     return "cpu" if current_platform.is_cpu() else "cuda"
 
 
-def request_guard(llm, check) -> None:
-    """Make `check()` run before every new request and engine step (it raises to refuse them).
+class RequestHooks:
+    """colo's one wrapper around an engine's requests: the instance's `_add_request` (vLLM's one entry
+    for new requests) and its engine's `step` are this object's methods, installed once
+    (`request_hooks`), and every colo rule about requests registers here, in any order:
 
-    The guards hold the engine weakly (class functions + weakrefs): a closure over a bound method
-    stored on the instance would make the engine reference itself and outlive its last user.
+    checks: run before every new request and every engine step (each raises to refuse them);
+        request_guard adds one.
+    default_lora_request: the adapter a request that names none gets (None: vLLM's own rule, no
+        adapter); serve_adapter_by_default sets it.
+
+    It holds the engine weakly (vLLM's class functions called on weakrefs): a closure over the
+    engine's bound method stored on the instance would make the engine reference itself and outlive
+    its last user. release_engine removes it.
     """
-    llm_ref, engine_ref = weakref.ref(llm), weakref.ref(llm.llm_engine)
-    add_request, step = type(llm)._add_request, type(llm.llm_engine).step
 
-    def guarded_add_request(*args, **kwargs):
-        check()
-        return add_request(llm_ref(), *args, **kwargs)
+    def __init__(self, llm):
+        self._llm, self._engine = weakref.ref(llm), weakref.ref(llm.llm_engine)
+        self.checks: list = []
+        self.default_lora_request = None
 
-    def guarded_step(*args, **kwargs):
-        check()
-        return step(engine_ref(), *args, **kwargs)
+    def _run_checks(self) -> None:
+        for check in list(self.checks):
+            check()
 
-    llm._add_request = guarded_add_request
-    llm.llm_engine.step = guarded_step
+    def add_request(self, prompt, params, lora_request=None, **kwargs):
+        self._run_checks()
+        llm = self._llm()
+        return type(llm)._add_request(llm, prompt, params, lora_request=lora_request or self.default_lora_request,
+                                      **kwargs)
+
+    def step(self, *args, **kwargs):
+        self._run_checks()
+        engine = self._engine()
+        return type(engine).step(engine, *args, **kwargs)
+
+
+_HOOKS = "colo_request_hooks"  # the attribute of the vllm.LLM instance that holds its RequestHooks
+
+
+def request_hooks(llm) -> RequestHooks:
+    """The engine's RequestHooks, installed on first use (replacing `_add_request` and `step` on the
+    instances, never on vLLM's classes)."""
+    hooks = vars(llm).get(_HOOKS)
+    if hooks is None:
+        hooks = RequestHooks(llm)
+        llm._add_request = hooks.add_request
+        llm.llm_engine.step = hooks.step
+        setattr(llm, _HOOKS, hooks)
+    return hooks
+
+
+def request_guard(llm, check) -> None:
+    """Make `check()` run before every new request and engine step (it raises to refuse them)."""
+    request_hooks(llm).checks.append(check)
 
 
 def keep_process_groups(llm) -> None:
@@ -184,7 +219,7 @@ def release_engine(llm) -> None:
             # A trainer's own Parameter objects are untouched: shared weights stay alive through them.
             for param in model.parameters():
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-    for attr in ("_add_request", "colo_shared_weights"):
+    for attr in ("_add_request", _HOOKS, "colo_shared_weights"):
         vars(llm).pop(attr, None)
     engine = getattr(llm, "llm_engine", None)
     if engine is not None:

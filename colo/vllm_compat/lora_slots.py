@@ -5,12 +5,11 @@ wrappers), and the adapter a request that names none is served with.
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import dataclass
 
 import torch
 
-from .engine import engine_model, engine_worker
+from .engine import engine_model, engine_worker, request_hooks
 from .layout import _is_lora_wrapper
 
 
@@ -154,14 +153,6 @@ def adapter_slices(llm, slot: int, rank: int) -> list[AdapterSlice]:
 
 def serve_adapter_by_default(llm, lora_request) -> None:
     """Requests to `llm` that name no adapter get `lora_request` (the trained model is base + adapter:
-    TRL, a user's `llm.generate` or an eval callback then all see it). Wraps the instance's
-    `_add_request` (vLLM's one entry for new requests, which request_guard may already wrap), holding
-    the engine weakly as request_guard does."""
-    llm_ref, default = weakref.ref(llm), lora_request
-    inner = llm.__dict__.get("_add_request")  # request_guard's wrapper, which holds the engine weakly
-
-    def add_request(prompt, params, lora_request=None, priority=0):
-        call = inner or type(llm_ref())._add_request.__get__(llm_ref())
-        return call(prompt, params, lora_request=lora_request or default, priority=priority)
-
-    llm._add_request = add_request
+    TRL, a user's `llm.generate` or an eval callback then all see it). A rule of the engine's
+    RequestHooks, beside any request_guard check, in either order."""
+    request_hooks(llm).default_lora_request = lora_request
