@@ -9,7 +9,7 @@ allocates them, and never move afterwards.
 
 vLLM's worker places memory through a hook (`_maybe_get_memory_pool_context`): colo's worker
 answers it by allocating the parameters in the pool's `weights` region and the KV cache in its
-`kv_cache` region (colo/vllm_compat.py). Compiled code and CUDA graphs captured after that read
+`kv_cache` region (colo/vllm_compat/worker.py). Compiled code and CUDA graphs captured after that read
 those tensors forever, so a trainer that shares them (colo.share_weights) needs nothing re-pointed.
 One process, one device: the engine runs uni-process (or `external_launcher` under torchrun, one
 engine per rank).

@@ -92,9 +92,9 @@ def build_engine():
 
     Eager unless the test passes enforce_eager=False (compiling adds seconds per engine; the tests
     about compiled engines ask for it). kernel: force vLLM's CPU GEMM choice ("sgl", "onednn",
-    "plain"; see colo.vllm_compat.forced_cpu_gemm), so one CPU kind covers the others' paths."""
+    "plain"; see colo.vllm_compat.forced_kernels), so one CPU kind covers the others' paths."""
     from colo.engine import build_llm
-    from colo.vllm_compat import forced_cpu_gemm
+    from colo.vllm_compat.forced_kernels import forced_cpu_gemm
 
     def build(model_dir, dtype="float32", pool=None, kernel=None, **llm_kwargs):
         llm_kwargs.setdefault("kv_cache_bytes", 16 << 20)

@@ -2,7 +2,7 @@
 vLLM runs by default: the trainer shares the engine's weights, trains, publishes, and the engine
 then serves exactly what a fresh engine built from the saved weights serves on the same kernel.
 
-vLLM picks per layer and CPU kind (colo.vllm_compat.forced_cpu_gemm): AMX machines take sgl-kernel
+vLLM picks per layer and CPU kind (colo.vllm_compat.forced_kernels.forced_cpu_gemm): AMX machines take sgl-kernel
 for small bf16 weights and oneDNN for the rest, AVX-512 machines oneDNN, AVX2 machines oneDNN for
 fp32 and F.linear ("plain") for bf16 (their oneDNN refuses it), and F.linear when neither applies.
 Forcing each here covers the other machine kinds in CI; what vLLM then uses is asked of the vLLM
@@ -17,8 +17,9 @@ import torch
 
 import colo
 from colo.engine import cpu_kernels, engine_model
-from colo.vllm_compat import forced_kernel_outcome, sgl_unavailable_reason
+from colo.vllm_compat.forced_kernels import sgl_unavailable_reason
 from conftest import PROMPTS
+from cpu_gemm_helpers import forced_kernel_outcome
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_kind]
 

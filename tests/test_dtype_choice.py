@@ -57,7 +57,8 @@ def test_cuda_choice_follows_the_gpus_bf16_support(monkeypatch):
 def test_the_choice_agrees_with_the_native_build_vllm_loads():
     """bf16 exactly where vLLM loads its AVX-512-BF16 build (`_C`, with the sgl kernels): the two read
     the same CPU features, so on the persona both see an AVX2 machine."""
-    from colo.vllm_compat import onednn_takes, sgl_unavailable_reason
+    from colo.vllm_compat.forced_kernels import sgl_unavailable_reason
+    from cpu_gemm_helpers import onednn_takes
 
     if torch.cpu.get_capabilities().get("architecture") != "x86_64":
         pytest.skip("vLLM's CPU builds are per x86 ISA")
@@ -72,7 +73,7 @@ def test_avx2_persona_takes_in_every_process_it_starts():
     """python -m colo.cpu_persona avx2: torch dispatches at AVX2, reports no AVX-512 or AMX, vLLM loads
     its AVX2 build, and auto picks fp32, in the command and in a Python process it starts in turn."""
     probe = ("import json, torch; from colo.dtype_choice import fastest_dtype; "
-             "from colo.vllm_compat import sgl_unavailable_reason; "
+             "from colo.vllm_compat.forced_kernels import sgl_unavailable_reason; "
              "print(json.dumps([torch.backends.cpu.get_cpu_capability(), torch.cpu._is_avx512_supported(), "
              "torch.cpu._is_avx512_bf16_supported(), torch.cpu._is_amx_tile_supported(), "
              "fastest_dtype().name, bool(sgl_unavailable_reason())]))")

@@ -150,6 +150,65 @@ def test_the_worker_refuses_to_start_without_colo_build_llm():
         compat.ColoWorker(vllm_config=None, local_rank=0, rank=0, distributed_init_method="")
 
 
+def test_the_worker_name_vllm_is_given_resolves_and_pickles_to_colos_worker():
+    import pickle
+
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    with compat.placing(compat.EnginePlacement(None)) as worker_cls:
+        assert resolve_obj_by_qualname(worker_cls) is compat.ColoWorker
+    assert f"{compat.ColoWorker.__module__}.{compat.ColoWorker.__qualname__}" == worker_cls
+    assert pickle.loads(pickle.dumps(compat.ColoWorker)) is compat.ColoWorker
+
+
+class _FakeEngine:
+    def step(self):
+        return ["stepped"]
+
+
+class _FakeLLM:
+    """vLLM's two entries colo hooks: LLM._add_request and LLMEngine.step, on the class."""
+
+    def __init__(self):
+        self.llm_engine = _FakeEngine()
+
+    def _add_request(self, prompt, params, lora_request=None, priority=0):
+        return (prompt, lora_request, priority)
+
+
+@pytest.mark.parametrize("guard_first", [True, False])
+def test_the_request_hooks_compose_in_either_order_and_hold_the_engine_weakly(guard_first):
+    import gc
+    import weakref
+
+    llm, calls = _FakeLLM(), []
+
+    def check():
+        calls.append("check")
+
+    steps = [lambda: compat.request_guard(llm, check), lambda: compat.serve_adapter_by_default(llm, "adapter")]
+    for install in steps if guard_first else steps[::-1]:
+        install()
+    hooks = compat.request_hooks(llm)
+    assert hooks.checks == [check] and hooks.default_lora_request == "adapter"
+    assert llm._add_request == hooks.add_request and llm.llm_engine.step == hooks.step
+    assert llm._add_request("p", None) == ("p", "adapter", 0)
+    assert llm._add_request("p", None, lora_request="mine", priority=2) == ("p", "mine", 2)
+    assert llm.llm_engine.step() == ["stepped"] and calls == ["check"] * 3
+
+    compat.release_engine(llm)
+    assert "_add_request" not in vars(llm) and "step" not in vars(llm.llm_engine)
+    assert llm._add_request("p", None) == ("p", None, 0) and calls == ["check"] * 3
+    compat.request_guard(llm, check)
+    gone = weakref.ref(llm)
+    gc.disable()
+    try:
+        del llm
+        assert gone() is None, "the hooks must not make the engine reference itself"
+    finally:
+        gc.enable()
+
+
 def test_build_llm_refuses_a_worker_class(tmp_path):
     with pytest.raises(ValueError, match="worker_cls"):
         engine.build_llm(tmp_path, colo.Pool("cpu"), worker_cls="my.Worker")

@@ -60,8 +60,9 @@ def test_the_engine_serves_the_adapter_the_trainer_trains_with_one_copy(dtype, t
     served_base = prompt_logprobs(llm)
     adapter = share_adapter(model, llm, spec, tmp_path)
     from colo import vllm_compat as compat  # the CPU engine serves the one adapter on the fast path
+    from colo.vllm_compat.lora_slots import _one_adapter_punica_cpu
 
-    assert {type(w) for w in compat.punica_wrappers(llm)} == {compat._one_adapter_punica_cpu()}
+    assert {type(w) for w in compat.punica_wrappers(llm)} == {_one_adapter_punica_cpu()}
 
     weights = colo.engine.weights_region(llm)
     assert adapter.parameters() and all(weights.contains(p) for p in adapter.parameters())
@@ -144,7 +145,7 @@ def test_the_one_adapter_fast_path_computes_what_vllms_cpu_lora_ops_compute(pref
     from vllm.lora.layers.utils import LoRAMapping
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
-    from colo.vllm_compat import _one_adapter_punica_cpu
+    from colo.vllm_compat.lora_slots import _one_adapter_punica_cpu
 
     generator = torch.Generator().manual_seed(0)
     slot_ids, rank, hidden, slices = [10, 20], 8, 32, (24, 8, 8)  # a fused q/k/v layer, two slots

@@ -11,9 +11,10 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from colo.vllm_compat import (engine_model, forced_cpu_gemm, forced_kernel_outcome, kv_cache_block_count,
-                               sgl_unavailable_reason)
+from colo.vllm_compat import engine_model, kv_cache_block_count
+from colo.vllm_compat.forced_kernels import forced_cpu_gemm, sgl_unavailable_reason
 from conftest import PROMPTS
+from cpu_gemm_helpers import forced_kernel_outcome
 
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl", reason="colo.trl's tests need the trl extra: pip install -e '.[cpu,test]'")

@@ -127,7 +127,7 @@ RSS_SCRIPT = """
 import gc, os, sys, torch
 import colo
 from colo.engine import build_llm
-from colo.vllm_compat import forced_cpu_gemm
+from colo.vllm_compat.forced_kernels import forced_cpu_gemm
 
 def rss():
     with open("/proc/self/statm") as f:

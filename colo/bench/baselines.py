@@ -32,9 +32,9 @@ def trl_sync_weights(llm, hf_model) -> dict:
 
 def stock_llm(model_dir, *, dtype: str, kernel: str | None = None, **llm_kwargs):
     """A vllm.LLM built the stock way (no colo worker), in this process, vLLM's default mode.
-    kernel: force vLLM's CPU GEMM choice (colo.vllm_compat.forced_cpu_gemm), e.g. "plain"."""
+    kernel: force vLLM's CPU GEMM choice (colo.vllm_compat.forced_kernels.forced_cpu_gemm), e.g. "plain"."""
     from colo.engine import import_vllm, in_process_env
-    from colo.vllm_compat import forced_cpu_gemm
+    from colo.vllm_compat.forced_kernels import forced_cpu_gemm
 
     vllm = import_vllm()
     with in_process_env(), (forced_cpu_gemm(kernel) if kernel else contextlib.nullcontext()):

@@ -61,7 +61,8 @@ def new_run(model_dir: Path, max_new_tokens: int, colocated: bool, dtype: str | 
 
     from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask
     from colo.shared import PublishReport
-    from colo.vllm_compat import forced_cpu_gemm, served_dtype
+    from colo.vllm_compat import served_dtype
+    from colo.vllm_compat.forced_kernels import forced_cpu_gemm
 
     task = ToyTask(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     config = GRPOConfig(max_new_tokens=max_new_tokens, ignore_eos=True, learning_rate=3e-3, save_every=0,

@@ -114,7 +114,8 @@ def run_trl(side: str, model_dir: Path, out: Path, steps: int, lora: dict | None
     import trl
 
     from colo.engine import kv_cache_region, release_llm
-    from colo.vllm_compat import engine_dtype, forced_cpu_gemm
+    from colo.vllm_compat import engine_dtype
+    from colo.vllm_compat.forced_kernels import forced_cpu_gemm
 
     from colo.trl import GRPOTrainer
 

@@ -1,0 +1,66 @@
+"""Everything colo knows about vLLM's internals, in one package, checked against the vLLM version.
+
+A vLLM upgrade that moves one of these fails here, loudly, rather than somewhere in colo. One module
+per topic; this one re-exports their public names (`from colo import vllm_compat as compat;
+compat.engine_model(llm)`):
+
+- version: `import_vllm` imports vLLM and checks its version against SUPPORTED_VLLM_VERSIONS (the
+  one place colo names them);
+- worker: the worker hook. `ColoWorker`, a subclass of the platform's own worker (`worker_cls`),
+  answers vLLM's `_maybe_get_memory_pool_context(tag)`: tag "weights" (around `load_model`) places
+  the engine's parameters in the pool's `weights` region, tag "kv_cache" (around the KV cache
+  allocation, on both model runners) places the KV cache in the `kv_cache` region. The same
+  `colo.placement.AllocateIn` mode does it on the host and on a GPU;
+- cpu_gemm: the CPU GEMM kernels (`dispatch_cpu_unquantized_gemm`): vLLM packs each linear weight at
+  load (sgl-kernel, oneDNN or zentorch) and drops the weight; colo keeps the weight in the region,
+  lets the kernel keep its packed copy, and refreshes that copy in place at publish;
+- engine: model access, compile mode, start-up memory, the hooks run before every request and
+  engine step (the guard that refuses or wakes requests while the KV cache sleeps, the default
+  adapter), teardown;
+- layout: the parameter layout (fused q/k/v and gate/up, padded vocabulary, tensor-parallel shards);
+- lora_slots: LoRA adapter slots (`lora_a_stacked`/`lora_b_stacked`) the trainer's adapter is a view
+  of, and a one-adapter fast path for vLLM's CPU punica wrapper;
+- forced_kernels: forcing vLLM's CPU GEMM choice, for benchmark baselines and tests only. Not
+  re-exported here: colo's runtime never imports it (import colo.vllm_compat.forced_kernels).
+"""
+from __future__ import annotations
+
+from .version import SUPPORTED_VLLM_VERSIONS, check_version, import_vllm
+from .worker import WORKER_CLS, EnginePlacement, job_init_method, placing
+from .cpu_gemm import CpuLinear
+from .layout import EngineTensor, Piece, engine_layout, lora_base_name
+from .engine import (
+    FIXED_KV_MEMORY_FRACTION, STARTUP_HEADROOM_BYTES, VLLM_DEFAULT_MEMORY_FRACTION, RequestHooks, engine_dtype,
+    engine_hf_config, engine_kv_caches, engine_model, engine_placement, engine_worker, external_request_id,
+    is_compiled, keep_process_groups, kv_cache_block_count, platform_device_type, quiet_chat_warmup_without_tokenizer,
+    release_engine, request_guard, request_hooks, served_dtype, startup_memory_fraction, tensor_parallel_group,
+)
+from .lora_slots import (
+    LORA_SLOT_RANKS, AdapterSlice, activate_adapter, adapter_slices, adapter_slot, has_lora_slots,
+    lora_engine_options, punica_wrappers, serve_adapter_by_default,
+)
+
+__all__ = [
+    "SUPPORTED_VLLM_VERSIONS", "check_version", "import_vllm",
+    "WORKER_CLS", "EnginePlacement", "job_init_method", "placing",
+    "CpuLinear",
+    "EngineTensor", "Piece", "engine_layout", "lora_base_name",
+    "FIXED_KV_MEMORY_FRACTION", "STARTUP_HEADROOM_BYTES", "VLLM_DEFAULT_MEMORY_FRACTION", "RequestHooks",
+    "engine_dtype", "engine_hf_config", "engine_kv_caches", "engine_model", "engine_placement", "engine_worker",
+    "external_request_id", "is_compiled", "keep_process_groups", "kv_cache_block_count", "platform_device_type",
+    "quiet_chat_warmup_without_tokenizer", "release_engine", "request_guard", "request_hooks", "served_dtype",
+    "startup_memory_fraction", "tensor_parallel_group",
+    "LORA_SLOT_RANKS", "AdapterSlice", "activate_adapter", "adapter_slices", "adapter_slot", "has_lora_slots",
+    "lora_engine_options", "punica_wrappers", "serve_adapter_by_default",
+]
+
+
+def __getattr__(name: str):
+    # ColoWorker is built on first use in .worker: its base is the platform's own worker, and importing
+    # that imports the platform's dependencies (so it is left out of __all__: `import *` imports no
+    # vLLM). vLLM itself is handed WORKER_CLS, the class's own path in .worker.
+    if name == "ColoWorker":
+        from . import worker
+
+        return worker.ColoWorker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

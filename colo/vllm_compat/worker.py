@@ -1,0 +1,145 @@
+"""The worker hook: colo's worker places the engine's memory in a colo.Pool while vLLM allocates it.
+
+`ColoWorker`, a subclass of the platform's own worker (passed to vLLM as `worker_cls`, by the dotted
+name `placing` yields), answers vLLM's `_maybe_get_memory_pool_context(tag)`: tag "weights" (around
+`load_model`) places the engine's parameters in the pool's `weights` region, tag "kv_cache" (around the
+KV cache allocation, on both model runners) places the KV cache in the `kv_cache` region. The same
+`colo.placement.AllocateIn` mode does it on the host and on a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+
+from ..placement import AllocateIn, adopt_into
+from ..regions import KV_CACHE, WEIGHTS, WEIGHTS_CHUNK_BYTES, region_for
+from ..sizes import round_up
+from .cpu_gemm import CpuLinear, _keep_linear_weights, _LoadMode
+
+
+class EnginePlacement:
+    """Where one engine's memory goes, and what colo learned while vLLM loaded it.
+
+    pool: the colo.Pool; `weights` and `kv_cache` regions are created in it on first use.
+    After loading: `linears` (one CpuLinear per CPU linear layer; empty on a GPU), `adopted_bytes`
+    (parameters vLLM made outside torch's factories, copied into the region once, before any
+    compilation), `placed_bytes`, and what the weights region holds, apart: `model_bytes` (the
+    model's parameters and buffers) and `runtime_bytes` (everything else the model runner allocated
+    inside vLLM's "weights" hook: Model Runner V2 builds its sampler, model state and structured-output
+    buffers there, after the model; they stay in the region beside the weights, counted here).
+    """
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.linears: list[CpuLinear] = []
+        self.adopted_bytes = 0
+        self.placed_bytes = 0
+        self.model_bytes = 0
+        self.runtime_bytes = 0
+        self.loaded = False
+        self.wake_on_demand = True  # colo.engine: work reaching a sleeping KV cache wakes it
+
+    def weights_region(self, nbytes: int = 0):
+        # No budget yet: what the pool has left, fitted to what the model used once it is loaded; in
+        # chunks sized for weights, not for that budget (regions.WEIGHTS_CHUNK_BYTES says why).
+        return self.pool.regions.get(WEIGHTS) or self.pool.region(WEIGHTS, chunk_bytes=WEIGHTS_CHUNK_BYTES)
+
+    def kv_cache_region(self, nbytes: int):
+        return region_for(self.pool, KV_CACHE, nbytes)
+
+    @contextlib.contextmanager
+    def loading_weights(self, worker):
+        if WEIGHTS in self.pool.regions:  # a rebuild: the fitted budget may be short of load-time scratch
+            self.pool.regions[WEIGHTS].grow_budget()
+        mode = _LoadMode(self.weights_region, self.pool.device)
+        with mode:
+            yield
+        model = worker.model_runner.get_model()
+        self.linears = _keep_linear_weights(model, mode)
+        region = self.weights_region()
+        self.adopted_bytes = adopt_into(region, [p for p in model.parameters()])
+        self.placed_bytes = mode.placed_bytes
+        self.model_bytes = _bytes_inside(region, [*model.parameters(), *model.buffers()])
+        self.runtime_bytes = max(0, region.stats()["allocated_bytes"] - self.model_bytes)
+        region.fit_budget()
+        self.loaded = True
+
+    def allocating_kv_cache(self):
+        return AllocateIn(self.kv_cache_region, self.pool.device)
+
+
+def _bytes_inside(region, tensors) -> int:
+    """The region's bytes the tensors' storages take, each storage once, with its allocation rounding."""
+    spans = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+             if t.numel() and region.contains(t)}
+    return sum(round_up(nbytes, region.alignment) for nbytes in spans.values())
+
+
+_pending = threading.local()
+WORKER_CLS = "colo.vllm_compat.worker.ColoWorker"  # what build_llm passes as vLLM's worker_cls
+
+
+@contextlib.contextmanager
+def placing(placement: EnginePlacement):
+    """While a vllm.LLM is constructed in this thread, its ColoWorker takes `placement`. Yields the
+    worker's dotted name for vLLM's `worker_cls` (vLLM imports the module and reads the attribute:
+    `vllm.utils.import_utils.resolve_obj_by_qualname`). It is the class's own module and name, so
+    pickle finds the class by the same path."""
+    if getattr(_pending, "placement", None) is not None:
+        raise RuntimeError("colo is already building an engine in this thread")
+    _pending.placement = placement
+    try:
+        yield WORKER_CLS
+    finally:
+        _pending.placement = None
+
+
+def job_init_method(init_method: str) -> str:
+    """vLLM's CPU worker names its shared-memory segments after the init method's last ':' part
+    (cpu_worker.py: VLLM_DIST_IDENT), which is "env://" for every external_launcher job, so two
+    tensor-parallel jobs on one host collide ("create shm in SHMManager failed. errno: 17"). Under
+    torchrun, name them after the job: its rendezvous port (unique per concurrent job on a host) and
+    run id. The process group exists before the engine starts (colo.grpo, colo.trl), so vLLM reads
+    this string for nothing else."""
+    port = os.environ.get("MASTER_PORT")
+    if init_method != "env://" or port is None or not torch.distributed.is_initialized():
+        return init_method
+    run_id = "".join(c if c.isalnum() else "-" for c in os.environ.get("TORCHELASTIC_RUN_ID", "none"))
+    return f"env://colo-{port}-{run_id}"
+
+
+class _ColoWorkerMixin:
+    def __init__(self, *args, **kwargs):
+        placement = getattr(_pending, "placement", None)
+        if placement is None:
+            raise RuntimeError("colo.vllm_compat.ColoWorker is created by colo.engine.build_llm, in the process "
+                               "that builds the engine (it needs the colo.Pool to place memory in)")
+        self.colo_placement = placement
+        super().__init__(*args, **kwargs)
+        self.distributed_init_method = job_init_method(self.distributed_init_method)
+
+    def _maybe_get_memory_pool_context(self, tag: str):
+        if tag == "weights":
+            return self.colo_placement.loading_weights(self)
+        if tag == "kv_cache":
+            return self.colo_placement.allocating_kv_cache()
+        return super()._maybe_get_memory_pool_context(tag)
+
+
+def __getattr__(name: str):
+    # Built on first use: the base is the platform's own worker, and importing either one imports
+    # that platform's dependencies.
+    if name == "ColoWorker":
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            from vllm.v1.worker.cpu_worker import CPUWorker as base
+        else:
+            from vllm.v1.worker.gpu_worker import Worker as base
+        cls = type("ColoWorker", (_ColoWorkerMixin, base), {"__module__": __name__})
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
