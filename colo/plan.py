@@ -17,6 +17,9 @@ Layouts (W = number of GPUs, P = parameters, d = bytes per weight in --dtype):
 - verl (FSDP + engine copy): fp32 weights, gradients and moments sharded over the GPUs (16 P / W)
   beside a full engine copy (d P, tensor parallel 1), which vLLM's sleep mode (level 1) moves to host
   memory while training, with the KV cache freed.
+- colo, overlapped (`colo.grpo --overlap on`): as colo, but groups train while the engine still
+  decodes others, so the gradients (4 P) and one micro-batch's activations are awake beside the
+  KV cache while generating, which leaves the KV cache that much less.
 - colo-ZeRO-1 (`colo.grpo --shard-optimizer`): as colo, but each GPU keeps only its 1/W shard of the
   optimizer state (12 P / W in bf16); gradients stay whole (4 P) until reduce-scattered, and the
   updated weights are all-gathered into the engine's weights, so there is still one copy.
@@ -254,7 +257,18 @@ def plan(params: float, gpus: int, gpu_memory: int, dtype: str = "bf16", seq_len
              generate=True, train=False, host=True),
         activations,
     ], kv_during_train=False, **common)
-    return [colo, trl, verl, zero]
+    # --overlap on: groups train while the engine still decodes the others, so the gradients and one
+    # micro-batch's activations are awake beside the KV cache; the KV cache gets what that leaves.
+    overlapped = Layout("colo, overlapped (--overlap on)", [
+        Term(f"weights ({dtype}, shared with the engine)", d * p, f"{d} x P", generate=True, train=True),
+        Term("gradients (fp32, awake while generating)", 4 * p, "4 x P", generate=True, train=True),
+        Term(f"optimizer ({optimizer_what})", optimizer_per_param * p, f"{optimizer_per_param} x P",
+             generate=False, train=True),
+        Term("optimizer, offloaded while generating", optimizer_per_param * p, f"{optimizer_per_param} x P",
+             generate=True, train=False, host=True),
+        Term(activations.what + ", also while generating", act, act_math, generate=True, train=True, estimate=True),
+    ], kv_during_train=False, **common)
+    return [colo, trl, verl, zero, overlapped]
 
 
 def verl_layout(name: str, p: int, w: int, d: int, dtype: str, engine: int, engine_math: str,

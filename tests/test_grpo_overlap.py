@@ -73,6 +73,7 @@ def test_an_overlapped_step_is_the_serial_step(tmp_path):
     and loss; gradients equal up to float summation order, and the weights after the optimizer step
     within what that difference can move them."""
     from colo.grpo import GRPOScheduler, build_toy_model
+    from colo.grpo.task import RewardError
     from colo.grpo.toy_task import long_tail_toy_task
 
     model_dir = build_toy_model(tmp_path / "model")
@@ -99,9 +100,18 @@ def test_an_overlapped_step_is_the_serial_step(tmp_path):
 
             run.engine.generate = keep
             record = run.train_step()
-            runs[name] = dict(record=record, completions=completions,
+            runs[name] = dict(record=record, completions=list(completions),
                               grads={n: p.grad.detach().clone() for n, p in run.model.named_parameters()},
                               after={n: p.detach().clone() for n, p in run.model.named_parameters()})
+            if overlap == "on":  # a reward function raising mid-generation: its error, no engine rebuild
+                rewards = run.task.reward_fn
+                run.task.reward_fn = lambda prompts, completions: 1 / 0
+                engine = run.engine.llm
+                with pytest.raises(RewardError, match="ZeroDivisionError.*at step 2"):
+                    run.train_step()
+                assert run.engine.llm is engine and run.step == 1
+                run.task.reward_fn = rewards  # and the next step runs as usual
+                assert run.train_step()["step"] == 2
         finally:
             run.close()
     serial, reordered, overlapped = runs["serial"], runs["serial, groups as micro-batches"], runs["overlapped"]

@@ -46,6 +46,13 @@ def test_kv_cache_gets_what_the_phases_leave():
     assert colo.kv_cache_bytes == usable - colo.phase_bytes("generate")
     assert trl.kv_cache_bytes == usable - trl.phase_bytes("train")  # its KV cache stays while training
     assert colo.sequences == colo.kv_cache_bytes // colo.kv_bytes_per_sequence > trl.sequences
+    # Overlapped: the gradients and one micro-batch's activations are awake while generating, so the
+    # KV cache gets that much less than colo's serial layout; training holds the same.
+    overlapped = next(layout for layout in small.values() if "overlapped" in layout.name)
+    act = next(t.bytes for t in colo.terms if t.what.startswith("activations"))
+    assert overlapped.phase_bytes("generate") == colo.phase_bytes("generate") + 4 * int(0.5e9) + act
+    assert overlapped.phase_bytes("train") == colo.phase_bytes("train")
+    assert overlapped.kv_cache_bytes == colo.kv_cache_bytes - 4 * int(0.5e9) - act
     shape = SHAPES["Qwen2.5-0.5B"]
     assert colo.kv_bytes_per_sequence == 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 2 * 2048
 
@@ -55,7 +62,8 @@ def test_command_line_prints_the_arithmetic_and_json():
     text = subprocess.run(run, capture_output=True, text=True, check=True).stdout
     assert "12 x P" in text and "16 x P / 8" in text and "Qwen2.5-7B-like" in text and "does not fit" in text
     data = json.loads(subprocess.run(run + ["--json"], capture_output=True, text=True, check=True).stdout)
-    assert [layout["layout"].split(" ")[0] for layout in data["layouts"]] == ["colo", "TRL", "verl", "colo-ZeRO-1"]
+    names = [layout["layout"].split(" ")[0] for layout in data["layouts"]]
+    assert names == ["colo", "TRL", "verl", "colo-ZeRO-1", "colo,"]
     assert data["layouts"][0]["generate_bytes"] == 14e9
     several = json.loads(subprocess.run(run[:4] + ["0.5e9,7e9", "--json"], capture_output=True, text=True,
                                         check=True).stdout)

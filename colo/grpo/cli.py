@@ -358,6 +358,10 @@ def main(argv=None) -> int:
     scheduler = GRPOScheduler(model_dir, config=config, **task, out_dir=out, log_path=args.log,
                               trace_path=args.trace, resume=args.resume,
                               engine_options={"enforce_eager": True} if args.eager else None)
+    if world.is_main:
+        print("colo.grpo: " + ("each step trains a prompt's group as soon as its completions are done, while the "
+                               "engine decodes the others (--overlap)" if scheduler.serial_reason is None else
+                               f"serial steps ({scheduler.serial_reason})"), flush=True)
     records = []
     try:
         if scheduler.step >= args.steps:

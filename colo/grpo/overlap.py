@@ -80,6 +80,8 @@ class GroupTrainer:
         self._generation_ended: float | None = None
         self._error: BaseException | None = None
         self._engine_threads = None
+        if stream is not None:  # the gradients were woken and zeroed on the step's stream
+            stream.wait_stream(torch.cuda.current_stream(device))
         self._thread = threading.Thread(target=self._run, name="colo-group-trainer", daemon=True)
         self._thread.start()
 

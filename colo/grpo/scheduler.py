@@ -222,9 +222,17 @@ class GRPOScheduler:
         """Why this run's steps are serial (None: they overlap); logged once, a warning where asked for."""
         groups = len(D.rank_share(self.config.prompts_per_step, self.world))
         reason = serial_reason(self.config, device_type=self.device.type, groups=groups)
-        if reason is None and not self.memory.gradients_fit_while_generating():
-            reason = ("the gradients do not fit in the pool beside what is awake while the engine generates "
-                      "(its weights and KV cache)")
+        if reason is None:
+            from ..plan import activation_bytes, shape_from_config
+
+            shape = shape_from_config(str(self.model_dir / "config.json"))
+            n = self.config.num_generations
+            rows = min(self.config.micro_batch_size or n, n)  # one micro-batch of one group
+            activations = activation_bytes(shape, rows * self._longest_sequence())[0]
+            if not self.memory.gradients_fit_while_generating(activations):
+                reason = (f"the gradients and one group's activations (~{activations} bytes, colo.plan's estimate) "
+                          "do not fit in the pool beside what is awake while the engine generates (its weights and "
+                          "KV cache)")
         if reason is not None:
             (logger.warning if self.config.overlap == "on" else logger.info)("serial GRPO steps: %s", reason)
         return reason
@@ -355,6 +363,8 @@ class GRPOScheduler:
                 outputs, overlapped = self._generate_with_retry(step, rows, prompts, share, record)
             except EngineFailure as e:
                 error = e
+            except GroupFailed as e:  # a reward function or the trainer raised: that error, as it is
+                raise e.__cause__ from None
             # All ranks fail together rather than leaving the others waiting in an all-reduce.
             failed = D.sum_floats([1.0 if error else 0.0], self.world)[0]
             if error is not None:
@@ -372,15 +382,12 @@ class GRPOScheduler:
 
     def _generate_with_retry(self, step, rows, prompts, share, record):
         """The rank's completions, and the step's OverlappedStep (None: serial)."""
-        overlapped = self._start_overlap(step, rows, prompts, record)
         try:
-            return self._generate(step, prompts, share, record, overlapped), overlapped
-        except GroupFailed as e:  # the user's reward function or the trainer, not the engine: no rebuild
-            raise e.__cause__ from None
+            return self._generate(step, rows, prompts, share, record)
+        except GroupFailed:  # the user's reward function or the trainer, not the engine: no rebuild
+            raise
         except Exception as e:  # noqa: BLE001 - any engine error gets one rebuild
             first = f"{type(e).__name__}: {e}"
-            if overlapped is not None:  # the groups trained so far are redone with the retry
-                overlapped.abandon()
             # Rebuild outside this handler: the traceback's frames hold the broken engine alive.
         logger.warning("rank %d step %d: engine raised %s; rebuilding it from the shared weights and retrying once",
                        self.world.rank, step, first)
@@ -391,30 +398,31 @@ class GRPOScheduler:
                 raise EngineFailure(f"step {step}: the engine raised {first} and could not be rebuilt from the "
                                     f"shared weights: {type(e).__name__}: {e}") from e
         record["engine_rebuild_s"] = span["seconds"]
-        overlapped = self._start_overlap(step, rows, prompts, record)
         try:
-            return self._generate(step, prompts, share, record, overlapped), overlapped
-        except GroupFailed as e:
-            raise e.__cause__ from None
+            return self._generate(step, rows, prompts, share, record)
+        except GroupFailed:
+            raise
         except Exception as second:  # noqa: BLE001
-            if overlapped is not None:
-                overlapped.abandon()
             raise EngineFailure(
                 f"step {step}: generation failed twice on rank {self.world.rank}: first {first}; after "
                 f"rebuilding the engine from the shared weights: {type(second).__name__}: {second}") from second
 
-    def _generate(self, step, prompts, share, record, overlapped):
+    def _generate(self, step, rows, prompts, share, record):
+        """One try: the completions and the OverlappedStep (None: serial). On any error the groups
+        trained so far are abandoned (a retry starts from zeroed gradients)."""
+        overlapped = self._start_overlap(step, rows, prompts, record)
         trace = GenerationTrace()
         try:
             outputs = self.engine.generate(prompts, self._sampling(step, share), trace=trace,
                                            on_group=overlapped.on_group if overlapped else None)
-        except GroupFailed:
-            overlapped.abandon()
+        except BaseException:
+            if overlapped is not None:
+                overlapped.abandon()
             raise
         if overlapped is not None:
             overlapped.generation_done()  # the trainer takes every core for the groups left
         record["generate_tail_s"] = trace.tail_s
-        return outputs
+        return outputs, overlapped
 
     def _start_overlap(self, step, rows, prompts, record) -> OverlappedStep | None:
         """The gradients wake (zeroed) before generation, and each group trains as it finishes."""

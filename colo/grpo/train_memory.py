@@ -239,14 +239,14 @@ class TrainingMemory:
         self.wake_gradients()
         self.start_prefetch()
 
-    def gradients_fit_while_generating(self) -> bool:
-        """Whether the gradients can be awake beside everything awake while the engine generates (the
-        engine's weights and KV cache, the optimizer state unless it is offloaded): what training
-        during generation (colo.grpo.overlap) needs of the pool."""
+    def gradients_fit_while_generating(self, activation_bytes: int = 0) -> bool:
+        """Whether the gradients, and `activation_bytes` outside the regions, fit beside everything
+        awake while the engine generates (the engine's weights and KV cache, the optimizer state unless
+        it is offloaded): what training during generation (colo.grpo.overlap) needs of the pool."""
         offloaded = self.offload_optimizer
         generating = sum(r.budget for r in self.pool.regions.values()
                          if r is not self.grads and not (offloaded and r is self.optimizer_region))
-        return self.grads.budget <= self.pool.capacity - self.pool.outside_bytes - generating
+        return self.grads.budget + activation_bytes <= self.pool.capacity - self.pool.outside_bytes - generating
 
     def wake_gradients(self) -> None:
         """Map the gradients back, zeroed."""
