@@ -14,9 +14,10 @@ shapes, gathered when saving), and each tensor-parallel rank's optimizer state (
 and moments) is a file of its own, `step-000012.optimizer-tp1-of-2.pt`, written the same way.
 
 The functions read and write those files. A run's checkpoint policy is the Checkpointer at the end:
-which checkpoint a resumed run continues from and whether it fits the run (optimizer layout, LoRA
-rank, tensor-parallel size), restoring it into the live model the engine shares, and what each save
-holds and which rank writes it. The scheduler decides when to save.
+which checkpoint a resumed run continues from and whether it fits the run (checkpoint_to_resume,
+which the CLI asks too, then the optimizer layout, LoRA rank and tensor-parallel size), restoring it
+into the live model the engine shares, and what each save holds and which rank writes it. The
+scheduler decides when to save.
 """
 from __future__ import annotations
 
@@ -60,6 +61,19 @@ def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
     found = list_checkpoints(out_dir)
     return found[-1][1] if found else None
+
+
+def checkpoint_to_resume(out_dir: str | Path | None, lead: str = "nothing to resume: ") -> tuple[Path, dict]:
+    """The newest checkpoint in out_dir and its contents: what a resumed run continues from. The CLI
+    asks before any engine starts, the scheduler as it builds the run. Refuses a missing out_dir
+    (ValueError), an out_dir without a checkpoint (CheckpointError, its message led by `lead`: the
+    CLI leads every resume error with its flag instead) and an unreadable checkpoint (CheckpointError)."""
+    if out_dir is None:
+        raise ValueError("resume=True needs out_dir (the directory holding the checkpoints)")
+    path = latest_checkpoint(out_dir)
+    if path is None:
+        raise CheckpointError(f"{lead}no checkpoint (step-*.pt) in {out_dir}")
+    return path, load_checkpoint(path)
 
 
 def optimizer_shard_path(out_dir: str | Path, step: int, rank: int, world_size: int, kind: str = "rank") -> Path:
@@ -233,12 +247,7 @@ class Checkpointer:
     def find_resume_state(out_dir: Path | None, config, world: D.World) -> dict:
         """The newest checkpoint in out_dir, checked against this run's config and with this rank's
         optimizer state in place; called before any engine starts, so a mismatch fails in seconds."""
-        if out_dir is None:
-            raise ValueError("resume=True needs out_dir (the directory holding the checkpoints)")
-        path = latest_checkpoint(out_dir)
-        if path is None:
-            raise CheckpointError(f"nothing to resume: no checkpoint (step-*.pt) in {out_dir}")
-        state = load_checkpoint(path)
+        path, state = checkpoint_to_resume(out_dir)
         if is_sharded(state) != config.shard_optimizer:
             raise CheckpointError(f"{path} holds {'sharded' if is_sharded(state) else 'unsharded'} optimizer state; "
                                   f"resume it with shard_optimizer={is_sharded(state)}")
