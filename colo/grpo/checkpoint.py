@@ -12,9 +12,18 @@ With the optimizer state sharded over ranks (ZeRO-1), each rank first writes its
 With tensor parallelism the model entry still holds the whole weights (Hugging Face names and
 shapes, gathered when saving), and each tensor-parallel rank's optimizer state (its shards' masters
 and moments) is a file of its own, `step-000012.optimizer-tp1-of-2.pt`, written the same way.
+
+The functions read and write those files. A run's checkpoint policy is the Checkpointer at the end:
+which checkpoint a resumed run continues from and whether it fits the run (checkpoint_to_resume,
+which the CLI asks too, then the optimizer layout, LoRA rank and tensor-parallel size), restoring it
+into the live model the engine shares, and what each save holds and which rank writes it. The
+scheduler decides when to save.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
+import logging
 import os
 import random
 import re
@@ -23,6 +32,9 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError  # noqa: F401 - raised here, re-exported
+from . import distributed as D
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "colo.grpo.checkpoint/1"
 _NAME = re.compile(r"^step-(\d{6,})\.pt$")
@@ -49,6 +61,19 @@ def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
     found = list_checkpoints(out_dir)
     return found[-1][1] if found else None
+
+
+def checkpoint_to_resume(out_dir: str | Path | None, lead: str = "nothing to resume: ") -> tuple[Path, dict]:
+    """The newest checkpoint in out_dir and its contents: what a resumed run continues from. The CLI
+    asks before any engine starts, the scheduler as it builds the run. Refuses a missing out_dir
+    (ValueError), an out_dir without a checkpoint (CheckpointError, its message led by `lead`: the
+    CLI leads every resume error with its flag instead) and an unreadable checkpoint (CheckpointError)."""
+    if out_dir is None:
+        raise ValueError("resume=True needs out_dir (the directory holding the checkpoints)")
+    path = latest_checkpoint(out_dir)
+    if path is None:
+        raise CheckpointError(f"{lead}no checkpoint (step-*.pt) in {out_dir}")
+    return path, load_checkpoint(path)
 
 
 def optimizer_shard_path(out_dir: str | Path, step: int, rank: int, world_size: int, kind: str = "rank") -> Path:
@@ -193,3 +218,175 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class Checkpointer:
+    """The checkpoints of one GRPO run: restore the one a resumed run continues from, save the
+    finished steps. Every rank holds one and calls it at the same points (saving is collective).
+    Rank 0 writes the checkpoint file, after the optimizer files it names: every rank's shard with
+    ZeRO-1, each tensor-parallel rank's state with tensor parallelism.
+
+    Built from the run's parts: its out_dir (None: save writes nothing), resolved config, world and
+    model_dir (recorded in each checkpoint); the engine (its KV cache sleeps to make room for the
+    optimizer state, and it publishes restored weights); the trainer's model, its tensor-parallel
+    view `tp` and LoRA `adapter` (None where absent); the training memory, optimizer and
+    lr_scheduler; the KL reference (a frozen copy is checkpointed, the adapter's shared base is not);
+    and the timeline that spans each write.
+    """
+
+    def __init__(self, out_dir: Path | None, config, world: D.World, model_dir: Path, *, engine, model, tp, adapter,
+                 memory, optimizer, lr_scheduler, reference, timeline):
+        self.out_dir, self.config, self.world, self.model_dir = out_dir, config, world, model_dir
+        self.engine, self.model, self.tp, self.adapter = engine, model, tp, adapter
+        self.memory, self.optimizer, self.lr_scheduler = memory, optimizer, lr_scheduler
+        self.reference, self.timeline = reference, timeline
+        self.last_saved_step: int | None = None  # a step already on disk is not written again
+
+    # -- resuming ----------------------------------------------------------------------------------
+    @staticmethod
+    def find_resume_state(out_dir: Path | None, config, world: D.World) -> dict:
+        """The newest checkpoint in out_dir, checked against this run's config and with this rank's
+        optimizer state in place; called before any engine starts, so a mismatch fails in seconds."""
+        path, state = checkpoint_to_resume(out_dir)
+        if is_sharded(state) != config.shard_optimizer:
+            raise CheckpointError(f"{path} holds {'sharded' if is_sharded(state) else 'unsharded'} optimizer state; "
+                                  f"resume it with shard_optimizer={is_sharded(state)}")
+        saved_rank = int(state.get("config", {}).get("lora_rank", 0))
+        if saved_rank != config.lora_rank:
+            raise CheckpointError(f"{path} was trained with lora_rank={saved_rank}; resume it with the same lora_rank "
+                                  f"(this run has {config.lora_rank})")
+        saved_tp = tensor_parallel_size(state)
+        if saved_tp != config.tensor_parallel:
+            raise CheckpointError(f"{path} was trained with tensor_parallel={saved_tp}; this run has "
+                                  f"tensor_parallel={config.tensor_parallel}, and colo does not re-slice the "
+                                  f"optimizer state between tensor-parallel sizes: resume with tensor_parallel={saved_tp}")
+        if is_sharded(state):  # any number of (data-parallel) ranks: re-sharded on load
+            state["optimizer"] = load_optimizer_shards(path, state, Checkpointer._shard_kind(world))
+        elif saved_tp > 1:  # this rank's shards' optimizer state; any number of data-parallel ranks
+            state["optimizer"] = load_tensor_parallel_optimizer(path, state, world.tp_rank)
+        return state
+
+    def restore(self, state: dict) -> int:
+        """Load a checkpoint into the live, weight-sharing model, then let the engine see it; returns
+        the checkpoint's step (already saved, so not written again)."""
+        if self.tp is not None:  # whole weights, this rank's shards written in place
+            try:
+                self.tp.load_full_state_dict(state["model"])
+            except ValueError as e:
+                raise CheckpointError(f"checkpoint does not fit the model at {self.model_dir}: {e}") from e
+            missing = unexpected = []
+        else:
+            missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        if self.adapter is not None:  # an adapter's checkpoint holds the adapter only; the base is the model's
+            trainable = set(self._trainable_names())
+            missing = [n for n in missing if n in trainable]
+        if missing or unexpected:
+            raise CheckpointError(f"checkpoint does not fit the model at {self.model_dir}: "
+                                  f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        with self._optimizer_region_awake():  # bf16: the masters it restores live in the optimizer region
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.memory.adopt_optimizer_state(self.optimizer)
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if isinstance(self.reference, torch.nn.Module) and "reference" in state:
+            self.reference.load_state_dict(state["reference"])
+        # Generation is seeded per prompt, not by these; with another number of ranks, a rank the old
+        # run did not have keeps its fresh seed.
+        if self.world.rank < len(state["rng"]):
+            restore_rng(state["rng"][self.world.rank])
+        if len(state["rng"]) != self.world.size:
+            logger.info("resuming a run of %d ranks on %d", len(state["rng"]), self.world.size)
+        self.last_saved_step = int(state["step"])
+        self.engine.publish()
+        return self.last_saved_step
+
+    # -- saving ------------------------------------------------------------------------------------
+    def save(self, step: int) -> Path | None:
+        """Write the checkpoint of `step`, the last finished one (all ranks call it; rank 0 writes).
+        None, writing nothing, without an out_dir, before the first step or when `step` is saved."""
+        if self.out_dir is None or step == self.last_saved_step or step == 0:
+            return None
+        rng = D.gather_objects(capture_rng(), self.world)
+        self._check_ranks_agree(step)
+        path = None
+        if self.memory.shard is not None:  # every rank's shard is on disk before the checkpoint names them
+            save_optimizer_shard(self.out_dir, step, self.world.dp_rank, self.world.dp_size,
+                                 self._optimizer_state(), self._shard_kind(self.world))
+            D.barrier(self.world)
+        model_state = self._model_state()  # with tensor parallelism a collective: every rank takes part
+        if self.tp is not None and self.memory.shard is None:  # each TP rank's optimizer state, once
+            if self.world.dp_rank == 0:
+                save_optimizer_shard(self.out_dir, step, self.world.tp_rank, self.world.tp_size,
+                                     self._optimizer_state(), kind="tp")
+            D.barrier(self.world)
+        if self.world.is_main:
+            with self.timeline.span("checkpoint", step=step):
+                optimizer = {"sharded_over": self.world.dp_size} if self.memory.shard is not None else \
+                    {} if self.tp is not None else self._optimizer_state()
+                if self.tp is not None:
+                    optimizer["tensor_parallel_over"] = self.world.tp_size
+                state = {"model": model_state, "optimizer": optimizer,
+                         "lr_scheduler": self.lr_scheduler.state_dict(), "rng": rng,
+                         "config": self.config.to_dict(), "model_dir": str(self.model_dir)}
+                if isinstance(self.reference, torch.nn.Module):
+                    state["reference"] = self.reference.state_dict()
+                path = save_checkpoint(self.out_dir, step, state, keep=self.config.keep_checkpoints)
+                if self.adapter is not None:  # the newest adapter in PEFT's format, for PEFT and vLLM
+                    self.adapter.save_pretrained(self.out_dir / "adapter", base_model=str(self.model_dir))
+        D.barrier(self.world)
+        self.last_saved_step = step
+        return path
+
+    @staticmethod
+    def _shard_kind(world: D.World) -> str:
+        """The name of this rank's ZeRO-1 optimizer shard files (optimizer_shard_path's kind)."""
+        return "rank" if world.tp_size == 1 else f"tp{world.tp_rank}-rank"
+
+    def _trainable_names(self) -> list[str]:
+        return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def _model_state(self) -> dict:
+        """What a checkpoint keeps of the model: every weight, or with an adapter the adapter only. With
+        tensor parallelism the whole weights, gathered on rank 0 (None on the other ranks)."""
+        if self.tp is not None:
+            state = self.tp.full_state_dict()
+            if state is not None and "lm_head.weight" not in state and "lm_head.weight" in self.model.state_dict():
+                state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied: state_dict names both
+            return state
+        if self.adapter is None:
+            return self.model.state_dict()
+        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def _check_ranks_agree(self, step: int) -> None:
+        """Every rank applies the same averaged update, so their weights must be identical; rank 0's
+        checkpoint stands for all of them only if they are."""
+        if self.world.size == 1:
+            return
+        with torch.no_grad():
+            digest = float(sum(p.sum(dtype=torch.float64) for p in self.model.parameters()))
+        # The ranks holding the same shards (the same tensor-parallel rank of every engine) must agree.
+        digests = D.gather_objects(digest, self.world)[self.world.tp_rank::self.world.tp_size]
+        if max(digests) - min(digests) > 1e-9 * max(1.0, abs(digest)):
+            raise RuntimeError(f"the ranks' weights diverged at step {step} (parameter sums {digests}); "
+                               "gradients were not averaged identically")
+
+    def _optimizer_state(self) -> dict:
+        """The optimizer's state dict, readable even while its region sleeps (from the host copy)."""
+        with self._optimizer_region_awake():
+            return copy.deepcopy(self.optimizer.state_dict())
+
+    @contextlib.contextmanager
+    def _optimizer_region_awake(self):
+        """Between steps: bring the optimizer state back for a moment, and put it to sleep again after.
+        If its budget does not fit beside the awake KV cache (they time-share the pool), the KV cache
+        sleeps first; its contents are disposable between steps and the next generate phase wakes it."""
+        asleep = self.memory.optimizer_state_away
+        if asleep:
+            region = self.memory.optimizer_region
+            if region.asleep and region.budget > self.memory.pool.unbudgeted_bytes and not self.engine.kv_cache_asleep:
+                self.engine.sleep_kv_cache()
+            self.memory.finish_prefetch()  # wakes and copies back
+        try:
+            yield
+        finally:
+            if asleep:
+                self.memory.offload_optimizer_state()

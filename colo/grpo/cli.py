@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from ..checks import int_kind
-from .checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+from .checkpoint import CheckpointError, checkpoint_to_resume, list_checkpoints
 from .config import DTYPES, GRPOConfig, check_model_dir
 from .loss import LOSS_TYPES, SCALES
 from .overlap import OVERLAP_MODES
@@ -212,11 +212,8 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
                 setattr(args, key if key != "rewards" else "reward", value)
         except (OSError, ValueError, KeyError, TypeError) as e:
             parser.error(f"--resume: cannot read {run_file}: {e}")
-        newest = latest_checkpoint(out)
-        if newest is None:
-            parser.error(f"--resume: no checkpoint (step-*.pt) in {out}")
-        try:
-            load_checkpoint(newest)  # fail here, with a clear message, before any engine starts
+        try:  # fail here, with a clear message, before any engine starts (the scheduler asks again)
+            checkpoint_to_resume(out, lead="")
         except CheckpointError as e:
             parser.error(f"--resume: {e}")
         if args.tensor_parallel not in (None, config.tensor_parallel):

@@ -18,6 +18,10 @@ With tensor parallelism (config.tensor_parallel = T) an engine spans T consecuti
 its shards of the weights and the trainer's model on it is those shards (colo.tensor_parallel); the T
 ranks see the same prompts, and prompts and gradients are split and averaged over the data-parallel
 ranks only.
+
+Checkpoints are colo.grpo.checkpoint.Checkpointer's: which one a resumed run continues from, restoring
+it, what a save holds. The scheduler decides when to save: every save_every steps, at the end, after
+the step a SIGTERM interrupted, and on the way out of a failure that left the weights whole.
 """
 from __future__ import annotations
 
@@ -42,9 +46,7 @@ from ..regions import WEIGHTS
 from ..zero import ShardLayout
 from . import distributed as D
 from .batch import pack
-from .checkpoint import (CheckpointError, capture_rng, is_sharded, latest_checkpoint, load_checkpoint,
-                         load_optimizer_shards, load_tensor_parallel_optimizer, restore_rng, save_checkpoint,
-                         save_optimizer_shard, tensor_parallel_size)
+from .checkpoint import Checkpointer
 from .config import GRPOConfig, check_model_dir
 from .loss import group_advantages, loss_denominators
 from .metrics import GpuMonitor, StepLog, Timeline, rss_bytes
@@ -92,22 +94,25 @@ class GRPOScheduler:
                                                       tokenizer, prompt_fn, reward_fn)
         engine_options = self._fit_model_length(dict(engine_options or {}))
         self._join_world()
-        resume_state = self._find_resume_state() if resume else None
+        resume_state = Checkpointer.find_resume_state(self.out_dir, self.config, self.world) if resume else None
         torch.manual_seed(self.config.seed + self.world.dp_rank)  # an engine's tensor-parallel ranks alike
         self.pool = Pool(self.device, capacity=pool_capacity)
         self.config = self.config.resolve_dtype(self.device)
         self._start_engine(engine_options or {})
         self._build_training()
         self.serial_reason = self._overlap_refusal()  # None: each step trains finished groups while generating
-        self.step = 0
-        if resume_state is not None:
-            self._restore(resume_state)
+        self.timeline = Timeline(self._rank_path(trace_path), rank=self.world.rank, append=resume)
+        self.checkpointer = Checkpointer(self.out_dir, self.config, self.world, self.model_dir, engine=self.engine,
+                                         model=self.model, tp=self.tp, adapter=self.adapter, memory=self.memory,
+                                         optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                                         reference=self.reference, timeline=self.timeline)
+        self.step = self.checkpointer.restore(resume_state) if resume_state is not None else 0
         self.log = StepLog(log_path if self.world.is_main else None,
                            resume_after_step=self.step if resume else None)
-        self.timeline = Timeline(self._rank_path(trace_path), rank=self.world.rank, append=resume)
         self.gpu = GpuMonitor(self.device)
-        self._last_saved_step = self.step if resume_state is not None else None
-        self._unsafe_to_save = False  # True while weights are being changed
+        # True from the optimizer step until the publish: the weights are half-changed, and a failure
+        # then must not checkpoint them (run() saves on the way out only when this is False).
+        self._unsafe_to_save = False
 
     # -- set-up ------------------------------------------------------------------------------------
     def _join_world(self) -> None:
@@ -266,62 +271,6 @@ class GRPOScheduler:
             return path
         path = Path(path)
         return path.with_name(f"{path.stem}.rank{self.world.rank}{path.suffix}")
-
-    def _find_resume_state(self) -> dict | None:
-        if self.out_dir is None:
-            raise ValueError("resume=True needs out_dir (the directory holding the checkpoints)")
-        path = latest_checkpoint(self.out_dir)
-        if path is None:
-            raise CheckpointError(f"nothing to resume: no checkpoint (step-*.pt) in {self.out_dir}")
-        state = load_checkpoint(path)
-        if is_sharded(state) != self.config.shard_optimizer:
-            raise CheckpointError(f"{path} holds {'sharded' if is_sharded(state) else 'unsharded'} optimizer state; "
-                                  f"resume it with shard_optimizer={is_sharded(state)}")
-        saved_rank = int(state.get("config", {}).get("lora_rank", 0))
-        if saved_rank != self.config.lora_rank:
-            raise CheckpointError(f"{path} was trained with lora_rank={saved_rank}; resume it with the same lora_rank "
-                                  f"(this run has {self.config.lora_rank})")
-        saved_tp = tensor_parallel_size(state)
-        if saved_tp != self.config.tensor_parallel:
-            raise CheckpointError(f"{path} was trained with tensor_parallel={saved_tp}; this run has "
-                                  f"tensor_parallel={self.config.tensor_parallel}, and colo does not re-slice the "
-                                  f"optimizer state between tensor-parallel sizes: resume with tensor_parallel={saved_tp}")
-        if is_sharded(state):  # any number of (data-parallel) ranks: re-sharded on load
-            state["optimizer"] = load_optimizer_shards(path, state, self._shard_kind())
-        elif saved_tp > 1:  # this rank's shards' optimizer state; any number of data-parallel ranks
-            state["optimizer"] = load_tensor_parallel_optimizer(path, state, self.world.tp_rank)
-        return state
-
-    def _restore(self, state: dict) -> None:
-        """Load a checkpoint into the live, weight-sharing model, then let the engine see it."""
-        if self.tp is not None:  # whole weights, this rank's shards written in place
-            try:
-                self.tp.load_full_state_dict(state["model"])
-            except ValueError as e:
-                raise CheckpointError(f"checkpoint does not fit the model at {self.model_dir}: {e}") from e
-            missing = unexpected = []
-        else:
-            missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
-        if self.adapter is not None:  # an adapter's checkpoint holds the adapter only; the base is the model's
-            trainable = set(self._trainable_names())
-            missing = [n for n in missing if n in trainable]
-        if missing or unexpected:
-            raise CheckpointError(f"checkpoint does not fit the model at {self.model_dir}: "
-                                  f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-        with self._optimizer_region_awake():  # bf16: the masters it restores live in the optimizer region
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.memory.adopt_optimizer_state(self.optimizer)
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        if isinstance(self.reference, torch.nn.Module) and "reference" in state:
-            self.reference.load_state_dict(state["reference"])
-        # Generation is seeded per prompt, not by these; with another number of ranks, a rank the old
-        # run did not have keeps its fresh seed.
-        if self.world.rank < len(state["rng"]):
-            restore_rng(state["rng"][self.world.rank])
-        if len(state["rng"]) != self.world.size:
-            logger.info("resuming a run of %d ranks on %d", len(state["rng"]), self.world.size)
-        self.step = int(state["step"])
-        self.engine.publish()
 
     # -- the step ----------------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -717,92 +666,7 @@ class GRPOScheduler:
 
     def save(self) -> Path | None:
         """Write a checkpoint of the finished steps (all ranks call it; rank 0 writes)."""
-        if self.out_dir is None or self.step == self._last_saved_step or self.step == 0:
-            return None
-        rng = D.gather_objects(capture_rng(), self.world)
-        self._check_ranks_agree()
-        path = None
-        if self.memory.shard is not None:  # every rank's shard is on disk before the checkpoint names them
-            save_optimizer_shard(self.out_dir, self.step, self.world.dp_rank, self.world.dp_size,
-                                 self._optimizer_state(), self._shard_kind())
-            D.barrier(self.world)
-        model_state = self._model_state()  # with tensor parallelism a collective: every rank takes part
-        if self.tp is not None and self.memory.shard is None:  # each TP rank's optimizer state, once
-            if self.world.dp_rank == 0:
-                save_optimizer_shard(self.out_dir, self.step, self.world.tp_rank, self.world.tp_size,
-                                     self._optimizer_state(), kind="tp")
-            D.barrier(self.world)
-        if self.world.is_main:
-            with self.timeline.span("checkpoint", step=self.step):
-                optimizer = {"sharded_over": self.world.dp_size} if self.memory.shard is not None else \
-                    {} if self.tp is not None else self._optimizer_state()
-                if self.tp is not None:
-                    optimizer["tensor_parallel_over"] = self.world.tp_size
-                state = {"model": model_state, "optimizer": optimizer,
-                         "lr_scheduler": self.lr_scheduler.state_dict(), "rng": rng,
-                         "config": self.config.to_dict(), "model_dir": str(self.model_dir)}
-                if isinstance(self.reference, torch.nn.Module):
-                    state["reference"] = self.reference.state_dict()
-                path = save_checkpoint(self.out_dir, self.step, state, keep=self.config.keep_checkpoints)
-                if self.adapter is not None:  # the newest adapter in PEFT's format, for PEFT and vLLM
-                    self.adapter.save_pretrained(self.out_dir / "adapter", base_model=str(self.model_dir))
-        D.barrier(self.world)
-        self._last_saved_step = self.step
-        return path
-
-    def _shard_kind(self) -> str:
-        """The name of this rank's ZeRO-1 optimizer shard files (colo.grpo.checkpoint.optimizer_shard_path)."""
-        return "rank" if self.world.tp_size == 1 else f"tp{self.world.tp_rank}-rank"
-
-    def _trainable_names(self) -> list[str]:
-        return [n for n, p in self.model.named_parameters() if p.requires_grad]
-
-    def _model_state(self) -> dict:
-        """What a checkpoint keeps of the model: every weight, or with an adapter the adapter only. With
-        tensor parallelism the whole weights, gathered on rank 0 (None on the other ranks)."""
-        if self.tp is not None:
-            state = self.tp.full_state_dict()
-            if state is not None and "lm_head.weight" not in state and "lm_head.weight" in self.model.state_dict():
-                state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied: state_dict names both
-            return state
-        if self.adapter is None:
-            return self.model.state_dict()
-        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
-
-    def _check_ranks_agree(self) -> None:
-        """Every rank applies the same averaged update, so their weights must be identical; rank 0's
-        checkpoint stands for all of them only if they are."""
-        if self.world.size == 1:
-            return
-        with torch.no_grad():
-            digest = float(sum(p.sum(dtype=torch.float64) for p in self.model.parameters()))
-        # The ranks holding the same shards (the same tensor-parallel rank of every engine) must agree.
-        digests = D.gather_objects(digest, self.world)[self.world.tp_rank::self.world.tp_size]
-        if max(digests) - min(digests) > 1e-9 * max(1.0, abs(digest)):
-            raise RuntimeError(f"the ranks' weights diverged at step {self.step} (parameter sums {digests}); "
-                               "gradients were not averaged identically")
-
-    def _optimizer_state(self) -> dict:
-        """The optimizer's state dict, readable even while its region sleeps (from the host copy)."""
-        with self._optimizer_region_awake():
-            return copy.deepcopy(self.optimizer.state_dict())
-
-    @contextlib.contextmanager
-    def _optimizer_region_awake(self):
-        """Between steps: bring the optimizer state back for a moment, and put it to sleep again after.
-        If its budget does not fit beside the awake KV cache (they time-share the pool), the KV cache
-        sleeps first; its contents are disposable between steps and the next generate phase wakes it."""
-        asleep = self.memory.optimizer_state_away
-        if asleep:
-            region = self.memory.optimizer_region
-            if region.asleep and region.budget > self.pool.unbudgeted_bytes and not self.engine.kv_cache_asleep:
-                self.engine.sleep_kv_cache()
-            self.memory.finish_prefetch()  # wakes and copies back
-        try:
-            yield
-        finally:
-            if asleep:
-                self.memory.offload_optimizer_state()
+        return self.checkpointer.save(self.step)
 
     def close(self) -> None:
         self.timeline.close()
