@@ -5,8 +5,10 @@ The workload has the long tail of real reasoning runs: the toy task with complet
 of vocab / mean_length stop tokens (colo.grpo.toy_task.long_tail_toy_task), so on the random model
 their lengths are about geometric: most groups finish early and a few long completions decode alone
 at the end. Both sides are colo.grpo's scheduler on the same random Qwen2 model, prompts and seeds,
-engines compiled, in the dtype `auto` picks; they take steps in turn (each going first every other
-round) and the row gives medians after a warm-up step.
+engines compiled, in the dtype `auto` picks, both training one prompt's group per micro-batch (each
+packed to its own longest completion, as the overlapped side must: so the row measures the overlap,
+not padding); they take steps in turn (each going first every other round) and the row gives
+medians after a warm-up step.
 
 Fields: colo_s / baseline_s the overlapped / serial step; ratio = serial / overlapped (goal >= 1.25 on
 this workload); vs_bound = overlapped step / max(serial generate, serial train) (goal <= 1.15: the
@@ -42,7 +44,8 @@ def new_run(model_dir: Path, workload: dict, overlap: str):
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     config = GRPOConfig(prompts_per_step=workload["prompts"], num_generations=workload["completions"],
-                        max_new_tokens=workload["max_new_tokens"], learning_rate=3e-3, save_every=0, overlap=overlap)
+                        max_new_tokens=workload["max_new_tokens"], learning_rate=3e-3, save_every=0, overlap=overlap,
+                        micro_batch_size=workload["completions"])
     run = GRPOScheduler(model_dir, config=config, task=long_tail_toy_task(vocab, workload["mean_length"]))
     run.generate_cpu = []  # (wall s, process CPU s) of each generation
     generate = run.engine.generate

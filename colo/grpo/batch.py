@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .logprobs import completion_logprobs_chunked, full_logits_logprobs, has_plain_head
+from .task import Scores
 
 
 @dataclass
@@ -75,3 +76,35 @@ def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -> 
             return completion_logprobs(hf_model, batch, temperature)
     args = (model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids, temperature)
     return completion_logprobs_chunked(*args) if has_plain_head(model) else full_logits_logprobs(*args)
+
+
+@dataclass
+class Rollout:
+    """One rank's completions of a step, one entry per completion (prompts repeated per completion)."""
+    rows: list[int]                  # the task's row of each completion's prompt
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    logprobs: list                   # the engine's log-probability of each sampled token
+    truncated: list[bool]            # stopped by max_new_tokens, not by EOS
+    overlapped: object = None        # the OverlappedStep that scored and trained it while generating
+
+    def part(self, start: int, stop: int) -> "Rollout":
+        return Rollout(self.rows[start:stop], self.prompts[start:stop], self.completions[start:stop],
+                       self.logprobs[start:stop], self.truncated[start:stop])
+
+
+def rollout_of(rows, prompts, completions, n: int) -> Rollout:
+    """A Rollout of these prompts' completions (engine Completions, n per prompt, prompt after prompt)."""
+    return Rollout(rows=[r for r in rows for _ in range(n)], prompts=[p for p in prompts for _ in range(n)],
+                   completions=[c.token_ids for c in completions], logprobs=[c.logprobs for c in completions],
+                   truncated=[c.truncated for c in completions])
+
+
+def loss_tokens(rollout: Rollout, mask_truncated: bool) -> float:
+    """Completion tokens that count in the loss (pack's completion_mask summed)."""
+    return float(sum(len(c) for c, cut in zip(rollout.completions, rollout.truncated) if not (mask_truncated and cut)))
+
+
+def concatenated_scores(scores: list) -> Scores:
+    """Per-group Scores, in prompt order, as the whole batch's."""
+    return Scores(torch.cat([s.per_function for s in scores]), scores[0].weights, scores[0].names)

@@ -55,6 +55,20 @@ def serial_reason(config, *, device_type: str, groups: int) -> str | None:
     return None
 
 
+def memory_refusal(memory, config, model_dir, longest_sequence: int) -> str | None:
+    """Why the gradients and one group's activations (colo.plan's estimate of one micro-batch) cannot be
+    awake beside what the engine keeps awake while it generates (None: they fit)."""
+    from ..plan import activation_bytes, shape_from_config
+
+    n = config.num_generations
+    rows = min(config.micro_batch_size or n, n)  # one micro-batch of one group
+    activations = activation_bytes(shape_from_config(str(model_dir / "config.json")), rows * longest_sequence)[0]
+    if memory.gradients_fit_while_generating(activations):
+        return None
+    return (f"the gradients and one group's activations (~{activations} bytes, colo.plan's estimate) do not fit in "
+            "the pool beside what is awake while the engine generates (its weights and KV cache)")
+
+
 @dataclass
 class EarlyTraining:
     """What the groups trained during generation add up to (merged in prompt order)."""
@@ -203,3 +217,18 @@ def merge_stats(results: list[dict]) -> dict:
         for key in ("engine_logprob_abs_diff_sum", "engine_logprob_tokens"):
             merged[key] = sum(r[key] for r in results)
     return merged
+
+
+def finish_overlap(overlapped: OverlappedStep, memory, loss_type: str, ranks: int, global_tokens: float,
+                   record: dict) -> dict:
+    """Wait for the last groups and return the batch's statistics; with dapo (groups' losses summed with
+    denominator 1) divide the accumulated gradients and the loss by the batch's share of tokens now."""
+    early = overlapped.join()
+    stats = merge_stats([early.results[i] for i in sorted(early.results)])
+    if loss_type == "dapo":
+        scale = ranks / max(global_tokens, 1.0)
+        for flat in memory.flat_grads.values():
+            flat.mul_(scale)
+        stats["loss"] *= scale
+    record.update(overlap_train_s=early.seconds_during_generation, groups_trained_early=early.trained_during_generation)
+    return stats

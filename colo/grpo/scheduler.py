@@ -33,7 +33,6 @@ import signal
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -45,14 +44,15 @@ from ..pool import Pool
 from ..regions import WEIGHTS
 from ..zero import ShardLayout
 from . import distributed as D
-from .batch import pack
+from .batch import Rollout, concatenated_scores, loss_tokens, pack, rollout_of
 from .checkpoint import Checkpointer
 from .config import GRPOConfig, check_model_dir
 from .loss import group_advantages, loss_denominators
 from .metrics import GpuMonitor, StepLog, Timeline, rss_bytes
-from .overlap import GroupFailed, OverlappedStep, merge_stats, serial_reason
+from .overlap import GroupFailed, OverlappedStep, finish_overlap, memory_refusal, merge_stats, serial_reason
 from .rollout_engine import EngineFailure, GenerationTrace, RolloutEngine
-from .task import CallableTask, DatasetTask, Scores, Task
+from .task import Task
+from .task_setup import build_tasks, checked_prompts, fit_model_length, stop_options
 from .train_memory import TrainingMemory
 from .update import accumulate_gradients
 
@@ -90,9 +90,10 @@ class GRPOScheduler:
         self.model_dir = Path(model_dir)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self._check_model_dir()
-        self.task, self.eval_task = self._build_tasks(task, dataset, reward_funcs, reward_weights, eval_dataset,
-                                                      tokenizer, prompt_fn, reward_fn)
-        engine_options = self._fit_model_length(dict(engine_options or {}))
+        self.task, self.eval_task = build_tasks(self.config, self.model_dir, task, dataset, reward_funcs,
+                                                reward_weights, eval_dataset, tokenizer, prompt_fn, reward_fn)
+        engine_options = fit_model_length(self.config, self.model_dir, (self.task, self.eval_task),
+                                          dict(engine_options or {}))
         self._join_world()
         resume_state = Checkpointer.find_resume_state(self.out_dir, self.config, self.world) if resume else None
         torch.manual_seed(self.config.seed + self.world.dp_rank)  # an engine's tensor-parallel ranks alike
@@ -123,62 +124,6 @@ class GRPOScheduler:
         if self.config.prompts_per_step < self.world.dp_size:
             raise ValueError(f"prompts_per_step={self.config.prompts_per_step} leaves ranks without prompts: "
                              f"it must be at least the number of data-parallel ranks ({self.world.dp_size})")
-
-    def _build_tasks(self, task, dataset, reward_funcs, reward_weights, eval_dataset, tokenizer, prompt_fn,
-                     reward_fn) -> tuple[Task, Task | None]:
-        """The training task (and the eval one), built and checked before any engine starts."""
-        cfg = self.config
-        given = [name for name, value in (("task", task), ("dataset", dataset), ("prompt_fn", prompt_fn))
-                 if value is not None]
-        if len(given) != 1:
-            raise ValueError("give the scheduler one of: dataset (with reward_funcs), prompt_fn (with reward_fn), "
-                             f"or task; got {', '.join(given) or 'none'}")
-        if eval_dataset is not None and dataset is None:
-            raise ValueError("eval_dataset needs a dataset task (dataset and reward_funcs)")
-        if cfg.eval_every and eval_dataset is None:
-            raise ValueError(f"eval_every={cfg.eval_every} needs an eval_dataset")
-        if task is not None:
-            return task, None
-        if prompt_fn is not None:
-            if reward_fn is None:
-                raise ValueError("prompt_fn needs a reward_fn")
-            return CallableTask(prompt_fn, reward_fn), None
-        if reward_funcs is None:
-            raise ValueError("a dataset needs reward_funcs (TRL's reward functions, or names: colo.grpo.rewards)")
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        options = dict(seed=cfg.seed, chat_template_kwargs=cfg.chat_template_kwargs,
-                       max_prompt_length=cfg.max_prompt_length, truncate=cfg.truncate_prompts)
-        train = DatasetTask(dataset, tokenizer, reward_funcs, reward_weights, name="dataset", **options)
-        evaluation = None
-        if eval_dataset is not None:
-            evaluation = DatasetTask(eval_dataset, tokenizer, train.reward_funcs, train.weights.tolist(),
-                                     name="eval dataset", **options)
-        return train, evaluation
-
-    def _fit_model_length(self, engine_options: dict) -> dict:
-        """Refuse a prompt that cannot fit the model with its completion, naming it; and size the
-        engine's sequences for the task's longest one (not the model's whole context) where known."""
-        from transformers import AutoConfig
-
-        limit = getattr(AutoConfig.from_pretrained(self.model_dir), "max_position_embeddings", None)
-        limit = engine_options.get("max_model_len") or limit
-        longest = 0
-        for task in (self.task, self.eval_task):
-            if task is None or task.longest_prompt() is None:
-                continue
-            for row, ids in enumerate(task.prompt_token_ids):
-                if limit and len(ids) + self.config.max_new_tokens > limit:
-                    raise ValueError(f"{task.describe_row(row)}: prompt of {len(ids)} tokens + max_new_tokens="
-                                     f"{self.config.max_new_tokens} exceeds the model's {limit} positions "
-                                     "(shorten it, set max_prompt_length with truncate_prompts='left', or lower "
-                                     "max_new_tokens)")
-            longest = max(longest, task.longest_prompt())
-        if longest and "max_model_len" not in engine_options:
-            engine_options["max_model_len"] = longest + self.config.max_new_tokens
-        return engine_options
 
     def _start_engine(self, engine_options: dict) -> None:
         """The engine first: vLLM loads the weights into the pool, and the trainer's model is a view of them."""
@@ -225,19 +170,9 @@ class GRPOScheduler:
 
     def _overlap_refusal(self) -> str | None:
         """Why this run's steps are serial (None: they overlap); logged once, a warning where asked for."""
-        groups = len(D.rank_share(self.config.prompts_per_step, self.world))
-        reason = serial_reason(self.config, device_type=self.device.type, groups=groups)
-        if reason is None:
-            from ..plan import activation_bytes, shape_from_config
-
-            shape = shape_from_config(str(self.model_dir / "config.json"))
-            n = self.config.num_generations
-            rows = min(self.config.micro_batch_size or n, n)  # one micro-batch of one group
-            activations = activation_bytes(shape, rows * self._longest_sequence())[0]
-            if not self.memory.gradients_fit_while_generating(activations):
-                reason = (f"the gradients and one group's activations (~{activations} bytes, colo.plan's estimate) "
-                          "do not fit in the pool beside what is awake while the engine generates (its weights and "
-                          "KV cache)")
+        reason = serial_reason(self.config, device_type=self.device.type,
+                               groups=len(D.rank_share(self.config.prompts_per_step, self.world)))
+        reason = reason or memory_refusal(self.memory, self.config, self.model_dir, self._longest_sequence())
         if reason is not None:
             (logger.warning if self.config.overlap == "on" else logger.info)("serial GRPO steps: %s", reason)
         return reason
@@ -298,7 +233,7 @@ class GRPOScheduler:
     def _generate_phase(self, step: int, record: dict) -> "Rollout":
         cfg = self.config
         all_rows, all_prompts = self.task.batch(step, cfg.prompts_per_step)
-        all_prompts = self._checked_prompts(all_prompts, step)
+        all_prompts = checked_prompts(cfg, all_prompts, step, self.engine.vocab_size, self.engine.max_model_len)
         share = D.rank_share(cfg.prompts_per_step, self.world)  # uneven when the ranks do not divide it
         prompts = all_prompts[share.start:share.stop]
         with self.timeline.span("generate", step=step) as span:
@@ -325,7 +260,7 @@ class GRPOScheduler:
             self._sample_residency("generate", record)
         record["generate_s"] = span["seconds"]
         record["overlap"] = overlapped is not None
-        rollout = _rollout(rows, prompts, outputs, cfg.num_generations)
+        rollout = rollout_of(rows, prompts, outputs, cfg.num_generations)
         rollout.overlapped = overlapped
         return rollout
 
@@ -381,7 +316,7 @@ class GRPOScheduler:
         cfg, n = self.config, self.config.num_generations
 
         def score(i, completions):
-            group = _rollout(rows[i:i + 1], prompts[i:i + 1], completions, n)
+            group = rollout_of(rows[i:i + 1], prompts[i:i + 1], completions, n)
             scores = self.task.score(step, group.rows, group.prompts, group.completions)
             return scores, (group, group_advantages(scores.total, n, scale=cfg.scale_rewards, allow_unscorable=True))
 
@@ -404,7 +339,7 @@ class GRPOScheduler:
         resumed run, or a run with a different number of ranks, draws the same completions."""
         cfg = self.config
         per_step = cfg.prompts_per_step * cfg.num_generations
-        stop = _stop_options(self.task)
+        stop = stop_options(self.task)
         top_k = dict(top_k=cfg.top_k) if cfg.top_k else {}
         return [dict(n=cfg.num_generations, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                      top_p=cfg.top_p, ignore_eos=cfg.ignore_eos, **stop, **top_k,
@@ -413,30 +348,11 @@ class GRPOScheduler:
                      logprobs=0)
                 for i in share]
 
-    def _checked_prompts(self, prompts, step: int) -> list[list[int]]:
-        cfg = self.config
-        if not isinstance(prompts, (list, tuple)) or len(prompts) != cfg.prompts_per_step:
-            raise ValueError(f"prompt_fn({step}, {cfg.prompts_per_step}) must return a list of "
-                             f"{cfg.prompts_per_step} prompts, got {type(prompts).__name__} of "
-                             f"{len(prompts) if hasattr(prompts, '__len__') else '?'}")
-        vocab = self.engine.vocab_size
-        checked = []
-        for i, p in enumerate(prompts):
-            p = [int(t) for t in p]
-            if not p or min(p) < 0 or max(p) >= vocab:
-                raise ValueError(f"prompt {i} of step {step} must be a non-empty list of token ids in [0, {vocab})")
-            if len(p) + cfg.max_new_tokens > self.engine.max_model_len:
-                raise ValueError(f"prompt {i} of step {step} has {len(p)} tokens; with max_new_tokens="
-                                 f"{cfg.max_new_tokens} it exceeds the engine's max_model_len "
-                                 f"{self.engine.max_model_len}")
-            checked.append(p)
-        return checked
-
     def _reward_phase(self, step, rollout: "Rollout", record) -> torch.Tensor:
         """Every completion's reward (NaN: no function could score it) and the step's reward record:
         overall and per function, mean and std over every rank's completions, as TRL logs them."""
         if rollout.overlapped is not None:  # scored group by group as they finished
-            scores = _concatenated(rollout.overlapped.scores)
+            scores = concatenated_scores(rollout.overlapped.scores)
             record["reward_s"] = rollout.overlapped.reward_s
         else:
             with self.timeline.span("reward", step=step) as span:
@@ -481,7 +397,7 @@ class GRPOScheduler:
                 self.memory.start_prefetch()
             record["phase_switch_s"] += time.perf_counter() - switch
             self.timeline.counter("resident_bytes", self._resident())
-            global_tokens, global_sequences = D.sum_floats([_loss_tokens(rollout, cfg.mask_truncated),
+            global_tokens, global_sequences = D.sum_floats([loss_tokens(rollout, cfg.mask_truncated),
                                                             float(len(rollout.completions))],
                                                            self.world, data_parallel=True)
             collectives = self.tp.collectives.total if self.tp else 0
@@ -492,7 +408,8 @@ class GRPOScheduler:
                 stats = self._backward(rollout, advantages, record, global_tokens=global_tokens,
                                        global_sequences=global_sequences)
             else:
-                stats = self._finish_overlap(rollout.overlapped, record, global_tokens)
+                stats = finish_overlap(rollout.overlapped, self.memory, self.config.loss_type, self.world.dp_size,
+                                       global_tokens, record)
             self.memory.check_grads_attached()
             if self.memory.shard is not None:  # reduce-scatter into this rank's shard, then the global norm
                 whole_model = {} if self.tp is None else {  # the shards' squares summed over the engine's ranks
@@ -522,36 +439,30 @@ class GRPOScheduler:
 
     def _backward(self, rollout: "Rollout", advantages, record, *, global_tokens, global_sequences) -> dict:
         """Forward, loss and backward over these completions (a rank's batch, or one prompt's group),
-        their gradients added to the parameters'."""
+        their gradients added to the parameters'. Each micro-batch is packed on its own, padded to its
+        own longest completion: with long-tailed lengths, padding every row to the batch's longest
+        would multiply the positions computed."""
         cfg = self.config
-        batch = pack(rollout.prompts, rollout.completions)
-        if cfg.mask_truncated:  # the tokens stay in the sequence; they only stop counting in the loss
-            batch.completion_mask[torch.tensor(rollout.truncated, dtype=torch.bool)] = 0
-        batch = batch.to(self.device)
-        # Each row's denominator is its share of the loss type's global one (over data-parallel
-        # ranks); averaging the gradients over those ranks then yields the exact global loss.
-        denominators = loss_denominators(cfg.loss_type, batch.completion_mask.cpu(), global_tokens=global_tokens,
-                                         global_sequences=global_sequences, max_new_tokens=cfg.max_new_tokens,
-                                         ranks=self.world.dp_size)
-        stats = accumulate_gradients(
-            self.tp or self.model, batch, advantages.to(self.device), cfg, num_tokens=denominators,
-            reference=self.reference, engine_logprobs=rollout.logprobs if cfg.temperature == 1.0 else None,
-            after_forward=lambda: self._sample_residency("train", record))
-        stats["tokens"] = float(batch.completion_mask.sum())
-        return stats
-
-    def _finish_overlap(self, overlapped: OverlappedStep, record, global_tokens: float) -> dict:
-        """Wait for the last groups; with dapo divide the summed losses' gradients by the batch's tokens."""
-        early = overlapped.join()
-        stats = merge_stats([early.results[i] for i in sorted(early.results)])
-        if self.config.loss_type == "dapo":
-            scale = self.world.dp_size / max(global_tokens, 1.0)
-            for flat in self.memory.flat_grads.values():
-                flat.mul_(scale)
-            stats["loss"] *= scale
-        record.update(overlap_train_s=early.seconds_during_generation,
-                      groups_trained_early=early.trained_during_generation)
-        return stats
+        micro = cfg.micro_batch_size or len(rollout.completions)
+        parts = []
+        for start in range(0, len(rollout.completions), micro):
+            part = rollout.part(start, start + micro)
+            batch = pack(part.prompts, part.completions)
+            if cfg.mask_truncated:  # the tokens stay in the sequence; they only stop counting in the loss
+                batch.completion_mask[torch.tensor(part.truncated, dtype=torch.bool)] = 0
+            batch = batch.to(self.device)
+            # Each row's denominator is its share of the loss type's global one (over data-parallel
+            # ranks); averaging the gradients over those ranks then yields the exact global loss.
+            denominators = loss_denominators(cfg.loss_type, batch.completion_mask.cpu(), global_tokens=global_tokens,
+                                             global_sequences=global_sequences, max_new_tokens=cfg.max_new_tokens,
+                                             ranks=self.world.dp_size)
+            stats = accumulate_gradients(
+                self.tp or self.model, batch, advantages[start:start + micro].to(self.device), cfg,
+                num_tokens=denominators, reference=self.reference,
+                engine_logprobs=part.logprobs if cfg.temperature == 1.0 else None,
+                after_forward=lambda: self._sample_residency("train", record))
+            parts.append({**stats, "tokens": float(batch.completion_mask.sum())})
+        return merge_stats(parts)
 
     def _clip_gradients(self) -> float:
         flats = list(self.memory.flat_grads.values())
@@ -599,7 +510,7 @@ class GRPOScheduler:
         with self.timeline.span("eval", step=self.step) as span:
             if self.engine.kv_cache_asleep:
                 self.engine.wake_kv_cache()
-            stop = _stop_options(task)
+            stop = stop_options(task)
             outputs = self.engine.generate(prompts, [dict(n=1, max_tokens=cfg.max_new_tokens, temperature=0.0,
                                                           **stop)] * len(prompts)) if prompts else []
             scores = task.score(self.step, rows, prompts, [c.token_ids for c in outputs]) if prompts else None
@@ -673,39 +584,6 @@ class GRPOScheduler:
         self.engine.close()
         if self._workdir is not None:
             self._workdir.cleanup()
-
-
-def _stop_options(task: Task) -> dict:
-    """SamplingParams' stop tokens for a task's completions (none: the engine's own rule)."""
-    return dict(stop_token_ids=list(task.stop_token_ids)) if task.stop_token_ids else {}
-
-
-@dataclass
-class Rollout:
-    """One rank's completions of a step, one entry per completion (prompts repeated per completion)."""
-    rows: list[int]                  # the task's row of each completion's prompt
-    prompts: list[list[int]]
-    completions: list[list[int]]
-    logprobs: list                   # the engine's log-probability of each sampled token
-    truncated: list[bool]            # stopped by max_new_tokens, not by EOS
-    overlapped: OverlappedStep | None = None  # the groups scored and trained while generating
-
-
-def _rollout(rows, prompts, completions, n: int) -> Rollout:
-    """A Rollout of these prompts' completions (engine Completions, n per prompt, prompt after prompt)."""
-    return Rollout(rows=[r for r in rows for _ in range(n)], prompts=[p for p in prompts for _ in range(n)],
-                   completions=[c.token_ids for c in completions], logprobs=[c.logprobs for c in completions],
-                   truncated=[c.truncated for c in completions])
-
-
-def _loss_tokens(rollout: Rollout, mask_truncated: bool) -> float:
-    """Completion tokens that count in the loss (pack's completion_mask summed)."""
-    return float(sum(len(c) for c, cut in zip(rollout.completions, rollout.truncated) if not (mask_truncated and cut)))
-
-
-def _concatenated(scores: list) -> "Scores":
-    """Per-group Scores, in prompt order, as the whole batch's."""
-    return Scores(torch.cat([s.per_function for s in scores]), scores[0].weights, scores[0].names)
 
 
 class _TerminationRequest:
