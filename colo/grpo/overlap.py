@@ -94,6 +94,7 @@ class GroupTrainer:
         self._generation_ended: float | None = None
         self._error: BaseException | None = None
         self._engine_threads = None
+        self._threads_before = torch.get_num_threads()
         if stream is not None:  # the gradients were woken and zeroed on the step's stream
             stream.wait_stream(torch.cuda.current_stream(device))
         self._thread = threading.Thread(target=self._run, name="colo-group-trainer", daemon=True)
@@ -115,9 +116,7 @@ class GroupTrainer:
         self._restore_engine_threads()
 
     def join(self) -> EarlyTraining:
-        self.generation_done()
-        self._queue.put(None)
-        self._thread.join()
+        self.join_quietly()
         if self._error is not None:
             raise self._error
         if self.stream is not None:  # the step's own work (all-reduce, optimizer) comes after the trainer's
@@ -135,6 +134,10 @@ class GroupTrainer:
         self.generation_done()
         self._queue.put(None)
         self._thread.join()
+        if self.device.type == "cpu":
+            # set_num_threads also sets process-wide counts (MKL's, new threads'): the trainer's last
+            # setting must not outlive the step.
+            torch._C.set_num_threads(self._threads_before)
 
     def _restore_engine_threads(self) -> None:
         if self._engine_threads is not None:
