@@ -8,7 +8,7 @@ at the end. Both sides are colo.grpo's scheduler on the same random Qwen2 model,
 engines compiled, in the dtype `auto` picks, both training one prompt's group per micro-batch (each
 packed to its own longest completion, as the overlapped side must: so the row measures the overlap,
 not padding); they take steps in turn (each going first every other round) and the row gives
-medians after a warm-up step.
+means over the steps after a warm-up step (each step has other prompts, so other lengths).
 
 Fields: colo_s / baseline_s the overlapped / serial step; ratio = serial / overlapped (goal >= 1.25 on
 this workload); vs_bound = overlapped step / max(serial generate, serial train) (goal <= 1.15: the
@@ -61,12 +61,14 @@ def new_run(model_dir: Path, workload: dict, overlap: str):
 
 
 def summarise(records: list[dict], generate_cpu: list[tuple]) -> dict:
-    median = lambda key: statistics.median(r.get(key, 0.0) for r in records)  # noqa: E731
+    # Means, not medians: each step has other prompts and so other lengths, and the phases' means add
+    # up to the step's mean where medians taken key by key need not.
+    mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in records)  # noqa: E731
     cores = len(os.sched_getaffinity(0))
-    summary = {key: median(key) for key in ("step_s", "generate_s", "train_s", "reward_s", "publish_s",
-                                            "generate_tail_s", "overlap_train_s", "groups_trained_early",
-                                            "completion_length_mean", "completion_length_max")}
-    summary["idle_core_s"] = statistics.median(max(0.0, wall * cores - cpu) for wall, cpu in generate_cpu)
+    summary = {key: mean(key) for key in ("step_s", "generate_s", "train_s", "reward_s", "publish_s",
+                                          "phase_switch_s", "generate_tail_s", "overlap_train_s",
+                                          "groups_trained_early", "completion_length_mean", "completion_length_max")}
+    summary["idle_core_s"] = statistics.fmean(max(0.0, wall * cores - cpu) for wall, cpu in generate_cpu)
     summary["peak_rss_bytes"] = max(v for r in records for k, v in r.items() if k.startswith("rss_resident_bytes"))
     summary["grads_resident_bytes_during_generate"] = max(r["grads_resident_bytes_during_generate"] for r in records)
     return summary
@@ -114,7 +116,7 @@ def measure(workload: dict, progress, device: str = "cpu") -> dict:
     for side, summary in (("serial", serial), ("overlapped", overlapped)):
         for key, value in summary.items():
             row[f"{side}_{key}"] = value
-    row["note"] = (f"medians over {steps} steps after {WARMUP} warm-up step, the two runs taking steps in turn; "
+    row["note"] = (f"means over {steps} steps after {WARMUP} warm-up step, the two runs taking steps in turn; "
                    "same model, prompts and seeds, engines compiled; ratio = serial / overlapped step; vs_bound = "
                    "overlapped step / max(serial generate, serial train)")
     return row
