@@ -202,11 +202,13 @@ def test_prompts_the_ranks_do_not_divide_are_split_unevenly_with_the_same_result
     common = ["--steps", "1", "--save-every", "1", "--keep-checkpoints", "0", "--prompts-per-step", "7", "--dtype", "bf16"]
     done = run_grpo(one, *common)
     assert done.returncode == 0, done.stderr[-3000:]
+    # The two ranks also train each group as soon as it is done (--overlap on): still the same step.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29633",
-           "-m", "colo.grpo", *grpo_command(two, *common)[3:]]
+           "-m", "colo.grpo", *grpo_command(two, *common, "--overlap", "on")[3:]]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
     a, b = records(one)[0], records(two)[0]
+    assert b["overlap"] and not a["overlap"]
     assert a["tokens_generated"] == b["tokens_generated"] == 7 * 8 * 16
     assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-9)  # the same completions
     assert_trains_like(two, one, last_step=1)  # the same gradients, bf16 rounding apart
@@ -462,7 +464,7 @@ def test_kv_cache_time_shares_the_training_memory(tmp_path, monkeypatch):
     task = ToyTask(512)
     # 64 sequences: a KV cache larger than the gradients, so the optimizer state cannot wake beside it.
     config = GRPOConfig(prompts_per_step=8, num_generations=8, ignore_eos=True, learning_rate=3e-3,
-                        save_every=0, offload_optimizer=True)
+                        save_every=0, offload_optimizer=True, overlap="on")
     probe = GRPOScheduler(model_dir, task.rewards, task.prompts, config)
     budgets = {name: region.budget for name, region in probe.pool.regions.items()}
     probe.close()
@@ -475,6 +477,8 @@ def test_kv_cache_time_shares_the_training_memory(tmp_path, monkeypatch):
                         pool_capacity=capacity)
     try:
         assert {name: region.budget for name, region in run.pool.regions.items()} == budgets
+        # Overlap would need the gradients awake beside the KV cache: it does not fit, so steps are serial.
+        assert "do not fit in the pool" in run.serial_reason
         records = [run.train_step() for _ in range(2)]
         colo_engine.wake_kv_cache(run.engine.llm)  # as if a user checkpoints with the KV cache awake
         assert budgets["optimizer"] > run.pool.unbudgeted_bytes
