@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from colo.grpo import GRPOConfig
-from colo.grpo.overlap import GroupFailed, GroupTrainer, OverlappedStep, merge_stats, serial_reason
+from colo.grpo.overlap import GroupFailed, GroupTrainer, OverlappedStep, serial_reason
+from colo.grpo.update import merge_stats
 
 
 def test_serial_reasons_name_what_prevents_overlap():

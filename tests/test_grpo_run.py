@@ -404,7 +404,7 @@ def test_failing_engine_is_rebuilt_from_the_shared_weights_then_fails_clearly(tm
         record = run.train_step()
         assert len(calls) == 2 and record["engine_rebuild_s"] > 0
         assert any("injected engine fault; rebuilding it" in r.getMessage() for r in caplog.records
-                   if r.name == "colo.grpo.scheduler")
+                   if r.name == "colo.grpo.rollout_engine")
         # The old engine's memory really came back: the region holds one KV cache, not two, and the
         # old engine holds no tensors. (Its Python shell may outlive this: vLLM logs its config as a
         # record argument and pytest's log capture keeps records, so object death is not asserted.)

@@ -13,8 +13,6 @@ import os
 import time
 from pathlib import Path
 
-from ..sizes import rss_bytes  # noqa: F401 - the scheduler samples it through here
-
 
 class StepLog:
     """One JSON object per line, one line per step. On resume, records past the checkpoint's step

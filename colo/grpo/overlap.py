@@ -30,6 +30,10 @@ from typing import Callable
 
 import torch
 
+from .batch import rollout_of
+from .loss import group_advantages
+from .update import merge_stats
+
 OVERLAP_MODES = ("auto", "on", "off")
 
 # Where an overlapped step measured faster than the serial one on the long-tail workload of
@@ -208,18 +212,28 @@ class OverlappedStep:
         self.trainer.abandon()
 
 
-def merge_stats(results: list[dict]) -> dict:
-    """accumulate_gradients' statistics of every group as one batch's: loss and sums add up, the
-    token-weighted means (clip fraction, KL) weigh each group by its loss tokens (`tokens`)."""
-    tokens = sum(r["tokens"] for r in results)
-    merged = {"loss": sum(r["loss"] for r in results), "tokens": tokens,
-              "clip_fraction": sum(r["clip_fraction"] * r["tokens"] for r in results) / max(tokens, 1.0),
-              "kl": sum(r["kl"] * r["tokens"] for r in results) / max(tokens, 1.0)}
-    if results and "engine_logprob_max_abs_diff" in results[0]:
-        merged["engine_logprob_max_abs_diff"] = max(r["engine_logprob_max_abs_diff"] for r in results)
-        for key in ("engine_logprob_abs_diff_sum", "engine_logprob_tokens"):
-            merged[key] = sum(r[key] for r in results)
-    return merged
+def start_overlapped_step(task, step: int, rows, prompts, config, dp_size: int, backward: Callable, *,
+                          device: torch.device, train_stream=None) -> OverlappedStep:
+    """Each prompt's group scored by `task` and trained, backward(group, advantages, global_tokens=,
+    global_sequences=), as soon as it finishes (the gradients must be awake and zeroed)."""
+    n = config.num_generations
+
+    def score(i, completions):
+        group = rollout_of(rows[i:i + 1], prompts[i:i + 1], completions, n)
+        scores = task.score(step, group.rows, group.prompts, group.completions)
+        return scores, (group, group_advantages(scores.total, n, scale=config.scale_rewards, allow_unscorable=True))
+
+    # Denominators known now (sequences) are used as they are; dapo's token count of the whole batch
+    # is not: each group's loss is a plain sum (denominator 1), divided once the count is known.
+    totals = dict(global_tokens=float(dp_size), global_sequences=float(config.prompts_per_step * n))
+
+    def train(i, work):
+        group, advantages = work
+        return backward(group, advantages, **totals)
+
+    cores = torch.get_num_threads()
+    return OverlappedStep(score, train, len(prompts), device=device, cores=cores, trainer_cores=max(1, cores // 2),
+                          stream=train_stream)
 
 
 def finish_overlap(overlapped: OverlappedStep, memory, loss_type: str, ranks: int, global_tokens: float,

@@ -8,6 +8,7 @@ how big the KV cache is and turns vLLM's outputs into plain token lists.
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ from ..lora import LoraSpec, share_adapter, slot_bytes
 from ..shared import PublishReport  # noqa: F401 - publish()'s type
 from ..regions import KV_CACHE
 from ..weights import share_weights, shared_model
+
+logger = logging.getLogger(__name__)
 
 _KV_HEADROOM = 64 << 20  # room left in the pool for allocator rounding and small engine buffers
 
@@ -254,3 +257,32 @@ class RolloutEngine:
         self.llm = self.shared = self.hf_model = self.adapter = None
         gc.collect()
 
+
+def generate_or_rebuild(engine: RolloutEngine, attempt, *, step: int, rank: int, timeline, record: dict,
+                        not_the_engines=()):
+    """attempt() (a generation on `engine`); on an engine error, rebuild the engine from the shared
+    weights and attempt() once more. Errors of the types in not_the_engines (the user's reward
+    function, the trainer) are raised as they are, without a rebuild. Two failures: EngineFailure."""
+    try:
+        return attempt()
+    except not_the_engines:
+        raise
+    except Exception as e:  # noqa: BLE001 - any engine error gets one rebuild
+        first = f"{type(e).__name__}: {e}"
+        # Rebuild outside this handler: the traceback's frames hold the broken engine alive.
+    logger.warning("rank %d step %d: engine raised %s; rebuilding it from the shared weights and retrying once",
+                   rank, step, first)
+    with timeline.span("engine_rebuild", step=step) as span:
+        try:
+            engine.rebuild()
+        except Exception as e:  # noqa: BLE001 - reported as an EngineFailure, which ranks share
+            raise EngineFailure(f"step {step}: the engine raised {first} and could not be rebuilt from the "
+                                f"shared weights: {type(e).__name__}: {e}") from e
+    record["engine_rebuild_s"] = span["seconds"]
+    try:
+        return attempt()
+    except not_the_engines:
+        raise
+    except Exception as second:  # noqa: BLE001
+        raise EngineFailure(f"step {step}: generation failed twice on rank {rank}: first {first}; after rebuilding "
+                            f"the engine from the shared weights: {type(second).__name__}: {second}") from second

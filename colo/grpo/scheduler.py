@@ -28,10 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import math
-import signal
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -44,17 +41,21 @@ from ..pool import Pool
 from ..regions import WEIGHTS
 from ..zero import ShardLayout
 from . import distributed as D
-from .batch import Rollout, concatenated_scores, loss_tokens, pack, rollout_of
+from .batch import Rollout, concatenated_scores, loss_tokens, rollout_of
 from .checkpoint import Checkpointer
 from .config import GRPOConfig, check_model_dir
-from .loss import group_advantages, loss_denominators
-from .metrics import GpuMonitor, StepLog, Timeline, rss_bytes
-from .overlap import GroupFailed, OverlappedStep, finish_overlap, memory_refusal, merge_stats, serial_reason
-from .rollout_engine import EngineFailure, GenerationTrace, RolloutEngine
+from .evaluation import greedy_pass_at_1
+from .gradients import reduce_and_clip
+from .loss import group_advantages
+from .metrics import StepLog, Timeline
+from .overlap import GroupFailed, OverlappedStep, finish_overlap, memory_refusal, serial_reason, start_overlapped_step
+from .rollout_engine import EngineFailure, GenerationTrace, RolloutEngine, generate_or_rebuild
 from .task import Task
-from .task_setup import build_tasks, checked_prompts, fit_model_length, stop_options
+from .step_stats import Residency, reward_stats, scored_mean_std, train_stats
+from .task_setup import build_tasks, checked_prompts, fit_model_length, sampling_options
+from .termination import TerminationRequest
 from .train_memory import TrainingMemory
-from .update import accumulate_gradients
+from .update import backward_rollout
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class GRPOScheduler:
         resume_state = Checkpointer.find_resume_state(self.out_dir, self.config, self.world) if resume else None
         torch.manual_seed(self.config.seed + self.world.dp_rank)  # an engine's tensor-parallel ranks alike
         self.pool = Pool(self.device, capacity=pool_capacity)
+        self.residency = Residency(self.pool, self.device)
         self.config = self.config.resolve_dtype(self.device)
         self._start_engine(engine_options or {})
         self._build_training()
@@ -110,8 +112,7 @@ class GRPOScheduler:
         self.step = self.checkpointer.restore(resume_state) if resume_state is not None else 0
         self.log = StepLog(log_path if self.world.is_main else None,
                            resume_after_step=self.step if resume else None)
-        self.gpu = GpuMonitor(self.device)
-        # True from the optimizer step until the publish: the weights are half-changed, and a failure
+                # True from the optimizer step until the publish: the weights are half-changed, and a failure
         # then must not checkpoint them (run() saves on the way out only when this is False).
         self._unsafe_to_save = False
 
@@ -244,7 +245,9 @@ class GRPOScheduler:
             error = None
             rows = all_rows[share.start:share.stop]
             try:
-                outputs, overlapped = self._generate_with_retry(step, rows, prompts, share, record)
+                outputs, overlapped = generate_or_rebuild(
+                    self.engine, lambda: self._generate(step, rows, prompts, share, record), step=step,
+                    rank=self.world.rank, timeline=self.timeline, record=record, not_the_engines=GroupFailed)
             except EngineFailure as e:
                 error = e
             except GroupFailed as e:  # a reward function or the trainer raised: that error, as it is
@@ -257,39 +260,12 @@ class GRPOScheduler:
                 if overlapped is not None:
                     overlapped.abandon()
                 raise EngineFailure(f"step {step}: generation failed on another rank (see its error)")
-            self._sample_residency("generate", record)
+            self.residency.sample("generate", record)
         record["generate_s"] = span["seconds"]
         record["overlap"] = overlapped is not None
         rollout = rollout_of(rows, prompts, outputs, cfg.num_generations)
         rollout.overlapped = overlapped
         return rollout
-
-    def _generate_with_retry(self, step, rows, prompts, share, record):
-        """The rank's completions, and the step's OverlappedStep (None: serial)."""
-        try:
-            return self._generate(step, rows, prompts, share, record)
-        except GroupFailed:  # the user's reward function or the trainer, not the engine: no rebuild
-            raise
-        except Exception as e:  # noqa: BLE001 - any engine error gets one rebuild
-            first = f"{type(e).__name__}: {e}"
-            # Rebuild outside this handler: the traceback's frames hold the broken engine alive.
-        logger.warning("rank %d step %d: engine raised %s; rebuilding it from the shared weights and retrying once",
-                       self.world.rank, step, first)
-        with self.timeline.span("engine_rebuild", step=step) as span:
-            try:
-                self.engine.rebuild()
-            except Exception as e:  # noqa: BLE001 - reported as an EngineFailure, which ranks share
-                raise EngineFailure(f"step {step}: the engine raised {first} and could not be rebuilt from the "
-                                    f"shared weights: {type(e).__name__}: {e}") from e
-        record["engine_rebuild_s"] = span["seconds"]
-        try:
-            return self._generate(step, rows, prompts, share, record)
-        except GroupFailed:
-            raise
-        except Exception as second:  # noqa: BLE001
-            raise EngineFailure(
-                f"step {step}: generation failed twice on rank {self.world.rank}: first {first}; after "
-                f"rebuilding the engine from the shared weights: {type(second).__name__}: {second}") from second
 
     def _generate(self, step, rows, prompts, share, record):
         """One try: the completions and the OverlappedStep (None: serial). On any error the groups
@@ -297,7 +273,7 @@ class GRPOScheduler:
         overlapped = self._start_overlap(step, rows, prompts, record)
         trace = GenerationTrace()
         try:
-            outputs = self.engine.generate(prompts, self._sampling(step, share), trace=trace,
+            outputs = self.engine.generate(prompts, sampling_options(self.config, self.task, step, share), trace=trace,
                                            on_group=overlapped.on_group if overlapped else None)
         except BaseException:
             if overlapped is not None:
@@ -313,40 +289,11 @@ class GRPOScheduler:
         if self.serial_reason is not None:
             return None
         self.memory.wake_gradients()
-        cfg, n = self.config, self.config.num_generations
-
-        def score(i, completions):
-            group = rollout_of(rows[i:i + 1], prompts[i:i + 1], completions, n)
-            scores = self.task.score(step, group.rows, group.prompts, group.completions)
-            return scores, (group, group_advantages(scores.total, n, scale=cfg.scale_rewards, allow_unscorable=True))
-
-        # Denominators known now (sequences) are used as they are; dapo's token count of the whole batch
-        # is not: each group's loss is a plain sum (denominator 1), divided once the count is known.
-        global_sequences = float(cfg.prompts_per_step * n)
-        global_tokens = float(self.world.dp_size)
-
-        def train(i, work):
-            group, advantages = work
-            return self._backward(group, advantages, record, global_tokens=global_tokens,
-                                  global_sequences=global_sequences)
-
         stream = self.pool.stream("train").torch_stream() if self.device.type == "cuda" else None
-        return OverlappedStep(score, train, len(prompts), device=self.device, cores=torch.get_num_threads(),
-                              trainer_cores=max(1, torch.get_num_threads() // 2), stream=stream)
-
-    def _sampling(self, step: int, share: range) -> list[dict]:
-        """Per-prompt sampling settings. Seeds depend on (run seed, step, prompt index) only, so a
-        resumed run, or a run with a different number of ranks, draws the same completions."""
-        cfg = self.config
-        per_step = cfg.prompts_per_step * cfg.num_generations
-        stop = stop_options(self.task)
-        top_k = dict(top_k=cfg.top_k) if cfg.top_k else {}
-        return [dict(n=cfg.num_generations, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                     top_p=cfg.top_p, ignore_eos=cfg.ignore_eos, **stop, **top_k,
-                     seed=(cfg.seed * 1_000_003 * per_step + step * per_step
-                           + i * cfg.num_generations) % (2**63 - 1),
-                     logprobs=0)
-                for i in share]
+        return start_overlapped_step(
+            self.task, step, rows, prompts, self.config, self.world.dp_size,
+            lambda group, advantages, **totals: self._backward(group, advantages, record, **totals),
+            device=self.device, train_stream=stream)
 
     def _reward_phase(self, step, rollout: "Rollout", record) -> torch.Tensor:
         """Every completion's reward (NaN: no function could score it) and the step's reward record:
@@ -358,32 +305,8 @@ class GRPOScheduler:
             with self.timeline.span("reward", step=step) as span:
                 scores = self.task.score(step, rollout.rows, rollout.prompts, rollout.completions)
             record["reward_s"] = span["seconds"]
-        rewards = scores.total
-        for name, column in [("", rewards), *((n, scores.per_function[:, i]) for i, n in enumerate(scores.names))]:
-            mean, std = self._scored_mean_std(column)
-            if name:
-                record[f"rewards/{name}/mean"], record[f"rewards/{name}/std"] = mean, std
-            else:
-                record["reward_mean"], record["reward_std"] = mean, std
-        lengths = [len(c) for c in rollout.completions]
-        n, tokens, clipped, unscored = D.sum_floats(
-            [len(lengths), sum(lengths), sum(rollout.truncated), float(torch.isnan(rewards).sum())],
-            self.world, data_parallel=True)
-        shortest, longest = D.min_max(min(lengths), max(lengths), self.world)
-        record.update(tokens_generated=int(tokens), completion_length_mean=tokens / n,
-                      completion_length_min=shortest, completion_length_max=longest, clipped_ratio=clipped / n,
-                      unscored_completions=int(unscored))
-        return rewards
-
-    def _scored_mean_std(self, values: torch.Tensor) -> tuple[float, float]:
-        """Mean and std (Bessel's correction, as TRL's nanstd) of the non-NaN values of every
-        data-parallel rank's batch."""
-        scored = values[~torch.isnan(values)].double()
-        n, total, squares = D.sum_floats([scored.numel(), scored.sum().item(), (scored ** 2).sum().item()],
-                                         self.world, data_parallel=True)
-        mean = total / n if n else math.nan
-        std = math.sqrt(max(squares - total * mean, 0.0) / (n - 1)) if n > 1 else 0.0
-        return mean, std
+        record.update(reward_stats(scores, rollout, self.world))
+        return scores.total
 
     def _train_phase(self, step, rollout: "Rollout", rewards, record) -> None:
         cfg = self.config
@@ -396,13 +319,13 @@ class GRPOScheduler:
             else:  # the gradients are awake since generation began, holding the groups trained so far
                 self.memory.start_prefetch()
             record["phase_switch_s"] += time.perf_counter() - switch
-            self.timeline.counter("resident_bytes", self._resident())
+            self.timeline.counter("resident_bytes", self.residency.resident())
             global_tokens, global_sequences = D.sum_floats([loss_tokens(rollout, cfg.mask_truncated),
                                                             float(len(rollout.completions))],
                                                            self.world, data_parallel=True)
             collectives = self.tp.collectives.total if self.tp else 0
             if rollout.overlapped is None:
-                batch_std = self._scored_mean_std(rewards)[1] if cfg.scale_rewards == "batch" else None  # every rank's
+                batch_std = scored_mean_std(rewards, self.world)[1] if cfg.scale_rewards == "batch" else None  # every rank's
                 advantages = group_advantages(rewards, cfg.num_generations, scale=cfg.scale_rewards,
                                               allow_unscorable=True, batch_std=batch_std)
                 stats = self._backward(rollout, advantages, record, global_tokens=global_tokens,
@@ -411,14 +334,9 @@ class GRPOScheduler:
                 stats = finish_overlap(rollout.overlapped, self.memory, self.config.loss_type, self.world.dp_size,
                                        global_tokens, record)
             self.memory.check_grads_attached()
-            if self.memory.shard is not None:  # reduce-scatter into this rank's shard, then the global norm
-                whole_model = {} if self.tp is None else {  # the shards' squares summed over the engine's ranks
-                    "weights": self.tp.norm_weights(self.optimizer.params), "sum_group": self.tp.group}
-                record["grad_norm"] = self.optimizer.clip_grad_norm_(cfg.max_grad_norm, **whole_model)
-            else:
-                D.average_(list(self.memory.flat_grads.values()), self.world)
-                record["grad_norm"] = self._clip_gradients()
-            self._sample_residency("train", record)
+            record["grad_norm"] = reduce_and_clip(self.memory, self.optimizer, self.world, cfg.max_grad_norm,
+                                                  tp=self.tp)
+            self.residency.sample("train", record)
             self._unsafe_to_save = True
             self.memory.finish_prefetch()
             self.optimizer.step()  # sharded: also all-gathers every rank's updated weights into the engine's
@@ -428,56 +346,13 @@ class GRPOScheduler:
         record["train_s"] = span["seconds"]
         if self.tp is not None:  # the step's tensor-parallel all-reduces (forward, backward, vocabulary, KV heads)
             record["tp_all_reduces"] = self.tp.collectives.total - collectives
-        record["loss"], record["clip_fraction"], record["kl"] = (
-            v / self.world.dp_size for v in D.sum_floats([stats["loss"], stats["clip_fraction"], stats["kl"]],
-                                                         self.world, data_parallel=True))
-        if "engine_logprob_max_abs_diff" in stats:  # sampled tokens: the trainer's log-prob against the engine's
-            gap, tokens = D.sum_floats([stats["engine_logprob_abs_diff_sum"], stats["engine_logprob_tokens"]],
-                                       self.world, data_parallel=True)
-            record["engine_logprob_max_abs_diff"] = D.min_max(0.0, stats["engine_logprob_max_abs_diff"], self.world)[1]
-            record["engine_logprob_mean_abs_diff"] = gap / max(tokens, 1.0)
+        record.update(train_stats(stats, self.world))
 
     def _backward(self, rollout: "Rollout", advantages, record, *, global_tokens, global_sequences) -> dict:
-        """Forward, loss and backward over these completions (a rank's batch, or one prompt's group),
-        their gradients added to the parameters'. Each micro-batch is packed on its own, padded to its
-        own longest completion: with long-tailed lengths, padding every row to the batch's longest
-        would multiply the positions computed."""
-        cfg = self.config
-        micro = cfg.micro_batch_size or len(rollout.completions)
-        parts = []
-        for start in range(0, len(rollout.completions), micro):
-            part = rollout.part(start, start + micro)
-            batch = pack(part.prompts, part.completions)
-            if cfg.mask_truncated:  # the tokens stay in the sequence; they only stop counting in the loss
-                batch.completion_mask[torch.tensor(part.truncated, dtype=torch.bool)] = 0
-            batch = batch.to(self.device)
-            # Each row's denominator is its share of the loss type's global one (over data-parallel
-            # ranks); averaging the gradients over those ranks then yields the exact global loss.
-            denominators = loss_denominators(cfg.loss_type, batch.completion_mask.cpu(), global_tokens=global_tokens,
-                                             global_sequences=global_sequences, max_new_tokens=cfg.max_new_tokens,
-                                             ranks=self.world.dp_size)
-            stats = accumulate_gradients(
-                self.tp or self.model, batch, advantages[start:start + micro].to(self.device), cfg,
-                num_tokens=denominators, reference=self.reference,
-                engine_logprobs=part.logprobs if cfg.temperature == 1.0 else None,
-                after_forward=lambda: self._sample_residency("train", record))
-            parts.append({**stats, "tokens": float(batch.completion_mask.sum())})
-        return merge_stats(parts)
-
-    def _clip_gradients(self) -> float:
-        flats = list(self.memory.flat_grads.values())
-        if self.tp is not None:  # the whole model's norm: shards summed over the ranks, replicated ones once
-            # fp32 parameters keep their gradients in .grad; 16-bit ones the optimizer's fp32 main gradients
-            # (colo.MasterWeightOptimizer, over the same parameters in the same order).
-            grads = getattr(self.optimizer, "main_grads", None) or [p.grad for p in self.memory.params]
-            norm = self.tp.grad_norm(self.memory.params, grads)
-        else:
-            norm = math.sqrt(sum(float(torch.linalg.vector_norm(f)) ** 2 for f in flats))
-        limit = self.config.max_grad_norm
-        if limit is not None and norm > limit:
-            for f in flats:
-                f.mul_(limit / (norm + 1e-6))
-        return norm
+        return backward_rollout(self.tp or self.model, rollout, advantages, self.config, device=self.device,
+                                dp_size=self.world.dp_size, global_tokens=global_tokens,
+                                global_sequences=global_sequences, reference=self.reference,
+                                after_forward=lambda: self.residency.sample("train", record))
 
     def _publish_phase(self, step: int, record: dict) -> None:
         # The gradients are dead once the optimizer has stepped: they sleep now, and the optimizer
@@ -491,46 +366,19 @@ class GRPOScheduler:
         record["phase_switch_s"] += time.perf_counter() - switch
         with self.timeline.span("publish", step=step) as span:
             result = self.engine.publish()
-            self._sample_residency("publish", record)
+            self.residency.sample("publish", record)
         self._unsafe_to_save = False
         record["publish_s"] = span["seconds"]
         record["publish_bytes_copied"] = result.bytes_copied
-        self.timeline.counter("resident_bytes", self._resident())
+        self.timeline.counter("resident_bytes", self.residency.resident())
 
     # -- evaluation --------------------------------------------------------------------------------
     def evaluate(self) -> dict:
         """Greedy pass@1 on the eval dataset: one completion per row at temperature 0, each reward
         function's mean over the rows it scored ({"eval/<name>": mean}); the rows are split over the
         data-parallel ranks. Runs between steps, with the weights of the step just finished."""
-        task, cfg = self.eval_task, self.config
-        share = D.rank_share(len(task.prompt_token_ids), self.world)
-        rows = list(share)
-        prompts = [task.prompt_token_ids[r] for r in rows]
-        record = {}
-        with self.timeline.span("eval", step=self.step) as span:
-            if self.engine.kv_cache_asleep:
-                self.engine.wake_kv_cache()
-            stop = stop_options(task)
-            outputs = self.engine.generate(prompts, [dict(n=1, max_tokens=cfg.max_new_tokens, temperature=0.0,
-                                                          **stop)] * len(prompts)) if prompts else []
-            scores = task.score(self.step, rows, prompts, [c.token_ids for c in outputs]) if prompts else None
-        for i, name in enumerate(task.reward_names):
-            column = scores.per_function[:, i] if scores is not None else torch.empty(0)
-            record[f"eval/{name}"] = self._scored_mean_std(column)[0]
-        record["eval_s"] = span["seconds"]
-        return record
-
-    # -- memory accounting -------------------------------------------------------------------------
-    def _resident(self) -> dict:
-        return {name: s["resident_bytes"] for name, s in self.pool.stats().items()}
-
-    def _sample_residency(self, phase: str, record: dict) -> None:
-        """Keep the largest resident size of each region seen during `phase`."""
-        for region, nbytes in [*self._resident().items(), ("rss", rss_bytes())]:
-            key = f"{region}_resident_bytes_during_{phase}"
-            record[key] = max(record.get(key, 0), nbytes)
-        for key, value in self.gpu.sample().items():
-            record[f"{key}_{phase}"] = value
+        return greedy_pass_at_1(self.engine, self.eval_task, self.config.max_new_tokens, self.world, self.timeline,
+                                self.step)
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self, steps: int, progress: bool = True) -> list[dict]:
@@ -538,7 +386,7 @@ class GRPOScheduler:
         check_int(steps, "steps")
         records = []
         bar = self._progress_bar(steps) if progress and self.world.is_main else None
-        terminate = _TerminationRequest()
+        terminate = TerminationRequest()
         try:
             while self.step < steps:
                 record = self.train_step()
@@ -584,22 +432,3 @@ class GRPOScheduler:
         self.engine.close()
         if self._workdir is not None:
             self._workdir.cleanup()
-
-
-class _TerminationRequest:
-    """Turns SIGTERM into a request to stop after the current step (main thread only; elsewhere a
-    no-op), instead of dying mid-step with the work since the last checkpoint lost."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = None
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._request)
-
-    def _request(self, signum, frame):
-        self.requested = True
-
-    def restore(self):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None

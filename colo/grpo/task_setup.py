@@ -1,5 +1,5 @@
 """The scheduler's task set-up and per-step checks: the task built from what a user gave it, the
-engine's sequence length fitted to the prompts, a step's prompts checked, a task's stop tokens."""
+engine's sequence length fitted to the prompts, a step's prompts checked, its sampling settings."""
 from __future__ import annotations
 
 from .task import CallableTask, DatasetTask, Task
@@ -83,3 +83,17 @@ def checked_prompts(config, prompts, step: int, vocab: int, max_model_len: int) 
 def stop_options(task: Task) -> dict:
     """SamplingParams' stop tokens for a task's completions (none: the engine's own rule)."""
     return dict(stop_token_ids=list(task.stop_token_ids)) if task.stop_token_ids else {}
+
+
+def sampling_options(config, task: Task, step: int, share: range) -> list[dict]:
+    """Per-prompt sampling settings of a step's prompts `share`. Seeds depend on (run seed, step,
+    prompt index) only, so a resumed run, or a run with a different number of ranks, draws the same
+    completions."""
+    per_step = config.prompts_per_step * config.num_generations
+    top_k = dict(top_k=config.top_k) if config.top_k else {}
+    return [dict(n=config.num_generations, max_tokens=config.max_new_tokens, temperature=config.temperature,
+                 top_p=config.top_p, ignore_eos=config.ignore_eos, **stop_options(task), **top_k,
+                 seed=(config.seed * 1_000_003 * per_step + step * per_step
+                       + i * config.num_generations) % (2**63 - 1),
+                 logprobs=0)
+            for i in share]

@@ -1,12 +1,13 @@
-"""The policy-gradient half of a GRPO step: forward, loss and backward over a packed rollout batch,
-in micro-batches whose gradients add up to the gradient of the whole batch's token-level mean."""
+"""The policy-gradient half of a GRPO step: forward, loss and backward over a rollout (a rank's
+batch, or one prompt's group), in micro-batches whose gradients add up to the gradient of the
+whole batch's loss."""
 from __future__ import annotations
 
 import torch
 
-from .batch import PackedBatch, completion_logprobs
+from .batch import PackedBatch, Rollout, completion_logprobs, pack
 from .config import GRPOConfig
-from .loss import grpo_loss
+from .loss import grpo_loss, loss_denominators
 
 
 def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, config: GRPOConfig, *,
@@ -70,3 +71,45 @@ def engine_mismatch(trainer_logprobs: torch.Tensor, mask: torch.Tensor, engine_l
         total += float(diff.sum())
         count += float(mask[row, :n].sum())
     return worst, total, count
+
+
+def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: GRPOConfig, *, device,
+                     dp_size: int, global_tokens: float, global_sequences: float, reference=None,
+                     after_forward=None) -> dict:
+    """Forward, loss and backward over these completions, their gradients added to the parameters';
+    returns the merged statistics (merge_stats). Each micro-batch is packed on its own, padded to its
+    own longest completion: with long-tailed lengths, padding every row to the batch's longest would
+    multiply the positions computed."""
+    micro = config.micro_batch_size or len(rollout.completions)
+    parts = []
+    for start in range(0, len(rollout.completions), micro):
+        part = rollout.part(start, start + micro)
+        batch = pack(part.prompts, part.completions)
+        if config.mask_truncated:  # the tokens stay in the sequence; they only stop counting in the loss
+            batch.completion_mask[torch.tensor(part.truncated, dtype=torch.bool)] = 0
+        batch = batch.to(device)
+        # Each row's denominator is its share of the loss type's global one (over data-parallel
+        # ranks); averaging the gradients over those ranks then yields the exact global loss.
+        denominators = loss_denominators(config.loss_type, batch.completion_mask.cpu(), global_tokens=global_tokens,
+                                         global_sequences=global_sequences, max_new_tokens=config.max_new_tokens,
+                                         ranks=dp_size)
+        stats = accumulate_gradients(model, batch, advantages[start:start + micro].to(device), config,
+                                     num_tokens=denominators, reference=reference,
+                                     engine_logprobs=part.logprobs if config.temperature == 1.0 else None,
+                                     after_forward=after_forward)
+        parts.append({**stats, "tokens": float(batch.completion_mask.sum())})
+    return merge_stats(parts)
+
+
+def merge_stats(results: list[dict]) -> dict:
+    """accumulate_gradients' statistics of every group as one batch's: loss and sums add up, the
+    token-weighted means (clip fraction, KL) weigh each group by its loss tokens (`tokens`)."""
+    tokens = sum(r["tokens"] for r in results)
+    merged = {"loss": sum(r["loss"] for r in results), "tokens": tokens,
+              "clip_fraction": sum(r["clip_fraction"] * r["tokens"] for r in results) / max(tokens, 1.0),
+              "kl": sum(r["kl"] * r["tokens"] for r in results) / max(tokens, 1.0)}
+    if results and "engine_logprob_max_abs_diff" in results[0]:
+        merged["engine_logprob_max_abs_diff"] = max(r["engine_logprob_max_abs_diff"] for r in results)
+        for key in ("engine_logprob_abs_diff_sum", "engine_logprob_tokens"):
+            merged[key] = sum(r[key] for r in results)
+    return merged
