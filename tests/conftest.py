@@ -13,9 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 
-import pytest
-import torch
+# Under pytest-xdist (the README's `pytest -n 2`) each worker gets one thread, and what it starts
+# (torchrun ranks, bench subprocesses) inherits that: two workers of two threads each on two cores
+# would spin against each other in OpenMP barriers. Set before torch is imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # The engine must run in this process (colo re-points its weights); set before vLLM is imported.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -25,6 +32,23 @@ TINY_CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, 
                    num_key_value_heads=1, head_dim=64, max_position_embeddings=256)
 PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [500, 17, 4, 250, 3, 3, 99])
 MAX_MODEL_LEN = 256
+
+
+def free_ports(count: int = 1) -> list[int]:
+    """Ports no process listens on now, all different (for torchrun's --master_port: tests of two
+    pytest workers run at once, so no test may hard-code one)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
 
 
 def pytest_report_header(config):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -175,7 +176,7 @@ def latest_checkpoint_step(out: Path) -> int:
 @pytest.mark.cpu_kind  # bf16 rounding and kernels differ between CPU kinds
 def test_two_ranks_under_torchrun_train_like_one(reference, tmp_path):
     out = tmp_path / "torchrun"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29631",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "colo.grpo", "--json", str(out / "log.jsonl"), "--out", str(out), "--no-progress",
            "--steps", "2", "--save-every", "1", "--keep-checkpoints", "0", "--trace", str(out / "trace.json"),
            "--dtype", "bf16"]
@@ -203,7 +204,7 @@ def test_prompts_the_ranks_do_not_divide_are_split_unevenly_with_the_same_result
     done = run_grpo(one, *common)
     assert done.returncode == 0, done.stderr[-3000:]
     # The two ranks also train each group as soon as it is done (--overlap on): still the same step.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29633",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "colo.grpo", *grpo_command(two, *common, "--overlap", "on")[3:]]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -217,10 +218,10 @@ def test_prompts_the_ranks_do_not_divide_are_split_unevenly_with_the_same_result
 def test_two_nodes_on_localhost_train_like_one_node(reference, tmp_path):
     """torchrun --nnodes 2 (two node ranks, one process each, rendezvous on 127.0.0.1), as the
     README's multi-node command: the first step matches the single-process reference."""
-    out = tmp_path / "two-nodes"
+    out, port = tmp_path / "two-nodes", free_port()
     args = grpo_command(out, "--steps", "1", "--save-every", "1", "--keep-checkpoints", "0", "--dtype", "bf16")[3:]
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-                               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", "29637",
+                               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
                                "-m", "colo.grpo", *args],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
              for node in (0, 1)]
@@ -236,8 +237,8 @@ def test_two_nodes_on_localhost_train_like_one_node(reference, tmp_path):
     assert_trains_like(out, reference, last_step=1)
 
 
-def torchrun(out: Path, ranks: int, port: int, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(port),
+def torchrun(out: Path, ranks: int, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port()),
            "-m", "colo.grpo", *grpo_command(out, *extra)[3:]]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=420, cwd=REPO, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -322,7 +323,7 @@ def test_sharded_optimizer_trains_like_one_rank_and_resumes_on_any_number_of_ran
 
     two = tmp_path / "two"
     common = ["--save-every", "1", "--keep-checkpoints", "0", "--shard-optimizer", "--dtype", "bf16"]
-    torchrun(two, 2, 29641, "--steps", "3", *common)
+    torchrun(two, 2, "--steps", "3", *common)
     log, expected = records(two), records(reference)
     assert [r["reward_mean"] for r in log] == pytest.approx([r["reward_mean"] for r in expected[:3]], abs=0.02)
     assert log[0]["reward_mean"] == pytest.approx(expected[0]["reward_mean"], abs=1e-9)
@@ -334,14 +335,14 @@ def test_sharded_optimizer_trains_like_one_rank_and_resumes_on_any_number_of_ran
         "step-000003.optimizer-rank0-of-2.pt", "step-000003.optimizer-rank1-of-2.pt", "step-000003.pt"]
     assert_trains_like(two, reference, last_step=3)
 
-    for ranks, port in ((2, 29643), (3, 29645)):
+    for ranks in (2, 3):
         again = tmp_path / f"resumed-on-{ranks}"
         shutil.copytree(two, again)
         for stale in again.glob("step-000003*"):  # as if killed during step 3
             stale.unlink()
         lines = (again / "log.jsonl").read_text().splitlines()[:2]
         (again / "log.jsonl").write_text("\n".join(lines) + "\n")
-        torchrun(again, ranks, port, "--steps", "3", "--resume")
+        torchrun(again, ranks, "--steps", "3", "--resume")
         assert [r["step"] for r in records(again)] == [1, 2, 3]
         if ranks == 2:  # the same ranks, the same reductions: exactly the uninterrupted run
             assert records(again)[2]["reward_mean"] == log[2]["reward_mean"]

@@ -13,6 +13,7 @@ import subprocess
 
 import pytest
 import torch
+from conftest import free_ports
 
 from test_grpo_run import ENV, REPO, grpo_command, records, run_grpo, torchrun
 
@@ -61,7 +62,7 @@ def assert_first_step_like_one_rank(tp_run, one) -> None:
 def two(tmp_path_factory):
     """Tensor parallel 2: one engine over two ranks."""
     out = tmp_path_factory.mktemp("grpo-tp2")
-    torchrun(out, 2, 29651, "--steps", "2", "--tensor-parallel", "2", *COMMON)
+    torchrun(out, 2, "--steps", "2", "--tensor-parallel", "2", *COMMON)
     return out
 
 
@@ -91,7 +92,7 @@ def test_tensor_parallel_trains_like_one_rank_with_one_copy_and_resumes_exactly(
     json_run = json.loads((two / "run.json").read_text())
     json_run["model_dir"] = str(resumed / "toy-model")
     (resumed / "run.json").write_text(json.dumps(json_run))
-    torchrun(resumed, 2, 29653, "--steps", "2", "--resume")
+    torchrun(resumed, 2, "--steps", "2", "--resume")
     assert records(resumed)[1]["reward_mean"] == b[1]["reward_mean"]
     wr, wb2 = whole_weights(resumed, 2), whole_weights(two, 2)
     assert all(torch.equal(wr[n], wb2[n]) for n in wb2)
@@ -109,7 +110,7 @@ def test_two_engines_of_two_ranks_with_zero_train_like_one_rank(one, two, tmp_pa
     reduce-scatter their gradients and each steps half of them, the updated halves are all-gathered
     into the engines' shards, and the step is one rank's."""
     out = tmp_path / "dp2-tp2"
-    torchrun(out, 4, 29655, "--steps", "1", "--tensor-parallel", "2", "--shard-optimizer", *COMMON)
+    torchrun(out, 4, "--steps", "1", "--tensor-parallel", "2", "--shard-optimizer", *COMMON)
     assert_first_step_like_one_rank(out, one)
     first = records(out)[0]
     assert first["publish_bytes_copied"] == 0  # the all-gather landed in the engines' shards
@@ -150,8 +151,8 @@ def test_two_tensor_parallel_jobs_on_one_host_at_once(tmp_path):
     import sys
 
     jobs = []
-    for port in (29531, 29532):
-        out = tmp_path / f"job{port}"
+    for job, port in enumerate(free_ports(2)):
+        out = tmp_path / f"job{job}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
                "-m", "colo.grpo", *grpo_command(out, "--steps", "1", "--tensor-parallel", "2", "--eager",
                                                 "--prompts-per-step", "2", "--num-generations", "2",

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import PROMPTS
+from conftest import PROMPTS, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -115,7 +115,7 @@ def run_ranks(tmp_path, model_dir, tp: int, dtype: str) -> tuple[list[dict], lis
     script = tmp_path / "tp_script.py"
     script.write_text(textwrap.dedent(SCRIPT).replace("PROMPT", repr(list(PROMPTS[0]))).replace("LR", repr(LR)))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), str(script),
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port", str(free_port()), str(script),
                           str(model_dir), str(tp), dtype, str(out)], capture_output=True, text=True, timeout=400, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-4000:]
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(tp)]

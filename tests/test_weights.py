@@ -12,7 +12,7 @@ import torch
 
 import colo
 from colo.engine import engine_model
-from conftest import PROMPTS, load_hf_model, tiny_hf_model
+from conftest import PROMPTS, free_port, load_hf_model, tiny_hf_model
 
 pytestmark = pytest.mark.slow
 
@@ -357,7 +357,7 @@ def test_each_torchrun_rank_shares_its_own_tensor_parallel_shard(tp, tmp_path, t
     script = tmp_path / "share_under_torchrun.py"
     script.write_text(textwrap.dedent(TORCHRUN_SCRIPT).replace("PROMPT", repr(list(PROMPTS[0]))))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
                           str(script), str(path), str(tp)],
                          capture_output=True, text=True, timeout=400, env=env)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RANK")]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 SHAPES = [(37, 16), (16,), (16, 16), (5,), (61, 16)]
 WORKER = Path(__file__).with_name("zero_worker.py")
@@ -73,13 +74,13 @@ def reference(steps: int, dtype=torch.bfloat16):
     return params, norms, optimizer
 
 
-def run_ranks(world: int, mode: str, out: Path, steps: int, resume: Path | None = None, port: int = 29651) -> list[dict]:
+def run_ranks(world: int, mode: str, out: Path, steps: int, resume: Path | None = None) -> list[dict]:
     args = [str(WORKER), mode, str(out), str(steps), *([str(resume)] if resume else [])]
     if world == 1:
         cmd = [sys.executable, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-               "--master_port", str(port), *args]
+               "--master_port", str(free_port()), *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -102,7 +103,7 @@ def assert_matches_reference(ranks: list[dict], steps: int, dtype=torch.bfloat16
 @pytest.mark.parametrize("world,mode", [(2, "in-place"), (3, "in-place"), (2, "private"), (2, "in-place-fp32")])
 def test_ranks_end_with_the_weights_of_one_rank(tmp_path, world, mode):
     fp32 = mode.endswith("fp32")
-    ranks = run_ranks(world, mode, tmp_path, steps=3, port=29651 + world + 10 * fp32)
+    ranks = run_ranks(world, mode, tmp_path, steps=3)
     assert_matches_reference(ranks, steps=3, dtype=torch.float32 if fp32 else torch.bfloat16)
     # Every rank serves the same gathered weights, bit for bit.
     for result in ranks[1:]:
@@ -127,8 +128,8 @@ def test_one_rank_is_the_unsharded_optimizer(tmp_path):
 
 def test_shards_resume_on_another_number_of_ranks(tmp_path):
     """2 ranks for 2 steps, then 3 ranks load the 2 shards and take step 3: the 3-step reference."""
-    run_ranks(2, "in-place", tmp_path / "two", steps=2, port=29661)
-    ranks = run_ranks(3, "in-place", tmp_path / "three", steps=3, resume=tmp_path / "two", port=29662)
+    run_ranks(2, "in-place", tmp_path / "two", steps=2)
+    ranks = run_ranks(3, "in-place", tmp_path / "three", steps=3, resume=tmp_path / "two")
     assert_matches_reference(ranks, steps=3)
 
 
