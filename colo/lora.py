@@ -304,6 +304,9 @@ def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0, tp=N
     size starts from the same adapter."""
     from vllm.lora.request import LoRARequest
 
+    if tp is None and compat.tensor_parallel_group(llm)[2] > 1:
+        raise ValueError("the engine is tensor-parallel: pass this rank's TensorParallelModel as tp= "
+                         "(colo.tensor_parallel.shared_tp_model)")
     if tp is not None and spec.dropout:
         raise NotImplementedError("LoRA dropout with tensor parallelism: the ranks' dropout masks of an input they "
                                   "all hold would have to agree; train with dropout 0")
@@ -324,9 +327,6 @@ def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0, tp=N
     write_adapter(directory, spec, zero)
     request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(directory))
     slices = _activate(llm, spec, modules, request)
-    split = sorted(name for name, s in slices.items() if s.split)
-    if split and tp is None:
-        raise ValueError(f"{split[0]}: the engine is tensor-parallel; pass this rank's TensorParallelModel as tp=")
     for p in hf_model.parameters():
         p.requires_grad_(False)
     adapter = SharedAdapter(spec, llm, request, compat.adapter_slot(llm, ADAPTER_ID), {}, tp=tp)
@@ -542,6 +542,8 @@ def share_peft_adapter(peft_model, llm, workdir, adapter_name: str = "default") 
     from vllm.lora.request import LoRARequest
 
     spec = peft_lora_spec(peft_model, adapter_name)
+    if compat.tensor_parallel_group(llm)[2] > 1:
+        raise NotImplementedError("PEFT adapters of tensor-parallel engines are not shared (colo.grpo's are)")
     layers = _peft_layers(peft_model, adapter_name)
     directory = Path(workdir) / "colo-adapter-slot"
     zero = {}
