@@ -98,7 +98,7 @@ class LoraSpec:
 def slot_bytes(hf_config, spec: LoraSpec, dtype: torch.dtype, tensor_parallel: int = 1) -> int:
     """Bytes of the engine's one adapter slot for a Llama/Qwen2-shaped model (on one rank of
     `tensor_parallel`): vLLM makes A and B slices of rank `max_lora_rank` for every linear layer of
-    every decoder layer, targeted or not; a rank's hold its part of the split B or A."""
+    every decoder layer, targeted or not; each rank holds its part of the split B or A."""
     c, t = hf_config, tensor_parallel
     rank = spec.engine_options()["max_lora_rank"]
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
