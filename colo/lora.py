@@ -22,6 +22,16 @@ vLLM multiplies PEFT's scaling (alpha / rank) into B when it sets an adapter, so
 meaning), the optimizer steps fp32 masters in PEFT's units: `scales()` gives each parameter's factor
 for colo.MasterWeightOptimizer (1 for A, `scaling` for B), which also keeps fp32 masters for bf16
 adapters. `save_pretrained` writes PEFT's B.
+
+With tensor parallelism (`share_adapter(tp.hf_model, llm, spec, workdir, tp=tp)`, tp the rank's
+colo.tensor_parallel.TensorParallelModel) each rank's adapter is a view of its own slot, which holds
+what vLLM gives that rank: for column-parallel layers (q/k/v, gate/up) its output rows of B and the
+whole A, for row-parallel ones (o_proj, down_proj) its input columns of A and the whole B. The
+forward is vLLM's: a column layer adds B_r (A x) to its output shard; a row layer adds B (A_r x_r) to
+its partial output, summed over the ranks by the layer's all-reduce with the base's. The pieces every
+rank holds whole (A of a column layer, B of a row layer; a shared KV head's B) get their gradients
+summed over the ranks that compute parts of them (TensorParallelModel.add_replicated). Checkpoints
+and PEFT files hold the whole adapter, gathered on the group's first rank.
 """
 from __future__ import annotations
 
@@ -85,14 +95,15 @@ class LoraSpec:
                 "base_model_name_or_path": base_model, "inference_mode": True}
 
 
-def slot_bytes(hf_config, spec: LoraSpec, dtype: torch.dtype) -> int:
-    """Bytes of the engine's one adapter slot for a Llama/Qwen2-shaped model: vLLM makes A and B
-    slices of rank `max_lora_rank` for every linear layer of every decoder layer, targeted or not."""
-    c = hf_config
+def slot_bytes(hf_config, spec: LoraSpec, dtype: torch.dtype, tensor_parallel: int = 1) -> int:
+    """Bytes of the engine's one adapter slot for a Llama/Qwen2-shaped model (on one rank of
+    `tensor_parallel`): vLLM makes A and B slices of rank `max_lora_rank` for every linear layer of
+    every decoder layer, targeted or not; each rank holds its part of the split B or A."""
+    c, t = hf_config, tensor_parallel
     rank = spec.engine_options()["max_lora_rank"]
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    h, i = c.hidden_size, c.intermediate_size
+    q, kv = c.num_attention_heads // t * head_dim, max(1, c.num_key_value_heads // t) * head_dim
+    h, i = c.hidden_size, c.intermediate_size // t
     per_layer = (h + q) * 2 + (h + kv) * 2 + (h + i) * 2 + (i + h)  # q o, k v, gate up, down: in + out each
     return rank * per_layer * c.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
 
@@ -104,6 +115,9 @@ class _Layer:
     lora_b: torch.nn.Parameter     # out x rank: a view of the engine's slot (scale x PEFT's B)
     scale: float                   # PEFT's scaling of this layer (alpha / rank)
     hook: object = None
+    split: str | None = None       # tensor parallelism: "A" or "B", the one vLLM splits over the ranks
+    piece: tuple | None = None     # and (dim, every rank's (start, stop), whole shape) of this rank's part
+                                   # (None: the whole, a KV head that all ranks share)
 
 
 @dataclass
@@ -115,6 +129,7 @@ class SharedAdapter(EngineViews):
     slot: int
     layers: dict[str, _Layer]                 # Hugging Face module name -> its adapter
     enabled: bool = True
+    tp: object = None                         # colo.tensor_parallel.TensorParallelModel, with tensor parallelism
     publish_count: int = 0
     _watched: list = field(default_factory=list, repr=False)   # [(name, parameter, data_ptr)]: EngineViews.watch
 
@@ -189,20 +204,64 @@ class SharedAdapter(EngineViews):
                 layer.module.register_parameter("lora_B", layer.lora_b)
 
     # -- PEFT's format ------------------------------------------------------------------------------
-    def peft_state_dict(self) -> dict[str, torch.Tensor]:
-        """The adapter as PEFT names and scales it (B divided by alpha/rank), in the adapter's dtype."""
-        with torch.no_grad():
-            state = {}
-            for name, layer in self.layers.items():
-                state[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_a.detach().clone()
-                state[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = (layer.lora_b.detach().float() / layer.scale
-                                                               ).to(layer.lora_b.dtype)
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """{"<module>.lora_A" / ".lora_B": the whole tensor}, in the slot's units (B is scale x PEFT's):
+        the trainer's parameters' names (a checkpoint's). With tensor parallelism each split piece is
+        gathered on the group's first rank, which gets the dict (None on the others; a collective)."""
+        first = self.tp is None or self.tp.rank == 0
+        state = {} if first else None
+        for name, p in _named(self.layers):
+            layer, which = self.layers[name.rpartition(".")[0]], name[-1]
+            value = p.detach()
+            if layer.piece and layer.split == which:
+                dim, ranges, shape = layer.piece
+                value = self.tp.gather_whole(value, dim, ranges, shape)
+            if first:
+                state[name] = value.clone()
         return state
 
-    def save_pretrained(self, directory, base_model: str = "") -> Path:
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict) -> None:
+        """Write a full_state_dict (whole tensors) into the slot, this rank's parts with tensor
+        parallelism; every name and shape is checked before anything is written."""
+        named = dict(_named(self.layers))
+        missing = [n for n in named if n not in state]
+        if missing:
+            raise ValueError(f"the state has no {missing[0]} (it must hold the whole adapter)")
+        parts = {}
+        for name, p in named.items():
+            layer, value = self.layers[name.rpartition(".")[0]], state[name]
+            split = layer.piece is not None and layer.split == name[-1]
+            shape = tuple(layer.piece[2]) if split else tuple(p.shape)
+            if tuple(value.shape) != shape:
+                raise ValueError(f"{name}: the state's is {tuple(value.shape)}, this adapter's is {shape}")
+            if split:  # this rank's part
+                dim, ranges, _ = layer.piece
+                start, stop = ranges[self.tp.rank]
+                value = value.narrow(dim, start, stop - start)
+            parts[name] = value
+        for name, p in named.items():
+            p.copy_(parts[name])
+
+    def peft_state_dict(self, full: dict | None = None) -> dict[str, torch.Tensor] | None:
+        """The adapter as PEFT names and scales it (B divided by alpha/rank), in the adapter's dtype, from
+        `full` (a full_state_dict) or gathered now (with tensor parallelism: None off the first rank)."""
+        full = self.full_state_dict() if full is None else full
+        if full is None:
+            return None
+        state = {}
+        for name, layer in self.layers.items():
+            b = full[f"{name}.lora_B"]
+            state[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = full[f"{name}.lora_A"].detach().clone()
+            state[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = (b.detach().float() / layer.scale).to(b.dtype)
+        return state
+
+    def save_pretrained(self, directory, base_model: str = "", full: dict | None = None) -> Path | None:
         """Write adapter_config.json and adapter_model.safetensors (PEFT's format; loads in PEFT and
-        in vLLM with a LoRARequest)."""
-        return write_adapter(directory, self.spec, self.peft_state_dict(), base_model)
+        in vLLM with a LoRARequest). With tensor parallelism a collective (unless `full`, a
+        full_state_dict, is given) and the group's first rank writes; None on the others."""
+        state = self.peft_state_dict(full)
+        return None if state is None else write_adapter(directory, self.spec, state, base_model)
 
     def load_peft_state_dict(self, state: dict, masters: dict | None = None) -> None:
         """Write a PEFT-format adapter of this spec into the slot (and so into the trainer's parameters);
@@ -226,58 +285,98 @@ class SharedAdapter(EngineViews):
     def rebind(self, llm) -> None:
         """Point the same parameters (an optimizer holds them) at a new engine's slot, with their values."""
         values = [p.detach().clone() for p in self.parameters()]
-        fresh = _activate(llm, self.spec, self.layers, self.request)
+        fresh = _activate(llm, self.spec, {n: layer.module for n, layer in self.layers.items()}, self.request)
         with torch.no_grad():
-            for (name, layer), (a, b) in zip(self.layers.items(), (fresh[n] for n in self.layers)):
-                layer.lora_a.data, layer.lora_b.data = a, b
+            for name, layer in self.layers.items():
+                layer.lora_a.data, layer.lora_b.data = fresh[name].lora_a, fresh[name].lora_b
             for p, v in zip(self.parameters(), values):
                 p.copy_(v)
         self.llm, self.slot = llm, compat.adapter_slot(llm, ADAPTER_ID)
         self.watch(_named(self.layers))
 
 
-def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0) -> SharedAdapter:
+def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0, tp=None) -> SharedAdapter:
     """Give `hf_model` (whose base weights are the engine's: colo.shared_model) a trainable LoRA adapter
     that is the engine's adapter slot. The base parameters are frozen; A starts as PEFT's (Kaiming
-    uniform, from `seed`), B at zero. `workdir`: where the zero adapter the engine loads once goes."""
+    uniform, from `seed`), B at zero. `workdir`: where the zero adapter the engine loads once goes.
+    tp: with a tensor-parallel engine, this rank's colo.tensor_parallel.TensorParallelModel (hf_model
+    is its hf_model); each rank draws the whole A from `seed` and keeps its part, so every tensor-parallel
+    size starts from the same adapter."""
     from vllm.lora.request import LoRARequest
 
+    if tp is None and compat.tensor_parallel_group(llm)[2] > 1:
+        raise ValueError("the engine is tensor-parallel: pass this rank's TensorParallelModel as tp= "
+                         "(colo.tensor_parallel.shared_tp_model)")
+    if tp is not None and spec.dropout:
+        raise NotImplementedError("LoRA dropout with tensor parallelism: the ranks' dropout masks of an input they "
+                                  "all hold would have to agree; train with dropout 0")
     modules = {name: m for name, m in hf_model.named_modules()
                if name.rpartition(".")[2] in spec.targets and isinstance(m, torch.nn.Linear)}
     if not modules:
         raise ValueError(f"no linear layer of the model is named one of {list(spec.targets)}")
     if any(hasattr(m, "lora_A") for m in modules.values()):
         raise ValueError("this model already has LoRA adapters (lora_A parameters)")
+    # The whole (out, in) of each layer: the engine reads this adapter from disk and takes its rank's parts.
+    shapes = {name: tuple(tp.layout[f"{name}.weight"][2]) if tp is not None else (m.out_features, m.in_features)
+              for name, m in modules.items()}
     directory = Path(workdir) / "colo-adapter-slot"
     zero = {}
-    for name, m in modules.items():
-        zero[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = torch.zeros(spec.rank, m.in_features)
-        zero[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = torch.zeros(m.out_features, spec.rank)
+    for name, (out_features, in_features) in shapes.items():
+        zero[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = torch.zeros(spec.rank, in_features)
+        zero[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = torch.zeros(out_features, spec.rank)
     write_adapter(directory, spec, zero)
     request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(directory))
     slices = _activate(llm, spec, modules, request)
     for p in hf_model.parameters():
         p.requires_grad_(False)
-    adapter = SharedAdapter(spec, llm, request, compat.adapter_slot(llm, ADAPTER_ID), {})
+    adapter = SharedAdapter(spec, llm, request, compat.adapter_slot(llm, ADAPTER_ID), {}, tp=tp)
     generator = torch.Generator().manual_seed(seed)
     for name, module in modules.items():
-        a_view, b_view = slices[name]
+        a_view, b_view, piece = slices[name].lora_a, slices[name].lora_b, None
+        if slices[name].split:
+            piece = _piece(tp, name, slices[name].split, spec.rank)
+        in_features = shapes[name][1]
         with torch.no_grad():  # PEFT's init: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0
-            bound = 1 / math.sqrt(module.in_features)
-            a_view.copy_(torch.rand(a_view.shape, generator=generator).mul_(2 * bound).sub_(bound))
+            bound = 1 / math.sqrt(in_features)
+            whole_a = torch.rand((spec.rank, in_features), generator=generator).mul_(2 * bound).sub_(bound)
+            if piece and slices[name].split == "A":
+                dim, ranges, _ = piece
+                start, stop = ranges[tp.rank]
+                whole_a = whole_a.narrow(dim, start, stop - start)
+            a_view.copy_(whole_a)
             b_view.zero_()
         lora_a, lora_b = torch.nn.Parameter(a_view), torch.nn.Parameter(b_view)
         module.register_parameter("lora_A", lora_a)
         module.register_parameter("lora_B", lora_b)
-        layer = _Layer(module, lora_a, lora_b, spec.scaling)
-        layer.hook = module.register_forward_hook(_adapter_forward(adapter, spec.dropout))
+        layer = _Layer(module, lora_a, lora_b, spec.scaling, split=slices[name].split, piece=piece)
+        # Prepended: a tensor-parallel row layer's all-reduce (a later hook) sums base and delta together.
+        layer.hook = module.register_forward_hook(_adapter_forward(adapter, spec.dropout), prepend=True)
         adapter.layers[name] = layer
+    if tp is not None:  # column layers' A and row layers' B: whole on every rank; a shared KV head's B
+        layers = adapter.layers.values()
+        tp.add_replicated([layer.lora_a if layer.split == "B" else layer.lora_b for layer in layers],
+                          kv=[layer.lora_b for name, layer in adapter.layers.items()
+                              if name.rpartition(".")[2] in ("k_proj", "v_proj")])
     adapter.watch(_named(adapter.layers))
     return adapter
 
 
-def _activate(llm, spec: LoraSpec, modules, request) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Load the adapter into the engine's slot and return {HF module name: (A view, B view)}."""
+def _piece(tp, name: str, split: str, rank: int) -> tuple | None:
+    """(dim, every rank's (start, stop), whole shape) of this rank's part of a layer's A or B: the rows of
+    B / columns of A that its base weight's shard has (vLLM slices both alike); None when that is the
+    whole (a KV head every rank holds)."""
+    _, shard, (out_features, in_features) = tp.layout[f"{name}.weight"]
+    dim = 0 if split == "B" else 1
+    if shard is None and name.endswith(("k_proj", "v_proj")) and tp.kv_replicas == tp.size:
+        return None
+    if shard is None or shard[0] != dim:
+        raise RuntimeError(f"colo misread the engine's layout: {name}'s adapter is split ({split}) but its weight's "
+                           f"shard is {shard}")
+    return dim, tp.shards[f"{name}.weight"], (out_features, rank) if split == "B" else (rank, in_features)
+
+
+def _activate(llm, spec: LoraSpec, modules, request) -> dict[str, compat.AdapterSlice]:
+    """Load the adapter into the engine's slot and return {HF module name: its slice, views of the slot}."""
     slot = compat.activate_adapter(llm, request)
     by_name = {s.hf_module: s for s in compat.adapter_slices(llm, slot, spec.rank)}
     missing = [name for name in modules if name not in by_name]
@@ -285,13 +384,16 @@ def _activate(llm, spec: LoraSpec, modules, request) -> dict[str, tuple[torch.Te
         raise NotImplementedError(f"the engine has no adapter slot for {missing[0]} (vLLM adapts "
                                   f"{sorted(by_name)[:4]}...)")
     region = compat.engine_placement(llm).pool.regions[WEIGHTS] if compat.engine_placement(llm) else None
-    views = {}
-    for name in modules:
+    for name, module in modules.items():
         s = by_name[name]
         if region is not None and not (region.contains(s.lora_a) and region.contains(s.lora_b)):
             raise RuntimeError(f"{name}: the engine's adapter slot is not in colo's weights region")
-        views[name] = (s.lora_a, s.lora_b)
-    return views
+        base = getattr(module, "base_layer", module)  # PEFT's LoRA layer wraps the linear
+        expected = ((spec.rank, base.in_features), (base.out_features, spec.rank))
+        if (tuple(s.lora_a.shape), tuple(s.lora_b.shape)) != expected:
+            raise RuntimeError(f"{name}: the engine's adapter slot holds A {tuple(s.lora_a.shape)} and B "
+                               f"{tuple(s.lora_b.shape)}, the layer needs {expected[0]} and {expected[1]}")
+    return {name: by_name[name] for name in modules}
 
 
 class _WithoutAdapter:
@@ -440,6 +542,8 @@ def share_peft_adapter(peft_model, llm, workdir, adapter_name: str = "default") 
     from vllm.lora.request import LoRARequest
 
     spec = peft_lora_spec(peft_model, adapter_name)
+    if compat.tensor_parallel_group(llm)[2] > 1:
+        raise NotImplementedError("PEFT adapters of tensor-parallel engines are not shared (colo.grpo's are)")
     layers = _peft_layers(peft_model, adapter_name)
     directory = Path(workdir) / "colo-adapter-slot"
     zero = {}
@@ -452,7 +556,7 @@ def share_peft_adapter(peft_model, llm, workdir, adapter_name: str = "default") 
     adapter = SharedAdapter(spec, llm, request, compat.adapter_slot(llm, ADAPTER_ID), {})
     masters = {}
     for name, module in layers.items():
-        a_view, b_view = slices[name]
+        a_view, b_view = slices[name].lora_a, slices[name].lora_b
         lora_a, lora_b = module.lora_A[adapter_name].weight, module.lora_B[adapter_name].weight
         scale = float(module.scaling[adapter_name])
         with torch.no_grad():

@@ -31,9 +31,11 @@ gradient on every rank, since their inputs and their outputs' gradients are whol
 gradient norm counts them once. With fewer KV heads than ranks, vLLM gives each rank one KV head,
 shared by size / kv_heads consecutive ranks whose query heads use it: each of those ranks computes part
 of its k_proj / v_proj gradient, summed over them by one all-reduce per parameter as autograd
-produces it (before any optimizer's hook sees it), and counted once in the norm. Refused with
-NotImplementedError before anything changes: biases of row-parallel layers (vLLM adds them on rank 0
-only), LoRA, architectures other than colo.weights.SUPPORTED_ARCHITECTURES.
+produces it (before any optimizer's hook sees it), and counted once in the norm. A LoRA adapter
+(colo.lora.share_adapter with tp=) trains on top of the shards; its pieces that several ranks hold
+the same join them through `add_replicated`. Refused with NotImplementedError before anything
+changes: biases of row-parallel layers (vLLM adds them on rank 0 only), architectures other than
+colo.weights.SUPPORTED_ARCHITECTURES.
 """
 from __future__ import annotations
 
@@ -142,6 +144,7 @@ class TensorParallelModel(EngineViews):
     replicated: list                       # parameters every rank holds whole (norms)
     kv_replicas: int = 1                   # ranks sharing one KV head (1: KV heads split over the ranks)
     kv_params: list = field(default_factory=list)  # k_proj / v_proj parameters, when kv_replicas > 1
+    kv_group: object = None                # the ranks sharing this rank's KV head, when kv_replicas > 1
     collectives: Collectives = field(default_factory=Collectives)
     shards: dict = field(default_factory=dict, repr=False)     # HF name -> every rank's (start, stop), in rank order
     layout: dict = field(default_factory=dict, repr=False)     # HF name -> (parameter, shard, whole shape)
@@ -188,6 +191,30 @@ class TensorParallelModel(EngineViews):
         return {i: 1.0 / self.size if id(p) in replicated else 1.0 / self.kv_replicas
                 for i, p in enumerate(params) if id(p) in replicated or id(p) in kv}
 
+    def add_replicated(self, whole: list, kv: list = ()) -> None:
+        """Trainable parameters beside the shards (a LoRA adapter's, colo.lora) that several ranks hold
+        the same while each computes only part of their gradient: `whole` on every rank of the group
+        (a column-parallel layer's A, a row-parallel layer's B), `kv` on the ranks sharing a KV head (a
+        k/v projection's B; split like the heads when kv_replicas is 1). Each gradient is summed over
+        those ranks as autograd produces it, so the copies stay identical; the norm counts them once."""
+        _sum_gradients(list(whole), self.group, self.collectives)
+        self.replicated.extend(whole)
+        if self.kv_replicas > 1:
+            _sum_gradients(list(kv), self.kv_group, self.collectives)
+            self.kv_params.extend(kv)
+
+    def gather_whole(self, local: torch.Tensor, dim: int, ranges: list, shape) -> torch.Tensor | None:
+        """The whole tensor (of `shape`) whose range ranges[r] along `dim` rank r holds (`local` here), on
+        the group's first rank; None on the others (a collective)."""
+        whole_on_me = self.rank == 0
+        pieces = _gather_shards(local, dim, ranges, dist.get_global_rank(self.group, 0), self.group, whole_on_me)
+        if not whole_on_me:
+            return None
+        whole = local.new_empty(shape)
+        for (begin, end), piece in zip(ranges, pieces):
+            whole.narrow(dim, begin, end - begin).copy_(piece.narrow(dim, 0, end - begin))
+        return whole
+
     def clip_grad_norm_(self, optimizer, max_norm: float | None) -> float:
         """As MasterWeightOptimizer.clip_grad_norm_, with the whole model's norm; returns it."""
         norm = self.grad_norm(optimizer.params, optimizer.main_grads)
@@ -200,20 +227,14 @@ class TensorParallelModel(EngineViews):
         the first rank of the tensor-parallel group (None on the others): each shard gathered there
         one tensor at a time. values: {parameter: tensor to gather instead}, e.g. fp32 masters."""
         whole_on_me = self.rank == 0
-        owner = dist.get_global_rank(self.group, 0)
         state = {} if whole_on_me else None
         for name, (param, shard, shape) in self.layout.items():
             local = (values or {}).get(param, param).detach()
-            if shard is None:  # the same on every rank: rank 0's
-                if whole_on_me:
-                    state[name] = local.clone()
-                continue
-            dim = shard[0]
-            pieces = _gather_shards(local, dim, self.shards[name], owner, self.group, whole_on_me)
+            if shard is not None:
+                whole = self.gather_whole(local, shard[0], self.shards[name], shape)
+            else:  # the same on every rank: rank 0's
+                whole = local.clone() if whole_on_me else None
             if whole_on_me:
-                whole = local.new_empty(shape)
-                for (begin, end), piece in zip(self.shards[name], pieces):
-                    whole.narrow(dim, begin, end - begin).copy_(piece.narrow(dim, 0, end - begin))
                 state[name] = whole
         return state
 
@@ -282,8 +303,6 @@ def shared_tp_model(llm) -> TensorParallelModel:
     placement = compat.engine_placement(llm)
     if placement is None:
         raise RuntimeError("shared_tp_model needs an engine built by colo.engine.build_llm (its weights in a pool)")
-    if compat.has_lora_slots(llm):
-        raise NotImplementedError("tensor parallelism with one copy does not take LoRA engines yet")
     group, rank, size = compat.tensor_parallel_group(llm)
     tensors, _ = compat.engine_layout(compat.engine_model(llm))
     views, vocab = _shard_views(tensors)
@@ -305,12 +324,12 @@ def shared_tp_model(llm) -> TensorParallelModel:
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     replicas = size // kv_heads if kv_heads < size else 1
     kv_params = [p for name, p in params.items() if name.endswith(KV_PARAMETERS)] if replicas > 1 else []
-    if kv_params:
-        _sum_kv_gradients(kv_params, _kv_replica_group(size, replicas), counts)
+    kv_group = _kv_replica_group(size, replicas) if replicas > 1 else None
+    _sum_gradients(kv_params, kv_group, counts)
     kv_ids = {id(p) for p in kv_params}
     replicated = [params[name] for name in views if views[name][1] is None and id(params[name]) not in kv_ids]
     return TensorParallelModel(hf_model.train(), llm, group, rank, size, start, replicated, replicas, kv_params,
-                               counts, layout={name: (params[name], shard, shape) for name, (_, shard, shape) in views.items()},
+                               kv_group, counts, layout={name: (params[name], shard, shape) for name, (_, shard, shape) in views.items()},
                                _watched=[(name, p, p.data_ptr()) for name, p in params.items()],
                                _repack=[lin for lin in placement.linears if lin.stale_after_update],
                                shards=_every_ranks_shards(views, group, size))
@@ -351,16 +370,16 @@ def _kv_replica_group(size: int, replicas: int):
     return mine
 
 
-def _sum_kv_gradients(kv_params: list, group, counts: Collectives) -> None:
-    # On the gradient each backward produces, before it is accumulated into .grad: summing the
-    # accumulated .grad instead would sum earlier micro-batches again at every backward.
+def _sum_gradients(params: list, group, counts: Collectives) -> None:
+    """Sum each parameter's gradient over `group`: on the gradient each backward produces, before it is
+    accumulated into .grad (summing the accumulated .grad would sum earlier micro-batches again)."""
     def hook(grad):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=group)
         counts.backward += 1
         return grad
 
-    for p in kv_params:
+    for p in params:
         p.register_hook(hook)
 
 

@@ -124,12 +124,19 @@ def test_two_engines_of_two_ranks_with_zero_train_like_one_rank(one, two, tmp_pa
 def test_what_tensor_parallelism_cannot_take_is_refused_before_any_engine(tmp_path):
     from transformers import LlamaConfig, Qwen2Config
 
+    import colo
     from colo.grpo import GRPOConfig
+    from colo.grpo.rollout_engine import RolloutEngine
+    from colo.lora import LoraSpec
     from colo.tensor_parallel import check_shardable
 
-    for option in ({"lora_rank": 4}, {"beta": 0.1}):
-        with pytest.raises(NotImplementedError, match=next(iter(option))):
-            GRPOConfig(tensor_parallel=2, **option)
+    with pytest.raises(NotImplementedError, match="beta"):
+        GRPOConfig(tensor_parallel=2, beta=0.1)
+    GRPOConfig(tensor_parallel=2, lora_rank=4)  # LoRA with TP: tests/test_lora_tp.py
+    # But not vLLM's fully sharded LoRA (its slots split the adapter's rank over the ranks).
+    with pytest.raises(NotImplementedError, match="fully_sharded_loras"):
+        RolloutEngine(tmp_path / "no-model", colo.Pool("cpu"), seed=0, max_num_seqs=1, lora=LoraSpec(4),
+                      workdir=tmp_path, tensor_parallel=2, fully_sharded_loras=True)
     toy = Qwen2Config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
     check_shardable(toy, 2)
     with pytest.raises(ValueError, match="2 heads"):

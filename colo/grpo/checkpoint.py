@@ -269,9 +269,9 @@ class Checkpointer:
     def restore(self, state: dict) -> int:
         """Load a checkpoint into the live, weight-sharing model, then let the engine see it; returns
         the checkpoint's step (already saved, so not written again)."""
-        if self.tp is not None:  # whole weights, this rank's shards written in place
+        if self.tp is not None:  # whole weights (or adapter), this rank's shards written in place
             try:
-                self.tp.load_full_state_dict(state["model"])
+                (self.adapter or self.tp).load_full_state_dict(state["model"])
             except ValueError as e:
                 raise CheckpointError(f"checkpoint does not fit the model at {self.model_dir}: {e}") from e
             missing = unexpected = []
@@ -331,7 +331,8 @@ class Checkpointer:
                     state["reference"] = self.reference.state_dict()
                 path = save_checkpoint(self.out_dir, step, state, keep=self.config.keep_checkpoints)
                 if self.adapter is not None:  # the newest adapter in PEFT's format, for PEFT and vLLM
-                    self.adapter.save_pretrained(self.out_dir / "adapter", base_model=str(self.model_dir))
+                    self.adapter.save_pretrained(self.out_dir / "adapter", base_model=str(self.model_dir),
+                                                 full=model_state)
         D.barrier(self.world)
         self.last_saved_step = step
         return path
@@ -346,15 +347,15 @@ class Checkpointer:
 
     def _model_state(self) -> dict:
         """What a checkpoint keeps of the model: every weight, or with an adapter the adapter only. With
-        tensor parallelism the whole weights, gathered on rank 0 (None on the other ranks)."""
+        tensor parallelism the whole weights (or adapter), gathered on rank 0 (None on the other ranks)."""
+        if self.adapter is not None:
+            return self.adapter.full_state_dict()
         if self.tp is not None:
             state = self.tp.full_state_dict()
             if state is not None and "lm_head.weight" not in state and "lm_head.weight" in self.model.state_dict():
                 state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied: state_dict names both
             return state
-        if self.adapter is None:
-            return self.model.state_dict()
-        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
+        return self.model.state_dict()
 
     def _check_ranks_agree(self, step: int) -> None:
         """Every rank applies the same averaged update, so their weights must be identical; rank 0's

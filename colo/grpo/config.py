@@ -128,10 +128,9 @@ class GRPOConfig:
                 raise ValueError("shard_optimizer with lora_rank > 0: an adapter's optimizer state is small; "
                                  "train it unsharded")
         check_int(self.tensor_parallel, "tensor_parallel")
-        if self.tensor_parallel > 1:
-            for name, unsupported in (("lora_rank > 0", self.lora_rank), ("beta > 0 (a reference model)", self.beta > 0)):
-                if unsupported:
-                    raise NotImplementedError(f"tensor_parallel={self.tensor_parallel} with {name} is not built yet")
+        if self.tensor_parallel > 1 and self.beta > 0:
+            raise NotImplementedError(f"tensor_parallel={self.tensor_parallel} with beta > 0 (a reference model) is "
+                                      "not built yet")
         if self.dtype not in (None, *DTYPES):
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or None (the fastest here), got {self.dtype!r}")
 

@@ -94,9 +94,11 @@ class RolloutEngine:
                 raise ValueError("lora needs a workdir for the adapter the engine loads at start")
             llm_kwargs.update(lora.engine_options())
         if tensor_parallel > 1:
-            if lora is not None or not alias:
-                raise NotImplementedError("tensor parallelism shares the engine's shards with the trainer: it takes "
-                                          "neither a LoRA adapter nor alias=False yet")
+            if not alias:
+                raise NotImplementedError("tensor parallelism shares the engine's shards with the trainer: it does not "
+                                          "take alias=False yet")
+            if lora is not None:
+                compat.check_shareable_lora(bool(llm_kwargs.get("fully_sharded_loras")), tensor_parallel)
             llm_kwargs["tensor_parallel_size"] = tensor_parallel
         self.tp_size = tensor_parallel
         config = AutoConfig.from_pretrained(model_dir)
@@ -110,14 +112,15 @@ class RolloutEngine:
         # get_kv_cache_config_from_groups); a full-attention page is block x one layer's K and V per
         # token, so these bytes give exactly `blocks`, null block included.
         blocks = max(kv_cache_blocks(max_num_seqs, sequence_tokens, block), kv_cache_blocks(1, self.max_model_len, block))
-        self.adapter_slot_bytes = slot_bytes(config, lora, dtype) if lora else 0
+        self.adapter_slot_bytes = slot_bytes(config, lora, dtype, tensor_parallel) if lora else 0
         self.kv_cache_bytes = self._kv_budget(blocks * block * kv_bytes_per_token(config, dtype, tensor_parallel), config)
         self._llm_kwargs = dict(skip_tokenizer_init=True, max_num_seqs=max_num_seqs, block_size=block, **llm_kwargs)
         self.llm = self._build(load_format="auto")
         self.shared = self._share()
         self.tensor_parallel = self.shared if tensor_parallel > 1 else None
         self.hf_model = self.shared.hf_model
-        self.adapter = share_adapter(self.hf_model, self.llm, lora, workdir, seed=seed) if lora else None
+        self.adapter = share_adapter(self.hf_model, self.llm, lora, workdir, seed=seed,
+                                     tp=self.tensor_parallel) if lora else None
 
     def _kv_budget(self, wanted: int, config) -> int:
         if KV_CACHE in self.pool.regions:

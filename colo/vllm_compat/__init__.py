@@ -36,8 +36,8 @@ from .engine import (
     release_engine, request_guard, request_hooks, served_dtype, startup_memory_fraction, tensor_parallel_group,
 )
 from .lora_slots import (
-    LORA_SLOT_RANKS, AdapterSlice, activate_adapter, adapter_slices, adapter_slot, has_lora_slots,
-    lora_engine_options, punica_wrappers, serve_adapter_by_default,
+    LORA_SLOT_RANKS, AdapterSlice, activate_adapter, adapter_slices, adapter_slot, check_shareable_lora,
+    has_lora_slots, lora_engine_options, punica_wrappers, serve_adapter_by_default,
 )
 
 __all__ = [
@@ -50,8 +50,8 @@ __all__ = [
     "external_request_id", "is_compiled", "keep_process_groups", "kv_cache_block_count", "platform_device_type",
     "quiet_chat_warmup_without_tokenizer", "release_engine", "request_guard", "request_hooks", "served_dtype",
     "startup_memory_fraction", "tensor_parallel_group",
-    "LORA_SLOT_RANKS", "AdapterSlice", "activate_adapter", "adapter_slices", "adapter_slot", "has_lora_slots",
-    "lora_engine_options", "punica_wrappers", "serve_adapter_by_default",
+    "LORA_SLOT_RANKS", "AdapterSlice", "activate_adapter", "adapter_slices", "adapter_slot", "check_shareable_lora",
+    "has_lora_slots", "lora_engine_options", "punica_wrappers", "serve_adapter_by_default",
 ]
 
 

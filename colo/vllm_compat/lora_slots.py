@@ -34,10 +34,18 @@ class AdapterSlice:
     (out x rank): vLLM's layers compute `out += (x @ A.T) @ B.T` (PunicaWrapper.add_lora_linear with
     scale 1.0), with the adapter's alpha/rank already multiplied into B when the adapter was set
     (LoRALayerWeights.optimize). Fused layers (q/k/v, gate/up) have one A and one B per sub-projection.
+
+    With tensor parallelism (vLLM's default LoRA, not fully sharded) each rank's slot holds a part:
+    `split` "B" for column-parallel layers (q/k/v, gate/up: this rank's output rows of B, those of its
+    base weight's shard, and the whole A; ColumnParallelLinearWithLoRA.slice_lora_b), "A" for
+    row-parallel ones (o_proj, down_proj: this rank's input columns of A and the whole B;
+    RowParallelLinearWithLoRA.slice_lora_a; the layer adds B (A_r x_r) to its partial output before
+    its all-reduce). None: one rank, the whole adapter.
     """
     hf_module: str
     lora_a: torch.Tensor
     lora_b: torch.Tensor
+    split: str | None = None
 
 
 def activate_adapter(llm, lora_request) -> int:
@@ -46,10 +54,22 @@ def activate_adapter(llm, lora_request) -> int:
     Returns the slot index."""
     if not has_lora_slots(llm):
         raise RuntimeError("this engine was built without enable_lora=True; it has no adapter slots")
+    check_shareable_lora(llm.llm_engine.vllm_config.lora_config.fully_sharded_loras,
+                         llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
     llm.llm_engine.add_lora(lora_request)
     llm.llm_engine.pin_lora(lora_request.lora_int_id)
     _one_adapter_fast_path(llm)
     return adapter_slot(llm, lora_request.lora_int_id)
+
+
+def check_shareable_lora(fully_sharded_loras: bool, tensor_parallel_size: int) -> None:
+    """Refuse vLLM's fully sharded LoRA (S-LoRA) on a tensor-parallel engine: its slots hold a rank
+    slice of A (column-parallel layers) or B (row-parallel ones), and its shrink results are gathered
+    or all-reduced between A and B, which colo's trainer does not model."""
+    if fully_sharded_loras and tensor_parallel_size > 1:
+        raise NotImplementedError("fully_sharded_loras=True with tensor parallelism: colo shares vLLM's default "
+                                  "tensor-parallel LoRA slots only (B split for column-parallel layers, A for "
+                                  "row-parallel ones); build the engine without fully_sharded_loras")
 
 
 def has_lora_slots(llm) -> bool:
@@ -128,7 +148,8 @@ def adapter_slot(llm, lora_id: int) -> int | None:
 
 
 def adapter_slices(llm, slot: int, rank: int) -> list[AdapterSlice]:
-    """Views of slot `slot` of every LoRA layer of the engine, one per Hugging Face linear layer."""
+    """Views of slot `slot` of every LoRA layer of the engine, one per Hugging Face linear layer (with
+    tensor parallelism: this rank's parts, `AdapterSlice.split`)."""
     from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
 
     model = engine_model(llm)
@@ -140,15 +161,33 @@ def adapter_slices(llm, slot: int, rank: int) -> list[AdapterSlice]:
         if not isinstance(module, BaseLinearLayerWithLoRA):
             raise NotImplementedError(f"{name}: colo trains adapters of linear layers only, not of a "
                                       f"{type(module).__name__}")
-        if module.tp_size > 1:
-            raise NotImplementedError(f"{name}: adapters of tensor-parallel engines are not shared yet")
+        split = _tensor_parallel_split(name, module)
         prefix, _, short = name.rpartition(".")
         parts = packed.get(short, [short]) if module.n_slices > 1 else [short]
         if len(parts) != module.n_slices:
             raise NotImplementedError(f"{name}: {module.n_slices} fused adapter slices but the mapping names {parts}")
         for part, a, b in zip(parts, module.lora_a_stacked, module.lora_b_stacked):
-            slices.append(AdapterSlice(f"{prefix}.{part}" if prefix else part, a[slot, 0, :rank, :], b[slot, 0, :, :rank]))
+            slices.append(AdapterSlice(f"{prefix}.{part}" if prefix else part, a[slot, 0, :rank, :], b[slot, 0, :, :rank],
+                                       split))
     return slices
+
+
+def _tensor_parallel_split(name: str, module) -> str | None:
+    """Which of A ("A") or B ("B") this tensor-parallel rank's slot holds a part of (AdapterSlice.split);
+    NotImplementedError for layers whose LoRA arithmetic differs from the plain split."""
+    from vllm.lora.layers import ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA
+
+    if module.tp_size == 1:
+        return None
+    check_shareable_lora(module.lora_config.fully_sharded_loras, module.tp_size)
+    base = module.base_layer
+    if isinstance(module, ColumnParallelLinearWithLoRA) and not base.gather_output:
+        return "B"
+    if isinstance(module, RowParallelLinearWithLoRA) and base.input_is_parallel and base.reduce_results:
+        return "A"
+    raise NotImplementedError(f"{name}: colo shares tensor-parallel adapters of column-parallel layers (without "
+                              f"gather_output) and row-parallel layers (parallel input, reduced output) only, not "
+                              f"of a {type(module).__name__}")
 
 
 def serve_adapter_by_default(llm, lora_request) -> None:
