@@ -242,7 +242,7 @@ def test_trl_rows_compare_colo_trl_and_colo_grpo_with_stock_trl():
     from colo.bench import trl
     from colo.bench.baselines import UPDATABLE_VARIANT
 
-    rows = trl.measure_size("qwen2-trl-0.4M", quick=True, progress=lambda it, desc="": it, device="cpu")
+    rows = trl.measure_size("qwen2-trl-0.4M", quick=True, progress=lambda it, desc="": it, device="cpu", rounds=1)
     by_case = {row["case"].split(": ", 1)[1]: row for row in rows}
     with_trl, scheduler = by_case["colo.trl"], by_case["colo.grpo scheduler"]
     assert with_trl["colo_sync_bytes"] == 0 < with_trl["baseline_sync_bytes"]
@@ -253,7 +253,7 @@ def test_trl_rows_compare_colo_trl_and_colo_grpo_with_stock_trl():
     else:
         assert len(rows) == 2
     for row in rows:
-        assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"]) and row["steps_measured"] == 3 * 2
+        assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"]) and row["steps_measured"] == 3 * 1
     assert isinstance(with_trl["goal_met"], bool) and isinstance(scheduler["goal_met"], bool)
 
 

@@ -318,8 +318,9 @@ def run_colo_grpo(model_dir: Path, steps: int, lora: dict | None = None, trl_tas
             "dtype": config.resolve_dtype("cpu").dtype, "records": records}
 
 
-def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[dict]:
-    steps, rounds = (3, 2) if quick else (5, 2)
+def measure_size(name: str, quick: bool, progress, device: str = "cpu", rounds: int = 2) -> list[dict]:
+    """The rows of one model size; `rounds` alternating rounds of every TRL side (one fresh process each)."""
+    steps = 3 if quick else 5
     with tempfile.TemporaryDirectory(prefix="colo-trl-") as tmp:
         tmp = Path(tmp)
         real = SIZES[name] is None
