@@ -22,6 +22,26 @@ def test_serial_reasons_name_what_prevents_overlap():
         GRPOConfig(overlap="yes")
 
 
+@pytest.mark.cpu_kind  # the device kind is the CPU's (an AVX2 persona is another kind)
+def test_auto_overlaps_where_measured_faster_and_only_when_completions_end_apart(monkeypatch):
+    from colo.dtype_choice import fastest_dtype
+    from colo.grpo import overlap
+
+    kind = overlap.device_kind("cpu")
+    assert kind in overlap.MEASURED_FASTER
+    assert (kind == "cpu-avx2") == (fastest_dtype("cpu").dtype == torch.float32)  # the bf16 kinds are the others
+    auto = dict(device_type="cpu", groups=4)
+    monkeypatch.setitem(overlap.MEASURED_FASTER, kind, False)
+    assert f"not measured faster than a serial one on this device kind ({kind}" in serial_reason(GRPOConfig(), **auto)
+    assert serial_reason(GRPOConfig(overlap="on"), **auto) is None
+    monkeypatch.setitem(overlap.MEASURED_FASTER, kind, True)
+    assert serial_reason(GRPOConfig(), **auto) is None
+    # Every completion max_new_tokens long: nothing finishes early, so auto does not pay for the thread.
+    assert "ignore_eos and no stop tokens" in serial_reason(GRPOConfig(ignore_eos=True), **auto)
+    assert serial_reason(GRPOConfig(ignore_eos=True), **auto, stop_tokens=True) is None
+    assert "(cuda;" in serial_reason(GRPOConfig(), device_type="cuda", groups=4)  # no GPU has measured it
+
+
 def test_merged_stats_are_the_whole_batchs():
     groups = [dict(loss=0.5, tokens=10.0, clip_fraction=0.2, kl=0.1, engine_logprob_max_abs_diff=1e-3,
                    engine_logprob_abs_diff_sum=2e-3, engine_logprob_tokens=10.0),

@@ -36,19 +36,42 @@ from .update import merge_stats
 
 OVERLAP_MODES = ("auto", "on", "off")
 
-# Where an overlapped step measured faster than the serial one on the long-tail workload of
-# `python -m colo.bench --only overlap` (bench/results/cpu-overlap-*.json); auto turns overlap on
-# there only. No GPU has measured it yet, so auto stays serial on CUDA.
-MEASURED_FASTER = {"cpu": False, "cuda": False}
+# Whether an overlapped step measured faster than the serial one on the long-tail workload of
+# `python -m colo.bench --sections overlap`, per device kind (device_kind); auto overlaps there only.
+MEASURED_FASTER = {
+    "cpu-avx2": True,          # 1.21x, fp32 (bench/results/cpu-overlap-full.json, AMD EPYC, 2 cores)
+    # 0.97x, bf16 (cpu-overlap-zen5-full.json, AMD EPYC Zen 5, 2 cores): the engine's decode keeps both
+    # cores busy there, so the core it gives the trainer slows generation by as much as training gains.
+    "cpu-avx512-bf16": False,
+    "cpu-amx": False,          # not measured
+    "cuda": False,             # not measured: no GPU run yet
+}
 
 
-def serial_reason(config, *, device_type: str, groups: int) -> str | None:
-    """Why this run's steps cannot overlap training with generation (None: they can, memory aside)."""
+def device_kind(device_type: str) -> str:
+    """The kind of device overlap's measurements are keyed by: "cuda", or the CPU's fastest matmul units."""
+    if device_type != "cpu":
+        return device_type
+    caps = torch.cpu.get_capabilities()
+    for feature, kind in (("amx_bf16", "cpu-amx"), ("avx512_bf16", "cpu-avx512-bf16"), ("avx2", "cpu-avx2")):
+        if caps.get(feature) is True:
+            return kind
+    return "cpu"
+
+
+def serial_reason(config, *, device_type: str, groups: int, stop_tokens: bool = False) -> str | None:
+    """Why this run's steps cannot overlap training with generation (None: they can, memory aside).
+    stop_tokens: the task ends completions at tokens of its own (so lengths differ even with ignore_eos)."""
     if config.overlap == "off":
         return "overlap is off"
-    if config.overlap == "auto" and not MEASURED_FASTER.get(device_type, False):
-        return (f"overlap=auto: an overlapped step has not measured faster than a serial one on {device_type} "
-                "(colo.grpo.overlap.MEASURED_FASTER); use overlap='on' to run it anyway")
+    if config.overlap == "auto":
+        kind = device_kind(device_type)
+        if not MEASURED_FASTER.get(kind, False):
+            return (f"overlap=auto: an overlapped step has not measured faster than a serial one on this device "
+                    f"kind ({kind}; colo.grpo.overlap.MEASURED_FASTER); use overlap='on' to run it anyway")
+        if config.ignore_eos and not stop_tokens:
+            return ("overlap=auto: ignore_eos and no stop tokens: every completion decodes max_new_tokens tokens, "
+                    "so the groups finish together and none could train early")
     if config.tensor_parallel > 1:
         return ("tensor parallelism: the trainer's collectives would interleave with the engine's on the same "
                 "ranks")

@@ -171,7 +171,7 @@ class GRPOScheduler:
 
     def _overlap_refusal(self) -> str | None:
         """Why this run's steps are serial (None: they overlap); logged once, a warning where asked for."""
-        reason = serial_reason(self.config, device_type=self.device.type,
+        reason = serial_reason(self.config, device_type=self.device.type, stop_tokens=bool(self.task.stop_token_ids),
                                groups=len(D.rank_share(self.config.prompts_per_step, self.world)))
         reason = reason or memory_refusal(self.memory, self.config, self.model_dir, self._longest_sequence())
         if reason is not None:
