@@ -18,13 +18,14 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 MAX_NEW = 12
 FLAKY = '''import os
-calls = 0
+scored = 0
 
 def flaky(prompts, completions, completion_ids, answer, **kwargs):
-    """Rewards short answers; from call RAISE_FROM_CALL on it raises (a service it needs went down)."""
-    global calls
-    calls += 1
-    if calls >= int(os.environ.get("RAISE_FROM_CALL") or 10**9):
+    """Rewards short answers; once it has seen RAISE_AFTER completions it raises (a service it needs
+    went down). Counted in completions, not calls: an overlapped step scores each group on its own."""
+    global scored
+    scored += len(completion_ids)
+    if scored > int(os.environ.get("RAISE_AFTER") or 10**9):
         raise RuntimeError("the user's reward broke")
     return [1.0 if len(ids) <= 6 else 0.0 for ids in completion_ids]
 '''
@@ -48,10 +49,10 @@ def test_real_model_on_a_dataset_stops_at_eos_and_resumes_after_a_failing_reward
              "--reward", f"{reward_file}:flaky", "--reward-weights", "1", "0.5", "--eval-dataset", str(evaluation),
              "--eval-every", "2", "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", str(MAX_NEW),
              "--lr", "1e-5", "--dtype", "fp32", "--save-every", "1"]
-    failed = run(out, *flags, env_extra={"RAISE_FROM_CALL": "2"})  # step 1 scores, step 2's call raises
+    failed = run(out, *flags, env_extra={"RAISE_AFTER": "8"})  # step 1 scores its 8 completions, step 2 raises
     assert failed.returncode == 1, failed.stderr[-2000:]
     assert "reward function 'flaky' raised RuntimeError: the user's reward broke at step 2, on dataset row" in \
-        failed.stderr and "(completion 0 of the step's batch)" in failed.stderr, failed.stderr[-2000:]
+        failed.stderr and "(completion 0 of the " in failed.stderr, failed.stderr[-2000:]
     assert sorted(p.name for p in out.glob("step-*.pt")) == ["step-000001.pt"]
 
     resumed = run(out, "--steps", "2", "--resume")  # the user fixed the reward; same data and rewards (run.json)

@@ -20,8 +20,7 @@ import pytest
 import torch
 from conftest import free_port
 
-# One worker runs them all: most compare against the module's `reference` run, built once per worker.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("grpo_run")]
+pytestmark = pytest.mark.slow
 
 STEPS = 12
 REPO = Path(__file__).resolve().parents[1]

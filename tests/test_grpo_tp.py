@@ -17,8 +17,7 @@ from conftest import free_ports
 
 from test_grpo_run import ENV, REPO, grpo_command, records, run_grpo, torchrun
 
-# One worker runs them all: the module's `one` and `two` runs are built once per worker.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("grpo_tp")]
+pytestmark = pytest.mark.slow
 
 LR = 3e-3  # the toy run's --lr (colo.grpo.cli.TOY_DEFAULTS)
 COMMON = ("--save-every", "1", "--keep-checkpoints", "0", "--dtype", "fp32")

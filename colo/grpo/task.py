@@ -247,7 +247,7 @@ class DatasetTask(Task):
             try:
                 function(**one)
             except Exception:  # noqa: BLE001 - the row is what we are looking for
-                return f", on {self.describe_row(row)} (completion {i} of the step's batch)"
+                return f", on {self.describe_row(row)} (completion {i} of the {len(rows)} it was scoring)"
         return ""
 
 
