@@ -235,11 +235,7 @@ class SharedAdapter(EngineViews):
             shape = tuple(layer.piece[2]) if split else tuple(p.shape)
             if tuple(value.shape) != shape:
                 raise ValueError(f"{name}: the state's is {tuple(value.shape)}, this adapter's is {shape}")
-            if split:  # this rank's part
-                dim, ranges, _ = layer.piece
-                start, stop = ranges[self.tp.rank]
-                value = value.narrow(dim, start, stop - start)
-            parts[name] = value
+            parts[name] = _rank_part(value, layer.piece, self.tp.rank) if split else value
         for name, p in named.items():
             p.copy_(parts[name])
 
@@ -339,11 +335,7 @@ def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0, tp=N
         with torch.no_grad():  # PEFT's init: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0
             bound = 1 / math.sqrt(in_features)
             whole_a = torch.rand((spec.rank, in_features), generator=generator).mul_(2 * bound).sub_(bound)
-            if piece and slices[name].split == "A":
-                dim, ranges, _ = piece
-                start, stop = ranges[tp.rank]
-                whole_a = whole_a.narrow(dim, start, stop - start)
-            a_view.copy_(whole_a)
+            a_view.copy_(_rank_part(whole_a, piece, tp.rank) if piece and slices[name].split == "A" else whole_a)
             b_view.zero_()
         lora_a, lora_b = torch.nn.Parameter(a_view), torch.nn.Parameter(b_view)
         module.register_parameter("lora_A", lora_a)
@@ -359,6 +351,13 @@ def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0, tp=N
                               if name.rpartition(".")[2] in ("k_proj", "v_proj")])
     adapter.watch(_named(adapter.layers))
     return adapter
+
+
+def _rank_part(whole: torch.Tensor, piece: tuple, rank: int) -> torch.Tensor:
+    """Rank `rank`'s part of a whole A or B split as `piece` (_piece's) says."""
+    dim, ranges, _ = piece
+    start, stop = ranges[rank]
+    return whole.narrow(dim, start, stop - start)
 
 
 def _piece(tp, name: str, split: str, rank: int) -> tuple | None:

@@ -112,7 +112,7 @@ class GRPOScheduler:
         self.step = self.checkpointer.restore(resume_state) if resume_state is not None else 0
         self.log = StepLog(log_path if self.world.is_main else None,
                            resume_after_step=self.step if resume else None)
-                # True from the optimizer step until the publish: the weights are half-changed, and a failure
+        # True from the optimizer step until the publish: the weights are half-changed, and a failure
         # then must not checkpoint them (run() saves on the way out only when this is False).
         self._unsafe_to_save = False
 
@@ -325,7 +325,8 @@ class GRPOScheduler:
                                                            self.world, data_parallel=True)
             collectives = self.tp.collectives.total if self.tp else 0
             if rollout.overlapped is None:
-                batch_std = scored_mean_std(rewards, self.world)[1] if cfg.scale_rewards == "batch" else None  # every rank's
+                # scale_rewards="batch": the std of every rank's rewards
+                batch_std = scored_mean_std(rewards, self.world)[1] if cfg.scale_rewards == "batch" else None
                 advantages = group_advantages(rewards, cfg.num_generations, scale=cfg.scale_rewards,
                                               allow_unscorable=True, batch_std=batch_std)
                 stats = self._backward(rollout, advantages, record, global_tokens=global_tokens,

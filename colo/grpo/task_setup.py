@@ -91,8 +91,9 @@ def sampling_options(config, task: Task, step: int, share: range) -> list[dict]:
     completions."""
     per_step = config.prompts_per_step * config.num_generations
     top_k = dict(top_k=config.top_k) if config.top_k else {}
+    stop = stop_options(task)
     return [dict(n=config.num_generations, max_tokens=config.max_new_tokens, temperature=config.temperature,
-                 top_p=config.top_p, ignore_eos=config.ignore_eos, **stop_options(task), **top_k,
+                 top_p=config.top_p, ignore_eos=config.ignore_eos, **stop, **top_k,
                  seed=(config.seed * 1_000_003 * per_step + step * per_step
                        + i * config.num_generations) % (2**63 - 1),
                  logprobs=0)
