@@ -131,6 +131,8 @@ class GRPOConfig:
         if self.tensor_parallel > 1 and self.beta > 0:
             raise NotImplementedError(f"tensor_parallel={self.tensor_parallel} with beta > 0 (a reference model) is "
                                       "not built yet")
+        if self.tensor_parallel > 1 and self.eval_every:
+            raise NotImplementedError("eval_every with tensor_parallel > 1 is not built yet")
         if self.dtype not in (None, *DTYPES):
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or None (the fastest here), got {self.dtype!r}")
 

@@ -106,6 +106,34 @@ class Timeline:
             self._file = None
 
 
+def rank_path(path, rank: int):
+    """A rank's own file of a per-run path: the path itself on rank 0, `name.rankR.ext` on the others."""
+    if path is None or rank == 0:
+        return path
+    path = Path(path)
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+class ProgressBar:
+    """tqdm's bar over a run's steps with the last reward and step time; a no-op when not enabled."""
+
+    def __init__(self, steps: int, done: int, enabled: bool):
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=steps, initial=done, desc="colo.grpo", unit="step", dynamic_ncols=True)
+
+    def update(self, record: dict) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(reward=f"{record['reward_mean']:.3f}", step_s=f"{record['step_s']:.2f}")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
 def _reopen_array(path: Path) -> None:
     """Make a closed trace (ending in ']') appendable again: replace the bracket by a comma."""
     with open(path, "rb+") as f:

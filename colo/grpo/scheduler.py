@@ -26,7 +26,6 @@ the step a SIGTERM interrupted, and on the way out of a failure that left the we
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import tempfile
 import time
@@ -47,15 +46,15 @@ from .config import GRPOConfig, check_model_dir
 from .evaluation import greedy_pass_at_1
 from .gradients import reduce_and_clip
 from .loss import group_advantages
-from .metrics import StepLog, Timeline
+from .metrics import ProgressBar, StepLog, Timeline, rank_path
 from .overlap import GroupFailed, OverlappedStep, finish_overlap, memory_refusal, serial_reason, start_overlapped_step
 from .rollout_engine import EngineFailure, GenerationTrace, RolloutEngine, generate_or_rebuild
 from .task import Task
 from .step_stats import Residency, reward_stats, scored_mean_std, train_stats
-from .task_setup import build_tasks, checked_prompts, fit_model_length, sampling_options
+from .task_setup import build_tasks, checked_prompts, fit_model_length, longest_sequence, sampling_options
 from .termination import TerminationRequest
 from .train_memory import TrainingMemory
-from .update import backward_rollout
+from .update import backward_rollout, frozen_copy
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +89,7 @@ class GRPOScheduler:
         self.config = config or GRPOConfig()
         self.model_dir = Path(model_dir)
         self.out_dir = Path(out_dir) if out_dir is not None else None
-        self._check_model_dir()
+        check_model_dir(self.model_dir, self.config.tensor_parallel)  # before any engine starts
         self.task, self.eval_task = build_tasks(self.config, self.model_dir, task, dataset, reward_funcs,
                                                 reward_weights, eval_dataset, tokenizer, prompt_fn, reward_fn)
         engine_options = fit_model_length(self.config, self.model_dir, (self.task, self.eval_task),
@@ -104,7 +103,7 @@ class GRPOScheduler:
         self._start_engine(engine_options or {})
         self._build_training()
         self.serial_reason = self._overlap_refusal()  # None: each step trains finished groups while generating
-        self.timeline = Timeline(self._rank_path(trace_path), rank=self.world.rank, append=resume)
+        self.timeline = Timeline(rank_path(trace_path, self.world.rank), rank=self.world.rank, append=resume)
         self.checkpointer = Checkpointer(self.out_dir, self.config, self.world, self.model_dir, engine=self.engine,
                                          model=self.model, tp=self.tp, adapter=self.adapter, memory=self.memory,
                                          optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
@@ -133,7 +132,7 @@ class GRPOScheduler:
         self._workdir = tempfile.TemporaryDirectory(prefix="colo-grpo-") if lora else None
         self.engine = RolloutEngine(self.model_dir, self.pool, seed=self.config.seed, dtype=self.config.torch_dtype,
                                     max_num_seqs=self._sequences_per_rank(),
-                                    sequence_tokens=self._longest_sequence(), lora=lora,
+                                    sequence_tokens=longest_sequence(self.config, self.task), lora=lora,
                                     workdir=self._workdir.name if lora else None,
                                     tensor_parallel=self.config.tensor_parallel, **engine_options)
         self.model = self.engine.hf_model
@@ -141,7 +140,7 @@ class GRPOScheduler:
         self.adapter = self.engine.adapter
         self.reference = None
         if self.config.beta > 0:  # with an adapter the reference is the shared base itself: no copy
-            self.reference = self.adapter.base_model(self.model) if self.adapter else self._frozen_copy(self.model)
+            self.reference = self.adapter.base_model(self.model) if self.adapter else frozen_copy(self.model)
 
     def _build_training(self) -> None:
         """Gradients, optimizer state and the optimizer, with exact budgets in the pool."""
@@ -173,40 +172,14 @@ class GRPOScheduler:
         """Why this run's steps are serial (None: they overlap); logged once, a warning where asked for."""
         reason = serial_reason(self.config, device_type=self.device.type, stop_tokens=bool(self.task.stop_token_ids),
                                groups=len(D.rank_share(self.config.prompts_per_step, self.world)))
-        reason = reason or memory_refusal(self.memory, self.config, self.model_dir, self._longest_sequence())
+        reason = reason or memory_refusal(self.memory, self.config, self.model_dir,
+                                          longest_sequence(self.config, self.task))
         if reason is not None:
             (logger.warning if self.config.overlap == "on" else logger.info)("serial GRPO steps: %s", reason)
         return reason
 
-    def _check_model_dir(self) -> None:
-        """Refuse a missing model or an architecture colo cannot share before any engine starts."""
-        if self.config.eval_every and self.config.tensor_parallel > 1:
-            raise NotImplementedError("eval_every with tensor_parallel > 1 is not built yet")
-        check_model_dir(self.model_dir, self.config.tensor_parallel)
-
-    @staticmethod
-    def _frozen_copy(model):
-        reference = copy.deepcopy(model).eval()
-        for p in reference.parameters():
-            p.requires_grad_(False)
-        return reference
-
-    def _longest_sequence(self) -> int:
-        """Prompt plus completion tokens of the longest sequence: the task's longest prompt where it
-        knows it, else judged by the first step's prompts."""
-        longest = self.task.longest_prompt()
-        if longest is None:
-            longest = max((len(p) for p in self.task.batch(1, self.config.prompts_per_step)[1]), default=1)
-        return longest + self.config.max_new_tokens
-
     def _sequences_per_rank(self) -> int:
         return len(D.rank_share(self.config.prompts_per_step, self.world, rank=0)) * self.config.num_generations
-
-    def _rank_path(self, path):
-        if path is None or self.world.rank == 0:
-            return path
-        path = Path(path)
-        return path.with_name(f"{path.stem}.rank{self.world.rank}{path.suffix}")
 
     # -- the step ----------------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -386,16 +359,14 @@ class GRPOScheduler:
         """Train until `steps` steps are done in total (a resumed run counts the steps already done)."""
         check_int(steps, "steps")
         records = []
-        bar = self._progress_bar(steps) if progress and self.world.is_main else None
+        bar = ProgressBar(steps, self.step, enabled=progress and self.world.is_main)
         terminate = TerminationRequest()
         try:
             while self.step < steps:
                 record = self.train_step()
                 self.log.write(record)
                 records.append(record)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{record['reward_mean']:.3f}", step_s=f"{record['step_s']:.2f}")
+                bar.update(record)
                 if self.config.save_every and self.step % self.config.save_every == 0:
                     self.save()
                 # Decided together, so every rank stops after the same step.
@@ -415,14 +386,8 @@ class GRPOScheduler:
             raise
         finally:
             terminate.restore()
-            if bar is not None:
-                bar.close()
+            bar.close()
         return records
-
-    def _progress_bar(self, steps: int):
-        from tqdm import tqdm
-
-        return tqdm(total=steps, initial=self.step, desc="colo.grpo", unit="step", dynamic_ncols=True)
 
     def save(self) -> Path | None:
         """Write a checkpoint of the finished steps (all ranks call it; rank 0 writes)."""

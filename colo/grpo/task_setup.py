@@ -62,6 +62,15 @@ def fit_model_length(config, model_dir, tasks, engine_options: dict) -> dict:
     return engine_options
 
 
+def longest_sequence(config, task: Task) -> int:
+    """Prompt plus completion tokens of the longest sequence: the task's longest prompt where it
+    knows it, else judged by the first step's prompts."""
+    longest = task.longest_prompt()
+    if longest is None:
+        longest = max((len(p) for p in task.batch(1, config.prompts_per_step)[1]), default=1)
+    return longest + config.max_new_tokens
+
+
 def checked_prompts(config, prompts, step: int, vocab: int, max_model_len: int) -> list[list[int]]:
     """Token id lists the engine can take, or a ValueError naming the prompt and step."""
     count, new_tokens = config.prompts_per_step, config.max_new_tokens
