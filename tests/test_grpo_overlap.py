@@ -28,18 +28,24 @@ def test_auto_overlaps_where_measured_faster_and_only_when_completions_end_apart
     from colo.grpo import overlap
 
     kind = overlap.device_kind("cpu")
-    assert kind in overlap.MEASURED_FASTER
-    assert (kind == "cpu-avx2") == (fastest_dtype("cpu").dtype == torch.float32)  # the bf16 kinds are the others
+    dtype = fastest_dtype("cpu").name
+    assert (kind == "cpu-avx2") == (dtype == "fp32")  # the bf16 kinds are the others
+    kinds = ("cpu-amx", "cpu-avx512-bf16", "cpu-avx2", "cpu", "cuda")  # what device_kind returns
+    assert kind in kinds and all(k in kinds and d in ("fp32", "bf16") for k, d in overlap.MEASURED_FASTER)
     auto = dict(device_type="cpu", groups=4)
-    monkeypatch.setitem(overlap.MEASURED_FASTER, kind, False)
-    assert f"not measured faster than a serial one on this device kind ({kind}" in serial_reason(GRPOConfig(), **auto)
+    monkeypatch.setitem(overlap.MEASURED_FASTER, (kind, dtype), False)
+    assert f"not measured faster than a serial one on this device kind in this dtype ({kind}, {dtype};" in \
+        serial_reason(GRPOConfig(), **auto)
     assert serial_reason(GRPOConfig(overlap="on"), **auto) is None
-    monkeypatch.setitem(overlap.MEASURED_FASTER, kind, True)
+    monkeypatch.setitem(overlap.MEASURED_FASTER, (kind, dtype), True)
     assert serial_reason(GRPOConfig(), **auto) is None
+    # Measured in one dtype only: the other one, forced, is not covered by that measurement.
+    other = "bf16" if dtype == "fp32" else "fp32"
+    assert f"({kind}, {other};" in serial_reason(GRPOConfig(dtype=other), **auto)
     # Every completion max_new_tokens long: nothing finishes early, so auto does not pay for the thread.
     assert "ignore_eos and no stop tokens" in serial_reason(GRPOConfig(ignore_eos=True), **auto)
     assert serial_reason(GRPOConfig(ignore_eos=True), **auto, stop_tokens=True) is None
-    assert "(cuda;" in serial_reason(GRPOConfig(), device_type="cuda", groups=4)  # no GPU has measured it
+    assert "(cuda, bf16;" in serial_reason(GRPOConfig(dtype="bf16"), device_type="cuda", groups=4)  # no GPU measured it
 
 
 def test_merged_stats_are_the_whole_batchs():

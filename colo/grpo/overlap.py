@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from ..dtype_choice import fastest_dtype
 from .batch import rollout_of
 from .loss import group_advantages
 from .update import merge_stats
@@ -37,14 +38,13 @@ from .update import merge_stats
 OVERLAP_MODES = ("auto", "on", "off")
 
 # Whether an overlapped step measured faster than the serial one on the long-tail workload of
-# `python -m colo.bench --sections overlap`, per device kind (device_kind); auto overlaps there only.
+# `python -m colo.bench --sections overlap`, per device kind (device_kind) and dtype ("fp32"/"bf16"):
+# auto overlaps there only. A pair not listed has not been measured, so auto leaves it serial.
 MEASURED_FASTER = {
-    "cpu-avx2": True,          # 1.21x, fp32 (bench/results/cpu-overlap-full.json, AMD EPYC, 2 cores)
-    # 0.97x, bf16 (cpu-overlap-zen5-full.json, AMD EPYC Zen 5, 2 cores): the engine's decode keeps both
+    ("cpu-avx2", "fp32"): True,          # 1.21x (bench/results/cpu-overlap-full.json, AMD EPYC, 2 cores)
+    # 0.97x (cpu-overlap-zen5-full.json, AMD EPYC Zen 5, 2 cores): the engine's bf16 decode keeps both
     # cores busy there, so the core it gives the trainer slows generation by as much as training gains.
-    "cpu-avx512-bf16": False,
-    "cpu-amx": False,          # not measured
-    "cuda": False,             # not measured: no GPU run yet
+    ("cpu-avx512-bf16", "bf16"): False,
 }
 
 
@@ -65,10 +65,11 @@ def serial_reason(config, *, device_type: str, groups: int, stop_tokens: bool = 
     if config.overlap == "off":
         return "overlap is off"
     if config.overlap == "auto":
-        kind = device_kind(device_type)
-        if not MEASURED_FASTER.get(kind, False):
+        measured = (device_kind(device_type), config.dtype or fastest_dtype(device_type).name)
+        if not MEASURED_FASTER.get(measured, False):
             return (f"overlap=auto: an overlapped step has not measured faster than a serial one on this device "
-                    f"kind ({kind}; colo.grpo.overlap.MEASURED_FASTER); use overlap='on' to run it anyway")
+                    f"kind in this dtype ({measured[0]}, {measured[1]}; colo.grpo.overlap.MEASURED_FASTER); use "
+                    "overlap='on' to run it anyway")
         if config.ignore_eos and not stop_tokens:
             return ("overlap=auto: ignore_eos and no stop tokens: every completion decodes max_new_tokens tokens, "
                     "so the groups finish together and none could train early")
