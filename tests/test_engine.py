@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import builtins
+import os
 
 import pytest
 import torch
@@ -143,6 +144,20 @@ def test_an_untested_vllm_version_is_refused_with_the_way_out(monkeypatch):
     compat.check_version("0.32.0+cpu")
     monkeypatch.setenv("COLO_ALLOW_UNTESTED_VLLM", "1")
     compat.check_version("0.31.2")
+
+
+def test_the_loadable_compile_cache_is_chosen_only_where_the_aot_one_cannot_load_and_the_user_did_not_choose(
+        monkeypatch):
+    from colo.vllm_compat.version import use_loadable_compile_cache
+
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    use_loadable_compile_cache("0.31.2")
+    assert "VLLM_USE_AOT_COMPILE" not in os.environ
+    use_loadable_compile_cache("0.32.0+cpu")
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    use_loadable_compile_cache("0.32.0")
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"
 
 
 def test_the_worker_refuses_to_start_without_colo_build_llm():
