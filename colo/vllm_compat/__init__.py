@@ -5,7 +5,7 @@ per topic; this one re-exports their public names (`from colo import vllm_compat
 compat.engine_model(llm)`):
 
 - version: `import_vllm` imports vLLM and checks its version against SUPPORTED_VLLM_VERSIONS (the
-  one place colo names them);
+  one place colo names them), and picks the compile cache that loads under the pinned torch;
 - worker: the worker hook. `ColoWorker`, a subclass of the platform's own worker (`worker_cls`),
   answers vLLM's `_maybe_get_memory_pool_context(tag)`: tag "weights" (around `load_model`) places
   the engine's parameters in the pool's `weights` region, tag "kv_cache" (around the KV cache
