@@ -17,12 +17,16 @@ that decide those, each checked against what it really changes:
   native build, `_C_AVX2` on AVX2, and its kernels): the persona's missing features are removed
   from it, in every Python process the command starts (colo/_persona/sitecustomize.py).
 
-The persona cannot add instructions the machine lacks: it only takes some away.
+The persona cannot add instructions the machine lacks: it only takes some away. And it has compile
+caches of its own (VLLM_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR), as another machine would: their keys
+do not hold what the persona changes, and a compiled engine that loaded this machine's code for the
+persona's native build served NaN.
 """
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 # persona -> (environment, CPU feature flags torch.cpu.get_capabilities() reports as absent)
@@ -47,6 +51,10 @@ def environment(persona: str, base: dict | None = None) -> dict:
     env = dict(os.environ if base is None else base)
     variables, _ = PERSONAS[persona]
     env.update(variables)
+    home_caches = env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    for variable, default in (("VLLM_CACHE_ROOT", os.path.join(home_caches, "vllm")),
+                              ("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "torchinductor"))):
+        env[variable] = os.path.join(env.get(variable) or default, f"persona-{persona}")
     env[PERSONA_VARIABLE] = persona
     env[_HIDES_VARIABLE] = ",".join(hidden_features(persona))  # read by _persona/sitecustomize.py
     paths = [str(_SITE_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -93,5 +93,9 @@ def test_persona_refuses_unknown_names_and_missing_commands():
     env = environment("avx2", {"PYTHONPATH": "/elsewhere"})
     assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
     assert env["PYTHONPATH"].split(os.pathsep)[1] == "/elsewhere"
+    # Caches of its own, as another machine would have: compile caches are not keyed by what it changes.
+    env = environment("avx2", {"VLLM_CACHE_ROOT": "/caches/vllm"})
+    assert env["VLLM_CACHE_ROOT"] == "/caches/vllm/persona-avx2"
+    assert env["TORCHINDUCTOR_CACHE_DIR"].endswith("persona-avx2")
     with pytest.raises(ValueError, match="unknown CPU persona"):
         environment("avx9")

@@ -256,8 +256,11 @@ def in_fresh_process(fn, *args):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_stdout_to_stderr) as pool:
+    from colo.vllm_compat.version import without_colo_settings
+
+    # Stock TRL there runs with the user's environment; colo's engines choose their compile cache again.
+    with without_colo_settings(), ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                                      initializer=_stdout_to_stderr) as pool:
         return pool.submit(fn, *args).result()
 
 
