@@ -41,7 +41,7 @@ def check_version(version: str) -> None:
 
 
 def use_loadable_compile_cache(version: str) -> None:
-    """Compiled engines load their compiled code from vLLM's cache instead of compiling it again.
+    """Compiled engines load their compiled code from the compile caches instead of compiling it again.
 
     vLLM 0.32 with torch 2.13 saves each compiled model as a torch AOT artifact it cannot load back:
     torch wraps vLLM's compiled function in its BundledAOTAutogradSerializableCallable, whose
