@@ -100,6 +100,7 @@ class GRPOScheduler:
         self.pool = Pool(self.device, capacity=pool_capacity)
         self.residency = Residency(self.pool, self.device)
         self.config = self.config.resolve_dtype(self.device)
+        self.sequence_tokens = longest_sequence(self.config, self.task)  # may ask the task for step 1's prompts
         self._start_engine(engine_options or {})
         self._build_training()
         self.serial_reason = self._overlap_refusal()  # None: each step trains finished groups while generating
@@ -132,7 +133,7 @@ class GRPOScheduler:
         self._workdir = tempfile.TemporaryDirectory(prefix="colo-grpo-") if lora else None
         self.engine = RolloutEngine(self.model_dir, self.pool, seed=self.config.seed, dtype=self.config.torch_dtype,
                                     max_num_seqs=self._sequences_per_rank(),
-                                    sequence_tokens=longest_sequence(self.config, self.task), lora=lora,
+                                    sequence_tokens=self.sequence_tokens, lora=lora,
                                     workdir=self._workdir.name if lora else None,
                                     tensor_parallel=self.config.tensor_parallel, **engine_options)
         self.model = self.engine.hf_model
@@ -172,8 +173,7 @@ class GRPOScheduler:
         """Why this run's steps are serial (None: they overlap); logged once, a warning where asked for."""
         reason = serial_reason(self.config, device_type=self.device.type, stop_tokens=bool(self.task.stop_token_ids),
                                groups=len(D.rank_share(self.config.prompts_per_step, self.world)))
-        reason = reason or memory_refusal(self.memory, self.config, self.model_dir,
-                                          longest_sequence(self.config, self.task))
+        reason = reason or memory_refusal(self.memory, self.config, self.model_dir, self.sequence_tokens)
         if reason is not None:
             (logger.warning if self.config.overlap == "on" else logger.info)("serial GRPO steps: %s", reason)
         return reason

@@ -31,8 +31,12 @@ def import_vllm():
     return vllm
 
 
+def _release(version: str) -> str:
+    return version.split("+")[0]  # "0.32.0+cpu" -> "0.32.0"
+
+
 def check_version(version: str) -> None:
-    base = version.split("+")[0]
+    base = _release(version)
     if base not in SUPPORTED_VLLM_VERSIONS and os.environ.get(_ALLOW_UNTESTED) != "1":
         raise ImportError(
             f"colo supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}, found {version}: colo reaches into "
@@ -49,9 +53,10 @@ def use_loadable_compile_cache(version: str) -> None:
     'function' object has no attribute 'finalize_loading'"), so every engine start compiled from
     scratch. Without AOT (VLLM_USE_AOT_COMPILE=0, as vLLM sets itself for batch-invariant mode) the
     compiled code comes from the inductor caches, which load: a tiny model's second compiled start
-    took 3.5 s against 5.6 s (AMD EPYC Zen 5), and the test suite's main pass 722 s against 1075 s. Set unless the user chose; it must be set before the first
-    engine starts, when vLLM freezes its environment (envs.enable_envs_cache)."""
-    if version.split("+")[0] in _AOT_CACHE_UNLOADABLE and "VLLM_USE_AOT_COMPILE" not in os.environ:
+    took 3.5 s against 5.6 s (AMD EPYC Zen 5), and the test suite's main pass 722 s against 1075 s.
+    Set unless the user chose; it must be set before the first engine starts, when vLLM freezes its
+    environment (envs.enable_envs_cache)."""
+    if _release(version) in _AOT_CACHE_UNLOADABLE and "VLLM_USE_AOT_COMPILE" not in os.environ:
         os.environ["VLLM_USE_AOT_COMPILE"] = _SET_BY_COLO["VLLM_USE_AOT_COMPILE"] = "0"
 
 
