@@ -309,13 +309,21 @@ def test_logprob_memory_row_chunked_holds_less_than_all_logits_at_once():
 @pytest.mark.slow
 def test_overlap_row_compares_the_overlapped_step_with_the_serial_one():
     from colo.bench import overlap
+    from colo.grpo.overlap import cpu_split
 
     workload = dict(overlap.QUICK, steps=1)
-    row = overlap.measure(workload, progress=lambda it, desc="": it)
+    (row,) = overlap.measure(workload, progress=lambda it, desc="": it)  # the default split only
     assert row["section"] == "overlap" and row["device"] == "cpu" and row["params"] > 0
+    assert row["default_split"] and (row["engine_threads"], row["trainer_threads"]) == cpu_split(row["cores"])
     assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"])
     assert row["vs_bound"] == pytest.approx(row["colo_s"] / max(row["serial_generate_s"], row["serial_train_s"]))
     assert 0 <= row["tail_fraction"] <= 1 and row["serial_generate_idle_core_s"] >= 0
+    # The serial generation again on the engine's share of the cores: the idle fraction derived from it.
+    assert row["serial_generate_on_engine_share_s"] > 0
+    if row["cores"] > 1:
+        full_use = row["serial_generate_s"] * row["cores"] / row["engine_share_threads"]
+        expected = (full_use - row["serial_generate_on_engine_share_s"]) / (full_use - row["serial_generate_s"])
+        assert row["given_cores_idle_fraction"] == pytest.approx(min(1.0, max(0.0, expected)))
     # The overlapped side trained groups while generating, with its gradients awake then; the serial one did not.
     assert row["overlapped_groups_trained_early"] >= 1 and row["overlapped_overlap_train_s"] > 0
     assert row["overlapped_grads_resident_bytes_during_generate"] > 0

@@ -69,7 +69,7 @@ def test_group_trainer_runs_groups_on_its_thread_and_hands_back_the_first_error(
             raise ValueError(f"group {index} is bad")
         return payload * 2
 
-    trainer = GroupTrainer(work, device=torch.device("cpu"), cores=2, trainer_cores=1)
+    trainer = GroupTrainer(work, device=torch.device("cpu"), cores=2, engine_threads=1, trainer_threads=1)
     before = torch.get_num_threads()
     trainer.submit(1, 10)
     trainer.submit(0, 20)
@@ -78,7 +78,8 @@ def test_group_trainer_runs_groups_on_its_thread_and_hands_back_the_first_error(
     assert threads and all(t is not threading.current_thread() for t in threads)
     assert torch.get_num_threads() == before  # the engine's thread got its cores back
 
-    failing = OverlappedStep(lambda i, c: (None, c), work, 3, device=torch.device("cpu"), cores=2, trainer_cores=1)
+    one_each = dict(device=torch.device("cpu"), cores=2, engine_threads=1, trainer_threads=1)
+    failing = OverlappedStep(lambda i, c: (None, c), work, 3, **one_each)
     failing.on_group(0, "bad")
     failing.trainer._thread.join()
     with pytest.raises(GroupFailed, match="training group 1: ValueError: group 0 is bad"):
@@ -86,11 +87,34 @@ def test_group_trainer_runs_groups_on_its_thread_and_hands_back_the_first_error(
     with pytest.raises(ValueError, match="group 0 is bad"):
         failing.join()
 
-    scoring_fails = OverlappedStep(lambda i, c: 1 / 0, work, 1, device=torch.device("cpu"), cores=2, trainer_cores=1)
+    scoring_fails = OverlappedStep(lambda i, c: 1 / 0, work, 1, **one_each)
     with pytest.raises(GroupFailed) as raised:
         scoring_fails.on_group(0, [])
     assert isinstance(raised.value.__cause__, ZeroDivisionError)
     scoring_fails.abandon()
+
+
+def test_the_threads_split_while_both_have_work_and_the_trainer_takes_all_after():
+    """GRPOConfig.overlap_threads (E, T): the engine's thread on E threads once the trainer has work, the
+    trainer on T while generation runs (oversubscribed here: E + T > cores) and on every core after."""
+    seen, first_group_done = [], threading.Event()
+
+    def work(index, payload):
+        seen.append((index, torch.get_num_threads()))
+        first_group_done.set()
+        return payload
+
+    before = torch.get_num_threads()
+    trainer = GroupTrainer(work, device=torch.device("cpu"), cores=3, engine_threads=2, trainer_threads=5)
+    trainer.submit(0, "a")
+    assert torch.get_num_threads() == 2  # the engine's thread, while the trainer has work
+    assert first_group_done.wait(60)
+    trainer.generation_done()
+    assert torch.get_num_threads() == before  # the engine is done: its thread gets its count back
+    trainer.submit(1, "b")  # a group left for after generation
+    assert torch.get_num_threads() == before
+    trainer.join()
+    assert seen == [(0, 5), (1, 3)] and torch.get_num_threads() == before
 
 
 @pytest.mark.slow

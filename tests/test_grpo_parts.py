@@ -186,6 +186,12 @@ def test_config_rejects_bad_values():
     assert GRPOConfig(dtype="fp32").resolve_dtype("unused").dtype == "fp32"
     assert GRPOConfig.from_dict(GRPOConfig(seed=4).to_dict()) == GRPOConfig(seed=4)
     assert GRPOConfig.from_dict(GRPOConfig(offload_optimizer=True).to_dict()).offload_optimizer is True
+    for bad in (3, (1, 2, 3), "1,2", (0, 1), (1.5, 1)):
+        with pytest.raises(ValueError, match="overlap_threads must be"):
+            GRPOConfig(overlap_threads=bad)
+    # A run's config is saved as JSON (a list) and read back as the pair.
+    saved = json.loads(json.dumps(GRPOConfig(overlap_threads=(1, 2)).to_dict()))
+    assert GRPOConfig.from_dict(saved).overlap_threads == (1, 2)
 
 
 def _cli_error(capsys, argv) -> str:
@@ -199,6 +205,8 @@ def test_cli_bad_arguments_fail_fast_with_a_message(tmp_path, capsys):
     base = ["--json", str(tmp_path / "log.jsonl"), "--out", str(tmp_path / "out")]
     assert "must be at least 1" in _cli_error(capsys, ["--steps", "0", *base])
     assert "positive integer" in _cli_error(capsys, ["--steps", "x", *base])
+    assert "ENGINE,TRAINER" in _cli_error(capsys, ["--steps", "3", "--overlap-threads", "2", *base])
+    assert "must be at least 1" in _cli_error(capsys, ["--steps", "3", "--overlap-threads", "1,0", *base])
     assert "is not a directory" in _cli_error(capsys, ["--steps", "3", "--model", str(tmp_path / "missing"), *base])
     (tmp_path / "empty").mkdir()
     assert "no config.json" in _cli_error(capsys, ["--steps", "3", "--model", str(tmp_path / "empty"), *base])

@@ -7,16 +7,24 @@ their lengths are about geometric: most groups finish early and a few long compl
 at the end. Both sides are colo.grpo's scheduler on the same random Qwen2 model, prompts and seeds,
 engines compiled, in the dtype `auto` picks, both training one prompt's group per micro-batch (each
 packed to its own longest completion, as the overlapped side must: so the row measures the overlap,
-not padding); they take steps in turn (each going first every other round) and the row gives
-means over the steps after a warm-up step (each step has other prompts, so other lengths).
+not padding); they take steps in turn (each going first in turn) and the rows give means over the
+steps after a warm-up step (each step has other prompts, so other lengths). One row per split of
+the CPU's threads between engine and trainer while both have work (GRPOConfig.overlap_threads): the
+default (half each) in the quick run; the full run adds each side on half or all of the cores
+(oversubscribed where they add up to more), every split a run of its own beside the same serial one.
 
 Fields: colo_s / baseline_s the overlapped / serial step; ratio = serial / overlapped (goal >= 1.25 on
 this workload); vs_bound = overlapped step / max(serial generate, serial train) (goal <= 1.15: the
 best an overlap can do is hide the shorter phase entirely); tail_fraction: the share of the serial
 generate phase with fewer than a quarter of the sequences still decoding; serial_generate_idle_core_s:
-core-seconds the serial engine left idle while generating (wall x cores - the process's CPU time),
-the room an overlap has on a CPU; overlap_train_s: trainer time that ran during generation;
-peak_rss_bytes: the largest resident set either side saw in any phase.
+core-seconds the serial engine left idle while generating (wall x cores - the process's CPU time;
+OpenMP threads that spin while waiting count as busy); serial_generate_on_engine_share_s: each serial
+generation run again between steps, alone, with the engine on the threads the default split leaves
+it; given_cores_idle_fraction: from those two, how much of the generation the cores the engine gives
+the trainer were in effect idle (1: the engine on its share generates as fast as on every core, so
+an overlap can have them for free; 0: it slows in proportion to the cores), the room an overlap has
+on a CPU; overlap_train_s: trainer time that ran during generation; peak_rss_bytes: the largest
+resident set either side saw in any phase.
 """
 from __future__ import annotations
 
@@ -32,25 +40,25 @@ from .measure import engine_unavailable_reason, ratio, rows_per_device
 from .models import QWEN2_SIZES, save_random_model
 
 SECTION = "overlap"
-FULL = dict(model="qwen2-9M", prompts=16, completions=8, max_new_tokens=256, mean_length=32, steps=4)
-QUICK = dict(model="qwen2-0.4M", prompts=8, completions=4, max_new_tokens=96, mean_length=16, steps=2)
+FULL = dict(model="qwen2-9M", prompts=16, completions=8, max_new_tokens=256, mean_length=32, steps=4, every_split=True)
+QUICK = dict(model="qwen2-0.4M", prompts=8, completions=4, max_new_tokens=96, mean_length=16, steps=2, every_split=False)
 WARMUP = 1
-SIDES = ("serial", "overlapped")
 
 
-def new_run(model_dir: Path, workload: dict, overlap: str):
+def new_run(model_dir: Path, workload: dict, overlap: str, threads: tuple[int, int] | None = None):
     from colo.grpo import GRPOConfig, GRPOScheduler
     from colo.grpo.toy_task import long_tail_toy_task
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     config = GRPOConfig(prompts_per_step=workload["prompts"], num_generations=workload["completions"],
                         max_new_tokens=workload["max_new_tokens"], learning_rate=3e-3, save_every=0, overlap=overlap,
-                        micro_batch_size=workload["completions"])
+                        overlap_threads=threads, micro_batch_size=workload["completions"])
     run = GRPOScheduler(model_dir, config=config, task=long_tail_toy_task(vocab, workload["mean_length"]))
     run.generate_cpu = []  # (wall s, process CPU s) of each generation
     generate = run.engine.generate
 
     def timed_generate(*args, **kwargs):
+        run.last_generate = (generate, args, kwargs)
         wall, cpu = time.perf_counter(), time.process_time()
         out = generate(*args, **kwargs)
         run.generate_cpu.append((time.perf_counter() - wall, time.process_time() - cpu))
@@ -58,6 +66,27 @@ def new_run(model_dir: Path, workload: dict, overlap: str):
 
     run.engine.generate = timed_generate
     return run
+
+
+def generate_again(run, threads: int) -> float:
+    """Seconds the run's last generation takes again, between steps, with the engine on `threads`
+    threads (the same seeds draw the same completions; they are dropped). The KV cache sleeps after,
+    as the step left it."""
+    import torch
+
+    from colo.grpo.rollout_engine import GenerationTrace
+
+    generate, args, kwargs = run.last_generate
+    run.engine.wake_kv_cache()
+    threads_before = torch.get_num_threads()
+    torch._C.set_num_threads(threads)  # vLLM's CPU worker makes torch.set_num_threads a no-op
+    try:
+        started = time.perf_counter()
+        generate(*args, **{**kwargs, "trace": GenerationTrace()})
+        return time.perf_counter() - started
+    finally:
+        torch._C.set_num_threads(threads_before)
+        run.engine.sleep_kv_cache()
 
 
 def summarise(records: list[dict], generate_cpu: list[tuple]) -> dict:
@@ -74,55 +103,89 @@ def summarise(records: list[dict], generate_cpu: list[tuple]) -> dict:
     return summary
 
 
-def measure(workload: dict, progress, device: str = "cpu") -> dict:
-    from colo.dtype_choice import fastest_dtype
+def thread_splits(cores: int, every: bool) -> list[tuple[int, int]]:
+    """(engine, trainer) threads to measure: the default split first; every=True adds each side on half
+    or all of the cores (on 2 cores: 1+1, 1+2, 2+1, 2+2)."""
+    from colo.grpo.overlap import cpu_split
 
-    steps = workload["steps"]
+    default = cpu_split(cores)
+    if not every:
+        return [default]
+    halves = {side: sorted({n, cores}) for side, n in zip(("engine", "trainer"), default)}
+    return [default] + [(e, t) for e in halves["engine"] for t in halves["trainer"] if (e, t) != default]
+
+
+def measure(workload: dict, progress, device: str = "cpu") -> list[dict]:
+    from colo.dtype_choice import fastest_dtype
+    from colo.grpo.overlap import cpu_split
+
+    steps, cores = workload["steps"], len(os.sched_getaffinity(0))
+    splits = thread_splits(cores, workload["every_split"])
+    engine_share = cpu_split(cores)[0]
+    sides = ["serial"] + [f"overlapped {e}+{t}" for e, t in splits]
     with tempfile.TemporaryDirectory(prefix="colo-overlap-") as tmp:
         model_dir = Path(tmp) / "model"
         params = save_random_model(model_dir, {**QWEN2_SIZES[workload["model"]],
                                                "max_position_embeddings": workload["max_new_tokens"] + 64})
-        runs = {"serial": new_run(model_dir, workload, "off"), "overlapped": new_run(model_dir, workload, "on")}
-        records = {side: [] for side in runs}
+        runs = {"serial": new_run(model_dir, workload, "off")}
+        runs.update({side: new_run(model_dir, workload, "on", threads=split) for side, split in zip(sides[1:], splits)})
+        records, on_share = {side: [] for side in runs}, []  # on_share: the serial generations again, on engine_share
         try:
-            if runs["overlapped"].serial_reason is not None:
-                raise RuntimeError(f"the overlapped side runs serially: {runs['overlapped'].serial_reason}")
+            for side in sides[1:]:
+                if runs[side].serial_reason is not None:
+                    raise RuntimeError(f"the overlapped side runs serially: {runs[side].serial_reason}")
             for i in progress(range(WARMUP + steps), workload["model"]):
-                for side in SIDES[i % 2:] + SIDES[:i % 2]:
+                for side in sides[i % len(sides):] + sides[:i % len(sides)]:  # each side goes first in turn
                     record = runs[side].train_step()
                     if i >= WARMUP:
                         records[side].append(record)
+                        if side == "serial":
+                            on_share.append(generate_again(runs[side], engine_share))
             cpu = {side: run.generate_cpu[WARMUP:] for side, run in runs.items()}
         finally:
             for run in runs.values():
                 run.close()
             del runs
             gc.collect()
-    serial, overlapped = (summarise(records[side], cpu[side]) for side in SIDES)
+    serial = summarise(records["serial"], cpu["serial"])
+    # How much of the serial generation the cores the engine gives the trainer were in effect idle: 1 when
+    # the engine on its share generates as fast as on every core, 0 when it slows in proportion to the cores.
+    on_share = statistics.fmean(on_share)
+    full_use = serial["generate_s"] * cores / engine_share
+    given_cores_idle = (None if engine_share >= cores else  # one core: nothing to give
+                        min(1.0, max(0.0, (full_use - on_share) / (full_use - serial["generate_s"]))))
     bound = max(serial["generate_s"], serial["train_s"])
-    row = {"section": SECTION, "device": device,
-           "case": (f"long-tail step {workload['model']} {fastest_dtype(device).name}: {workload['prompts']} prompts x "
-                    f"{workload['completions']}, lengths ~geometric (mean {workload['mean_length']}, max "
-                    f"{workload['max_new_tokens']})"),
-           "model": workload["model"], "params": params, "dtype": fastest_dtype(device).name,
-           "prompts": workload["prompts"], "completions_per_prompt": workload["completions"],
-           "max_new_tokens": workload["max_new_tokens"], "mean_length": workload["mean_length"],
-           "steps_measured": steps, "cores": len(os.sched_getaffinity(0)),
-           "colo_s": overlapped["step_s"], "baseline": "the same step, serial (overlap off)",
-           "baseline_s": serial["step_s"], "ratio": ratio(serial["step_s"], overlapped["step_s"]),
-           "vs_bound": overlapped["step_s"] / max(bound, 1e-12),
-           "tail_fraction": serial["generate_tail_s"] / max(serial["generate_s"], 1e-12),
-           "serial_generate_idle_core_s": serial["idle_core_s"]}
-    for side, summary in (("serial", serial), ("overlapped", overlapped)):
-        for key, value in summary.items():
-            row[f"{side}_{key}"] = value
-    row["note"] = (f"means over {steps} steps after {WARMUP} warm-up step, the two runs taking steps in turn; "
-                   "same model, prompts and seeds, engines compiled; ratio = serial / overlapped step; vs_bound = "
-                   "overlapped step / max(serial generate, serial train)")
-    return row
+    dtype = fastest_dtype(device).name
+    rows = []
+    for side, (engine_threads, trainer_threads) in zip(sides[1:], splits):
+        overlapped = summarise(records[side], cpu[side])
+        row = {"section": SECTION, "device": device,
+               "case": (f"long-tail step {workload['model']} {dtype}: {workload['prompts']} prompts x "
+                        f"{workload['completions']}, lengths ~geometric (mean {workload['mean_length']}, max "
+                        f"{workload['max_new_tokens']}), threads engine+trainer {engine_threads}+{trainer_threads}"),
+               "model": workload["model"], "params": params, "dtype": dtype,
+               "prompts": workload["prompts"], "completions_per_prompt": workload["completions"],
+               "max_new_tokens": workload["max_new_tokens"], "mean_length": workload["mean_length"],
+               "steps_measured": steps, "cores": cores, "engine_threads": engine_threads,
+               "trainer_threads": trainer_threads, "default_split": (engine_threads, trainer_threads) == splits[0],
+               "colo_s": overlapped["step_s"], "baseline": "the same step, serial (overlap off)",
+               "baseline_s": serial["step_s"], "ratio": ratio(serial["step_s"], overlapped["step_s"]),
+               "vs_bound": overlapped["step_s"] / max(bound, 1e-12),
+               "tail_fraction": serial["generate_tail_s"] / max(serial["generate_s"], 1e-12),
+               "serial_generate_idle_core_s": serial["idle_core_s"],
+               "serial_generate_on_engine_share_s": on_share, "engine_share_threads": engine_share,
+               "given_cores_idle_fraction": given_cores_idle}
+        for name, summary in (("serial", serial), ("overlapped", overlapped)):
+            for key, value in summary.items():
+                row[f"{name}_{key}"] = value
+        row["note"] = (f"means over {steps} steps after {WARMUP} warm-up step, the {len(sides)} runs taking steps in "
+                       "turn; same model, prompts and seeds, engines compiled; ratio = serial / overlapped step; "
+                       "vs_bound = overlapped step / max(serial generate, serial train)")
+        rows.append(row)
+    return rows
 
 
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
     workload = QUICK if quick else FULL
     return rows_per_device(SECTION, "long-tail step", devices, engine_unavailable_reason,
-                           lambda device: [measure(workload, progress, device)])
+                           lambda device: measure(workload, progress, device))

@@ -42,7 +42,8 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     max_prompt_length="max_prompt_length", truncate_prompts="truncate_prompts",
                     mask_truncated="mask_truncated", loss_type="loss_type", epsilon="epsilon_low",
                     epsilon_high="epsilon_high", scale_rewards="scale_rewards", beta="beta", eval_every="eval_every",
-                    chat_template_kwargs="chat_template_kwargs", overlap="overlap")
+                    chat_template_kwargs="chat_template_kwargs", overlap="overlap",
+                    overlap_threads="overlap_threads")
 
 
 def _int_at_least(minimum: int):
@@ -62,6 +63,14 @@ def _int_at_least(minimum: int):
 
 _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
+
+
+def _thread_pair(text: str) -> tuple[int, int]:
+    """An argparse type: "E,T", two positive integers."""
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected ENGINE,TRAINER (two positive integers), got {text!r}")
+    return tuple(_positive_int(part.strip()) for part in parts)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap", choices=OVERLAP_MODES, help="train each prompt's group while the engine still decodes "
                    "the others, exactly on-policy (auto, the default: where it measured faster on this device kind; "
                    "the step record says why a step ran serially)")
+    p.add_argument("--overlap-threads", type=_thread_pair, metavar="E,T", help="CPU: the engine's and the trainer's "
+                   "threads while both have work in an overlapped step (default: half the cores each)")
     p.add_argument("--eager", action="store_true", help="run the engine without compiling it (starts faster, "
                    "generates slower; vLLM's enforce_eager)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -53,6 +53,9 @@ class GRPOConfig:
     # Train each prompt's group while the engine decodes the others' (colo.grpo.overlap): "on", "off",
     # or "auto" (on where it measured faster on this device kind). Exactly on-policy either way.
     overlap: str = "auto"
+    # CPU: the engine's and the trainer's threads while both have work during an overlapped step (the
+    # trainer takes every thread once generation ends). None: half the cores each (colo.grpo.overlap.cpu_split).
+    overlap_threads: tuple[int, int] | None = None
     # Optimizer state to host memory while generating. None: only where the pool cannot hold it beside
     # the engine's weights and KV cache (TrainingMemory.must_offload); otherwise the copies would cost
     # time for nothing (on a host pool the "host copy" is even the same RAM).
@@ -108,6 +111,10 @@ class GRPOConfig:
             raise ValueError(f"scale_rewards must be one of {', '.join(SCALES)}, got {self.scale_rewards!r}")
         if self.overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
+        if self.overlap_threads is not None:
+            if not isinstance(self.overlap_threads, (tuple, list)) or len(self.overlap_threads) != 2:
+                raise ValueError(f"overlap_threads must be (engine threads, trainer threads), got {self.overlap_threads!r}")
+            self.overlap_threads = tuple(check_int(n, "overlap_threads") for n in self.overlap_threads)
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
         if self.max_prompt_length is not None:

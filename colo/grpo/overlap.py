@@ -110,12 +110,14 @@ class GroupTrainer:
     the groups finish. submit() is called by the engine's loop; generation_done() when it returns;
     join() waits for the last group and returns the EarlyTraining (re-raising the first error).
 
-    cores: this process's cores on a CPU; the trainer takes `trainer_cores` of them while the engine
-    still decodes. stream: on a GPU, the torch stream the trainer's kernels go to."""
+    cores: this process's threads on a CPU, the trainer's once generation is done; while the engine
+    still decodes, the engine's thread uses `engine_threads` and the trainer's `trainer_threads` (their
+    sum may exceed the cores). stream: on a GPU, the torch stream the trainer's kernels go to."""
 
-    def __init__(self, work: Callable, *, device: torch.device, cores: int, trainer_cores: int, stream=None):
+    def __init__(self, work: Callable, *, device: torch.device, cores: int, engine_threads: int,
+                 trainer_threads: int, stream=None):
         self.work, self.device, self.stream = work, device, stream
-        self.cores, self.trainer_cores = cores, max(1, min(trainer_cores, cores - 1)) if cores > 1 else 1
+        self.cores, self.engine_threads, self.trainer_threads = cores, max(1, engine_threads), max(1, trainer_threads)
         self.early = EarlyTraining()
         self._queue: queue.Queue = queue.Queue()
         self._generating = True
@@ -132,10 +134,10 @@ class GroupTrainer:
     def submit(self, index: int, completions) -> None:
         if self._error is not None:  # stop the engine's loop at once: the step has failed
             raise self._error
-        if self.device.type == "cpu" and self._engine_threads is None and self.cores > 1:
-            # From now on the trainer has work: the engine's thread leaves it its cores.
+        if self.device.type == "cpu" and self._generating and self._engine_threads is None:
+            # From now on the trainer has work: the engine's thread leaves it its share of the cores.
             self._engine_threads = torch.get_num_threads()
-            torch._C.set_num_threads(self.cores - self.trainer_cores)
+            torch._C.set_num_threads(self.engine_threads)
         self._queue.put((index, completions))
 
     def generation_done(self) -> None:
@@ -182,7 +184,7 @@ class GroupTrainer:
                     return
                 generating = self._generating
                 if self.device.type == "cpu":
-                    wanted = self.trainer_cores if generating else self.cores
+                    wanted = self.trainer_threads if generating else self.cores
                     if wanted != threads:  # per thread: the engine's thread keeps its own count
                         torch._C.set_num_threads(wanted)
                         threads = wanted
@@ -256,8 +258,14 @@ def start_overlapped_step(task, step: int, rows, prompts, config, dp_size: int, 
         return backward(group, advantages, **totals)
 
     cores = torch.get_num_threads()
-    return OverlappedStep(score, train, len(prompts), device=device, cores=cores, trainer_cores=max(1, cores // 2),
-                          stream=train_stream)
+    engine_threads, trainer_threads = config.overlap_threads or cpu_split(cores)
+    return OverlappedStep(score, train, len(prompts), device=device, cores=cores, engine_threads=engine_threads,
+                          trainer_threads=trainer_threads, stream=train_stream)
+
+
+def cpu_split(cores: int) -> tuple[int, int]:
+    """The engine's and the trainer's threads while both have work on a CPU of `cores` cores."""
+    return max(1, cores - cores // 2), max(1, cores // 2)
 
 
 def finish_overlap(overlapped: OverlappedStep, memory, loss_type: str, ranks: int, global_tokens: float,
