@@ -1,6 +1,7 @@
 """Overlap (colo.grpo.overlap): groups trained while the engine decodes the others give the serial step."""
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -115,6 +116,49 @@ def test_the_threads_split_while_both_have_work_and_the_trainer_takes_all_after(
     assert torch.get_num_threads() == before
     trainer.join()
     assert seen == [(0, 5), (1, 3)] and torch.get_num_threads() == before
+
+
+def test_on_a_gpu_the_trainer_runs_on_the_train_stream_ordered_after_and_before_the_steps_work(monkeypatch):
+    """The GPU hand-over, with torch.cuda's stream functions replaced by recording fakes (no GPU here):
+    the train stream waits for the step's stream (the gradients were woken and zeroed there) before any
+    group, each group's kernels are issued with the train stream current on the trainer's thread, and
+    join() makes the step's stream wait for the train stream before the all-reduce and optimizer step."""
+    events, current = [], threading.local()
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(("wait", self.name, other.name))
+
+    step_stream, train_stream = FakeStream("step"), FakeStream("train")
+
+    @contextlib.contextmanager
+    def stream(s):
+        before, current.stream = getattr(current, "stream", step_stream), s
+        try:
+            yield
+        finally:
+            current.stream = before
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: getattr(current, "stream", step_stream))
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+
+    def work(index, payload):
+        events.append(("work", index, current.stream.name, threading.current_thread() is not main))
+        return payload
+
+    main, threads = threading.current_thread(), torch.get_num_threads()
+    trainer = GroupTrainer(work, device=torch.device("cuda"), cores=2, engine_threads=1, trainer_threads=1,
+                           stream=train_stream)
+    trainer.submit(0, "a")
+    trainer.submit(1, "b")
+    assert torch.get_num_threads() == threads  # a GPU's engine keeps its CPU threads
+    trainer.generation_done()
+    assert trainer.join().results == {0: "a", 1: "b"}
+    assert events == [("wait", "train", "step"), ("work", 0, "train", True), ("work", 1, "train", True),
+                      ("wait", "step", "train")]
 
 
 @pytest.mark.slow

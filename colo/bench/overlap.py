@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -42,6 +43,10 @@ from .models import QWEN2_SIZES, save_random_model
 SECTION = "overlap"
 FULL = dict(model="qwen2-9M", prompts=16, completions=8, max_new_tokens=256, mean_length=32, steps=4, every_split=True)
 QUICK = dict(model="qwen2-0.4M", prompts=8, completions=4, max_new_tokens=96, mean_length=16, steps=2, every_split=False)
+# The real task: SmolLM2-135M-Instruct on the arithmetic chat dataset, its EOS ending each completion
+# (most answer in a few tokens; some go on to the cap), TRL's learning rate for a real model.
+REAL = dict(model="smollm2-135M", dataset="arithmetic", prompts=8, completions=8, max_new_tokens=128, steps=2,
+            every_split=False)
 WARMUP = 1
 
 
@@ -49,11 +54,16 @@ def new_run(model_dir: Path, workload: dict, overlap: str, threads: tuple[int, i
     from colo.grpo import GRPOConfig, GRPOScheduler
     from colo.grpo.toy_task import long_tail_toy_task
 
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     config = GRPOConfig(prompts_per_step=workload["prompts"], num_generations=workload["completions"],
-                        max_new_tokens=workload["max_new_tokens"], learning_rate=3e-3, save_every=0, overlap=overlap,
-                        overlap_threads=threads, micro_batch_size=workload["completions"])
-    run = GRPOScheduler(model_dir, config=config, task=long_tail_toy_task(vocab, workload["mean_length"]))
+                        max_new_tokens=workload["max_new_tokens"], save_every=0, overlap=overlap,
+                        overlap_threads=threads, micro_batch_size=workload["completions"],
+                        learning_rate=1e-6 if "dataset" in workload else 3e-3)
+    if "dataset" in workload:
+        task = dict(dataset=workload["dataset_path"], reward_funcs=["math"])
+    else:
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        task = dict(task=long_tail_toy_task(vocab, workload["mean_length"]))
+    run = GRPOScheduler(model_dir, config=config, **task)
     run.generate_cpu = []  # (wall s, process CPU s) of each generation
     generate = run.engine.generate
 
@@ -124,9 +134,7 @@ def measure(workload: dict, progress, device: str = "cpu") -> list[dict]:
     engine_share = cpu_split(cores)[0]
     sides = ["serial"] + [f"overlapped {e}+{t}" for e, t in splits]
     with tempfile.TemporaryDirectory(prefix="colo-overlap-") as tmp:
-        model_dir = Path(tmp) / "model"
-        params = save_random_model(model_dir, {**QWEN2_SIZES[workload["model"]],
-                                               "max_position_embeddings": workload["max_new_tokens"] + 64})
+        model_dir, params, lengths = prepare(workload, Path(tmp))
         runs = {"serial": new_run(model_dir, workload, "off")}
         runs.update({side: new_run(model_dir, workload, "on", threads=split) for side, split in zip(sides[1:], splits)})
         records, on_share = {side: [] for side in runs}, []  # on_share: the serial generations again, on engine_share
@@ -161,11 +169,11 @@ def measure(workload: dict, progress, device: str = "cpu") -> list[dict]:
         overlapped = summarise(records[side], cpu[side])
         row = {"section": SECTION, "device": device,
                "case": (f"long-tail step {workload['model']} {dtype}: {workload['prompts']} prompts x "
-                        f"{workload['completions']}, lengths ~geometric (mean {workload['mean_length']}, max "
-                        f"{workload['max_new_tokens']}), threads engine+trainer {engine_threads}+{trainer_threads}"),
+                        f"{workload['completions']}, {lengths}, threads engine+trainer "
+                        f"{engine_threads}+{trainer_threads}"),
                "model": workload["model"], "params": params, "dtype": dtype,
                "prompts": workload["prompts"], "completions_per_prompt": workload["completions"],
-               "max_new_tokens": workload["max_new_tokens"], "mean_length": workload["mean_length"],
+               "max_new_tokens": workload["max_new_tokens"], "mean_length": workload.get("mean_length"),
                "steps_measured": steps, "cores": cores, "engine_threads": engine_threads,
                "trainer_threads": trainer_threads, "default_split": (engine_threads, trainer_threads) == splits[0],
                "colo_s": overlapped["step_s"], "baseline": "the same step, serial (overlap off)",
@@ -185,7 +193,28 @@ def measure(workload: dict, progress, device: str = "cpu") -> list[dict]:
     return rows
 
 
+def prepare(workload: dict, tmp: Path) -> tuple[Path, int, str]:
+    """The workload's model directory, its parameter count and how its completion lengths come about."""
+    if "dataset" in workload:
+        from safetensors import safe_open
+
+        from colo.grpo.arithmetic import write
+        from colo.smollm2 import smollm2_dir
+
+        workload["dataset_path"] = str(write(tmp / "data")[0])
+        model_dir, params = smollm2_dir(), 0
+        for path in model_dir.glob("*.safetensors"):
+            with safe_open(str(path), "pt") as weights:
+                params += sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+        return model_dir, params, (f"arithmetic chat prompts, lengths as the model ends them at EOS "
+                                   f"(max {workload['max_new_tokens']})")
+    model_dir = tmp / "model"
+    params = save_random_model(model_dir, {**QWEN2_SIZES[workload["model"]],
+                                           "max_position_embeddings": workload["max_new_tokens"] + 64})
+    return model_dir, params, f"lengths ~geometric (mean {workload['mean_length']}, max {workload['max_new_tokens']})"
+
+
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
-    workload = QUICK if quick else FULL
+    workloads = [QUICK] if quick else [FULL, REAL]
     return rows_per_device(SECTION, "long-tail step", devices, engine_unavailable_reason,
-                           lambda device: measure(workload, progress, device))
+                           lambda device: [row for w in workloads for row in measure(dict(w), progress, device)])
