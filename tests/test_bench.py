@@ -306,6 +306,19 @@ def test_logprob_memory_row_chunked_holds_less_than_all_logits_at_once():
     assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"])
 
 
+def test_overlap_real_workload_is_smollm2_on_the_arithmetic_chat_dataset(smollm2_model_dir, tmp_path):
+    import json
+
+    from colo.bench import overlap
+
+    workload = dict(overlap.REAL)
+    model_dir, params, lengths = overlap.prepare(workload, tmp_path)
+    assert model_dir == smollm2_model_dir and "EOS" in lengths
+    assert 134e6 < params < 135e6  # SmolLM2-135M, its embedding tied to the LM head (stored once)
+    rows = [json.loads(line) for line in open(workload["dataset_path"])]
+    assert rows and all(r["prompt"][-1]["role"] == "user" and r["answer"].isdigit() for r in rows)
+
+
 @pytest.mark.slow
 def test_overlap_row_compares_the_overlapped_step_with_the_serial_one():
     from colo.bench import overlap

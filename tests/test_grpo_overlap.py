@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import pytest
 import torch
@@ -70,16 +71,17 @@ def test_group_trainer_runs_groups_on_its_thread_and_hands_back_the_first_error(
             raise ValueError(f"group {index} is bad")
         return payload * 2
 
-    trainer = GroupTrainer(work, device=torch.device("cpu"), cores=2, engine_threads=1, trainer_threads=1)
+    trainer = GroupTrainer(work, device=torch.device("cpu"), engine_threads=1, trainer_threads=1)
     before = torch.get_num_threads()
     trainer.submit(1, 10)
     trainer.submit(0, 20)
     early = trainer.join()
     assert early.results == {1: 20, 0: 40} and early.trained_during_generation <= 2
-    assert threads and all(t is not threading.current_thread() for t in threads)
+    # Trained during generation: on the trainer's thread; the rest on this one (join).
+    assert sum(t is not threading.current_thread() for t in threads) == early.trained_during_generation
     assert torch.get_num_threads() == before  # the engine's thread got its cores back
 
-    one_each = dict(device=torch.device("cpu"), cores=2, engine_threads=1, trainer_threads=1)
+    one_each = dict(device=torch.device("cpu"), engine_threads=1, trainer_threads=1)
     failing = OverlappedStep(lambda i, c: (None, c), work, 3, **one_each)
     failing.on_group(0, "bad")
     failing.trainer._thread.join()
@@ -95,27 +97,37 @@ def test_group_trainer_runs_groups_on_its_thread_and_hands_back_the_first_error(
     scoring_fails.abandon()
 
 
-def test_the_threads_split_while_both_have_work_and_the_trainer_takes_all_after():
+def test_the_threads_split_while_both_have_work_and_the_groups_left_train_on_the_steps_thread():
     """GRPOConfig.overlap_threads (E, T): the engine's thread on E threads once the trainer has work, the
-    trainer on T while generation runs (oversubscribed here: E + T > cores) and on every core after."""
-    seen, first_group_done = [], threading.Event()
+    trainer's on T while generation runs (oversubscribed here: E + T > cores); the group in hand when
+    generation ends takes the step's threads from its next backward (catch_up), and the groups still
+    waiting train in join(), on the step's thread with its own threads."""
+    seen, group_started, generation_over = [], threading.Event(), threading.Event()
 
     def work(index, payload):
-        seen.append((index, torch.get_num_threads()))
-        first_group_done.set()
+        seen.append((index, torch.get_num_threads(), threading.current_thread() is threading.main_thread()))
+        if index == 0:
+            group_started.set()
+            assert generation_over.wait(60)
+            trainer.catch_up()  # between its forward and its backward
+            seen.append((index, torch.get_num_threads(), "after catch_up"))
         return payload
 
     before = torch.get_num_threads()
-    trainer = GroupTrainer(work, device=torch.device("cpu"), cores=3, engine_threads=2, trainer_threads=5)
+    trainer = GroupTrainer(work, device=torch.device("cpu"), engine_threads=before + 1, trainer_threads=before + 3)
     trainer.submit(0, "a")
-    assert torch.get_num_threads() == 2  # the engine's thread, while the trainer has work
-    assert first_group_done.wait(60)
+    assert torch.get_num_threads() == before + 1  # the engine's thread, while the trainer has work
+    assert group_started.wait(60)
+    trainer.catch_up()  # not the trainer's thread: changes nothing
+    assert torch.get_num_threads() == before + 1
     trainer.generation_done()
     assert torch.get_num_threads() == before  # the engine is done: its thread gets its count back
     trainer.submit(1, "b")  # a group left for after generation
+    generation_over.set()
+    early = trainer.join()
+    assert seen == [(0, before + 3, False), (0, before, "after catch_up"), (1, before, True)]
+    assert early.results == {0: "a", 1: "b"} and early.trained_during_generation == 1
     assert torch.get_num_threads() == before
-    trainer.join()
-    assert seen == [(0, 5), (1, 3)] and torch.get_num_threads() == before
 
 
 def test_on_a_gpu_the_trainer_runs_on_the_train_stream_ordered_after_and_before_the_steps_work(monkeypatch):
@@ -146,19 +158,24 @@ def test_on_a_gpu_the_trainer_runs_on_the_train_stream_ordered_after_and_before_
     monkeypatch.setattr(torch.cuda, "stream", stream)
 
     def work(index, payload):
-        events.append(("work", index, current.stream.name, threading.current_thread() is not main))
+        events.append(("work", index, torch.cuda.current_stream().name, threading.current_thread() is not main))
         return payload
 
     main, threads = threading.current_thread(), torch.get_num_threads()
-    trainer = GroupTrainer(work, device=torch.device("cuda"), cores=2, engine_threads=1, trainer_threads=1,
+    trainer = GroupTrainer(work, device=torch.device("cuda"), engine_threads=1, trainer_threads=1,
                            stream=train_stream)
     trainer.submit(0, "a")
     trainer.submit(1, "b")
     assert torch.get_num_threads() == threads  # a GPU's engine keeps its CPU threads
+    for _ in range(6000):  # both trained during generation, on the trainer's thread
+        if len(trainer.early.results) == 2:
+            break
+        time.sleep(0.01)
     trainer.generation_done()
-    assert trainer.join().results == {0: "a", 1: "b"}
+    trainer.submit(2, "c")  # left for join(): the step's thread, after the train stream's work
+    assert trainer.join().results == {0: "a", 1: "b", 2: "c"}
     assert events == [("wait", "train", "step"), ("work", 0, "train", True), ("work", 1, "train", True),
-                      ("wait", "step", "train")]
+                      ("wait", "step", "train"), ("work", 2, "step", False)]
 
 
 @pytest.mark.slow

@@ -265,7 +265,7 @@ class GRPOScheduler:
         stream = self.pool.stream("train").torch_stream() if self.device.type == "cuda" else None
         return start_overlapped_step(
             self.task, step, rows, prompts, self.config, self.world.dp_size,
-            lambda group, advantages, **totals: self._backward(group, advantages, record, **totals),
+            lambda group, advantages, **options: self._backward(group, advantages, record, **options),
             device=self.device, train_stream=stream)
 
     def _reward_phase(self, step, rollout: "Rollout", record) -> torch.Tensor:
@@ -322,11 +322,14 @@ class GRPOScheduler:
             record["tp_all_reduces"] = self.tp.collectives.total - collectives
         record.update(train_stats(stats, self.world))
 
-    def _backward(self, rollout: "Rollout", advantages, record, *, global_tokens, global_sequences) -> dict:
+    def _backward(self, rollout: "Rollout", advantages, record, *, after_forward=lambda: None, **totals) -> dict:
+        def forward_done():  # activations alive: the moment to sample memory (and the overlap's catch_up)
+            self.residency.sample("train", record)
+            after_forward()
+
         return backward_rollout(self.tp or self.model, rollout, advantages, self.config, device=self.device,
-                                dp_size=self.world.dp_size, global_tokens=global_tokens,
-                                global_sequences=global_sequences, reference=self.reference,
-                                after_forward=lambda: self.residency.sample("train", record))
+                                dp_size=self.world.dp_size, reference=self.reference, after_forward=forward_done,
+                                **totals)
 
     def _publish_phase(self, step: int, record: dict) -> None:
         # The gradients are dead once the optimizer has stepped: they sleep now, and the optimizer
