@@ -42,8 +42,8 @@ OVERLAP_MODES = ("auto", "on", "off")
 # auto overlaps there only. A pair not listed has not been measured, so auto leaves it serial.
 MEASURED_FASTER = {
     ("cpu-avx2", "fp32"): True,          # 1.21x (bench/results/cpu-overlap-full.json, AMD EPYC, 2 cores)
-    # 0.97x (cpu-overlap-zen5-full.json, AMD EPYC Zen 5, 2 cores): the engine's bf16 decode keeps both
-    # cores busy there, so the core it gives the trainer slows generation by as much as training gains.
+    # cpu-overlap-zen5-full.json (AMD EPYC Zen 5, 2 cores): 1.05x on the long-tail toy step but 0.97x on
+    # the real task (SmolLM2 on arithmetic), whose groups finish with generation (no tail to fill).
     ("cpu-avx512-bf16", "bf16"): False,
 }
 
