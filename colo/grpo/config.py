@@ -54,7 +54,7 @@ class GRPOConfig:
     # or "auto" (on where it measured faster on this device kind). Exactly on-policy either way.
     overlap: str = "auto"
     # CPU: the engine's and the trainer's threads while both have work during an overlapped step (the
-    # trainer takes every thread once generation ends). None: half the cores each (colo.grpo.overlap.cpu_split).
+    # groups left when generation ends train with every thread). None: half the cores each (overlap.cpu_split).
     overlap_threads: tuple[int, int] | None = None
     # Optimizer state to host memory while generating. None: only where the pool cannot hold it beside
     # the engine's weights and KV cache (TrainingMemory.must_offload); otherwise the copies would cost

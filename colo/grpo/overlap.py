@@ -37,14 +37,16 @@ from .update import merge_stats
 
 OVERLAP_MODES = ("auto", "on", "off")
 
-# Whether an overlapped step measured faster than the serial one on the long-tail workload of
-# `python -m colo.bench --sections overlap`, per device kind (device_kind) and dtype ("fp32"/"bf16"):
-# auto overlaps there only. A pair not listed has not been measured, so auto leaves it serial.
+# Whether an overlapped step measured faster than the serial one on both workloads of
+# `python -m colo.bench --sections overlap` (the long-tail toy step and the real task), per device kind
+# (device_kind) and dtype ("fp32"/"bf16"): auto overlaps there only. A pair not listed has not been
+# measured, so auto leaves it serial. On 2-core CPUs the real task has no tail to fill (its groups end
+# with generation), so no CPU kind measured faster on it (bench/results/, AMD EPYC, 2 cores):
 MEASURED_FASTER = {
-    ("cpu-avx2", "fp32"): True,          # 1.21x (bench/results/cpu-overlap-full.json, AMD EPYC, 2 cores)
-    # cpu-overlap-zen5-full.json (AMD EPYC Zen 5, 2 cores): 1.05x on the long-tail toy step but 0.97x on
-    # the real task (SmolLM2 on arithmetic), whose groups finish with generation (no tail to fill).
-    ("cpu-avx512-bf16", "bf16"): False,
+    # toy 1.21x on an AVX2-only EPYC (cpu-overlap-full.json, 79caf42); as an AVX2 CPU (the persona on
+    # Zen 5, cpu-overlap-avx2-persona-full.json, ac786d0) toy 1.01x, real task 0.93x.
+    ("cpu-avx2", "fp32"): False,
+    ("cpu-avx512-bf16", "bf16"): False,  # Zen 5 (cpu-overlap-zen5-full.json, 28a3bc2): toy 1.05x, real task 0.97x
 }
 
 
