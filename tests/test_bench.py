@@ -311,11 +311,11 @@ def test_overlap_real_workload_is_smollm2_on_the_arithmetic_chat_dataset(smollm2
 
     from colo.bench import overlap
 
-    workload = dict(overlap.REAL)
-    model_dir, params, lengths = overlap.prepare(workload, tmp_path)
+    model_dir, params, lengths, task = overlap.prepare(overlap.REAL, tmp_path)
     assert model_dir == smollm2_model_dir and "EOS" in lengths
     assert 134e6 < params < 135e6  # SmolLM2-135M, its embedding tied to the LM head (stored once)
-    rows = [json.loads(line) for line in open(workload["dataset_path"])]
+    assert task()["reward_funcs"] == ["math"]
+    rows = [json.loads(line) for line in open(task()["dataset"])]
     assert rows and all(r["prompt"][-1]["role"] == "user" and r["answer"].isdigit() for r in rows)
 
 

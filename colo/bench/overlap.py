@@ -29,7 +29,6 @@ resident set either side saw in any phase.
 from __future__ import annotations
 
 import gc
-import json
 import math
 import os
 import statistics
@@ -41,29 +40,26 @@ from .measure import engine_unavailable_reason, ratio, rows_per_device
 from .models import QWEN2_SIZES, save_random_model
 
 SECTION = "overlap"
-FULL = dict(model="qwen2-9M", prompts=16, completions=8, max_new_tokens=256, mean_length=32, steps=4, every_split=True)
-QUICK = dict(model="qwen2-0.4M", prompts=8, completions=4, max_new_tokens=96, mean_length=16, steps=2, every_split=False)
+FULL = dict(model="qwen2-9M", prompts=16, completions=8, max_new_tokens=256, mean_length=32, steps=4, every_split=True,
+            learning_rate=3e-3)
+QUICK = dict(model="qwen2-0.4M", prompts=8, completions=4, max_new_tokens=96, mean_length=16, steps=2,
+             every_split=False, learning_rate=3e-3)
 # The real task: SmolLM2-135M-Instruct on the arithmetic chat dataset, its EOS ending each completion
 # (most answer in a few tokens; some go on to the cap), TRL's learning rate for a real model.
 REAL = dict(model="smollm2-135M", dataset="arithmetic", prompts=8, completions=8, max_new_tokens=128, steps=2,
-            every_split=False)
+            every_split=False, learning_rate=1e-6)
 WARMUP = 1
 
 
-def new_run(model_dir: Path, workload: dict, overlap: str, threads: tuple[int, int] | None = None):
+def new_run(model_dir: Path, workload: dict, task, overlap: str, threads: tuple[int, int] | None = None):
+    """A scheduler of the workload; task() gives what it trains on (GRPOScheduler's keywords)."""
     from colo.grpo import GRPOConfig, GRPOScheduler
-    from colo.grpo.toy_task import long_tail_toy_task
 
     config = GRPOConfig(prompts_per_step=workload["prompts"], num_generations=workload["completions"],
                         max_new_tokens=workload["max_new_tokens"], save_every=0, overlap=overlap,
                         overlap_threads=threads, micro_batch_size=workload["completions"],
-                        learning_rate=1e-6 if "dataset" in workload else 3e-3)
-    if "dataset" in workload:
-        task = dict(dataset=workload["dataset_path"], reward_funcs=["math"])
-    else:
-        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        task = dict(task=long_tail_toy_task(vocab, workload["mean_length"]))
-    run = GRPOScheduler(model_dir, config=config, **task)
+                        learning_rate=workload["learning_rate"])
+    run = GRPOScheduler(model_dir, config=config, **task())
     run.generate_cpu = []  # (wall s, process CPU s) of each generation
     generate = run.engine.generate
 
@@ -134,9 +130,10 @@ def measure(workload: dict, progress, device: str = "cpu") -> list[dict]:
     engine_share = cpu_split(cores)[0]
     sides = ["serial"] + [f"overlapped {e}+{t}" for e, t in splits]
     with tempfile.TemporaryDirectory(prefix="colo-overlap-") as tmp:
-        model_dir, params, lengths = prepare(workload, Path(tmp))
-        runs = {"serial": new_run(model_dir, workload, "off")}
-        runs.update({side: new_run(model_dir, workload, "on", threads=split) for side, split in zip(sides[1:], splits)})
+        model_dir, params, lengths, task = prepare(workload, Path(tmp))
+        runs = {"serial": new_run(model_dir, workload, task, "off")}
+        runs.update({side: new_run(model_dir, workload, task, "on", threads=split)
+                     for side, split in zip(sides[1:], splits)})
         records, on_share = {side: [] for side in runs}, []  # on_share: the serial generations again, on engine_share
         try:
             for side in sides[1:]:
@@ -193,28 +190,32 @@ def measure(workload: dict, progress, device: str = "cpu") -> list[dict]:
     return rows
 
 
-def prepare(workload: dict, tmp: Path) -> tuple[Path, int, str]:
-    """The workload's model directory, its parameter count and how its completion lengths come about."""
+def prepare(workload: dict, tmp: Path):
+    """The workload's model directory, its parameter count, how its completion lengths come about, and
+    task(): what each run trains on, as GRPOScheduler's keywords (a new toy task per run)."""
     if "dataset" in workload:
         from safetensors import safe_open
 
         from colo.grpo.arithmetic import write
         from colo.smollm2 import smollm2_dir
 
-        workload["dataset_path"] = str(write(tmp / "data")[0])
+        dataset = str(write(tmp / "data")[0])
         model_dir, params = smollm2_dir(), 0
         for path in model_dir.glob("*.safetensors"):
             with safe_open(str(path), "pt") as weights:
                 params += sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
-        return model_dir, params, (f"arithmetic chat prompts, lengths as the model ends them at EOS "
-                                   f"(max {workload['max_new_tokens']})")
+        lengths = f"arithmetic chat prompts, lengths as the model ends them at EOS (max {workload['max_new_tokens']})"
+        return model_dir, params, lengths, lambda: dict(dataset=dataset, reward_funcs=["math"])
+    from colo.grpo.toy_task import long_tail_toy_task
+
     model_dir = tmp / "model"
-    params = save_random_model(model_dir, {**QWEN2_SIZES[workload["model"]],
-                                           "max_position_embeddings": workload["max_new_tokens"] + 64})
-    return model_dir, params, f"lengths ~geometric (mean {workload['mean_length']}, max {workload['max_new_tokens']})"
+    config = {**QWEN2_SIZES[workload["model"]], "max_position_embeddings": workload["max_new_tokens"] + 64}
+    params = save_random_model(model_dir, config)
+    lengths = f"lengths ~geometric (mean {workload['mean_length']}, max {workload['max_new_tokens']})"
+    return model_dir, params, lengths, lambda: dict(task=long_tail_toy_task(config["vocab_size"], workload["mean_length"]))
 
 
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
     workloads = [QUICK] if quick else [FULL, REAL]
     return rows_per_device(SECTION, "long-tail step", devices, engine_unavailable_reason,
-                           lambda device: [row for w in workloads for row in measure(dict(w), progress, device)])
+                           lambda device: [row for w in workloads for row in measure(w, progress, device)])
