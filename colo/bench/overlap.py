@@ -212,7 +212,8 @@ def prepare(workload: dict, tmp: Path):
     config = {**QWEN2_SIZES[workload["model"]], "max_position_embeddings": workload["max_new_tokens"] + 64}
     params = save_random_model(model_dir, config)
     lengths = f"lengths ~geometric (mean {workload['mean_length']}, max {workload['max_new_tokens']})"
-    return model_dir, params, lengths, lambda: dict(task=long_tail_toy_task(config["vocab_size"], workload["mean_length"]))
+    vocab, mean_length = config["vocab_size"], workload["mean_length"]
+    return model_dir, params, lengths, lambda: dict(task=long_tail_toy_task(vocab, mean_length))
 
 
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:

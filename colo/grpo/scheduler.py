@@ -253,7 +253,7 @@ class GRPOScheduler:
                 overlapped.abandon()
             raise
         if overlapped is not None:
-            overlapped.generation_done()  # the trainer takes every core for the groups left
+            overlapped.generation_done()  # the engine's thread gets its cores back; the groups left train in join()
         record["generate_tail_s"] = trace.tail_s
         return outputs, overlapped
 
