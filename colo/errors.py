@@ -25,5 +25,10 @@ class CheckpointError(ColoError, ValueError):
     """A checkpoint that cannot be read or does not belong to this kind of run."""
 
 
+class ModelSaveError(CheckpointError):
+    """Writing the model in Hugging Face format failed; every rank raises it together, and the run's
+    checkpoints are as they were."""
+
+
 class Terminated(ColoError):
     """The run stopped at a step boundary because the process was asked to terminate (SIGTERM)."""

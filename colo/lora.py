@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from . import vllm_compat as compat
+from .files import staged_directory
 from .shared import EngineViews, PublishReport
 from .regions import WEIGHTS
 
@@ -243,14 +243,7 @@ class SharedAdapter(EngineViews):
         """The adapter as PEFT names and scales it (B divided by alpha/rank), in the adapter's dtype, from
         `full` (a full_state_dict) or gathered now (with tensor parallelism: None off the first rank)."""
         full = self.full_state_dict() if full is None else full
-        if full is None:
-            return None
-        state = {}
-        for name, layer in self.layers.items():
-            b = full[f"{name}.lora_B"]
-            state[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = full[f"{name}.lora_A"].detach().clone()
-            state[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = (b.detach().float() / layer.scale).to(b.dtype)
-        return state
+        return None if full is None else peft_adapter_state(full, {n: layer.scale for n, layer in self.layers.items()})
 
     def save_pretrained(self, directory, base_model: str = "", full: dict | None = None) -> Path | None:
         """Write adapter_config.json and adapter_model.safetensors (PEFT's format; loads in PEFT and
@@ -429,22 +422,35 @@ def _adapter_forward(adapter: SharedAdapter, dropout: float):
     return hook
 
 
+def peft_adapter_state(full: dict[str, torch.Tensor], scaling) -> dict[str, torch.Tensor]:
+    """A full_state_dict ({module}.lora_A / .lora_B, B in the slot's units: scaling x PEFT's) in PEFT's
+    names and units; scaling: alpha / rank, or {module: its scaling}."""
+    state = {}
+    for key in sorted(full):
+        if not key.endswith(".lora_A"):
+            continue
+        name = key[:-len(".lora_A")]
+        a, b = full[key], full[f"{name}.lora_B"]
+        scale = scaling[name] if isinstance(scaling, dict) else scaling
+        state[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = a.detach().clone()
+        state[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = (b.detach().float() / scale).to(b.dtype)
+    return state
+
+
 def write_adapter(directory, spec: LoraSpec, state: dict[str, torch.Tensor], base_model: str = "") -> Path:
-    """Write a PEFT-format adapter (adapter_config.json, adapter_model.safetensors) to `directory`."""
+    """Write a PEFT-format adapter (adapter_config.json, adapter_model.safetensors) to `directory`,
+    whole or not at all."""
+    with staged_directory(directory) as staging:
+        write_adapter_files(staging, spec, state, base_model)
+    return Path(directory)
+
+
+def write_adapter_files(directory: Path, spec: LoraSpec, state: dict[str, torch.Tensor], base_model: str = "") -> None:
+    """The two files of a PEFT-format adapter, into an existing directory."""
     from safetensors.torch import save_file
 
-    directory = Path(directory)
-    staging, old = directory.with_name(directory.name + ".writing"), directory.with_name(directory.name + ".old")
-    for leftover in (staging, old):
-        shutil.rmtree(leftover, ignore_errors=True)
-    staging.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(staging / "adapter_model.safetensors"))
-    (staging / "adapter_config.json").write_text(json.dumps(spec.peft_config(base_model), indent=2))
-    if directory.exists():  # never a half-written adapter under the name: the old one until the new is whole
-        directory.rename(old)
-    staging.rename(directory)
-    shutil.rmtree(old, ignore_errors=True)
-    return directory
+    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(Path(directory) / "adapter_model.safetensors"))
+    (Path(directory) / "adapter_config.json").write_text(json.dumps(spec.peft_config(base_model), indent=2))
 
 
 def read_adapter(directory) -> tuple[LoraSpec, dict[str, torch.Tensor]]:

@@ -24,7 +24,7 @@ def checkpoint(out, step: int) -> dict:
 @pytest.mark.cpu_kind  # bf16 rounding and kernels differ between CPU kinds
 def test_lora_run_trains_the_adapter_in_the_engine_slot_and_resumes_exactly(tmp_path):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    done = run_grpo(whole, "--steps", str(STEPS), *LORA)
+    done = run_grpo(whole, "--steps", str(STEPS), *LORA, "--merge-lora")
     assert "LoRA rank 8, alpha 16" in done.stdout
     log = records(whole)
     assert [r["step"] for r in log] == list(range(1, STEPS + 1))
@@ -49,6 +49,14 @@ def test_lora_run_trains_the_adapter_in_the_engine_slot_and_resumes_exactly(tmp_
         exported = tensors[f"base_model.model.{module}.{which}.weight"].float()
         expected = t.float() / (spec.scaling if which == "lora_B" else 1.0)
         torch.testing.assert_close(exported, expected, atol=0, rtol=2 ** -7)  # one bf16 rounding
+    # OUT/final: the same adapter in PEFT's format (the toy's own dtype, fp32) and, with --merge-lora,
+    # the base with it merged in.
+    spec_final, final = read_adapter(whole / "final")
+    assert spec_final == spec and final.keys() == tensors.keys()
+    for key in final:
+        assert final[key].dtype == torch.float32
+        torch.testing.assert_close(final[key].float(), tensors[key].float(), atol=0, rtol=2 ** -7)
+    assert (whole / "final" / "merged" / "model.safetensors").is_file()
 
     # Killed after step 2 (its checkpoint is the last thing it wrote), resumed to step 4: the same run.
     run_grpo(resumed, "--steps", "2", *LORA)

@@ -37,7 +37,7 @@ def test_checkpoints_are_atomic_numbered_and_pruned(tmp_path):
 def test_unreadable_or_foreign_checkpoint_is_a_clear_error(tmp_path):
     bad = tmp_path / "step-000001.pt"
     bad.write_bytes(b"not a checkpoint")
-    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+    with pytest.raises(CheckpointError, match="is not a colo GRPO checkpoint .step-N.pt., or is damaged"):
         load_checkpoint(bad)
     torch.save({"something": "else"}, tmp_path / "step-000002.pt")
     with pytest.raises(CheckpointError, match="not a colo GRPO checkpoint"):
@@ -219,7 +219,7 @@ def test_cli_bad_arguments_fail_fast_with_a_message(tmp_path, capsys):
     out.mkdir()
     (out / "run.json").write_text(json.dumps({"model_dir": str(tmp_path), "config": {}}))
     (out / "step-000002.pt").write_bytes(b"garbage")
-    assert "cannot read checkpoint" in _cli_error(capsys, ["--steps", "3", "--resume", *base])
+    assert "is not a colo GRPO checkpoint (step-N.pt), or is damaged" in _cli_error(capsys, ["--steps", "3", "--resume", *base])
     # A new run must not overwrite the checkpoints of another.
     assert "already holds checkpoints" in _cli_error(capsys, ["--steps", "3", *base])
 

@@ -116,6 +116,76 @@ def test_bf16_checkpoints_hold_the_fp32_master_weights_and_moments(reference):
     assert any(torch.equal(rounded[:t.numel()], t.flatten()) for t in weights.values())
 
 
+def saved_model(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(directory / "model.safetensors")
+
+
+def masters_by_name(out: Path, step: int) -> dict[str, torch.Tensor]:
+    """The fp32 master weights after `step` by parameter name (assembled from shards when sharded)."""
+    state = torch.load(out / f"step-{step:06d}.pt", map_location="cpu", weights_only=True)
+    flat, masters, offset = optimizer_state(out, step)["master_weights"], {}, 0
+    for name in state["param_names"]:
+        shape = state["model"][name].shape
+        masters[name] = flat[offset:offset + shape.numel()].view(shape)
+        offset += shape.numel()
+    assert offset == flat.numel()
+    return masters
+
+
+def test_the_run_leaves_its_model_in_hugging_face_format_from_the_fp32_masters(reference, tmp_path):
+    """OUT/final: the toy's own dtype (fp32), so the fp32 masters exactly, not the bf16 copy the engine
+    served; `python -m colo.grpo.export --save-dtype bf16` of the checkpoint is that served copy."""
+    saved, masters = saved_model(reference / "final"), masters_by_name(reference, STEPS)
+    assert saved.keys() == masters.keys()  # the tied head is the embedding, saved once
+    assert all(saved[n].dtype == torch.float32 and torch.equal(saved[n], masters[n]) for n in saved)
+    served = model_weights(reference / f"step-{STEPS:06d}.pt")
+    assert any(not torch.equal(saved[n], served[n].float()) for n in saved)  # bf16 rounding dropped something
+    bf16 = tmp_path / "bf16"
+    done = subprocess.run([sys.executable, "-m", "colo.grpo.export", str(reference), "-o", str(bf16),
+                           "--save-dtype", "bf16"], capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    exported = saved_model(bf16)
+    assert all(exported[n].dtype == torch.bfloat16 and torch.equal(exported[n], served[n]) for n in exported)
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_transformers_and_stock_vllm_load_the_saved_model_and_agree(reference, prompt_logprobs):
+    from colo.bench.baselines import stock_llm
+    from colo.engine import release_llm
+
+    from conftest import PROMPTS, load_hf_model
+
+    model = load_hf_model(reference / "final")
+    expected = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            logits = model(torch.tensor([prompt])).logits[0, :-1].double()
+            expected.append(logits.log_softmax(-1).gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0])
+    llm = stock_llm(reference / "final", dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20,
+                    enforce_eager=True)
+    try:
+        served = prompt_logprobs(llm)
+    finally:
+        release_llm(llm)
+    # Both fp32: kernel differences only (vLLM's own tests allow far more).
+    torch.testing.assert_close(served, torch.cat(expected), atol=2e-4, rtol=0)
+
+
+def test_the_saved_model_trains_as_the_model_of_a_new_run_and_a_failed_save_loses_nothing(reference, tmp_path):
+    out = tmp_path / "from-final"
+    out.mkdir()
+    (out / "final.writing").write_text("in the way")  # the final save cannot stage its directory
+    done = subprocess.run(grpo_command(out, "--steps", "1", "--model", str(reference / "final"), "--eager"),
+                          capture_output=True, text=True, timeout=300, cwd=REPO, env=ENV)
+    assert done.returncode != 0
+    assert f"writing the model to {out / 'final'} failed" in done.stderr, done.stderr[-2000:]
+    assert "python -m colo.grpo.export" in done.stderr
+    assert [r["step"] for r in records(out)] == [1]
+    assert (out / "step-000001.pt").is_file() and not (out / "final").exists()
+
+
 def test_timeline_has_every_phase_of_every_step(reference):
     events = json.loads((reference / "trace.json").read_text())  # a finished run closes the array
     for phase in ("generate", "train", "publish"):
@@ -334,6 +404,9 @@ def test_sharded_optimizer_trains_like_one_rank_and_resumes_on_any_number_of_ran
     assert sorted(p.name for p in two.glob("step-000003*")) == [
         "step-000003.optimizer-rank0-of-2.pt", "step-000003.optimizer-rank1-of-2.pt", "step-000003.pt"]
     assert_trains_like(two, reference, last_step=3)
+    # OUT/final holds the fp32 masters, gathered from both ranks' shards
+    saved, masters = saved_model(two / "final"), masters_by_name(two, 3)
+    assert saved.keys() == masters.keys() and all(torch.equal(saved[n], masters[n]) for n in saved)
 
     for ranks in (2, 3):
         again = tmp_path / f"resumed-on-{ranks}"

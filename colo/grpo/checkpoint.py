@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError  # noqa: F401 - raised here, re-exported
+from ..errors import CheckpointError, ModelSaveError  # noqa: F401 - raised here, re-exported
 from . import distributed as D
+from . import hf_format
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +172,9 @@ def load_checkpoint(path: str | Path) -> dict:
         # weights_only: a checkpoint is data; never run code from a file found on disk.
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a truncated or foreign file
-        raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {e}") from e
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{path} is not a colo GRPO checkpoint (step-N.pt), or is damaged: torch.load "
+                              f"failed with {type(e).__name__}: {first_line[:120]}") from e
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a colo GRPO checkpoint (expected format {FORMAT!r})")
     missing = [k for k in ("step", "model", "optimizer", "rng", "config") if k not in state]
@@ -329,6 +332,8 @@ class Checkpointer:
                          "config": self.config.to_dict(), "model_dir": str(self.model_dir)}
                 if isinstance(self.reference, torch.nn.Module):
                     state["reference"] = self.reference.state_dict()
+                if self.adapter is None and self.tp is None:  # the masters' order, for colo.grpo.export
+                    state["param_names"] = self._trainable_names()
                 path = save_checkpoint(self.out_dir, step, state, keep=self.config.keep_checkpoints)
                 if self.adapter is not None:  # the newest adapter in PEFT's format, for PEFT and vLLM
                     self.adapter.save_pretrained(self.out_dir / "adapter", base_model=str(self.model_dir),
@@ -336,6 +341,50 @@ class Checkpointer:
         D.barrier(self.world)
         self.last_saved_step = step
         return path
+
+    def save_model(self, directory: Path) -> Path | None:
+        """The model as trained so far, in Hugging Face format (colo.grpo.hf_format): every rank calls it
+        (gathering is collective) and rank 0 writes; the path on rank 0. A failure raises
+        ModelSaveError on every rank, with the checkpoints untouched."""
+        model_state = self._model_state()  # with tensor parallelism a collective
+        masters = self._masters()  # with ZeRO-1 a collective
+        error = None
+        if self.world.is_main:
+            dtype = hf_format.save_dtype(self.config.save_dtype)
+            try:
+                with self.timeline.span("save_model"):
+                    if self.adapter is not None:
+                        hf_format.write_adapter_dir(model_state, self.config.lora_spec, self.model_dir, directory, dtype,
+                                                 merge=self.config.merge_lora)
+                    else:
+                        names = self._trainable_names()
+                        found = hf_format.master_weights(masters, names, {n: model_state[n].shape for n in names}) \
+                            if masters is not None else None
+                        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+                        hf_format.write_model(hf_format.weights_to_save(model_state, found, tied), self.model_dir,
+                                           directory, dtype)
+            except (OSError, ValueError, RuntimeError) as e:
+                error = f"{type(e).__name__}: {e}"
+        if D.sum_floats([1.0 if error else 0.0], self.world)[0]:
+            raise ModelSaveError(f"writing the model to {directory} failed ({error or 'on rank 0'}); the checkpoints "
+                                 f"in {self.out_dir} are intact: python -m colo.grpo.export {self.out_dir} -o DIR")
+        return Path(directory) if self.world.is_main else None
+
+    def _masters(self):
+        """What colo.grpo.hf_format.master_weights reads: the fp32 masters (every rank's shard with ZeRO-1,
+        gathered on rank 0); None where there are none (fp32 training) or they stay sharded per
+        tensor-parallel rank, and for an adapter (saved in its own dtype)."""
+        if self.adapter is not None or self.tp is not None:
+            return None
+        if self.memory.shard is not None:
+            with self._optimizer_region_awake():
+                mine = self.optimizer.state_dict()
+            return D.gather_objects({"ranges": mine["ranges"], "master_weights": mine["master_weights"]}, self.world)
+        flat = getattr(self.optimizer, "master_flat", None)
+        if flat is None:
+            return None
+        with self._optimizer_region_awake():
+            return {"master_weights": flat.detach().to("cpu", copy=True)}
 
     @staticmethod
     def _shard_kind(world: D.World) -> str:

@@ -43,7 +43,8 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     mask_truncated="mask_truncated", loss_type="loss_type", epsilon="epsilon_low",
                     epsilon_high="epsilon_high", scale_rewards="scale_rewards", beta="beta", eval_every="eval_every",
                     chat_template_kwargs="chat_template_kwargs", overlap="overlap",
-                    overlap_threads="overlap_threads")
+                    overlap_threads="overlap_threads", save_model_every="save_model_every", save_dtype="save_dtype",
+                    merge_lora="merge_lora")
 
 
 def _int_at_least(minimum: int):
@@ -84,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="FILE", help="Chrome-trace/Perfetto timeline of the phases")
     p.add_argument("--save-every", type=_non_negative_int, default=10, metavar="N", help="checkpoint period (0: only at the end)")
     p.add_argument("--keep-checkpoints", type=_non_negative_int, default=2, metavar="K", help="newest checkpoints kept (0: all)")
+    saving = p.add_argument_group("the trained model (Hugging Face format: OUT/final at the end of the run)")
+    saving.add_argument("--save-model-every", type=_non_negative_int, metavar="N",
+                        help="also write OUT/model-step-N every N steps (default 0: only OUT/final)")
+    saving.add_argument("--save-dtype", type=_save_dtype, metavar="DTYPE",
+                        help="bf16, fp16 or fp32 (default: the base model's own, its config.json's dtype); full "
+                             "fine-tuning saves the fp32 master weights rounded to it")
+    saving.add_argument("--merge-lora", action="store_true", default=None,
+                        help="with --lora-rank: OUT/final/merged, the base with the adapter merged in, beside the "
+                             "PEFT adapter")
     p.add_argument("--config", metavar="FILE.yaml", help="a YAML mapping of any of these flags (the command line wins)")
     task = p.add_argument_group("the task (default: the toy task)")
     task.add_argument("--dataset", metavar="PATH", help="training prompts: .jsonl/.json/.parquet/.csv or a save_to_disk "
@@ -149,6 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _save_dtype(text: str) -> str:
+    from .hf_format import save_dtype
+
+    try:
+        save_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--save-dtype: ")) from None
+    return text
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -212,6 +232,13 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
     """Model directory and config: from the flags for a new run, from OUT/run.json when resuming."""
     out = Path(args.out)
     run_file = out / "run.json"
+    from .hf_format import check_writable
+
+    try:  # before anything loads, not after the first steps
+        check_writable(out)
+        check_writable(Path(args.log).resolve().parent, "--json")
+    except ValueError as e:
+        parser.error(str(e))
     if args.resume:
         if not run_file.is_file():
             parser.error(f"--resume: {run_file} not found; is {out} the --out of an earlier run?")
@@ -383,7 +410,7 @@ def main(argv=None) -> int:
     if world.is_main and records:
         first, last = records[0], records[-1]
         print(f"colo.grpo: steps {first['step']}-{last['step']} done; reward {first['reward_mean']:.3f} -> "
-              f"{last['reward_mean']:.3f}; checkpoints in {out}")
+              f"{last['reward_mean']:.3f}; checkpoints in {out}; the model in Hugging Face format in {out / 'final'}")
     return 0
 
 

@@ -13,6 +13,8 @@ from ..checks import check_int
 
 
 DTYPES = ("bf16", "fp32")
+# What --save-dtype takes (colo.grpo.export turns the name into a torch dtype).
+SAVE_DTYPES = ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
 
 
 @dataclass
@@ -76,6 +78,12 @@ class GRPOConfig:
     # its engine's. The torchrun world is world / tensor_parallel data-parallel groups of it.
     tensor_parallel: int = 1
     save_every: int = 10               # checkpoint period in steps (0: only at the end)
+    # The model in Hugging Face format (colo.grpo.export): OUT/final at the end of every run, and
+    # OUT/model-step-N every save_model_every steps (0: only the final one); in save_dtype (None: the
+    # base model's own); with LoRA the PEFT adapter, and merge_lora adds the merged model.
+    save_model_every: int = 0
+    save_dtype: str | None = None
+    merge_lora: bool = False
     keep_checkpoints: int = 2          # newest ones kept (0: all)
     seed: int = 0
 
@@ -83,7 +91,8 @@ class GRPOConfig:
         self.adam_betas = tuple(self.adam_betas)
         for name in ("prompts_per_step", "num_generations", "max_new_tokens"):
             check_int(getattr(self, name), name)
-        for name in ("warmup_steps", "save_every", "keep_checkpoints", "seed", "top_k", "eval_every"):
+        for name in ("warmup_steps", "save_every", "save_model_every", "keep_checkpoints", "seed", "top_k",
+                     "eval_every"):
             check_int(getattr(self, name), name, 0)
         if self.micro_batch_size is not None:
             check_int(self.micro_batch_size, "micro_batch_size")
@@ -140,6 +149,11 @@ class GRPOConfig:
                                       "not built yet")
         if self.tensor_parallel > 1 and self.eval_every:
             raise NotImplementedError("eval_every with tensor_parallel > 1 is not built yet")
+        if self.save_dtype is not None and str(self.save_dtype).lower() not in SAVE_DTYPES:
+            raise ValueError(f"save_dtype: {self.save_dtype!r} is not a dtype colo saves in; one of bf16, fp16, fp32 "
+                             "or None (the base model's own)")
+        if self.merge_lora and not self.lora_rank:
+            raise ValueError("merge_lora needs lora_rank > 0 (full fine-tuning saves the whole model already)")
         if self.dtype not in (None, *DTYPES):
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or None (the fastest here), got {self.dtype!r}")
 

@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from ..checks import check_int
-from ..errors import Terminated
+from ..errors import ModelSaveError, Terminated
 from ..pool import Pool
 from ..regions import WEIGHTS
 from ..zero import ShardLayout
@@ -44,6 +44,7 @@ from .batch import Rollout, concatenated_scores, loss_tokens, rollout_of
 from .checkpoint import Checkpointer
 from .config import GRPOConfig, check_model_dir
 from .evaluation import greedy_pass_at_1
+from .hf_format import FINAL, check_writable, model_step_dir
 from .gradients import reduce_and_clip
 from .loss import group_advantages
 from .metrics import ProgressBar, StepLog, Timeline, rank_path
@@ -75,7 +76,9 @@ class GRPOScheduler:
       prompts. reward_fn(prompts, completions) returns one float per completion, prompts repeated once
       per completion.
     - task: a colo.grpo.task.Task.
-    out_dir: where checkpoints go (None: no checkpoints). resume=True continues from its latest one.
+    out_dir: where checkpoints go (None: no checkpoints), and the model in Hugging Face format: out_dir/final
+    at the end, out_dir/model-step-N every config.save_model_every steps (colo.grpo.hf_format). resume=True
+    continues from its latest checkpoint.
     pool_capacity: bytes of the device (or RAM) this run's pool may use; default: all that is free.
     The regions time-share it: the KV cache may use the bytes of the training memory that sleeps
     while generating (see colo.Pool).
@@ -90,6 +93,8 @@ class GRPOScheduler:
         self.model_dir = Path(model_dir)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         check_model_dir(self.model_dir, self.config.tensor_parallel)  # before any engine starts
+        if self.out_dir is not None:
+            check_writable(self.out_dir, "out_dir")
         self.task, self.eval_task = build_tasks(self.config, self.model_dir, task, dataset, reward_funcs,
                                                 reward_weights, eval_dataset, tokenizer, prompt_fn, reward_fn)
         engine_options = fit_model_length(self.config, self.model_dir, (self.task, self.eval_task),
@@ -372,17 +377,22 @@ class GRPOScheduler:
                 bar.update(record)
                 if self.config.save_every and self.step % self.config.save_every == 0:
                     self.save()
+                if self.out_dir is not None and self.config.save_model_every and \
+                        self.step % self.config.save_model_every == 0:
+                    self.checkpointer.save_model(model_step_dir(self.out_dir, self.step))
                 # Decided together, so every rank stops after the same step.
                 if D.sum_floats([float(terminate.requested)], self.world)[0]:
                     self.save()
                     raise Terminated(f"stopped by SIGTERM after step {self.step}; it is checkpointed in "
                                      f"{self.out_dir}" if self.out_dir else f"stopped by SIGTERM after step {self.step}")
             self.save()
+            if self.out_dir is not None:
+                self.checkpointer.save_model(self.out_dir / FINAL)
         except BaseException as e:
             # A failure before the optimizer touched the weights leaves the last finished step intact:
             # keep it, so --resume loses nothing. Saving is collective, so with several ranks only
-            # for an engine failure, which every rank raises together.
-            together = self.world.size == 1 or isinstance(e, EngineFailure)
+            # for the failures every rank raises together.
+            together = self.world.size == 1 or isinstance(e, (EngineFailure, ModelSaveError))
             if not self._unsafe_to_save and self.out_dir is not None and together:
                 with contextlib.suppress(Exception):
                     self.save()
