@@ -207,7 +207,7 @@ def test_cli_bad_arguments_fail_fast_with_a_message(tmp_path, capsys):
     assert "positive integer" in _cli_error(capsys, ["--steps", "x", *base])
     assert "ENGINE,TRAINER" in _cli_error(capsys, ["--steps", "3", "--overlap-threads", "2", *base])
     assert "must be at least 1" in _cli_error(capsys, ["--steps", "3", "--overlap-threads", "1,0", *base])
-    assert "is not a directory" in _cli_error(capsys, ["--steps", "3", "--model", str(tmp_path / "missing"), *base])
+    assert "no such directory" in _cli_error(capsys, ["--steps", "3", "--model", str(tmp_path / "missing"), *base])
     (tmp_path / "empty").mkdir()
     assert "no config.json" in _cli_error(capsys, ["--steps", "3", "--model", str(tmp_path / "empty"), *base])
     (tmp_path / "gpt2").mkdir()

@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="log", required=True, metavar="LOG", help="JSON-lines file, one record per step")
     p.add_argument("--out", required=True, metavar="CKPT_DIR", help="directory for checkpoints and run.json")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    p.add_argument("--model", metavar="PATH", help="Hugging Face causal LM directory (default: a small random Qwen2)")
+    p.add_argument("--model", metavar="PATH|ORG/NAME", help="a Hugging Face causal LM directory, or a hub id "
+                   "ORG/NAME[@REVISION] (fetched once into the Hugging Face cache; HF_HUB_OFFLINE=1 uses only the "
+                   "cache); default: a small random Qwen2")
     p.add_argument("--trace", metavar="FILE", help="Chrome-trace/Perfetto timeline of the phases")
     p.add_argument("--save-every", type=_non_negative_int, default=10, metavar="N", help="checkpoint period (0: only at the end)")
     p.add_argument("--keep-checkpoints", type=_non_negative_int, default=2, metavar="K", help="newest checkpoints kept (0: all)")
@@ -96,12 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "PEFT adapter")
     p.add_argument("--config", metavar="FILE.yaml", help="a YAML mapping of any of these flags (the command line wins)")
     task = p.add_argument_group("the task (default: the toy task)")
-    task.add_argument("--dataset", metavar="PATH", help="training prompts: .jsonl/.json/.parquet/.csv or a save_to_disk "
-                      "directory, with a `prompt` column (text or {role, content} messages); needs --model and --reward")
+    task.add_argument("--dataset", metavar="PATH|ORG/NAME", help="training prompts: .jsonl/.json/.parquet/.csv, a "
+                      "save_to_disk directory, or a hub dataset ORG/NAME[@REVISION][:CONFIG][:SPLIT] (split default "
+                      "train), with a `prompt` column (text or {role, content} messages); needs --model and --reward")
     task.add_argument("--reward", action="append", metavar="SPEC", help="a reward function: FILE.py:NAME, "
                       "module:NAME, math, gsm8k or regex:PATTERN (repeatable; TRL's signature, see colo.grpo.rewards)")
     task.add_argument("--reward-weights", type=float, nargs="+", metavar="W", help="one weight per --reward (default 1 each)")
-    task.add_argument("--eval-dataset", metavar="PATH", help="prompts for greedy pass@1 per reward function")
+    task.add_argument("--eval-dataset", metavar="PATH|ORG/NAME", help="prompts for greedy pass@1 per reward function "
+                      "(as --dataset)")
     task.add_argument("--eval-every", type=_non_negative_int, metavar="N", help="evaluate every N steps (default 0: never)")
     task.add_argument("--chat-template-kwargs", type=_json_object, metavar="JSON",
                       help='extra arguments of the chat template, e.g. \'{"enable_thinking": false}\'')
@@ -245,7 +249,11 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
         try:
             saved = json.loads(run_file.read_text())
             config = GRPOConfig.from_dict(saved["config"])
-            model_dir = Path(args.model) if args.model else Path(saved["model_dir"])
+            model_dir = Path(saved["model_dir"])
+            if args.model or saved.get("model"):
+                from ..hub import resolve_model
+
+                model_dir = resolve_model(args.model or saved["model"])
             for key, value in (saved.get("task") or {}).items():
                 setattr(args, key if key != "rewards" else "reward", value)
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -273,9 +281,13 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
         parser.error(str(e))
     _check_task_flags(args, parser)
     if args.model:
-        model_dir = Path(args.model)
-        if not model_dir.is_dir():
-            parser.error(f"--model: {model_dir} is not a directory")
+        from ..hub import pinned, resolve_model
+
+        try:  # a hub id is pinned to the commit it resolves to now, so --resume reads the same files
+            args.model = pinned(args.model, kind="model")
+            model_dir = resolve_model(args.model)
+        except ValueError as e:
+            parser.error(f"--model {e}")
         if not (model_dir / "config.json").is_file():
             parser.error(f"--model: {model_dir} is not a Hugging Face model directory (no config.json)")
         try:
@@ -290,8 +302,9 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
 def _check_task_flags(args, parser) -> None:
     """The dataset flags go together; reward functions and data files are loaded here, before any
     engine starts, so a wrong name fails in a second."""
+    from ..hub import load_dataset_spec, pinned
     from .rewards import load_reward
-    from .task import PROMPT, load_dataset_file
+    from .task import PROMPT
 
     if not args.dataset:
         for flag in ("reward", "reward_weights", "eval_dataset", "eval_every", "chat_template_kwargs",
@@ -316,7 +329,9 @@ def _check_task_flags(args, parser) -> None:
         path = getattr(args, flag)
         if path:
             try:
-                columns = load_dataset_file(path).column_names
+                path = pinned(path, kind="dataset")
+                setattr(args, flag, path)  # run.json keeps the pinned name
+                columns = load_dataset_spec(path).column_names
             except (ValueError, ImportError) as e:
                 parser.error(f"--{flag.replace('_', '-')}: {e}")
             if PROMPT not in columns:
@@ -376,7 +391,8 @@ def main(argv=None) -> int:
                   f"weights ({copy_bytes / 2**20:.0f} MiB in {config.dtype}, outside the pool) beside the shared one; "
                   "with --lora-rank the reference is the shared base itself, free", flush=True)
         if not args.resume:
-            (out / "run.json").write_text(json.dumps({"model_dir": str(model_dir), "config": config.to_dict(),
+            (out / "run.json").write_text(json.dumps({"model": args.model, "model_dir": str(model_dir),
+                                                      "config": config.to_dict(),
                                                       "task": task_settings(args),
                                                       "dtype_chosen_because": why}, indent=2))
 

@@ -36,6 +36,7 @@ import torch
 
 from ..checks import check_int
 from ..errors import ModelSaveError, Terminated
+from ..hub import resolve_model
 from ..pool import Pool
 from ..regions import WEIGHTS
 from ..zero import ShardLayout
@@ -64,7 +65,8 @@ RewardFn = Callable[[list, list], list]        # (prompts, completions) -> one f
 
 
 class GRPOScheduler:
-    """Runs GRPO steps on `model_dir` (a Hugging Face causal LM directory) colocated with a vLLM engine.
+    """Runs GRPO steps on `model_dir` (a Hugging Face causal LM directory, or a hub id ORG/NAME: colo.hub)
+    colocated with a vLLM engine.
 
     What it trains on, one of:
     - dataset + reward_funcs (TRL's conventions; colo.grpo.task.DatasetTask): a `datasets.Dataset` or
@@ -90,7 +92,7 @@ class GRPOScheduler:
                  log_path: str | Path | None = None, trace_path: str | Path | None = None,
                  resume: bool = False, engine_options: dict | None = None, pool_capacity: int | None = None):
         self.config = config or GRPOConfig()
-        self.model_dir = Path(model_dir)
+        self.model_dir = resolve_model(model_dir)  # a directory, or a hub id ORG/NAME from the hub's cache
         self.out_dir = Path(out_dir) if out_dir is not None else None
         check_model_dir(self.model_dir, self.config.tensor_parallel)  # before any engine starts
         if self.out_dir is not None:

@@ -134,10 +134,11 @@ class DatasetTask(Task):
     def __init__(self, dataset, tokenizer, reward_funcs, reward_weights=None, *, seed: int = 0,
                  chat_template_kwargs: dict | None = None, max_prompt_length: int | None = None,
                  truncate: str | None = None, name: str = "dataset"):
+        from ..hub import load_dataset_spec
         from .rewards import load_reward
 
         self.name, self.seed, self.tokenizer = name, seed, tokenizer
-        self.dataset = load_dataset_file(dataset) if isinstance(dataset, (str, Path)) else dataset
+        self.dataset = load_dataset_spec(dataset) if isinstance(dataset, (str, Path)) else dataset
         columns = list(self.dataset.column_names)
         if PROMPT not in columns:
             raise ValueError(f"{name} has no {PROMPT!r} column (it has {', '.join(columns) or 'none'}); TRL's "
