@@ -144,8 +144,8 @@ def test_a_full_fine_tuning_checkpoint_exports_and_refuses_merge_lora(tiny_model
     assert done.returncode == 2 and "is a full fine-tuning checkpoint" in done.stderr, done.stderr
 
 
-def test_cli_refuses_bad_save_settings_before_anything_loads(tmp_path, capsys):
-    from colo.grpo import cli
+def test_cli_refuses_bad_output_settings_before_anything_loads(tmp_path, capsys, monkeypatch):
+    from colo.grpo import cli, trackers
 
     def error(argv) -> str:
         with pytest.raises(SystemExit) as exc:
@@ -159,3 +159,8 @@ def test_cli_refuses_bad_save_settings_before_anything_loads(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     assert f"--out {blocker / 'out'}: cannot write there" in error([*base, "--out", str(blocker / "out")])
+    assert not (blocker.parent / "o").exists()  # a refused command creates nothing
+    assert "--report-to mlflow: unknown tracker" in error([*base, "--out", str(tmp_path / "o"), "--report-to", "mlflow"])
+    monkeypatch.setattr(trackers, "_installed", lambda name: name != "wandb")
+    assert "the wandb package is not installed; pip install 'colo[wandb]'" in error(
+        [*base, "--out", str(tmp_path / "o"), "--report-to", "tensorboard", "--report-to", "wandb"])

@@ -61,7 +61,8 @@ def reference(tmp_path_factory) -> Path:
     # serves here, so the default; explicit so the test means the same on every machine). Offload
     # forced on (the CPU default is off); the 2-rank run, with the default, must match it.
     done = run_grpo(out, "--steps", str(STEPS), "--save-every", "1", "--keep-checkpoints", "0",
-                    "--trace", str(out / "trace.json"), "--offload-optimizer", "on", "--dtype", "bf16")
+                    "--trace", str(out / "trace.json"), "--offload-optimizer", "on", "--dtype", "bf16",
+                    "--report-to", "tensorboard", "--run-name", "reference")
     (out / "stdout.txt").write_text(done.stdout)
     return out
 
@@ -184,6 +185,18 @@ def test_the_saved_model_trains_as_the_model_of_a_new_run_and_a_failed_save_lose
     assert "python -m colo.grpo.export" in done.stderr
     assert [r["step"] for r in records(out)] == [1]
     assert (out / "step-000001.pt").is_file() and not (out / "final").exists()
+
+
+def test_every_step_record_reaches_tensorboard(reference):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(reference / "runs" / "reference"))
+    events.Reload()
+    log = records(reference)
+    for key in ("reward_mean", "train_s", "publish_bytes_copied"):
+        logged = [(e.step, e.value) for e in events.Scalars(key)]
+        assert logged == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in log], key
+    assert '"report_to": [' in events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
 
 
 def test_timeline_has_every_phase_of_every_step(reference):

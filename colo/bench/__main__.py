@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import DEVICE_CHOICES, SECTIONS
+from . import DEVICE_CHOICES, QUICK_SECTIONS, SECTIONS
 
 
 def parse_sections(text: str) -> list[str]:
@@ -42,13 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
                "--plot bench/results/cpu-quick.png",
     )
     parser.add_argument("--quick", action="store_true",
-                        help="smaller sizes and fewer repeats: a few minutes on a 2-core CPU")
+                        help="smaller sizes, fewer repeats, no lora section: under 5 minutes on a fresh 2-core CPU")
     parser.add_argument("--json", type=json_path, metavar="PATH",
                         help="write rows, machine, exact command, date and colo build info to PATH")
     parser.add_argument("--plot", type=png_path, metavar="PATH",
                         help="write a PNG: publish time against model size, and the GRPO step breakdown")
-    parser.add_argument("--sections", type=parse_sections, default=list(SECTIONS), metavar="A,B",
-                        help=f"comma-separated sections to run (default: all of {','.join(SECTIONS)})")
+    parser.add_argument("--sections", type=parse_sections, metavar="A,B",
+                        help=f"comma-separated sections to run (default: all of {','.join(SECTIONS)}; with --quick "
+                             f"{','.join(QUICK_SECTIONS)})")
     parser.add_argument("--device", choices=DEVICE_CHOICES, default="all",
                         help="which device rows to run; 'all' (default) runs CPU and adds CUDA rows, or notes why "
                              "CUDA could not run")
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from . import runner  # imported after parsing so that --help never touches torch or colo._C
 
-    result, failed = runner.run(args.sections, args.quick, args.device, argv, json_path=args.json)
+    sections = args.sections or list(QUICK_SECTIONS if args.quick else SECTIONS)
+    result, failed = runner.run(sections, args.quick, args.device, argv, json_path=args.json)
     if args.json:
         print(f"[colo.bench] wrote {args.json}", file=sys.stderr)
     if args.plot:

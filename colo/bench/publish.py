@@ -47,7 +47,7 @@ GOAL_RATIO = 100.0
 GOAL_PARAMS = 0.45e9
 GENERATION_GOAL = 0.9
 
-QUICK_SIZES = ("qwen2-9M", "qwen2-45M")
+QUICK_SIZES = ("qwen2-9M",)
 FULL_SIZES = ("qwen2-9M", "qwen2-45M", "qwen2-120M", "qwen2-0.5B")  # names in models.QWEN2_SIZES
 GEN_BATCH, GEN_PROMPT_TOKENS, GEN_NEW_TOKENS = 4, 32, 32
 ENGINE = dict(dtype="bfloat16", max_model_len=512)

@@ -18,7 +18,7 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import SECTIONS
+from . import ABOUT, SECTIONS
 from .machine import describe, machine_info
 
 STANDARD_KEYS = ("section", "case", "device", "colo_s", "baseline", "baseline_s", "ratio", "note")
@@ -29,7 +29,10 @@ def devices_for(choice: str) -> tuple[str, ...]:
 
 
 def make_progress(section: str):
-    """The `progress(iterable, desc)` callable handed to sections: a tqdm bar on stderr."""
+    """The `progress(iterable, desc)` callable handed to sections: a tqdm bar on a terminal; elsewhere
+    (a log file, CI) a line on stderr as each item starts, so a long section still shows it is alive."""
+    if not sys.stderr.isatty():
+        return lambda iterable, desc="", **kw: _progress_lines(section, iterable, desc)
     try:
         from tqdm import tqdm
     except ImportError:  # a bar is a convenience, never a reason to fail
@@ -41,6 +44,15 @@ def make_progress(section: str):
                     disable=None, **kw)
 
     return progress
+
+
+def _progress_lines(section: str, iterable, desc: str):
+    items = list(iterable)
+    started = time.perf_counter()
+    for i, item in enumerate(items):
+        print(f"[colo.bench]   {section}: {desc} {i + 1}/{len(items)} ({time.perf_counter() - started:.0f} s in)",
+              file=sys.stderr, flush=True)
+        yield item
 
 
 def load_section(name: str):
@@ -81,6 +93,10 @@ def run_section(name: str, quick: bool, devices: tuple[str, ...], progress=None)
     if not rows:
         rows = [{"section": name, "case": "(section)", "note": f"no rows for device(s) {', '.join(devices)}"}]
     return rows, False
+
+
+def _rough(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 # ---- printing ---------------------------------------------------------------------------------
@@ -186,8 +202,11 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
     print(header(), file=out, flush=True)
     failed = False
     started = time.perf_counter()
-    for name in sections:
-        print(f"[colo.bench] running {name} ...", file=sys.stderr, flush=True)
+    for number, name in enumerate(sections, 1):
+        about, quick_s, full_s = ABOUT.get(name, ("", None, None))
+        took = quick_s if quick else full_s
+        print(f"[colo.bench] {number}/{len(sections)} {name}: {about}" + (f" (about {_rough(took)} on 2 CPU cores)"
+              if took else ""), file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         rows, section_failed = run_section(name, quick, devices_for(device))
         failed |= section_failed

@@ -438,6 +438,6 @@ def _unavailable_reason(device: str) -> str:
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
     def measure(device: str) -> list[dict]:
         return [row for name in (QUICK_SIZES if quick else FULL_SIZES)
-                for row in measure_size(name, quick, progress, device)]
+                for row in measure_size(name, quick, progress, device, rounds=1 if quick else 2)]
 
     return rows_per_device(SECTION, "TRL step", devices, _unavailable_reason, measure)

@@ -44,7 +44,7 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     epsilon_high="epsilon_high", scale_rewards="scale_rewards", beta="beta", eval_every="eval_every",
                     chat_template_kwargs="chat_template_kwargs", overlap="overlap",
                     overlap_threads="overlap_threads", save_model_every="save_model_every", save_dtype="save_dtype",
-                    merge_lora="merge_lora")
+                    merge_lora="merge_lora", report_to="report_to", run_name="run_name")
 
 
 def _int_at_least(minimum: int):
@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --lora-rank: OUT/final/merged, the base with the adapter merged in, beside the "
                              "PEFT adapter")
     p.add_argument("--config", metavar="FILE.yaml", help="a YAML mapping of any of these flags (the command line wins)")
+    p.add_argument("--report-to", action="extend", nargs="+", metavar="TRACKER",
+                   help="send every step record and the run's config to tensorboard (OUT/runs/RUN_NAME), wandb, "
+                        "trackio, all (every one installed) or none (default); repeatable, TRL's names")
+    p.add_argument("--run-name", metavar="NAME", help="the run's name in the trackers (default: OUT's name)")
     task = p.add_argument_group("the task (default: the toy task)")
     task.add_argument("--dataset", metavar="PATH|ORG/NAME", help="training prompts: .jsonl/.json/.parquet/.csv, a "
                       "save_to_disk directory, or a hub dataset ORG/NAME[@REVISION][:CONFIG][:SPLIT] (split default "

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..checks import check_int
+from .trackers import check_report_to
 
 
 DTYPES = ("bf16", "fp32")
@@ -84,6 +85,11 @@ class GRPOConfig:
     save_model_every: int = 0
     save_dtype: str | None = None
     merge_lora: bool = False
+    # Experiment trackers that get every step record with the run's config (colo.grpo.trackers; TRL's
+    # report_to names: "tensorboard", "wandb", "trackio", "all", "none"), under run_name (None: the
+    # out_dir's name).
+    report_to: tuple[str, ...] = ()
+    run_name: str | None = None
     keep_checkpoints: int = 2          # newest ones kept (0: all)
     seed: int = 0
 
@@ -152,6 +158,7 @@ class GRPOConfig:
         if self.save_dtype is not None and str(self.save_dtype).lower() not in SAVE_DTYPES:
             raise ValueError(f"save_dtype: {self.save_dtype!r} is not a dtype colo saves in; one of bf16, fp16, fp32 "
                              "or None (the base model's own)")
+        self.report_to = check_report_to([self.report_to] if isinstance(self.report_to, str) else self.report_to)
         if self.merge_lora and not self.lora_rank:
             raise ValueError("merge_lora needs lora_rank > 0 (full fine-tuning saves the whole model already)")
         if self.dtype not in (None, *DTYPES):
@@ -185,6 +192,7 @@ class GRPOConfig:
         d = dataclasses.asdict(self)
         d["adam_betas"] = list(self.adam_betas)
         d["lora_targets"] = list(self.lora_targets)
+        d["report_to"] = list(self.report_to)
         return d
 
     @classmethod

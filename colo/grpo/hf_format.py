@@ -129,9 +129,8 @@ def write_adapter_dir(adapter_state: dict, spec, base_dir: Path, directory: Path
     the slot's units), with the tokenizer; merge: also `merged/`, the base with the adapter merged."""
     from ..lora import peft_adapter_state, write_adapter_files
 
-    peft = peft_adapter_state(adapter_state, spec.scaling)
-    if dtype is not None:
-        peft = {k: v.to(dtype) for k, v in peft.items()}
+    dtype = dtype or base_dtype(base_dir)
+    peft = {k: v.to(dtype) for k, v in peft_adapter_state(adapter_state, spec.scaling).items()}
     with staged_directory(directory) as staging:
         write_adapter_files(staging, spec, peft, base_model=str(base_dir))
         _copy_generation_and_tokenizer(base_dir, staging, generation=False)
@@ -173,11 +172,20 @@ def _has_tokenizer(model_dir: Path) -> bool:
 
 
 def check_writable(directory: Path, flag: str = "--out") -> None:
-    """Refuse an output directory that cannot be created or written, before anything is trained."""
-    directory = Path(directory)
+    """Refuse an output directory that cannot be created or written, before anything is trained;
+    creates nothing (a refused command leaves no directory behind)."""
+    directory = Path(directory).absolute()
+    existing = directory
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {directory}: cannot write there ({existing} is a file)")
+    if existing != directory:
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} {directory}: cannot write there ({existing} is not writable)")
+        return
+    probe = directory / f".colo-write-test-{os.getpid()}"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".colo-write-test-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:

@@ -55,6 +55,7 @@ from .task import Task
 from .step_stats import Residency, reward_stats, scored_mean_std, train_stats
 from .task_setup import build_tasks, checked_prompts, fit_model_length, longest_sequence, sampling_options
 from .termination import TerminationRequest
+from .trackers import Trackers
 from .train_memory import TrainingMemory
 from .update import backward_rollout, frozen_copy
 
@@ -119,6 +120,7 @@ class GRPOScheduler:
         self.step = self.checkpointer.restore(resume_state) if resume_state is not None else 0
         self.log = StepLog(log_path if self.world.is_main else None,
                            resume_after_step=self.step if resume else None)
+        self.trackers = self._open_trackers(log_path, resume) if self.world.is_main else None
         # True from the optimizer step until the publish: the weights are half-changed, and a failure
         # then must not checkpoint them (run() saves on the way out only when this is False).
         self._unsafe_to_save = False
@@ -175,6 +177,15 @@ class GRPOScheduler:
         if cfg.memory_phases:
             self.memory.sleep_for_generation()
             self.memory.finish_offload()
+
+    def _open_trackers(self, log_path, resume: bool) -> Trackers | None:
+        """The experiment trackers config.report_to names (None: none), with the run's config."""
+        if not self.config.report_to:
+            return None
+        log_dir = self.out_dir or (Path(log_path).parent if log_path else Path.cwd())
+        name = self.config.run_name or (self.out_dir.name if self.out_dir else time.strftime("colo-grpo-%Y%m%d-%H%M%S"))
+        return Trackers(self.config.report_to, run_name=name, log_dir=log_dir, resumed_after=self.step if resume else None,
+                        config={"model_dir": str(self.model_dir), **self.config.to_dict()})
 
     def _overlap_refusal(self) -> str | None:
         """Why this run's steps are serial (None: they overlap); logged once, a warning where asked for."""
@@ -375,6 +386,8 @@ class GRPOScheduler:
             while self.step < steps:
                 record = self.train_step()
                 self.log.write(record)
+                if self.trackers is not None:
+                    self.trackers.log(record)
                 records.append(record)
                 bar.update(record)
                 if self.config.save_every and self.step % self.config.save_every == 0:
@@ -409,6 +422,8 @@ class GRPOScheduler:
         return self.checkpointer.save(self.step)
 
     def close(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
         self.timeline.close()
         self.engine.close()
         if self._workdir is not None:

