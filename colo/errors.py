@@ -30,5 +30,10 @@ class ModelSaveError(CheckpointError):
     checkpoints are as they were."""
 
 
+class NonFiniteGradients(ColoError, ArithmeticError):
+    """The gradient norm was not finite for as many steps in a row as the run allows; those steps did
+    not touch the weights, and the last checkpoint is as it was."""
+
+
 class Terminated(ColoError):
     """The run stopped at a step boundary because the process was asked to terminate (SIGTERM)."""

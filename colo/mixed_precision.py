@@ -18,9 +18,9 @@ GRPO scheduler's `optimizer` and `grads` regions); None allocates them with torc
 """
 from __future__ import annotations
 
-import math
-
 import torch
+
+from .clipping import clip_
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
@@ -110,10 +110,10 @@ class MasterWeightOptimizer(MainGradientOptimizer):
             p.grad = None
 
     def clip_grad_norm_(self, max_norm: float | None) -> float:
-        """The fp32 L2 norm of all main gradients; scales them to `max_norm` when above it (None: no clip)."""
+        """The fp32 L2 norm of all main gradients, clipped to `max_norm` by colo.clipping's rule (None:
+        no clip); a norm that is not finite leaves them as they are: do not step() then."""
         norm = float(torch.linalg.vector_norm(self.grad_flat, dtype=torch.float32))
-        if max_norm is not None and math.isfinite(norm) and norm > max_norm:
-            self.grad_flat.mul_(max_norm / (norm + 1e-6))
+        clip_([self.grad_flat], norm, max_norm)
         return norm
 
     @torch.no_grad()

@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import vllm_compat as compat
+from .clipping import clip_
 from .shared import EngineViews, PublishReport, materialize_buffers
 from .weights import check_architecture
 
@@ -218,8 +219,7 @@ class TensorParallelModel(EngineViews):
     def clip_grad_norm_(self, optimizer, max_norm: float | None) -> float:
         """As MasterWeightOptimizer.clip_grad_norm_, with the whole model's norm; returns it."""
         norm = self.grad_norm(optimizer.params, optimizer.main_grads)
-        if max_norm is not None and norm > max_norm:
-            torch._foreach_mul_(optimizer.main_grads, max_norm / (norm + 1e-6))
+        clip_(optimizer.main_grads, norm, max_norm)
         return norm
 
     def full_state_dict(self, values: dict | None = None) -> dict[str, torch.Tensor] | None:

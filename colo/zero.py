@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .clipping import clip_
 from .mixed_precision import MainGradientOptimizer, checked_params, fp32_buffer, param_groups
 from .sizes import round_up
 
@@ -218,10 +219,7 @@ class ShardedMasterWeightOptimizer(MainGradientOptimizer):
             dist.all_reduce(summed, group=sum_group)
             total = float(summed)
         norm = math.sqrt(total)
-        if max_norm is not None and math.isfinite(norm) and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            shard.mul_(scale)
-            tail.mul_(scale)
+        clip_([shard, tail], norm, max_norm)  # not finite: left as they are, and step() must not run
         return norm
 
     def _weighted_squares(self, weights: dict):

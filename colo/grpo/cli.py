@@ -44,7 +44,8 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     epsilon_high="epsilon_high", scale_rewards="scale_rewards", beta="beta", eval_every="eval_every",
                     chat_template_kwargs="chat_template_kwargs", overlap="overlap",
                     overlap_threads="overlap_threads", save_model_every="save_model_every", save_dtype="save_dtype",
-                    merge_lora="merge_lora", report_to="report_to", run_name="run_name")
+                    merge_lora="merge_lora", report_to="report_to", run_name="run_name",
+                    max_skipped_steps="max_skipped_steps")
 
 
 def _int_at_least(minimum: int):
@@ -134,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--beta", type=float, help="KL-to-reference weight (0: none). With LoRA the reference is the shared "
                      "base, free; with full fine-tuning a frozen second copy of the weights (colo.plan shows its bytes)")
     p.add_argument("--lr", type=float, help="AdamW learning rate (3e-3 for the toy; 1e-6, TRL's, with --dataset)")
+    p.add_argument("--max-skipped-steps", type=_positive_int, metavar="N",
+                   help="a step whose gradient norm is inf or NaN skips its update (counted in the step record); "
+                        "N such steps in a row stop the run, the last checkpoint intact (default 3)")
     p.add_argument("--offload-optimizer", choices=sorted(OFFLOAD_CHOICES), default="auto",
                    help="optimizer state to host memory while generating (auto: only where the pool cannot hold "
                         "it beside the engine's weights and KV cache)")
@@ -442,6 +446,7 @@ def _cuda() -> bool:
 
 def run_cli(argv=None) -> int:
     """main() with failures turned into a one-line message and exit status 1 (2 for bad checkpoints)."""
+    from ..errors import NonFiniteGradients
     from .rollout_engine import EngineFailure
     from .scheduler import Terminated
 
@@ -450,7 +455,8 @@ def run_cli(argv=None) -> int:
     except CheckpointError as e:
         print(f"colo.grpo: error: {e}", file=sys.stderr)
         return 2
-    except (EngineFailure, FileNotFoundError, ValueError, MemoryError, NotImplementedError, ImportError) as e:
+    except (EngineFailure, NonFiniteGradients, FileNotFoundError, ValueError, MemoryError, NotImplementedError,
+            ImportError) as e:
         print(f"colo.grpo: error: {e}", file=sys.stderr)
         return 1
     except Terminated as e:

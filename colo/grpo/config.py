@@ -41,6 +41,9 @@ class GRPOConfig:
     adam_betas: tuple[float, float] = (0.9, 0.99)
     warmup_steps: int = 0              # linear learning-rate warm-up, then constant
     max_grad_norm: float | None = 1.0  # None: no clipping
+    # A step whose gradient norm is not finite skips its optimizer step (the weights stay as they were);
+    # this many such steps in a row stop the run (colo.errors.NonFiniteGradients).
+    max_skipped_steps: int = 3
     epsilon_low: float = 0.2           # PPO clip range below and above ratio 1
     epsilon_high: float = 0.2
     beta: float = 0.0                  # KL-to-reference weight; > 0 keeps a frozen reference copy
@@ -97,6 +100,7 @@ class GRPOConfig:
         self.adam_betas = tuple(self.adam_betas)
         for name in ("prompts_per_step", "num_generations", "max_new_tokens"):
             check_int(getattr(self, name), name)
+        check_int(self.max_skipped_steps, "max_skipped_steps")
         for name in ("warmup_steps", "save_every", "save_model_every", "keep_checkpoints", "seed", "top_k",
                      "eval_every"):
             check_int(getattr(self, name), name, 0)

@@ -7,11 +7,13 @@ import math
 
 import torch
 
+from ..clipping import clip_
 from . import distributed as D
 
 
 def reduce_and_clip(memory, optimizer, world, max_norm: float | None, tp=None) -> float:
-    """Make this rank's accumulated gradients the global ones and clip them; returns the norm before clipping."""
+    """Make this rank's accumulated gradients the global ones and clip them (colo.clipping); returns the
+    norm before clipping, the same on every rank: not finite means the optimizer must not step."""
     if memory.shard is not None:  # colo.ShardedMasterWeightOptimizer: reduce-scatter, then the global norm
         whole_model = {} if tp is None else {"weights": tp.norm_weights(optimizer.params), "sum_group": tp.group}
         return optimizer.clip_grad_norm_(max_norm, **whole_model)
@@ -24,7 +26,5 @@ def reduce_and_clip(memory, optimizer, world, max_norm: float | None, tp=None) -
         norm = tp.grad_norm(memory.params, grads)
     else:
         norm = math.sqrt(sum(float(torch.linalg.vector_norm(f)) ** 2 for f in flats))
-    if max_norm is not None and norm > max_norm:
-        for f in flats:
-            f.mul_(max_norm / (norm + 1e-6))
+    clip_(flats, norm, max_norm)  # not finite: left as they are, and the step must not run
     return norm

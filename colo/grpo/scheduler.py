@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from typing import Callable
 import torch
 
 from ..checks import check_int
-from ..errors import ModelSaveError, Terminated
+from ..errors import ModelSaveError, NonFiniteGradients, Terminated
 from ..hub import resolve_model
 from ..pool import Pool
 from ..regions import WEIGHTS
@@ -124,6 +125,7 @@ class GRPOScheduler:
         # True from the optimizer step until the publish: the weights are half-changed, and a failure
         # then must not checkpoint them (run() saves on the way out only when this is False).
         self._unsafe_to_save = False
+        self.skipped_in_a_row = 0  # steps whose gradient norm was not finite, up to the last one
 
     # -- set-up ------------------------------------------------------------------------------------
     def _join_world(self) -> None:
@@ -329,11 +331,17 @@ class GRPOScheduler:
             record["grad_norm"] = reduce_and_clip(self.memory, self.optimizer, self.world, cfg.max_grad_norm,
                                                   tp=self.tp)
             self.residency.sample("train", record)
-            self._unsafe_to_save = True
             self.memory.finish_prefetch()
-            self.optimizer.step()  # sharded: also all-gathers every rank's updated weights into the engine's
-            self.memory.adopt_optimizer_state(self.optimizer)  # no-op after the first step
-            self.lr_scheduler.step()
+            # A norm that is not finite (the same on every rank) skips the update: the weights the engine
+            # serves stay as they were, and the next step starts from zeroed gradients.
+            record["step_skipped"] = not math.isfinite(record["grad_norm"])
+            self.skipped_in_a_row = self.skipped_in_a_row + 1 if record["step_skipped"] else 0
+            record["skipped_steps_in_a_row"] = self.skipped_in_a_row
+            if not record["step_skipped"]:
+                self._unsafe_to_save = True
+                self.optimizer.step()  # sharded: also all-gathers every rank's updated weights into the engine's
+                self.memory.adopt_optimizer_state(self.optimizer)  # no-op after the first step
+                self.lr_scheduler.step()
             record["optimizer_state_bytes"] = self.memory.optimizer_state_bytes()
         record["train_s"] = span["seconds"]
         if self.tp is not None:  # the step's tensor-parallel all-reduces (forward, backward, vocabulary, KV heads)
@@ -388,6 +396,12 @@ class GRPOScheduler:
                 self.log.write(record)
                 if self.trackers is not None:
                     self.trackers.log(record)
+                if self.skipped_in_a_row >= self.config.max_skipped_steps:
+                    raise NonFiniteGradients(
+                        f"step {self.step}: the gradient norm was {record['grad_norm']} for {self.skipped_in_a_row} "
+                        f"step(s) in a row (max_skipped_steps={self.config.max_skipped_steps}); those steps left the "
+                        "weights as they were" + (f", and the last checkpoint in {self.out_dir} is intact"
+                                                  if self.out_dir else ""))
                 records.append(record)
                 bar.update(record)
                 if self.config.save_every and self.step % self.config.save_every == 0:
@@ -406,9 +420,11 @@ class GRPOScheduler:
         except BaseException as e:
             # A failure before the optimizer touched the weights leaves the last finished step intact:
             # keep it, so --resume loses nothing. Saving is collective, so with several ranks only
-            # for the failures every rank raises together.
+            # for the failures every rank raises together. Steps skipped for non-finite gradients
+            # are not saved: the last checkpoint stays the newest, from before them.
             together = self.world.size == 1 or isinstance(e, (EngineFailure, ModelSaveError))
-            if not self._unsafe_to_save and self.out_dir is not None and together:
+            skipped = isinstance(e, NonFiniteGradients)
+            if not self._unsafe_to_save and self.out_dir is not None and together and not skipped:
                 with contextlib.suppress(Exception):
                     self.save()
             raise
