@@ -2,6 +2,7 @@
 # the tests). Both install once into $(VENV) with buildtools/install.sh, and again when pyproject.toml
 # or the install script change; a change to the compiled core (csrc/) rebuilds it.
 VENV ?= .venv
+BENCH_ARGS ?=
 PY := $(VENV)/bin/python
 
 .PHONY: install bench test
@@ -16,7 +17,7 @@ $(VENV)/.built: $(VENV)/.ready $(wildcard csrc/*.cpp csrc/*.h) CMakeLists.txt se
 	touch $@
 
 bench: install
-	$(PY) -m colo.bench --quick
+	$(PY) -m colo.bench --quick $(BENCH_ARGS)
 
 test: install
 	$(PY) -m pytest -n 2

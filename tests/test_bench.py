@@ -218,7 +218,7 @@ def test_grpo_step_row_of_one_model_size():
 def test_memory_rows_count_bytes_per_parameter_in_each_phase():
     from colo.bench import memory
 
-    rows = {r["case"].split(" (")[0]: r for r in memory.measure_size("qwen2-9M", lambda it, desc="": it, "cpu")}
+    rows = {r["case"].split(" (")[0]: r for r in memory.measure_size("qwen2-9M", lambda it, desc="": it, "cpu", eager=True)}
     assert set(rows) == {"colo bf16", "colo fp32", "usual way"}
     bf16, fp32, usual = rows["colo bf16"], rows["colo fp32"], rows["usual way"]
     # Generating: colo keeps only the weights (grads asleep, optimizer offloaded): 2 or 4 bytes per
@@ -242,7 +242,8 @@ def test_trl_rows_compare_colo_trl_and_colo_grpo_with_stock_trl():
     from colo.bench import trl
     from colo.bench.baselines import UPDATABLE_VARIANT
 
-    rows = trl.measure_size("qwen2-trl-0.4M", quick=True, progress=lambda it, desc="": it, device="cpu", rounds=1)
+    rows = trl.measure_size("qwen2-trl-0.4M", quick=True, progress=lambda it, desc="": it, device="cpu", rounds=1,
+                            same_kernels=True)
     by_case = {row["case"].split(": ", 1)[1]: row for row in rows}
     with_trl, scheduler = by_case["colo.trl"], by_case["colo.grpo scheduler"]
     assert with_trl["colo_sync_bytes"] == 0 < with_trl["baseline_sync_bytes"]
@@ -253,7 +254,7 @@ def test_trl_rows_compare_colo_trl_and_colo_grpo_with_stock_trl():
     else:
         assert len(rows) == 2
     for row in rows:
-        assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"]) and row["steps_measured"] == 3 * 1
+        assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"]) and row["steps_measured"] == 2 * 1
     assert isinstance(with_trl["goal_met"], bool) and isinstance(scheduler["goal_met"], bool)
 
 

@@ -54,9 +54,10 @@ def save_model(directory: Path, name: str) -> int:
     return save_random_model(directory, {**QWEN2_SIZES[name], "max_position_embeddings": 256})
 
 
-def new_run(model_dir: Path, max_new_tokens: int, colocated: bool, dtype: str | None = None):
+def new_run(model_dir: Path, max_new_tokens: int, colocated: bool, dtype: str | None = None, eager: bool = False):
     """A GRPO scheduler for one side of the comparison. colocated: colo's way, one copy in `dtype`
-    (None: colo's auto choice); otherwise the usual way, whose engine serves what vLLM picks itself."""
+    (None: colo's auto choice); otherwise the usual way, whose engine serves what vLLM picks itself.
+    eager: engines not compiled (for measurements of memory, not time)."""
     import torch
 
     from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask
@@ -68,14 +69,15 @@ def new_run(model_dir: Path, max_new_tokens: int, colocated: bool, dtype: str | 
     config = GRPOConfig(max_new_tokens=max_new_tokens, ignore_eos=True, learning_rate=3e-3, save_every=0,
                         memory_phases=colocated, offload_optimizer=None if colocated else False,
                         dtype=dtype if colocated else {torch.bfloat16: "bf16"}.get(served_dtype(model_dir), "fp32"))
+    eager_option = {"enforce_eager": True} if eager else {}
     if colocated:
-        return GRPOScheduler(model_dir, task.rewards, task.prompts, config)
+        return GRPOScheduler(model_dir, task.rewards, task.prompts, config, engine_options=eager_option)
     on_cpu = not torch.cuda.is_available()
     with forced_cpu_gemm("plain") if on_cpu else contextlib.nullcontext():
         # As TRL does: an fp32 trainer (fp32 AdamW), its weights pushed into a separate engine copy
         # that serves vLLM's own default dtype (bf16 for this fp32 checkpoint on x86 CPUs and GPUs).
         run = GRPOScheduler(model_dir, task.rewards, task.prompts, config,
-                            engine_options={"alias": False, "trainer_dtype": torch.float32})
+                            engine_options={"alias": False, "trainer_dtype": torch.float32, **eager_option})
     engine = run.engine
     engine.publish = lambda: PublishReport(**trl_sync_weights(engine.llm, engine.hf_model))
     return run

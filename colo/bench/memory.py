@@ -36,21 +36,22 @@ QUICK_SIZES, FULL_SIZES = ("qwen2-9M",), ("qwen2-9M", "qwen2-45M")
 CONFIGS = ("colo bf16", "colo fp32", "usual way")
 
 
-def new_run(model_dir: Path, config_name: str):
+def new_run(model_dir: Path, config_name: str, eager: bool = False):
     from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask
 
     from .grpo_step import new_run as grpo_step_run
 
     if config_name == "usual way":
-        return grpo_step_run(model_dir, max_new_tokens=16, colocated=False)
+        return grpo_step_run(model_dir, max_new_tokens=16, colocated=False, eager=eager)
     task = ToyTask(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     config = GRPOConfig(max_new_tokens=16, ignore_eos=True, learning_rate=3e-3, save_every=0, offload_optimizer=True,
                         dtype=config_name.split()[-1])
-    return GRPOScheduler(model_dir, task.rewards, task.prompts, config)
+    return GRPOScheduler(model_dir, task.rewards, task.prompts, config,
+                         engine_options={"enforce_eager": True} if eager else None)
 
 
-def measure(model_dir: Path, params: int, config_name: str, device: str) -> dict:
-    run = new_run(model_dir, config_name)
+def measure(model_dir: Path, params: int, config_name: str, device: str, eager: bool = False) -> dict:
+    run = new_run(model_dir, config_name, eager)
     try:
         record = [run.train_step() for _ in range(2)][-1]
         # The usual way's trainer keeps its own copy of the weights.
@@ -72,11 +73,12 @@ def measure(model_dir: Path, params: int, config_name: str, device: str) -> dict
     return row
 
 
-def measure_size(name: str, progress, device: str = "cpu") -> list[dict]:
+def measure_size(name: str, progress, device: str = "cpu", eager: bool = False) -> list[dict]:
+    """eager: the engines not compiled (the quick run: the same bytes in the regions, a shorter start)."""
     with tempfile.TemporaryDirectory(prefix="colo-memory-") as tmp:
         model_dir = Path(tmp) / "model"
         params = save_model(model_dir, name)
-        rows = [measure(model_dir, params, config, device) for config in progress(CONFIGS, name)]
+        rows = [measure(model_dir, params, config, device, eager) for config in progress(CONFIGS, name)]
     usual = rows[-1]
     planned = _planned_layouts(params)
     for config, row in zip(CONFIGS, rows):
@@ -89,7 +91,8 @@ def measure_size(name: str, progress, device: str = "cpu") -> list[dict]:
                        "the trainer's own weights) during each phase of the second GRPO step; usual_way_ratio_<phase> "
                        "= the usual way's bytes / this row's; planned_bytes_per_param_<phase>: python -m colo.plan's count of "
                        "the same layout (weights, gradients, optimizer state; no activations); colo rows offload the optimizer state while generating "
-                       "as on a GPU (on a host pool the copy stays in RAM: see rss_bytes_<phase>)")
+                       "as on a GPU (on a host pool the copy stays in RAM: see rss_bytes_<phase>)"
+                       + ("; engines not compiled (quick run)" if eager else ""))
     return rows
 
 
@@ -102,6 +105,7 @@ def _planned_layouts(params: int) -> dict:
 
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
     def measure(device: str) -> list[dict]:
-        return [row for name in (QUICK_SIZES if quick else FULL_SIZES) for row in measure_size(name, progress, device)]
+        return [row for name in (QUICK_SIZES if quick else FULL_SIZES)
+                for row in measure_size(name, progress, device, eager=quick)]
 
     return rows_per_device(SECTION, "bytes per parameter", devices, engine_unavailable_reason, measure)

@@ -321,9 +321,11 @@ def run_colo_grpo(model_dir: Path, steps: int, lora: dict | None = None, trl_tas
             "dtype": config.resolve_dtype("cpu").dtype, "records": records}
 
 
-def measure_size(name: str, quick: bool, progress, device: str = "cpu", rounds: int = 2) -> list[dict]:
-    """The rows of one model size; `rounds` alternating rounds of every TRL side (one fresh process each)."""
-    steps = 3 if quick else 5
+def measure_size(name: str, quick: bool, progress, device: str = "cpu", rounds: int = 2,
+                 same_kernels: bool | None = None) -> list[dict]:
+    """The rows of one model size; `rounds` alternating rounds of every TRL side (one fresh process each).
+    same_kernels: where stock TRL cannot run, also colo.trl on the baseline's kernels (default: full run)."""
+    steps = 2 if quick else 5
     with tempfile.TemporaryDirectory(prefix="colo-trl-") as tmp:
         tmp = Path(tmp)
         real = SIZES[name] is None
@@ -336,7 +338,8 @@ def measure_size(name: str, quick: bool, progress, device: str = "cpu", rounds: 
             params = build_model_dir(tmp / "model", SIZES[name])
         refused = stock_refusal(tmp / "model", tmp / "stock-probe")
         baseline = "variant" if refused else "stock"
-        sides = {"colo": [], baseline: [], **({"colo-variant": []} if refused else {})}
+        same_kernels = not quick if same_kernels is None else same_kernels
+        sides = {"colo": [], baseline: [], **({"colo-variant": []} if refused and same_kernels else {})}
         for i in progress(range(rounds), name):
             for side in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
                 sides[side].append(in_fresh_process(run_trl, side, tmp / "model", tmp / f"{side}{i}", WARMUP + steps))
@@ -369,7 +372,7 @@ def measure_size(name: str, quick: bool, progress, device: str = "cpu", rounds: 
              "goal": "no longer per step than stock TRL", "goal_met": colo_step <= base_step, "note": note,
              **{f"colo_{k}": v for k, v in breakdown["colo"].items()},
              **{f"baseline_{k}": v for k, v in breakdown[baseline].items()}}]
-    if refused:
+    if "colo-variant" in merged:
         same = merged["colo-variant"]
         same_step = statistics.median(same["step_s"])
         rows.append({**common, "case": f"TRL step {name}: colo.trl, same kernels as the baseline", "colo_s": same_step,
