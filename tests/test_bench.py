@@ -218,7 +218,7 @@ def test_grpo_step_row_of_one_model_size():
 def test_memory_rows_count_bytes_per_parameter_in_each_phase():
     from colo.bench import memory
 
-    rows = {r["case"].split(" (")[0]: r for r in memory.measure_size("qwen2-9M", lambda it, desc="": it, "cpu", eager=True)}
+    rows = {r["case"].split(" (")[0]: r for r in memory.measure_size("qwen2-9M", lambda it, desc="": it, "cpu", quick=True)}
     assert set(rows) == {"colo bf16", "colo fp32", "usual way"}
     bf16, fp32, usual = rows["colo bf16"], rows["colo fp32"], rows["usual way"]
     # Generating: colo keeps only the weights (grads asleep, optimizer offloaded): 2 or 4 bytes per

@@ -54,10 +54,11 @@ def save_model(directory: Path, name: str) -> int:
     return save_random_model(directory, {**QWEN2_SIZES[name], "max_position_embeddings": 256})
 
 
-def new_run(model_dir: Path, max_new_tokens: int, colocated: bool, dtype: str | None = None, eager: bool = False):
+def new_run(model_dir: Path, max_new_tokens: int, colocated: bool, dtype: str | None = None, eager: bool = False,
+            prompts: int = 8, completions: int = 8):
     """A GRPO scheduler for one side of the comparison. colocated: colo's way, one copy in `dtype`
     (None: colo's auto choice); otherwise the usual way, whose engine serves what vLLM picks itself.
-    eager: engines not compiled (for measurements of memory, not time)."""
+    eager: engines not compiled (for measurements of memory, not time). prompts x completions per step."""
     import torch
 
     from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask
@@ -66,7 +67,8 @@ def new_run(model_dir: Path, max_new_tokens: int, colocated: bool, dtype: str | 
     from colo.vllm_compat.forced_kernels import forced_cpu_gemm
 
     task = ToyTask(json.loads((model_dir / "config.json").read_text())["vocab_size"])
-    config = GRPOConfig(max_new_tokens=max_new_tokens, ignore_eos=True, learning_rate=3e-3, save_every=0,
+    config = GRPOConfig(prompts_per_step=prompts, num_generations=completions, max_new_tokens=max_new_tokens,
+                        ignore_eos=True, learning_rate=3e-3, save_every=0,
                         memory_phases=colocated, offload_optimizer=None if colocated else False,
                         dtype=dtype if colocated else {torch.bfloat16: "bf16"}.get(served_dtype(model_dir), "fp32"))
     eager_option = {"enforce_eager": True} if eager else {}

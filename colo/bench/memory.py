@@ -34,24 +34,29 @@ PHASES = {"generate": "generate", "train": "train", "publish": "publish"}  # row
 REGIONS = (WEIGHTS, GRADS, OPTIMIZER)
 QUICK_SIZES, FULL_SIZES = ("qwen2-9M",), ("qwen2-9M", "qwen2-45M")
 CONFIGS = ("colo bf16", "colo fp32", "usual way")
+# Prompts, completions per prompt, completion tokens. The quick run's smaller batch changes the KV cache
+# and activations, not the bytes per parameter of the weights, gradients and optimizer state.
+FULL_BATCH, QUICK_BATCH = (8, 8, 16), (4, 4, 8)
 
 
-def new_run(model_dir: Path, config_name: str, eager: bool = False):
+def new_run(model_dir: Path, config_name: str, quick: bool = False):
     from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask
 
     from .grpo_step import new_run as grpo_step_run
 
+    prompts, completions, tokens = QUICK_BATCH if quick else FULL_BATCH
     if config_name == "usual way":
-        return grpo_step_run(model_dir, max_new_tokens=16, colocated=False, eager=eager)
+        return grpo_step_run(model_dir, max_new_tokens=tokens, colocated=False, eager=quick, prompts=prompts,
+                             completions=completions)
     task = ToyTask(json.loads((model_dir / "config.json").read_text())["vocab_size"])
-    config = GRPOConfig(max_new_tokens=16, ignore_eos=True, learning_rate=3e-3, save_every=0, offload_optimizer=True,
-                        dtype=config_name.split()[-1])
+    config = GRPOConfig(prompts_per_step=prompts, num_generations=completions, max_new_tokens=tokens, ignore_eos=True,
+                        learning_rate=3e-3, save_every=0, offload_optimizer=True, dtype=config_name.split()[-1])
     return GRPOScheduler(model_dir, task.rewards, task.prompts, config,
-                         engine_options={"enforce_eager": True} if eager else None)
+                         engine_options={"enforce_eager": True} if quick else None)
 
 
-def measure(model_dir: Path, params: int, config_name: str, device: str, eager: bool = False) -> dict:
-    run = new_run(model_dir, config_name, eager)
+def measure(model_dir: Path, params: int, config_name: str, device: str, quick: bool = False) -> dict:
+    run = new_run(model_dir, config_name, quick)
     try:
         record = [run.train_step() for _ in range(2)][-1]
         # The usual way's trainer keeps its own copy of the weights.
@@ -73,12 +78,13 @@ def measure(model_dir: Path, params: int, config_name: str, device: str, eager: 
     return row
 
 
-def measure_size(name: str, progress, device: str = "cpu", eager: bool = False) -> list[dict]:
-    """eager: the engines not compiled (the quick run: the same bytes in the regions, a shorter start)."""
+def measure_size(name: str, progress, device: str = "cpu", quick: bool = False) -> list[dict]:
+    """quick: engines not compiled and a smaller batch (QUICK_BATCH): the same bytes per parameter in the
+    regions, a shorter run."""
     with tempfile.TemporaryDirectory(prefix="colo-memory-") as tmp:
         model_dir = Path(tmp) / "model"
         params = save_model(model_dir, name)
-        rows = [measure(model_dir, params, config, device, eager) for config in progress(CONFIGS, name)]
+        rows = [measure(model_dir, params, config, device, quick) for config in progress(CONFIGS, name)]
     usual = rows[-1]
     planned = _planned_layouts(params)
     for config, row in zip(CONFIGS, rows):
@@ -92,7 +98,7 @@ def measure_size(name: str, progress, device: str = "cpu", eager: bool = False) 
                        "= the usual way's bytes / this row's; planned_bytes_per_param_<phase>: python -m colo.plan's count of "
                        "the same layout (weights, gradients, optimizer state; no activations); colo rows offload the optimizer state while generating "
                        "as on a GPU (on a host pool the copy stays in RAM: see rss_bytes_<phase>)"
-                       + ("; engines not compiled (quick run)" if eager else ""))
+                       + ("; quick run: engines not compiled, 4 prompts x 4 completions x 8 tokens" if quick else ""))
     return rows
 
 
@@ -106,6 +112,6 @@ def _planned_layouts(params: int) -> dict:
 def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
     def measure(device: str) -> list[dict]:
         return [row for name in (QUICK_SIZES if quick else FULL_SIZES)
-                for row in measure_size(name, progress, device, eager=quick)]
+                for row in measure_size(name, progress, device, quick=quick)]
 
     return rows_per_device(SECTION, "bytes per parameter", devices, engine_unavailable_reason, measure)
