@@ -13,17 +13,18 @@ SECTIONS = ("pool_alloc", "sleep_wake", "publish", "grpo_step", "memory", "trl",
 # needs to show; `--sections lora` runs it quick too.
 QUICK_SECTIONS = tuple(name for name in SECTIONS if name != "lora")
 # What each section measures, and about how many seconds it took on 2 CPU cores with empty compile
-# caches (quick, full; bench/README.md has the runs), printed as it starts.
+# caches (quick: the slower of bench/results/cpu-quick-fresh-*.json, rounded up; full: the full runs'
+# files in bench/results), printed as it starts.
 ABOUT = {
     "pool_alloc": ("Region.empty and the core's allocate/free against torch.empty and malloc", 1, 2),
-    "sleep_wake": ("Region.sleep(offload) + wake against a copy to host and back", 3, 10),
+    "sleep_wake": ("Region.sleep(offload) + wake against a copy to host and back", 5, 30),
     "publish": ("publish() on a compiled engine sharing the trainer's weights against TRL's load_weights sync",
-                60, 600),
-    "grpo_step": ("a colocated GRPO step against the usual way (own fp32 copy, per-parameter sync)", 40, 400),
-    "memory": ("bytes per parameter resident in each phase, colo against the usual layout", 30, 90),
-    "trl": ("TRL's GRPOTrainer with colo.trl against stock TRL colocate, in fresh processes", 100, 1800),
-    "lora": ("LoRA with colo.trl and colo.grpo against stock TRL + PEFT", 100, 900),
-    "logprob_memory": ("peak memory of chunked log-probabilities against all logits at once", 30, 120),
+                50, 420),
+    "grpo_step": ("a colocated GRPO step against the usual way (own fp32 copy, per-parameter sync)", 40, 150),
+    "memory": ("bytes per parameter resident in each phase, colo against the usual layout", 20, 130),
+    "trl": ("TRL's GRPOTrainer with colo.trl against stock TRL colocate, in fresh processes", 100, 1300),
+    "lora": ("LoRA with colo.trl and colo.grpo against stock TRL + PEFT", 110, 620),
+    "logprob_memory": ("peak memory of chunked log-probabilities against all logits at once", 30, 280),
     "overlap": ("a GRPO step training finished groups during generation against the serial step", 15, 600),
 }
 
