@@ -10,7 +10,7 @@ import torch
 
 from colo.grpo import GRPOConfig
 from colo.grpo.overlap import GroupFailed, GroupTrainer, OverlappedStep, serial_reason
-from colo.grpo.update import merge_stats
+from colo.grpo.backward import merge_stats
 
 
 def test_serial_reasons_name_what_prevents_overlap():

@@ -226,7 +226,7 @@ def test_cli_bad_arguments_fail_fast_with_a_message(tmp_path, capsys):
 
 def test_micro_batches_add_up_to_the_whole_batch_gradient():
     from colo.grpo.loss import group_advantages
-    from colo.grpo.update import accumulate_gradients
+    from colo.grpo.backward import accumulate_gradients
 
     model = _tiny_model()
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, ModelSaveError  # noqa: F401 - raised here, re-exported
-from . import distributed as D
+from . import distributed
 from . import hf_format
 
 logger = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ class Checkpointer:
     and the timeline that spans each write.
     """
 
-    def __init__(self, out_dir: Path | None, config, world: D.World, model_dir: Path, *, engine, model, tp, adapter,
+    def __init__(self, out_dir: Path | None, config, world: distributed.World, model_dir: Path, *, engine, model, tp, adapter,
                  memory, optimizer, lr_scheduler, reference, timeline):
         self.out_dir, self.config, self.world, self.model_dir = out_dir, config, world, model_dir
         self.engine, self.model, self.tp, self.adapter = engine, model, tp, adapter
@@ -247,7 +247,7 @@ class Checkpointer:
 
     # -- resuming ----------------------------------------------------------------------------------
     @staticmethod
-    def find_resume_state(out_dir: Path | None, config, world: D.World) -> dict:
+    def find_resume_state(out_dir: Path | None, config, world: distributed.World) -> dict:
         """The newest checkpoint in out_dir, checked against this run's config and with this rank's
         optimizer state in place; called before any engine starts, so a mismatch fails in seconds."""
         path, state = checkpoint_to_resume(out_dir)
@@ -308,19 +308,19 @@ class Checkpointer:
         None, writing nothing, without an out_dir, before the first step or when `step` is saved."""
         if self.out_dir is None or step == self.last_saved_step or step == 0:
             return None
-        rng = D.gather_objects(capture_rng(), self.world)
+        rng = distributed.gather_objects(capture_rng(), self.world)
         self._check_ranks_agree(step)
         path = None
         if self.memory.shard is not None:  # every rank's shard is on disk before the checkpoint names them
             save_optimizer_shard(self.out_dir, step, self.world.dp_rank, self.world.dp_size,
                                  self._optimizer_state(), self._shard_kind(self.world))
-            D.barrier(self.world)
+            distributed.barrier(self.world)
         model_state = self._model_state()  # with tensor parallelism a collective: every rank takes part
         if self.tp is not None and self.memory.shard is None:  # each TP rank's optimizer state, once
             if self.world.dp_rank == 0:
                 save_optimizer_shard(self.out_dir, step, self.world.tp_rank, self.world.tp_size,
                                      self._optimizer_state(), kind="tp")
-            D.barrier(self.world)
+            distributed.barrier(self.world)
         if self.world.is_main:
             with self.timeline.span("checkpoint", step=step):
                 optimizer = {"sharded_over": self.world.dp_size} if self.memory.shard is not None else \
@@ -338,7 +338,7 @@ class Checkpointer:
                 if self.adapter is not None:  # the newest adapter in PEFT's format, for PEFT and vLLM
                     self.adapter.save_pretrained(self.out_dir / "adapter", base_model=str(self.model_dir),
                                                  full=model_state)
-        D.barrier(self.world)
+        distributed.barrier(self.world)
         self.last_saved_step = step
         return path
 
@@ -365,7 +365,7 @@ class Checkpointer:
                                            directory, dtype)
             except (OSError, ValueError, RuntimeError) as e:
                 error = f"{type(e).__name__}: {e}"
-        if D.sum_floats([1.0 if error else 0.0], self.world)[0]:
+        if distributed.sum_floats([1.0 if error else 0.0], self.world)[0]:
             raise ModelSaveError(f"writing the model to {directory} failed ({error or 'on rank 0'}); the checkpoints "
                                  f"in {self.out_dir} are intact: python -m colo.grpo.export {self.out_dir} -o DIR")
         return Path(directory) if self.world.is_main else None
@@ -379,7 +379,7 @@ class Checkpointer:
         if self.memory.shard is not None:
             with self._optimizer_region_awake():
                 mine = self.optimizer.state_dict()
-            return D.gather_objects({"ranges": mine["ranges"], "master_weights": mine["master_weights"]}, self.world)
+            return distributed.gather_objects({"ranges": mine["ranges"], "master_weights": mine["master_weights"]}, self.world)
         flat = getattr(self.optimizer, "master_flat", None)
         if flat is None:
             return None
@@ -387,7 +387,7 @@ class Checkpointer:
             return {"master_weights": flat.detach().to("cpu", copy=True)}
 
     @staticmethod
-    def _shard_kind(world: D.World) -> str:
+    def _shard_kind(world: distributed.World) -> str:
         """The name of this rank's ZeRO-1 optimizer shard files (optimizer_shard_path's kind)."""
         return "rank" if world.tp_size == 1 else f"tp{world.tp_rank}-rank"
 
@@ -414,7 +414,7 @@ class Checkpointer:
         with torch.no_grad():
             digest = float(sum(p.sum(dtype=torch.float64) for p in self.model.parameters()))
         # The ranks holding the same shards (the same tensor-parallel rank of every engine) must agree.
-        digests = D.gather_objects(digest, self.world)[self.world.tp_rank::self.world.tp_size]
+        digests = distributed.gather_objects(digest, self.world)[self.world.tp_rank::self.world.tp_size]
         if max(digests) - min(digests) > 1e-9 * max(1.0, abs(digest)):
             raise RuntimeError(f"the ranks' weights diverged at step {step} (parameter sums {digests}); "
                                "gradients were not averaged identically")

@@ -24,9 +24,7 @@ from pathlib import Path
 
 from ..checks import int_kind
 from .checkpoint import CheckpointError, checkpoint_to_resume, list_checkpoints
-from .config import DTYPES, GRPOConfig, check_model_dir
-from .loss import LOSS_TYPES, SCALES
-from .overlap import OVERLAP_MODES
+from .config import DTYPES, LOSS_TYPES, OVERLAP_MODES, SCALES, GRPOConfig, check_model_dir
 
 OFFLOAD_CHOICES = {"auto": None, "on": True, "off": False}
 TOY_DEFAULTS = dict(prompts_per_step=8, num_generations=8, max_new_tokens=16, ignore_eos=True,
@@ -154,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: full fine-tuning); the adapter is the engine's LoRA slot, so nothing is copied "
                         "per step, and OUT/adapter holds it in PEFT's format")
     p.add_argument("--lora-alpha", type=float, default=8.0, metavar="A", help="LoRA alpha (scaling A/R; default %(default)s, as PEFT)")
-    p.add_argument("--lora-targets", nargs="+", metavar="NAME", default=list(GRPOConfig.lora_targets),
+    p.add_argument("--lora-targets", nargs="+", metavar="NAME",
                    help="linear layers the adapter adapts (default: all of them)")
     p.add_argument("--tensor-parallel", type=_positive_int, default=None, metavar="N",
                    help="ranks per engine (under torchrun; each holds only its shards of the weights, views of its "
@@ -283,7 +281,7 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
         values["epsilon_high"] = args.epsilon  # TRL: epsilon_high defaults to epsilon
     try:
         config = GRPOConfig(**{**values, "offload_optimizer": OFFLOAD_CHOICES[args.offload_optimizer],
-                               "lora_targets": tuple(args.lora_targets), "tensor_parallel": args.tensor_parallel or 1,
+                               "lora_targets": tuple(args.lora_targets) if args.lora_targets else None, "tensor_parallel": args.tensor_parallel or 1,
                                "dtype": None if args.dtype == "auto" else args.dtype})
     except (ValueError, NotImplementedError) as e:
         parser.error(str(e))
@@ -359,11 +357,11 @@ def main(argv=None) -> int:
     model_dir, config = _settings(args, parser)
 
     from ..engine import quiet_vllm_logs
-    from . import distributed as D
+    from . import distributed
 
     quiet_vllm_logs()  # the progress bar and the summary, not a vLLM INFO line per step
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    world = D.init_world("cuda" if _cuda() else "cpu")  # the scheduler makes the tensor-parallel groups
+    world = distributed.init_world("cuda" if _cuda() else "cpu")  # the scheduler makes the tensor-parallel groups
     out = Path(args.out)
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -371,7 +369,7 @@ def main(argv=None) -> int:
             from .toy_task import build_toy_model
 
             build_toy_model(model_dir, seed=config.seed)
-    D.barrier(world)
+    distributed.barrier(world)
     if config.dtype:
         why = "as in run.json" if args.resume else "as asked"
     else:
@@ -387,7 +385,7 @@ def main(argv=None) -> int:
                   "its engine's", flush=True)
         if config.lora_rank:
             print(f"colo.grpo: LoRA rank {config.lora_rank}, alpha {config.lora_alpha:g} on "
-                  f"{', '.join(config.lora_targets)}; the base is frozen; adapter in PEFT's format in {out / 'adapter'}",
+                  f"{', '.join(config.lora_spec.targets)}; the base is frozen; adapter in PEFT's format in {out / 'adapter'}",
                   flush=True)
         if config.beta > 0 and not config.lora_rank:
             from transformers import AutoConfig
@@ -430,7 +428,7 @@ def main(argv=None) -> int:
             records = scheduler.run(args.steps, progress=not args.no_progress)
     finally:
         scheduler.close()
-    D.leave_world()  # every rank got here: nothing is left to say to the others
+    distributed.leave_world()  # every rank got here: nothing is left to say to the others
     if world.is_main and records:
         first, last = records[0], records[-1]
         print(f"colo.grpo: steps {first['step']}-{last['step']} done; reward {first['reward_mean']:.3f} -> "

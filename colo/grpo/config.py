@@ -14,6 +14,9 @@ from .trackers import check_report_to
 
 
 DTYPES = ("bf16", "fp32")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")      # how token losses are averaged (colo.grpo.loss)
+SCALES = ("group", "batch", "none")           # what advantages are divided by (colo.grpo.loss)
+OVERLAP_MODES = ("auto", "on", "off")         # training during generation (colo.grpo.overlap)
 # What --save-dtype takes (colo.grpo.export turns the name into a torch dtype).
 SAVE_DTYPES = ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
 
@@ -77,7 +80,7 @@ class GRPOConfig:
     # the adapter is the engine's adapter slot (vLLM's native LoRA), the base the engine's weights.
     lora_rank: int = 0
     lora_alpha: float = 8.0            # PEFT's lora_alpha (scaling alpha / rank)
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    lora_targets: tuple[str, ...] | None = None  # the linear layers adapted; None: colo.lora's default (all)
     # Tensor parallelism (colo.tensor_parallel): ranks per engine; each holds only its shards, views of
     # its engine's. The torchrun world is world / tensor_parallel data-parallel groups of it.
     tensor_parallel: int = 1
@@ -122,9 +125,6 @@ class GRPOConfig:
                              f"{self.offload_optimizer!r}")
         if not isinstance(self.shard_optimizer, bool):
             raise ValueError(f"shard_optimizer must be True or False, got {self.shard_optimizer!r}")
-        from .loss import LOSS_TYPES, SCALES
-        from .overlap import OVERLAP_MODES
-
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         if self.scale_rewards not in SCALES:
             raise ValueError(f"scale_rewards must be one of {', '.join(SCALES)}, got {self.scale_rewards!r}")
@@ -147,7 +147,8 @@ class GRPOConfig:
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
         check_int(self.lora_rank, "lora_rank", 0)
-        self.lora_targets = (self.lora_targets,) if isinstance(self.lora_targets, str) else tuple(self.lora_targets)
+        if self.lora_targets is not None:
+            self.lora_targets = (self.lora_targets,) if isinstance(self.lora_targets, str) else tuple(self.lora_targets)
         if self.lora_rank:
             self.lora_spec  # noqa: B018 - validates rank, alpha and targets
             if self.shard_optimizer:
@@ -173,9 +174,10 @@ class GRPOConfig:
         """The colo.lora.LoraSpec of the adapter to train, or None (lora_rank 0: full fine-tuning)."""
         if not self.lora_rank:
             return None
-        from ..lora import LoraSpec
+        from ..lora import LoraSpec  # here, not at the top: colo.lora imports vLLM's compatibility layer
 
-        return LoraSpec(self.lora_rank, self.lora_alpha, self.lora_targets)
+        targets = {} if self.lora_targets is None else {"targets": self.lora_targets}
+        return LoraSpec(self.lora_rank, self.lora_alpha, **targets)
 
     @property
     def torch_dtype(self):
@@ -195,7 +197,7 @@ class GRPOConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["adam_betas"] = list(self.adam_betas)
-        d["lora_targets"] = list(self.lora_targets)
+        d["lora_targets"] = None if self.lora_targets is None else list(self.lora_targets)
         d["report_to"] = list(self.report_to)
         return d
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import distributed as D
+from . import distributed
 from .step_stats import scored_mean_std
 from .task import Task
 from .task_setup import stop_options
@@ -12,7 +12,7 @@ from .task_setup import stop_options
 def greedy_pass_at_1(engine, task: Task, max_new_tokens: int, world, timeline, step: int) -> dict:
     """One completion per row at temperature 0, each reward function's mean over the rows it scored
     ({"eval/<name>": mean}, and "eval_s"); the rows are split over the data-parallel ranks."""
-    rows = list(D.rank_share(len(task.prompt_token_ids), world))
+    rows = list(distributed.rank_share(len(task.prompt_token_ids), world))
     prompts = [task.prompt_token_ids[r] for r in rows]
     record = {}
     with timeline.span("eval", step=step) as span:

@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..clipping import clip_
-from . import distributed as D
+from . import distributed
 
 
 def reduce_and_clip(memory, optimizer, world, max_norm: float | None, tp=None) -> float:
@@ -18,7 +18,7 @@ def reduce_and_clip(memory, optimizer, world, max_norm: float | None, tp=None) -
         whole_model = {} if tp is None else {"weights": tp.norm_weights(optimizer.params), "sum_group": tp.group}
         return optimizer.clip_grad_norm_(max_norm, **whole_model)
     flats = list(memory.flat_grads.values())
-    D.average_(flats, world)
+    distributed.average_(flats, world)
     if tp is not None:  # the whole model's norm: shards summed over the ranks, replicated ones once
         # fp32 parameters keep their gradients in .grad; 16-bit ones the optimizer's fp32 main gradients
         # (colo.MasterWeightOptimizer, over the same parameters in the same order).

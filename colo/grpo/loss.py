@@ -13,11 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_int
+from .config import LOSS_TYPES, SCALES
 
 ADVANTAGE_EPS = 1e-4  # keeps a group whose rewards are all equal at advantage 0 instead of 0/0
-
-
-SCALES = ("group", "batch", "none")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool | str = "group", *,
@@ -124,9 +122,6 @@ def grpo_loss(
     took_clip = (clipped_obj < unclipped_obj).to(mask.dtype) * mask
     clip_fraction = float(took_clip.sum() / mask.sum().clamp(min=1.0))
     return LossParts(loss=loss, clip_fraction=clip_fraction, kl_mean=kl_mean)
-
-
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 
 
 def loss_denominators(loss_type: str, completion_mask: torch.Tensor, *, global_tokens: float,

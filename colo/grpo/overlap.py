@@ -32,10 +32,10 @@ import torch
 
 from ..dtype_choice import fastest_dtype
 from .batch import rollout_of
+from .config import OVERLAP_MODES
 from .loss import group_advantages
-from .update import merge_stats
+from .backward import merge_stats
 
-OVERLAP_MODES = ("auto", "on", "off")
 
 # Whether an overlapped step measured faster than the serial one on both workloads of
 # `python -m colo.bench --sections overlap` (the long-tail toy step and the real task), per device kind

@@ -41,7 +41,7 @@ from ..hub import resolve_model
 from ..pool import Pool
 from ..regions import WEIGHTS
 from ..zero import ShardLayout
-from . import distributed as D
+from . import distributed
 from .batch import Rollout, concatenated_scores, loss_tokens, rollout_of
 from .checkpoint import Checkpointer
 from .config import GRPOConfig, check_model_dir
@@ -58,7 +58,7 @@ from .task_setup import build_tasks, checked_prompts, fit_model_length, longest_
 from .termination import TerminationRequest
 from .trackers import Trackers
 from .train_memory import TrainingMemory
-from .update import backward_rollout, frozen_copy
+from .backward import backward_rollout, frozen_copy
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class GRPOScheduler:
     def _join_world(self) -> None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         # on a GPU also makes this rank's device current
-        self.world = D.init_world(device_type, self.config.tensor_parallel)
+        self.world = distributed.init_world(device_type, self.config.tensor_parallel)
         self.device = torch.device("cuda", self.world.local_rank) if device_type == "cuda" else torch.device("cpu")
         if self.config.prompts_per_step < self.world.dp_size:
             raise ValueError(f"prompts_per_step={self.config.prompts_per_step} leaves ranks without prompts: "
@@ -192,14 +192,14 @@ class GRPOScheduler:
     def _overlap_refusal(self) -> str | None:
         """Why this run's steps are serial (None: they overlap); logged once, a warning where asked for."""
         reason = serial_reason(self.config, device_type=self.device.type, stop_tokens=bool(self.task.stop_token_ids),
-                               groups=len(D.rank_share(self.config.prompts_per_step, self.world)))
+                               groups=len(distributed.rank_share(self.config.prompts_per_step, self.world)))
         reason = reason or memory_refusal(self.memory, self.config, self.model_dir, self.sequence_tokens)
         if reason is not None:
             (logger.warning if self.config.overlap == "on" else logger.info)("serial GRPO steps: %s", reason)
         return reason
 
     def _sequences_per_rank(self) -> int:
-        return len(D.rank_share(self.config.prompts_per_step, self.world, rank=0)) * self.config.num_generations
+        return len(distributed.rank_share(self.config.prompts_per_step, self.world, rank=0)) * self.config.num_generations
 
     # -- the step ----------------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -228,7 +228,7 @@ class GRPOScheduler:
         cfg = self.config
         all_rows, all_prompts = self.task.batch(step, cfg.prompts_per_step)
         all_prompts = checked_prompts(cfg, all_prompts, step, self.engine.vocab_size, self.engine.max_model_len)
-        share = D.rank_share(cfg.prompts_per_step, self.world)  # uneven when the ranks do not divide it
+        share = distributed.rank_share(cfg.prompts_per_step, self.world)  # uneven when the ranks do not divide it
         prompts = all_prompts[share.start:share.stop]
         with self.timeline.span("generate", step=step) as span:
             switch = time.perf_counter()
@@ -246,7 +246,7 @@ class GRPOScheduler:
             except GroupFailed as e:  # a reward function or the trainer raised: that error, as it is
                 raise e.__cause__ from None
             # All ranks fail together rather than leaving the others waiting in an all-reduce.
-            failed = D.sum_floats([1.0 if error else 0.0], self.world)[0]
+            failed = distributed.sum_floats([1.0 if error else 0.0], self.world)[0]
             if error is not None:
                 raise error
             if failed:
@@ -313,7 +313,7 @@ class GRPOScheduler:
                 self.memory.start_prefetch()
             record["phase_switch_s"] += time.perf_counter() - switch
             self.timeline.counter("resident_bytes", self.residency.resident())
-            global_tokens, global_sequences = D.sum_floats([loss_tokens(rollout, cfg.mask_truncated),
+            global_tokens, global_sequences = distributed.sum_floats([loss_tokens(rollout, cfg.mask_truncated),
                                                             float(len(rollout.completions))],
                                                            self.world, data_parallel=True)
             collectives = self.tp.collectives.total if self.tp else 0
@@ -410,7 +410,7 @@ class GRPOScheduler:
                         self.step % self.config.save_model_every == 0:
                     self.checkpointer.save_model(model_step_dir(self.out_dir, self.step))
                 # Decided together, so every rank stops after the same step.
-                if D.sum_floats([float(terminate.requested)], self.world)[0]:
+                if distributed.sum_floats([float(terminate.requested)], self.world)[0]:
                     self.save()
                     raise Terminated(f"stopped by SIGTERM after step {self.step}; it is checkpointed in "
                                      f"{self.out_dir}" if self.out_dir else f"stopped by SIGTERM after step {self.step}")

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from . import distributed as D
+from . import distributed
 from ..sizes import rss_bytes
 from .metrics import GpuMonitor
 
@@ -15,7 +15,7 @@ def scored_mean_std(values: torch.Tensor, world) -> tuple[float, float]:
     """Mean and std (Bessel's correction, as TRL's nanstd) of the non-NaN values of every
     data-parallel rank's batch."""
     scored = values[~torch.isnan(values)].double()
-    n, total, squares = D.sum_floats([scored.numel(), scored.sum().item(), (scored ** 2).sum().item()],
+    n, total, squares = distributed.sum_floats([scored.numel(), scored.sum().item(), (scored ** 2).sum().item()],
                                      world, data_parallel=True)
     mean = total / n if n else math.nan
     std = math.sqrt(max(squares - total * mean, 0.0) / (n - 1)) if n > 1 else 0.0
@@ -30,10 +30,10 @@ def reward_stats(scores, rollout, world) -> dict:
         record[f"rewards/{name}/mean"], record[f"rewards/{name}/std"] = scored_mean_std(scores.per_function[:, i],
                                                                                         world)
     lengths = [len(c) for c in rollout.completions]
-    n, tokens, clipped, unscored = D.sum_floats(
+    n, tokens, clipped, unscored = distributed.sum_floats(
         [len(lengths), sum(lengths), sum(rollout.truncated), float(torch.isnan(scores.total).sum())],
         world, data_parallel=True)
-    shortest, longest = D.min_max(min(lengths), max(lengths), world)
+    shortest, longest = distributed.min_max(min(lengths), max(lengths), world)
     record.update(tokens_generated=int(tokens), completion_length_mean=tokens / n, completion_length_min=shortest,
                   completion_length_max=longest, clipped_ratio=clipped / n, unscored_completions=int(unscored))
     return record
@@ -43,12 +43,12 @@ def train_stats(stats: dict, world) -> dict:
     """Loss, clip fraction and KL averaged over the data-parallel ranks; where the sampled tokens'
     engine log-probabilities were compared, the trainer's gap to them."""
     record = dict(zip(("loss", "clip_fraction", "kl"), (
-        v / world.dp_size for v in D.sum_floats([stats["loss"], stats["clip_fraction"], stats["kl"]], world,
+        v / world.dp_size for v in distributed.sum_floats([stats["loss"], stats["clip_fraction"], stats["kl"]], world,
                                                 data_parallel=True))))
     if "engine_logprob_max_abs_diff" in stats:
-        gap, tokens = D.sum_floats([stats["engine_logprob_abs_diff_sum"], stats["engine_logprob_tokens"]],
+        gap, tokens = distributed.sum_floats([stats["engine_logprob_abs_diff_sum"], stats["engine_logprob_tokens"]],
                                    world, data_parallel=True)
-        record["engine_logprob_max_abs_diff"] = D.min_max(0.0, stats["engine_logprob_max_abs_diff"], world)[1]
+        record["engine_logprob_max_abs_diff"] = distributed.min_max(0.0, stats["engine_logprob_max_abs_diff"], world)[1]
         record["engine_logprob_mean_abs_diff"] = gap / max(tokens, 1.0)
     return record
 
