@@ -28,10 +28,17 @@ _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 class MainGradientOptimizer:
     """What colo's master-weight optimizers share: hooks that add each parameter's gradient to its
     fp32 main gradient (`self.main_grads[i]`) as autograd produces it, and the inner optimizer's
-    `param_groups` and `state` (what LR schedulers and checkpoints read)."""
+    `param_groups` and `state` (what LR schedulers and checkpoints read).
+
+    An unscaled parameter's fp32 main gradient is also its `main_grad` attribute (Megatron-LM's
+    name), so code that sums a gradient over pieces can add each piece there in fp32 instead of
+    handing autograd 16-bit partial sums (colo.grpo.logprobs' chunked head does)."""
 
     def _register_hooks(self) -> None:
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate(i)) for i, p in enumerate(self.params)]
+        for i, p in enumerate(self.params):
+            if not self.param_scales or self.param_scales[i] == 1.0:
+                p.main_grad = self.main_grads[i]
 
     param_scales: list[float] | None = None  # MasterWeightOptimizer(scales=...): parameter units per master unit
 
@@ -56,6 +63,9 @@ class MainGradientOptimizer:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        for p in self.params:
+            if getattr(p, "main_grad", None) is not None:
+                del p.main_grad
 
 
 class MasterWeightOptimizer(MainGradientOptimizer):

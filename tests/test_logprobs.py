@@ -185,3 +185,45 @@ def test_chunk_tokens_must_be_positive():
     model = tiny_hf_model("qwen2", vocab_size=VOCAB)
     with pytest.raises(ValueError, match="chunk_tokens"):
         completion_logprobs_chunked(*_args(model, _batch(), 1.0), chunk_tokens=0)
+
+
+@pytest.mark.cpu_kind  # bf16 products differ between CPU kinds' kernels
+def test_a_bf16_heads_gradient_is_summed_over_the_chunks_in_fp32():
+    """128 chunks (8 x 4096 tokens at 256 a chunk, scaled down): the head weight's gradient against one
+    fp64 sum of the same chunk products. Summed in fp32 (into the optimizer's main_grad, or rounded once
+    at the end) it is within a bf16 rounding of that; summed in bf16, as autograd would add the chunks'
+    gradients, it is several times further off."""
+    from colo.grpo.logprobs import ChunkedHead
+    from colo.grpo.loss import token_logprobs
+
+    torch.manual_seed(0)
+    vocab, width, chunk, rows = 256, 64, 8, 8 * 128
+    hidden = torch.randn(rows, width).to(torch.bfloat16)
+    weight = torch.nn.Parameter((torch.randn(vocab, width) * 0.2).to(torch.bfloat16))
+    targets = torch.randint(0, vocab, (rows,))
+    upstream = torch.randn(rows)
+
+    # The chunk products the chunked backward computes, then one fp64 sum of them.
+    products = []
+    for h, t, g in zip(hidden.split(chunk), targets.split(chunk), upstream.split(chunk)):
+        logits = torch.nn.functional.linear(h, weight.detach()).requires_grad_()
+        (grad_logits,) = torch.autograd.grad(token_logprobs(logits, t), logits, g)
+        products.append(grad_logits.t() @ h)  # bf16, as on a CPU
+    exact = torch.stack([p.double() for p in products]).sum(0)
+    in_bf16 = torch.zeros_like(weight)
+    for p in products:
+        in_bf16 += p
+    scale = float(exact.abs().max())
+
+    ChunkedHead.apply(hidden, weight, None, targets, 1.0, chunk).backward(upstream)
+    rounded_once = weight.grad.double()
+    weight.grad = None
+    weight.main_grad = torch.zeros(vocab, width)  # as colo.MasterWeightOptimizer gives it
+    ChunkedHead.apply(hidden, weight, None, targets, 1.0, chunk).backward(upstream)
+    assert weight.grad is None  # went to main_grad only: nothing for autograd to add in bf16
+
+    error = {name: float((value.double() - exact).abs().max()) / scale for name, value in
+             (("main_grad", weight.main_grad), ("rounded once", rounded_once), ("bf16 sum", in_bf16))}
+    assert error["main_grad"] < 1e-6, error                       # fp32 sum of the same products
+    assert error["rounded once"] <= 2.0 ** -8, error              # one bf16 rounding of the fp32 sum
+    assert error["bf16 sum"] > 4 * error["rounded once"], error

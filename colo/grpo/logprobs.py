@@ -7,20 +7,23 @@ autograd keeps them for backward. At Qwen2's vocabulary (151936) 8 sequences x 5
 
 `completion_logprobs_chunked` runs the decoder once, keeps only the last hidden states of the
 completion-predicting positions, and computes the head (the lm_head matmul included) and the
-log-softmax over `chunk_tokens` positions at a time, each chunk under activation checkpointing: its
-logits are freed as soon as its log-probabilities are out, and backward recomputes them one chunk at a
-time. The logits alive at any moment are one chunk's, up to about 4 x chunk_tokens x vocab x 4 bytes
-while its backward runs (its logits, their fp32 copy, the log-softmax's and the gather's gradients;
-measured: python -m colo.bench --sections logprob_memory), whatever the batch. The cost is one more
-head matmul per chunk in backward. The arithmetic is the straightforward way's, row for row (the head
-in the model's dtype, then fp32): only float summation order differs, and, for a 16-bit head, that its
-weight's gradient is the sum of the chunks' 16-bit gradients (autograd adds them in the weight's
-dtype) rather than one matmul's fp32 sum rounded once.
+log-softmax over `chunk_tokens` positions at a time (`ChunkedHead`): a chunk's logits are freed as
+soon as its log-probabilities are out, and backward recomputes them one chunk at a time. The logits
+alive at any moment are one chunk's, up to about 4 x chunk_tokens x vocab x 4 bytes while its backward
+runs (its logits, their fp32 copy, the log-softmax's and the gather's gradients; measured: python -m
+colo.bench --sections logprob_memory), whatever the batch. The cost is one more head matmul per chunk
+in backward. The arithmetic is the straightforward way's, row for row (the head in the model's dtype,
+then fp32): only float summation order differs. The head weight's gradient is summed over the chunks
+in fp32: into the weight's fp32 main gradient where a master-weight optimizer gives it one
+(`main_grad`), else in an fp32 buffer rounded once to the weight's dtype. (Autograd would add the
+chunks' gradients in the weight's dtype: at 8 x 4096 tokens, 128 bf16 additions.) On a GPU each
+chunk's product is itself fp32 (`torch.mm(..., out_dtype=torch.float32)`); torch has no such CPU
+kernel, so on a CPU a 16-bit head's chunk products are rounded once each before the fp32 sum.
 """
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
+import torch.nn.functional as F
 
 from .loss import token_logprobs
 
@@ -66,20 +69,55 @@ def completion_logprobs_chunked(model, input_ids, attention_mask, position_ids, 
     hidden = hidden[:, -(columns + 1):-1].reshape(rows * columns, -1)
     targets = completion_ids.reshape(-1)
     head = model.get_output_embeddings()
-    # One split node: backward concatenates the chunks' hidden-state gradients once, instead of
-    # adding a zero-padded full-size gradient per chunk.
-    pieces = [_chunk(head, h, t, temperature) for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))]
-    return torch.cat(pieces).view(rows, columns)
+    return ChunkedHead.apply(hidden, head.weight, head.bias, targets, temperature, chunk_tokens).view(rows, columns)
 
 
-def _chunk(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    if not torch.is_grad_enabled():  # nothing kept for backward anyway (reference model, evaluation)
-        return _head_logprobs(head, hidden, targets, temperature)
-    # preserve_rng_state=False: a linear layer and a log-softmax draw no random numbers.
-    return checkpoint(_head_logprobs, head, hidden, targets, temperature, use_reentrant=False,
-                      preserve_rng_state=False)
+class ChunkedHead(torch.autograd.Function):
+    """log p(target) under softmax(head(hidden) / temperature), `chunk_tokens` rows at a time, for
+    hidden (N, H), weight (V, H), bias (V) or None, targets (N); backward recomputes each chunk's
+    logits and sums the weight's gradient over the chunks in fp32 (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_tokens: int):
+        with torch.no_grad():
+            out = torch.cat([token_logprobs(F.linear(h, weight, bias), t, temperature)
+                             for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))])
+        ctx.save_for_backward(hidden, targets)
+        # The parameters themselves (not saved copies): their main_grad attribute is read in backward.
+        ctx.weight, ctx.bias, ctx.temperature, ctx.chunk_tokens = weight, bias, temperature, chunk_tokens
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, targets = ctx.saved_tensors
+        weight, bias, size = ctx.weight, ctx.bias, ctx.chunk_tokens
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        main = getattr(weight, "main_grad", None) if want_weight else None
+        weight_sum = main if main is not None else (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None)
+        bias_sum = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_bias else None
+        for i, (h, t, g) in enumerate(zip(hidden.split(size), targets.split(size), grad_out.split(size))):
+            with torch.enable_grad():
+                logits = F.linear(h.detach(), weight.detach(), None if bias is None else bias.detach())
+                logits.requires_grad_(True)
+                (grad_logits,) = torch.autograd.grad(token_logprobs(logits, t, ctx.temperature), logits, g)
+            if want_hidden:
+                grad_hidden[i * size:i * size + len(h)] = grad_logits @ weight
+            if want_weight:
+                weight_sum += _product_fp32(grad_logits.t(), h)
+            if want_bias:
+                bias_sum += grad_logits.float().sum(0)
+        grad_weight = None
+        if want_weight and main is None:
+            grad_weight = weight_sum.to(weight.dtype)  # the fp32 sum, rounded once
+        grad_bias = bias_sum.to(bias.dtype) if want_bias else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
-def _head_logprobs(head, hidden, targets, temperature):
-    # head(hidden) in the model's dtype, then fp32: what full_logits_logprobs computes for these rows.
-    return token_logprobs(head(hidden), targets, temperature)
+def _product_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b as fp32: computed in fp32 by the GEMM where torch can (CUDA, 16-bit inputs), else a @ b in
+    the inputs' dtype, then fp32."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
