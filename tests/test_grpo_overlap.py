@@ -177,6 +177,21 @@ def test_on_a_gpu_the_trainer_runs_on_the_train_stream_ordered_after_and_before_
     assert events == [("wait", "train", "step"), ("work", 0, "train", True), ("work", 1, "train", True),
                       ("wait", "step", "train"), ("work", 2, "step", False)]
 
+    # abandon() (generation or the train phase failed): the groups not started are dropped, and the
+    # step's stream still waits for what the train stream queued before anything else runs.
+    events.clear()
+    trainer = GroupTrainer(work, device=torch.device("cuda"), engine_threads=1, trainer_threads=1,
+                           stream=train_stream)
+    trainer.submit(0, "a")
+    for _ in range(6000):
+        if trainer.early.results:
+            break
+        time.sleep(0.01)
+    trainer.submit(1, "b")
+    trainer.abandon()
+    assert events[:2] == [("wait", "train", "step"), ("work", 0, "train", True)]
+    assert events[-1] == ("wait", "step", "train") and ("work", 1, "step", False) not in events
+
 
 @pytest.mark.slow
 def test_an_overlapped_step_is_the_serial_step(tmp_path):
@@ -254,3 +269,24 @@ def test_an_overlapped_step_is_the_serial_step(tmp_path):
         same_sign = torch.where(g * g2 > 0, torch.minimum(g.abs(), g2.abs()), torch.zeros_like(g))
         bound = lr * (g - g2).abs() / (same_sign + adam_eps) + 4 * eps * w.abs().clamp(min=lr)
         assert ((overlapped["after"][n] - w).abs() <= bound).all(), n
+
+
+@pytest.mark.slow
+def test_an_overlapped_steps_train_figures_are_taken_with_the_kv_cache_asleep(tmp_path):
+    """Groups trained while the engine still generates sample memory as generation (the KV cache is
+    awake then); the train phase's figures are those with it asleep: 0 bytes of KV cache."""
+    from colo.grpo import GRPOScheduler, build_toy_model
+    from colo.grpo.toy_task import long_tail_toy_task
+
+    config = GRPOConfig(prompts_per_step=6, num_generations=4, max_new_tokens=64, learning_rate=3e-3, save_every=0,
+                        overlap="on", dtype="fp32")
+    run = GRPOScheduler(build_toy_model(tmp_path / "model"), config=config, task=long_tail_toy_task(mean_length=16),
+                        engine_options=dict(enforce_eager=True))
+    try:
+        assert run.serial_reason is None
+        record = run.train_step()
+    finally:
+        run.close()
+    assert record["overlap"] and record["groups_trained_early"] >= 1
+    assert record["kv_cache_resident_bytes_during_train"] == 0
+    assert record["kv_cache_resident_bytes_during_generate"] > 0 and record["grads_resident_bytes_during_generate"] > 0

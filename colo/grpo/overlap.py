@@ -157,14 +157,14 @@ class GroupTrainer:
         self.join_quietly()
         if self._error is not None:
             raise self._error
-        if self.stream is not None:  # the step's own work (the groups left, all-reduce, optimizer) comes after
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
         for index, completions in self._late + self._drain():
             self.early.results[index] = self.work(index, completions)
         return self.early
 
     def abandon(self) -> None:
-        """Stop after the group in hand and drop the rest (generation failed; the step is redone)."""
+        """Stop after the group in hand and drop the rest (generation or the train phase failed): the
+        step's stream then waits for the train stream, so nothing the trainer queued runs after what
+        the step does next (a retry, a checkpoint, the exit)."""
         self._drain()
         self.join_quietly()
         self._late.clear()
@@ -180,9 +180,14 @@ class GroupTrainer:
         return items
 
     def join_quietly(self) -> None:
+        """Wait for the trainer's thread to end; on a GPU the step's own work (the groups left, the
+        all-reduce, the optimizer, or whatever follows a failure) is then ordered after the train
+        stream's."""
         self.generation_done()
         self._queue.put(None)
         self._thread.join()
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
         if self.device.type == "cpu":
             # set_num_threads also sets process-wide counts (MKL's, new threads'): the trainer's last
             # setting must not outlive the step.

@@ -126,6 +126,7 @@ class GRPOScheduler:
         # then must not checkpoint them (run() saves on the way out only when this is False).
         self._unsafe_to_save = False
         self.skipped_in_a_row = 0  # steps whose gradient norm was not finite, up to the last one
+        self._generating = False  # True while the engine generates (groups may train meanwhile: --overlap)
 
     # -- set-up ------------------------------------------------------------------------------------
     def _join_world(self) -> None:
@@ -208,8 +209,13 @@ class GRPOScheduler:
         record: dict = {"step": step, "dtype": self.config.dtype}
         started = time.perf_counter()
         rollout = self._generate_phase(step, record)
-        rewards = self._reward_phase(step, rollout, record)
-        self._train_phase(step, rollout, rewards, record)
+        try:
+            rewards = self._reward_phase(step, rollout, record)
+            self._train_phase(step, rollout, rewards, record)
+        except BaseException:
+            if rollout.overlapped is not None:  # the trainer's thread stops; on a GPU its stream is waited for
+                rollout.overlapped.abandon()
+            raise
         self._publish_phase(step, record)
         # The optimizer state's copy out overlapped the publish; between steps every region is settled
         # (a user may checkpoint, or wake the KV cache, before the next step).
@@ -265,6 +271,7 @@ class GRPOScheduler:
         trained so far are abandoned (a retry starts from zeroed gradients)."""
         overlapped = self._start_overlap(step, rows, prompts, record)
         trace = GenerationTrace()
+        self._generating = True
         try:
             outputs = self.engine.generate(prompts, sampling_options(self.config, self.task, step, share), trace=trace,
                                            on_group=overlapped.on_group if overlapped else None)
@@ -272,6 +279,8 @@ class GRPOScheduler:
             if overlapped is not None:
                 overlapped.abandon()
             raise
+        finally:
+            self._generating = False
         if overlapped is not None:
             overlapped.generation_done()  # the engine's thread gets its cores back; the groups left train in join()
         record["generate_tail_s"] = trace.tail_s
@@ -350,7 +359,11 @@ class GRPOScheduler:
 
     def _backward(self, rollout: "Rollout", advantages, record, *, after_forward=lambda: None, **totals) -> dict:
         def forward_done():  # activations alive: the moment to sample memory (and the overlap's catch_up)
-            self.residency.sample("train", record)
+            # A group trained while the KV cache is still awake (during generation, or the group in hand
+            # when it ends: --overlap) is counted with generation; the train phase's figures are those
+            # with the KV cache asleep.
+            awake = self._generating or (self.config.memory_phases and not self.engine.kv_cache_asleep)
+            self.residency.sample("generate" if awake else "train", record)
             after_forward()
 
         return backward_rollout(self.tp or self.model, rollout, advantages, self.config, device=self.device,
