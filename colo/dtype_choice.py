@@ -68,3 +68,36 @@ def _cpu_choice() -> DtypeChoice:
                                           f"{'/'.join(bf16_units).upper()}: bf16 matmuls would be emulated")
     return DtypeChoice(torch.bfloat16, f"this CPU has {' and '.join(bf16_units).upper()} ({seen}): torch trains and "
                                        "vLLM serves bf16 natively")
+
+
+def emulated_bf16(device: str | torch.device = "cpu") -> str | None:
+    """Why bf16 matmuls would be emulated on `device` (one line), or None where it computes bf16 natively.
+    What TRL's default bf16=True (autocast) costs on a CPU without bf16 instructions; measure it with
+    bf16_slowdown()."""
+    choice = fastest_dtype(device)
+    return None if choice.dtype == torch.bfloat16 else choice.reason
+
+
+def bf16_slowdown(size: int = 256, repeats: int = 3) -> float:
+    """How many times longer a size x size matmul and its backward take in bf16 than in fp32 on one core
+    of this CPU (the best of `repeats` each; under half a second where bf16 is emulated). One thread:
+    the per-core cost, steadier than a figure that depends on what else runs on the other cores."""
+    import time
+
+    def best(dtype) -> float:
+        a = torch.randn(size, size, dtype=dtype, requires_grad=True)
+        b = torch.randn(size, size, dtype=dtype)
+        times = []
+        for _ in range(repeats + 1):  # the first call pays for kernel selection
+            start = time.perf_counter()
+            (a @ b).sum().backward()
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
+
+    threads = torch.get_num_threads()
+    torch._C.set_num_threads(1)  # torch._C's: vLLM's CPU worker replaces torch.set_num_threads with a no-op
+    try:
+        return best(torch.bfloat16) / best(torch.float32)
+    finally:
+        torch._C.set_num_threads(threads)
+

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import torch
 
@@ -258,6 +259,25 @@ _ENGINE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": to
                   "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 
 
+def autocast_warning(args, device) -> str | None:
+    """What bf16=True (TRL's default: training under bf16 autocast) costs where the CPU has no bf16
+    instructions, measured here, and the fix; None where it does not apply. Said once per process."""
+    from .dtype_choice import bf16_slowdown, emulated_bf16
+
+    if not getattr(args, "bf16", False) or torch.device(device).type != "cpu" or "autocast" in _WARNED:
+        return None
+    why = emulated_bf16(device)
+    if why is None:
+        return None
+    _WARNED.add("autocast")
+    return (f"colo.trl: bf16=True trains under bf16 autocast, but {why}: a 256x256 matmul and its backward took "
+            f"{bf16_slowdown():.0f}x as long in bf16 as in fp32 on one core here. Pass bf16=False in trl.GRPOConfig to train in "
+            "fp32 (colo.trl's engine already serves fp32 on this CPU).")
+
+
+_WARNED: set[str] = set()
+
+
 def choose_engine_dtype(model, args, asked=None, device="cpu") -> tuple[torch.dtype, bool, str]:
     """(engine dtype, whether TRL's optimizer steps fp32 masters of bf16 weights, why), for a trainer
     whose model is `model` and whose TRL config is `args`; `asked`: colo_engine_dtype."""
@@ -316,6 +336,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             model, args, colo_engine_dtype, self.accelerator.device)
         if self.accelerator.is_main_process:
             print(f"colo.trl: engine weights in {engine_dtype} ({self.colo_engine_dtype_reason})", flush=True)
+            warning = autocast_warning(args, self.accelerator.device)
+            if warning:
+                warnings.warn(warning, stacklevel=2)
         self.vllm_generation = ColoVLLMGeneration(
             model=self.model, accelerator=self.accelerator, processing_class=self.processing_class,
             pool=colo_pool, engine_dtype=engine_dtype, fp32_masters=fp32_masters,

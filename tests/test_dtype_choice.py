@@ -99,3 +99,27 @@ def test_persona_refuses_unknown_names_and_missing_commands():
     assert env["TORCHINDUCTOR_CACHE_DIR"].endswith("persona-avx2")
     with pytest.raises(ValueError, match="unknown CPU persona"):
         environment("avx9")
+
+
+@pytest.mark.cpu_kind  # the answer is the CPU kind's
+def test_emulated_bf16_says_why_exactly_where_auto_picks_fp32_and_colo_trl_warns_there(monkeypatch):
+    """colo.dtype_choice.emulated_bf16 answers where bf16 is not native (AVX2 here under the persona
+    pass) and None where it is; colo.trl turns it into one warning with this machine's measured cost
+    and the fix, for bf16=True on a CPU only."""
+    from types import SimpleNamespace
+
+    import colo.trl as colo_trl
+    from colo.dtype_choice import bf16_slowdown, emulated_bf16, fastest_dtype
+
+    why = emulated_bf16("cpu")
+    assert (why is None) == (fastest_dtype("cpu").dtype == torch.bfloat16)
+    monkeypatch.setattr(colo_trl, "_WARNED", set())
+    warning = colo_trl.autocast_warning(SimpleNamespace(bf16=True), "cpu")
+    if why is None:
+        assert warning is None
+        return
+    assert why in warning and "Pass bf16=False" in warning and "x as long in bf16 as in fp32 on one core here" in warning
+    assert colo_trl.autocast_warning(SimpleNamespace(bf16=True), "cpu") is None  # once per process
+    monkeypatch.setattr(colo_trl, "_WARNED", set())
+    assert colo_trl.autocast_warning(SimpleNamespace(bf16=False), "cpu") is None
+    assert bf16_slowdown() > 2  # emulated: measured several times slower (about 25x on an AVX2 EPYC)
