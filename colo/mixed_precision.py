@@ -47,6 +47,8 @@ class MainGradientOptimizer:
         scale = self.param_scales[i] if self.param_scales else 1.0
 
         def hook(param):
+            if param.grad is None:  # the gradient went straight to main_grad (colo.grpo.logprobs' head)
+                return
             main.add_(param.grad, alpha=scale)  # in fp32; the parameter's own gradient is dropped at once
             param.grad = None
         return hook

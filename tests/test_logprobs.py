@@ -227,3 +227,26 @@ def test_a_bf16_heads_gradient_is_summed_over_the_chunks_in_fp32():
     assert error["main_grad"] < 1e-6, error                       # fp32 sum of the same products
     assert error["rounded once"] <= 2.0 ** -8, error              # one bf16 rounding of the fp32 sum
     assert error["bf16 sum"] > 4 * error["rounded once"], error
+
+
+def test_an_untied_bf16_head_trains_through_the_master_weight_optimizers_main_grad(tiny_model_dir):
+    """The head's gradient goes to its fp32 main_grad only (nothing for autograd to add): the optimizer's
+    hook must take the head's empty gradient in stride, and the result is the full-logits gradient."""
+    from colo import MasterWeightOptimizer
+    from colo.grpo.logprobs import completion_logprobs_chunked, full_logits_logprobs
+
+    from conftest import load_hf_model
+
+    path = tiny_model_dir("llama", vocab_size=777, tie_word_embeddings=False)
+    chunked_model, full_model = (load_hf_model(path, torch.bfloat16) for _ in range(2))
+    optimizer = MasterWeightOptimizer(chunked_model.parameters(), torch.optim.AdamW)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 777, (2, 48))
+    args = (ids, torch.ones_like(ids), torch.arange(48).expand(2, -1), ids[:, 16:])
+    completion_logprobs_chunked(chunked_model, *args, chunk_tokens=8).sum().backward()
+    full_logits_logprobs(full_model, *args).sum().backward()
+    head = next(i for i, p in enumerate(chunked_model.parameters()) if p is chunked_model.lm_head.weight)
+    expected = full_model.lm_head.weight.grad.float()
+    gap = (optimizer.main_grads[head] - expected).abs().max() / expected.abs().max()
+    assert chunked_model.lm_head.weight.grad is None and gap < 2 ** -7
+    optimizer.step()  # and it steps

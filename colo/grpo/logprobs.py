@@ -118,6 +118,13 @@ class ChunkedHead(torch.autograd.Function):
 def _product_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b as fp32: computed in fp32 by the GEMM where torch can (CUDA, 16-bit inputs), else a @ b in
     the inputs' dtype, then fp32."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(a, b, out_dtype=torch.float32)
+    global _MM_OUT_DTYPE
+    if _MM_OUT_DTYPE and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):  # a torch without mm's out_dtype on this device
+            _MM_OUT_DTYPE = False
     return (a @ b).float()
+
+
+_MM_OUT_DTYPE = True
