@@ -42,12 +42,13 @@ from ..pool import Pool
 from ..regions import WEIGHTS
 from ..zero import ShardLayout
 from . import distributed
+from .backward import backward_rollout, frozen_copy
 from .batch import Rollout, concatenated_scores, loss_tokens, rollout_of
 from .checkpoint import Checkpointer
 from .config import GRPOConfig, check_model_dir
 from .evaluation import greedy_pass_at_1
-from .hf_format import FINAL, check_writable, model_step_dir
 from .gradients import reduce_and_clip
+from .hf_format import FINAL, check_writable, model_step_dir
 from .loss import group_advantages
 from .metrics import ProgressBar, StepLog, Timeline, rank_path
 from .overlap import GroupFailed, OverlappedStep, finish_overlap, memory_refusal, serial_reason, start_overlapped_step
@@ -58,7 +59,6 @@ from .task_setup import build_tasks, checked_prompts, fit_model_length, longest_
 from .termination import TerminationRequest
 from .trackers import Trackers
 from .train_memory import TrainingMemory
-from .backward import backward_rollout, frozen_copy
 
 logger = logging.getLogger(__name__)
 
