@@ -212,8 +212,37 @@ def activation_bytes(shape: Shape, tokens: int, tensor_parallel: int = 1) -> tup
 
 def plan(params: float, gpus: int, gpu_memory: int, dtype: str = "bf16", seq_len: int = 4096,
          train_tokens: int | None = None, shape: Shape | None = None, reserve: int = DEFAULT_RESERVE,
-         tensor_parallel: int = 1) -> list[Layout]:
-    """The layouts for one model size and cluster; see the module docstring."""
+         tensor_parallel: int = 1, max_num_seqs: int | None = None) -> list[Layout]:
+    """The layouts for one model size and cluster; see the module docstring. max_num_seqs: the engine's
+    (default: vLLM's own for a GPU of this memory), which sizes Model Runner V2's sampler buffers; 0: an
+    engine without them (vLLM's V1 runner, as on a CPU)."""
+    shape = shape or nearest_shape(params)
+    layouts = _plan(params, gpus, gpu_memory, dtype, seq_len, train_tokens, shape, reserve, tensor_parallel)
+    sequences = default_max_num_seqs(gpu_memory) if max_num_seqs is None else max_num_seqs
+    if sequences:
+        sampler = engine_sampler_term(shape.vocab, sequences)
+        for layout in layouts:  # every layout's engine is a vLLM engine, on every GPU
+            layout.terms.append(sampler)
+    return layouts
+
+
+def default_max_num_seqs(gpu_memory: int) -> int:
+    """vLLM 0.32's max_num_seqs for an LLM on a GPU of this memory (engine/arg_utils.py, get_batch_defaults)."""
+    return 1024 if gpu_memory >= 70 * (1 << 30) else 256
+
+
+def engine_sampler_term(vocab: int, max_num_seqs: int) -> Term:
+    """vLLM Model Runner V2's sampler buffers (colo.vllm_compat.runner_memory), held from the engine's start:
+    a GPU's default runner in vLLM 0.32."""
+    from .vllm_compat.runner_memory import v2_sampler_bytes
+
+    nbytes = v2_sampler_bytes(vocab, max_num_seqs)
+    return Term(f"engine sampler buffers (vLLM Model Runner V2, {max_num_seqs} sequences)", nbytes,
+                f"4 x {max_num_seqs} x vocab {vocab} + bit masks + per-sequence tables", generate=True, train=True)
+
+
+def _plan(params: float, gpus: int, gpu_memory: int, dtype: str, seq_len: int, train_tokens: int | None,
+          shape: Shape | None, reserve: int, tensor_parallel: int) -> list[Layout]:
     if params <= 0 or gpus < 1 or gpu_memory <= 0 or seq_len < 1 or tensor_parallel < 1:
         raise ValueError(f"params, gpus, gpu_memory, seq_len and tensor_parallel must be positive (got {params}, "
                          f"{gpus}, {gpu_memory}, {seq_len}, {tensor_parallel})")
@@ -358,6 +387,8 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=None, help="a Hugging Face config.json for the model's shape")
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="GPUs per tensor-parallel group: colo-TP (colo.grpo --tensor-parallel) beside verl with a tensor-parallel engine")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="the engine's max_num_seqs, which sizes vLLM's sampler buffers (default: vLLM's for the GPU)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = p.parse_args(argv)
     plans = []
@@ -366,7 +397,7 @@ def main(argv=None) -> int:
             shape = shape_from_config(args.config) if args.config else nearest_shape(params)
             plans.append((params, shape, plan(params, args.gpus, parse_bytes(args.gpu_memory), args.dtype, args.seq_len,
                                               args.train_tokens, shape, parse_bytes(args.reserve),
-                                              args.tensor_parallel)))
+                                              args.tensor_parallel, args.max_num_seqs)))
     except (ValueError, OSError, KeyError) as e:
         p.error(str(e))
     if args.json:

@@ -82,6 +82,13 @@ def test_tensor_parallel_trains_like_one_rank_with_one_copy_and_resumes_exactly(
 
     assert sorted(p.name for p in two.glob("step-000001.optimizer-*")) == [
         "step-000001.optimizer-tp0-of-2.pt", "step-000001.optimizer-tp1-of-2.pt"]
+    # OUT/final: the whole model gathered from the two ranks' shards, as the checkpoint holds it (fp32:
+    # the weights are the masters), the tied head saved once.
+    from safetensors.torch import load_file
+
+    final, whole = load_file(two / "final" / "model.safetensors"), whole_weights(two, 2)
+    assert set(final) == set(whole) - {"lm_head.weight"}
+    assert all(torch.equal(final[n], whole[n]) for n in final)
 
     # The run as it stood after step 1 continues to step 2 exactly as the uninterrupted one did.
     resumed.mkdir()

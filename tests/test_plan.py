@@ -18,24 +18,41 @@ def layouts(**kwargs):
     return {layout.name.split(" ")[0]: layout for layout in plan(P, 8, 80 * GiB, **kwargs)}
 
 
+def sampler_bytes(layout) -> int:
+    return next(t.bytes for t in layout.terms if t.what.startswith("engine sampler buffers"))
+
+
+def test_every_engine_holds_vllm_v2s_sampler_buffers_from_its_start():
+    """vLLM 0.32's Model Runner V2 (a GPU's default) allocates max_num_seqs x vocab int32 bin counts,
+    two bit masks and per-sequence tables in load_model: every layout holds them, in both phases."""
+    vocab = SHAPES["Qwen2.5-7B"]["vocab"]
+    for layout in layouts().values():  # vLLM's default for an 80 GiB GPU: 1024 sequences
+        term = next(t for t in layout.terms if t.what.startswith("engine sampler buffers"))
+        assert term.bytes == 4 * 1024 * vocab + 8 * 1024 * -(-vocab // 32) + 4481 * 4 * 1024
+        assert term.generate and term.train and not term.host
+    assert sampler_bytes(layouts(max_num_seqs=512)["colo"]) == 339_789_824 if vocab == 151936 else True
+    assert not any(t.what.startswith("engine sampler") for t in layouts(max_num_seqs=0)["colo"].terms)
+
+
 def test_bytes_per_gpu_by_phase_follow_each_layouts_rule():
     by = layouts(seq_len=4096)
     colo, trl, verl = by["colo"], by["TRL"], by["verl"]
     act = next(t.bytes for t in colo.terms if t.what.startswith("activations"))
-    assert colo.phase_bytes("generate") == 2 * P  # one bf16 copy; gradients asleep, optimizer on the host
-    assert colo.phase_bytes("train") == 18 * P + act and colo.host_bytes == 12 * P
-    assert trl.phase_bytes("generate") == 18 * P and trl.phase_bytes("train") == 18 * P + act
-    assert verl.phase_bytes("generate") == 16 * P // 8 + 2 * P
+    s = sampler_bytes(colo)
+    assert colo.phase_bytes("generate") == 2 * P + s  # one bf16 copy; gradients asleep, optimizer on the host
+    assert colo.phase_bytes("train") == 18 * P + act + s and colo.host_bytes == 12 * P
+    assert trl.phase_bytes("generate") == 18 * P + s and trl.phase_bytes("train") == 18 * P + act + s
+    assert verl.phase_bytes("generate") == 16 * P // 8 + 2 * P + s
     assert by["colo"].kv_during_train is False and trl.kv_during_train is True
     # 7B on 80 GB: a replicated fp32 optimizer does not fit, colo's or TRL's; FSDP's shards do.
     assert not colo.fits and not trl.fits and verl.fits and verl.sequences > 0
     fp32 = layouts(dtype="fp32")["colo"]
-    assert fp32.phase_bytes("generate") == 4 * P and fp32.host_bytes == 8 * P
+    assert fp32.phase_bytes("generate") == 4 * P + s and fp32.host_bytes == 8 * P
     # ZeRO-1: one bf16 copy, whole fp32 gradients, 1/8 of the optimizer state; it fits, with more
     # room for the KV cache than FSDP beside an engine copy.
     zero = by["colo-ZeRO-1"]
-    assert zero.phase_bytes("generate") == 2 * P and zero.host_bytes == 12 * P // 8
-    assert zero.phase_bytes("train") == 2 * P + 4 * P + 12 * P // 8 + act
+    assert zero.phase_bytes("generate") == 2 * P + s and zero.host_bytes == 12 * P // 8
+    assert zero.phase_bytes("train") == 2 * P + 4 * P + 12 * P // 8 + act + s
     assert zero.fits and zero.sequences > verl.sequences
 
 
@@ -64,7 +81,8 @@ def test_command_line_prints_the_arithmetic_and_json():
     data = json.loads(subprocess.run(run + ["--json"], capture_output=True, text=True, check=True).stdout)
     names = [layout["layout"].split(" ")[0] for layout in data["layouts"]]
     assert names == ["colo", "TRL", "verl", "colo-ZeRO-1", "colo,"]
-    assert data["layouts"][0]["generate_bytes"] == 14e9
+    sampler = next(t["bytes"] for t in data["layouts"][0]["terms"] if t["what"].startswith("engine sampler"))
+    assert data["layouts"][0]["generate_bytes"] == 14e9 + sampler
     several = json.loads(subprocess.run(run[:4] + ["0.5e9,7e9", "--json"], capture_output=True, text=True,
                                         check=True).stdout)
     assert [d["params"] for d in several] == [0.5e9, 7e9] and several[1]["shape"]["name"] == "Qwen2.5-7B-like"
@@ -97,13 +115,14 @@ def test_tensor_parallel_layouts_hold_one_ranks_shard():
     assert colo.params_per_rank == verl.params_per_rank == shard and colo.tensor_parallel == 8
     act = next(t.bytes for t in colo.terms if t.what.startswith("activations"))
     assert act == int((10 + 24 / 8) * 4096 * shape["layers"] * shape["hidden"]) + 10 * 4096 * shape["vocab"] // 8
-    assert colo.phase_bytes("generate") == 2 * shard
-    assert colo.phase_bytes("train") == 2 * shard + 4 * shard + 12 * shard // 2 + act  # ZeRO-1 over 16 / 8 = 2
+    s = sampler_bytes(colo)  # every rank's engine has the whole vocabulary's
+    assert colo.phase_bytes("generate") == 2 * shard + s
+    assert colo.phase_bytes("train") == 2 * shard + 4 * shard + 12 * shard // 2 + act + s  # ZeRO-1 over 16 / 8 = 2
     assert colo.host_bytes == 12 * shard // 2
     full_act = next(t.bytes for t in verl.terms if t.what.startswith("activations"))
     assert full_act > act  # FSDP keeps every layer's whole activations
-    assert verl.phase_bytes("generate") == 16 * int(32.8e9) // 16 + 2 * shard
-    assert verl.phase_bytes("train") == 16 * int(32.8e9) // 16 + full_act and verl.host_bytes == 2 * shard
+    assert verl.phase_bytes("generate") == 16 * int(32.8e9) // 16 + 2 * shard + s
+    assert verl.phase_bytes("train") == 16 * int(32.8e9) // 16 + full_act + s and verl.host_bytes == 2 * shard
     # vLLM gives each rank 8 / 8 = 1 KV head: the KV cache per sequence is 1/8 of the whole model's.
     assert colo.kv_bytes_per_sequence == 2 * shape["layers"] * 1 * shape["head_dim"] * 2 * 4096
     assert colo.sequences == colo.kv_cache_bytes // colo.kv_bytes_per_sequence > 0

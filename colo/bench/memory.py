@@ -105,7 +105,8 @@ def measure_size(name: str, progress, device: str = "cpu", quick: bool = False) 
 def _planned_layouts(params: int) -> dict:
     from colo.plan import plan
 
-    bf16, fp32 = plan(params, 1, 1 << 50, "bf16"), plan(params, 1, 1 << 50, "fp32")
+    # max_num_seqs=0: the CPU engine measured here runs vLLM's V1 runner, which keeps no sampler buffers
+    bf16, fp32 = (plan(params, 1, 1 << 50, dtype, max_num_seqs=0) for dtype in ("bf16", "fp32"))
     return {"colo bf16": bf16[0], "colo fp32": fp32[0], "usual way": bf16[1]}
 
 

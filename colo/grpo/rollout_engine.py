@@ -113,6 +113,9 @@ class RolloutEngine:
         # token, so these bytes give exactly `blocks`, null block included.
         blocks = max(kv_cache_blocks(max_num_seqs, sequence_tokens, block), kv_cache_blocks(1, self.max_model_len, block))
         self.adapter_slot_bytes = slot_bytes(config, lora, dtype, tensor_parallel) if lora else 0
+        # Model Runner V2 (a GPU's default) allocates its sampler's max_num_seqs x vocab buffers in
+        # load_model, so in the weights region: not parameters, and not in the KV cache's budget.
+        self.runner_buffer_bytes = compat.sampler_buffer_bytes(config.vocab_size, max_num_seqs, pool.device.type)
         self.kv_cache_bytes = self._kv_budget(blocks * block * kv_bytes_per_token(config, dtype, tensor_parallel), config)
         self._llm_kwargs = dict(skip_tokenizer_init=True, max_num_seqs=max_num_seqs, block_size=block, **llm_kwargs)
         self.llm = self._build(load_format="auto")
@@ -128,11 +131,12 @@ class RolloutEngine:
         # The weights are not loaded yet: leave room for them. Regions asleep now (the training
         # memory, while generating) do not count.
         weights = parameter_bytes(config, self.dtype) // self.tp_size  # a rank's shards (norms whole: small)
-        left = self.pool.unbudgeted_bytes - weights - self.adapter_slot_bytes - _KV_HEADROOM
+        left = self.pool.unbudgeted_bytes - weights - self.adapter_slot_bytes - self.runner_buffer_bytes - _KV_HEADROOM
         if left < wanted:
             raise OutOfMemoryError(f"the KV cache needs {wanted} bytes for the rollout batch but the pool has "
-                                   f"only {max(left, 0)} left after the weights and the regions awake during "
-                                   f"generation ({self.pool.capacity}-byte capacity)")
+                                   f"only {max(left, 0)} left after the weights, the model runner's buffers "
+                                   f"({self.runner_buffer_bytes} bytes) and the regions awake during generation "
+                                   f"({self.pool.capacity}-byte capacity)")
         return wanted
 
     def _build(self, load_format: str):

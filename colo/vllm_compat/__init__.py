@@ -20,6 +20,8 @@ compat.engine_model(llm)`):
 - layout: the parameter layout (fused q/k/v and gate/up, padded vocabulary, tensor-parallel shards);
 - lora_slots: LoRA adapter slots (`lora_a_stacked`/`lora_b_stacked`) the trainer's adapter is a view
   of, and a one-adapter fast path for vLLM's CPU punica wrapper;
+- runner_memory: what the model runner allocates in load_model beside the weights, so in the weights
+  region (Model Runner V2's sampler buffers: max_num_seqs x vocab), for callers that size the KV cache;
 - forced_kernels: forcing vLLM's CPU GEMM choice, for benchmark baselines and tests only. Not
   re-exported here: colo's runtime never imports it (import colo.vllm_compat.forced_kernels).
 """
@@ -35,6 +37,7 @@ from .engine import (
     is_compiled, keep_process_groups, kv_cache_block_count, platform_device_type, quiet_chat_warmup_without_tokenizer,
     release_engine, request_guard, request_hooks, served_dtype, startup_memory_fraction, tensor_parallel_group,
 )
+from .runner_memory import sampler_buffer_bytes, uses_model_runner_v2
 from .lora_slots import (
     LORA_SLOT_RANKS, AdapterSlice, activate_adapter, adapter_slices, adapter_slot, check_shareable_lora,
     has_lora_slots, lora_engine_options, punica_wrappers, serve_adapter_by_default,
@@ -52,6 +55,7 @@ __all__ = [
     "startup_memory_fraction", "tensor_parallel_group",
     "LORA_SLOT_RANKS", "AdapterSlice", "activate_adapter", "adapter_slices", "adapter_slot", "check_shareable_lora",
     "has_lora_slots", "lora_engine_options", "punica_wrappers", "serve_adapter_by_default",
+    "sampler_buffer_bytes", "uses_model_runner_v2",
 ]
 
 
