@@ -336,8 +336,11 @@ void Region::wake() {
   // Only what live allocations need; on failure nothing is committed: asleep, offloaded bytes kept.
   auto runs = runs_where(0, chunk_live_bytes_.size(), [&](size_t c) { return chunk_live_bytes_[c] > 0; });
   commit_runs(runs);
-  if (offload_bytes_ > 0) restore_offloaded();
+  // Populated a huge page at a time before anything copies back into it: a copy that faults the
+  // pages in itself waits on the kernel's huge-page compaction as it goes. The copy back is queued
+  // after the populate on the same copy stream.
   prefault(runs);
+  if (offload_bytes_ > 0) restore_offloaded();
   asleep_ = false;
   last_wake_s_ = seconds_since(start);
 }
