@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 
@@ -290,3 +291,37 @@ def test_an_overlapped_steps_train_figures_are_taken_with_the_kv_cache_asleep(tm
     assert record["overlap"] and record["groups_trained_early"] >= 1
     assert record["kv_cache_resident_bytes_during_train"] == 0
     assert record["kv_cache_resident_bytes_during_generate"] > 0 and record["grads_resident_bytes_during_generate"] > 0
+
+
+@pytest.mark.slow
+def test_out_of_memory_while_training_during_generation_redoes_the_step_serially(tmp_path):
+    """A group's backward running out of memory beside the engine: the groups trained so far are
+    dropped, the gradients sleep again, and the step is generated and trained again serially (the
+    record says why); the next step overlaps again."""
+    from colo.grpo import GRPOScheduler, build_toy_model
+    from colo.grpo.toy_task import long_tail_toy_task
+
+    config = GRPOConfig(prompts_per_step=6, num_generations=4, max_new_tokens=64, learning_rate=3e-3, save_every=0,
+                        overlap="on", dtype="fp32")
+    run = GRPOScheduler(build_toy_model(tmp_path / "model"), config=config, task=long_tail_toy_task(mean_length=16),
+                        engine_options=dict(enforce_eager=True))
+    backward, failures = run._backward, []
+
+    def out_of_memory_once(*args, **kwargs):
+        if run._generating and not failures:
+            failures.append(run.step + 1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (a test)")
+        return backward(*args, **kwargs)
+
+    run._backward = out_of_memory_once
+    try:
+        first = run.train_step()
+        assert failures == [1] and first["step"] == 1
+        assert first["overlap"] is False and "out of memory while training during generation" in first["overlap_fallback"]
+        assert "redone serially" in first["overlap_fallback"] and first.get("groups_trained_early", 0) == 0
+        assert math.isfinite(first["loss"]) and first["tokens_generated"] > 0
+        assert run.memory.grads.asleep  # between steps, as after any step
+        second = run.train_step()
+        assert second["overlap"] is True and "overlap_fallback" not in second
+    finally:
+        run.close()

@@ -127,6 +127,7 @@ class GRPOScheduler:
         self._unsafe_to_save = False
         self.skipped_in_a_row = 0  # steps whose gradient norm was not finite, up to the last one
         self._generating = False  # True while the engine generates (groups may train meanwhile: --overlap)
+        self._serial_this_step = False
 
     # -- set-up ------------------------------------------------------------------------------------
     def _join_world(self) -> None:
@@ -236,6 +237,7 @@ class GRPOScheduler:
         all_prompts = checked_prompts(cfg, all_prompts, step, self.engine.vocab_size, self.engine.max_model_len)
         share = distributed.rank_share(cfg.prompts_per_step, self.world)  # uneven when the ranks do not divide it
         prompts = all_prompts[share.start:share.stop]
+        self._serial_this_step = False  # set when an overlapped try runs out of memory
         with self.timeline.span("generate", step=step) as span:
             switch = time.perf_counter()
             if self.engine.kv_cache_asleep:
@@ -268,17 +270,28 @@ class GRPOScheduler:
 
     def _generate(self, step, rows, prompts, share, record):
         """One try: the completions and the OverlappedStep (None: serial). On any error the groups
-        trained so far are abandoned (a retry starts from zeroed gradients)."""
+        trained so far are abandoned and the gradients sleep again (a retry starts from zeroed ones);
+        out of memory while training during generation, the step is generated again, serially."""
         overlapped = self._start_overlap(step, rows, prompts, record)
         trace = GenerationTrace()
         self._generating = True
         try:
             outputs = self.engine.generate(prompts, sampling_options(self.config, self.task, step, share), trace=trace,
                                            on_group=overlapped.on_group if overlapped else None)
-        except BaseException:
-            if overlapped is not None:
-                overlapped.abandon()
-            raise
+        except BaseException as e:
+            if overlapped is None:
+                raise
+            overlapped.abandon()
+            self.memory.grads.sleep(offload=False)  # what the groups accumulated is void
+            cause = e.__cause__ if isinstance(e, GroupFailed) else e
+            if not _out_of_memory(cause):
+                raise
+            record["overlap_fallback"] = (f"out of memory while training during generation ({type(cause).__name__}: "
+                                          f"{str(cause)[:200]}); step {step} redone serially")
+            logger.warning("rank %d: %s", self.world.rank, record["overlap_fallback"])
+            self._serial_this_step = True
+            self._generating = False
+            return self._generate(step, rows, prompts, share, record)
         finally:
             self._generating = False
         if overlapped is not None:
@@ -288,7 +301,13 @@ class GRPOScheduler:
 
     def _start_overlap(self, step, rows, prompts, record) -> OverlappedStep | None:
         """The gradients wake (zeroed) before generation, and each group trains as it finishes."""
-        if self.serial_reason is not None:
+        if self.serial_reason is not None or self._serial_this_step:
+            return None
+        # What the device holds outside the pool changes between steps (torch's cache, the engine's
+        # own buffers): whether the gradients fit beside the KV cache is asked again each step.
+        refusal = memory_refusal(self.memory, self.config, self.model_dir, self.sequence_tokens)
+        if refusal is not None:
+            record["overlap_fallback"] = f"step {step} serial: {refusal}"
             return None
         self.memory.wake_gradients()
         stream = self.pool.stream("train").torch_stream() if self.device.type == "cuda" else None
@@ -457,3 +476,8 @@ class GRPOScheduler:
         self.engine.close()
         if self._workdir is not None:
             self._workdir.cleanup()
+
+
+def _out_of_memory(error) -> bool:
+    """A device or pool out-of-memory error (torch's, colo's or Python's MemoryError)."""
+    return isinstance(error, (MemoryError, torch.OutOfMemoryError))
