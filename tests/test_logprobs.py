@@ -193,8 +193,7 @@ def test_a_bf16_heads_gradient_is_summed_over_the_chunks_in_fp32():
     fp64 sum of the same chunk products. Summed in fp32 (into the optimizer's main_grad, or rounded once
     at the end) it is within a bf16 rounding of that; summed in bf16, as autograd would add the chunks'
     gradients, it is several times further off."""
-    from colo.grpo.logprobs import ChunkedHead
-    from colo.grpo.loss import token_logprobs
+    from colo.grpo.logprobs import ChunkedHead, _logprob_gradient
 
     torch.manual_seed(0)
     vocab, width, chunk, rows = 256, 64, 8, 8 * 128
@@ -206,8 +205,7 @@ def test_a_bf16_heads_gradient_is_summed_over_the_chunks_in_fp32():
     # The chunk products the chunked backward computes, then one fp64 sum of them.
     products = []
     for h, t, g in zip(hidden.split(chunk), targets.split(chunk), upstream.split(chunk)):
-        logits = torch.nn.functional.linear(h, weight.detach()).requires_grad_()
-        (grad_logits,) = torch.autograd.grad(token_logprobs(logits, t), logits, g)
+        grad_logits = _logprob_gradient(torch.nn.functional.linear(h, weight.detach()), t, g, 1.0)
         products.append(grad_logits.t() @ h)  # bf16, as on a CPU
     exact = torch.stack([p.double() for p in products]).sum(0)
     in_bf16 = torch.zeros_like(weight)

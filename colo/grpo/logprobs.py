@@ -98,10 +98,7 @@ class ChunkedHead(torch.autograd.Function):
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None)
         bias_sum = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_bias else None
         for i, (h, t, g) in enumerate(zip(hidden.split(size), targets.split(size), grad_out.split(size))):
-            with torch.enable_grad():
-                logits = F.linear(h.detach(), weight.detach(), None if bias is None else bias.detach())
-                logits.requires_grad_(True)
-                (grad_logits,) = torch.autograd.grad(token_logprobs(logits, t, ctx.temperature), logits, g)
+            grad_logits = _logprob_gradient(F.linear(h, weight, bias), t, g, ctx.temperature)
             if want_hidden:
                 grad_hidden[i * size:i * size + len(h)] = grad_logits @ weight
             if want_weight:
@@ -113,6 +110,17 @@ class ChunkedHead(torch.autograd.Function):
             grad_weight = weight_sum.to(weight.dtype)  # the fp32 sum, rounded once
         grad_bias = bias_sum.to(bias.dtype) if want_bias else None
         return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+@torch.no_grad()
+def _logprob_gradient(logits: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor, temperature: float):
+    """The gradient of token_logprobs(logits, targets, temperature) times `grad`, w.r.t. logits, in their
+    dtype: (onehot(target) - softmax(logits / T)) x grad / T, computed in fp32 as token_logprobs is.
+    In closed form, so backward builds no autograd graph of its own."""
+    scaled = grad.float() / temperature
+    probs = (logits.float() / temperature).softmax(-1)
+    probs.mul_(-scaled[:, None]).scatter_add_(1, targets[:, None], scaled[:, None])
+    return probs.to(logits.dtype)
 
 
 def _product_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
