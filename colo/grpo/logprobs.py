@@ -13,12 +13,12 @@ alive at any moment are one chunk's, up to about 4 x chunk_tokens x vocab x 4 by
 runs (its logits, their fp32 copy, the log-softmax's and the gather's gradients; measured: python -m
 colo.bench --sections logprob_memory), whatever the batch. The cost is one more head matmul per chunk
 in backward. The arithmetic is the straightforward way's, row for row (the head in the model's dtype,
-then fp32): only float summation order differs. The head weight's gradient is summed over the chunks
-in fp32: into the weight's fp32 main gradient where a master-weight optimizer gives it one
-(`main_grad`), else in an fp32 buffer rounded once to the weight's dtype. (Autograd would add the
-chunks' gradients in the weight's dtype: at 8 x 4096 tokens, 128 bf16 additions.) On a GPU each
-chunk's product is itself fp32 (`torch.mm(..., out_dtype=torch.float32)`); torch has no such CPU
-kernel, so on a CPU a 16-bit head's chunk products are rounded once each before the fp32 sum.
+then fp32): only float summation order differs. Where a master-weight optimizer gives the head weight
+an fp32 main gradient (`main_grad`: colo.grpo's bf16 runs), the chunks' gradients are summed into it
+in fp32; autograd would add them in the weight's dtype (at 8 x 4096 tokens, 128 bf16 additions),
+which is what happens without one. On a GPU each chunk's product is itself fp32
+(`torch.mm(..., out_dtype=torch.float32)`); torch has no such CPU kernel, so on a CPU a 16-bit head's
+chunk products are rounded once each before the fp32 sum.
 """
 from __future__ import annotations
 
@@ -94,20 +94,19 @@ class ChunkedHead(torch.autograd.Function):
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         main = getattr(weight, "main_grad", None) if want_weight else None
-        weight_sum = main if main is not None else (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None)
+        # Where the optimizer keeps an fp32 main gradient the chunks are summed into it; elsewhere in
+        # the weight's dtype, as autograd would (an fp32 buffer would add vocab x hidden x 4 bytes).
+        weight_sum = main if main is not None else (torch.zeros_like(weight) if want_weight else None)
         bias_sum = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_bias else None
         for i, (h, t, g) in enumerate(zip(hidden.split(size), targets.split(size), grad_out.split(size))):
             grad_logits = _logprob_gradient(F.linear(h, weight, bias), t, g, ctx.temperature)
             if want_hidden:
                 grad_hidden[i * size:i * size + len(h)] = grad_logits @ weight
             if want_weight:
-                weight_sum += _product_fp32(grad_logits.t(), h)
+                weight_sum += _product_fp32(grad_logits.t(), h) if main is not None else grad_logits.t() @ h
             if want_bias:
                 bias_sum += grad_logits.float().sum(0)
-        grad_weight = None
-        if want_weight and main is None:
-            grad_weight = weight_sum.to(weight.dtype)  # the fp32 sum, rounded once
+        grad_weight = weight_sum if want_weight and main is None else None
         grad_bias = bias_sum.to(bias.dtype) if want_bias else None
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
