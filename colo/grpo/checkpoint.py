@@ -354,15 +354,15 @@ class Checkpointer:
             try:
                 with self.timeline.span("save_model"):
                     if self.adapter is not None:
-                        hf_format.write_adapter_dir(model_state, self.config.lora_spec, self.model_dir, directory, dtype,
-                                                 merge=self.config.merge_lora)
+                        hf_format.write_adapter_dir(model_state, self.config.lora_spec, self.model_dir, directory,
+                                                    dtype, merge=self.config.merge_lora)
                     else:
                         names = self._trainable_names()
                         found = hf_format.master_weights(masters, names, {n: model_state[n].shape for n in names}) \
                             if masters is not None else None
                         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
                         hf_format.write_model(hf_format.weights_to_save(model_state, found, tied), self.model_dir,
-                                           directory, dtype)
+                                              directory, dtype)
             except (OSError, ValueError, RuntimeError) as e:
                 error = f"{type(e).__name__}: {e}"
         if distributed.sum_floats([1.0 if error else 0.0], self.world)[0]:
@@ -371,17 +371,18 @@ class Checkpointer:
         return Path(directory) if self.world.is_main else None
 
     def _masters(self):
-        """What colo.grpo.hf_format.master_weights reads: the fp32 masters (every rank's shard with ZeRO-1,
-        gathered on rank 0); None where there are none (fp32 training) or they stay sharded per
-        tensor-parallel rank, and for an adapter (saved in its own dtype)."""
+        """What colo.grpo.hf_format.master_weights reads, on rank 0: the fp32 masters (every rank's shard
+        with ZeRO-1, gathered); None where there are none (fp32 training) or they stay sharded per
+        tensor-parallel rank, for an adapter (saved from its slot's values), and off rank 0."""
         if self.adapter is not None or self.tp is not None:
             return None
-        if self.memory.shard is not None:
+        if self.memory.shard is not None:  # collective: every rank sends its shard
             with self._optimizer_region_awake():
                 mine = self.optimizer.state_dict()
-            return distributed.gather_objects({"ranges": mine["ranges"], "master_weights": mine["master_weights"]}, self.world)
+            return distributed.gather_objects({"ranges": mine["ranges"], "master_weights": mine["master_weights"]},
+                                              self.world)
         flat = getattr(self.optimizer, "master_flat", None)
-        if flat is None:
+        if flat is None or not self.world.is_main:
             return None
         with self._optimizer_region_awake():
             return {"master_weights": flat.detach().to("cpu", copy=True)}
