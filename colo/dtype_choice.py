@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import torch
 
 NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+# The dtype names colo takes from users (colo.trl's colo_engine_dtype, colo.grpo's --save-dtype).
+BY_NAME = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
 
 # oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) below AVX512_CORE_BF16: bf16 matmuls are emulated under them.
 _ONEDNN_CAPS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}

@@ -255,10 +255,6 @@ def _say_fp32_in_config(directory) -> None:
         path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-_ENGINE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-                  "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
-
-
 def autocast_warning(args, device) -> str | None:
     """What bf16=True (TRL's default: training under bf16 autocast) costs where the CPU has no bf16
     instructions, measured here, and the fix; None where it does not apply. Said once per process."""
@@ -281,16 +277,16 @@ _WARNED: set[str] = set()
 def choose_engine_dtype(model, args, asked=None, device="cpu") -> tuple[torch.dtype, bool, str]:
     """(engine dtype, whether TRL's optimizer steps fp32 masters of bf16 weights, why), for a trainer
     whose model is `model` and whose TRL config is `args`; `asked`: colo_engine_dtype."""
-    from .dtype_choice import fastest_dtype
+    from .dtype_choice import BY_NAME, fastest_dtype
 
     trained = next(model.parameters()).dtype
     # With PEFT the base is frozen in the engine's dtype and only the adapter has masters.
     with_masters = ("; the base frozen, PEFT's adapter in vLLM's LoRA slot with fp32 masters in TRL's optimizer"
                     if _is_peft(model) else "; fp32 masters in TRL's optimizer")
     if asked is not None:
-        asked = _ENGINE_DTYPES.get(asked, asked) if isinstance(asked, str) else asked
-        if asked not in _ENGINE_DTYPES.values():
-            raise ValueError(f"colo_engine_dtype must be one of {sorted(_ENGINE_DTYPES)} or the torch dtype, "
+        asked = BY_NAME.get(asked, asked) if isinstance(asked, str) else asked
+        if asked not in BY_NAME.values():
+            raise ValueError(f"colo_engine_dtype must be one of {sorted(BY_NAME)} or the torch dtype, "
                              f"got {asked!r}")
         masters = asked in (torch.bfloat16, torch.float16) and trained == torch.float32
         return asked, masters, "colo_engine_dtype" + (with_masters if masters else "")

@@ -360,8 +360,7 @@ class Checkpointer:
                         names = self._trainable_names()
                         found = hf_format.master_weights(masters, names, {n: model_state[n].shape for n in names}) \
                             if masters is not None else None
-                        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
-                        hf_format.write_model(hf_format.weights_to_save(model_state, found, tied), self.model_dir,
+                        hf_format.write_model(hf_format.weights_to_save(model_state, found), self.model_dir,
                                               directory, dtype)
             except (OSError, ValueError, RuntimeError) as e:
                 error = f"{type(e).__name__}: {e}"

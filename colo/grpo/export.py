@@ -10,7 +10,6 @@ Exit status: 0 written, 2 bad arguments or a file that is not a colo.grpo checkp
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -45,8 +44,7 @@ def export_checkpoint(checkpoint: str | Path, directory: str | Path, dtype: torc
     if tensor_parallel_size(state) == 1:
         names, shapes = _trainable_names(state, base)
         masters = master_weights(optimizer, names, shapes)
-    tied = bool(json.loads((base / "config.json").read_text()).get("tie_word_embeddings", False))
-    return write_model(weights_to_save(state["model"], masters, tied), base, Path(directory), dtype)
+    return write_model(weights_to_save(state["model"], masters), base, Path(directory), dtype)
 
 
 def _trainable_names(state: dict, base: Path) -> tuple[list[str], dict]:

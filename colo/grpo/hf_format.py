@@ -28,11 +28,10 @@ from pathlib import Path
 
 import torch
 
+from ..dtype_choice import BY_NAME
 from ..errors import CheckpointError
 from ..files import staged_directory
 
-TORCH_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-                "fp32": torch.float32, "float32": torch.float32}
 FINAL = "final"
 
 
@@ -41,7 +40,7 @@ def save_dtype(name: str | None) -> torch.dtype | None:
     if name is None:
         return None
     try:
-        return TORCH_DTYPES[str(name).lower()]
+        return BY_NAME[str(name).lower()]
     except KeyError:
         raise ValueError(f"--save-dtype: {name!r} is not a dtype colo saves in; one of bf16, fp16, fp32") from None
 
@@ -54,7 +53,7 @@ def base_dtype(model_dir: Path) -> torch.dtype:
     """The dtype config.json names (`dtype`, or `torch_dtype` before transformers 5); fp32 if none."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return TORCH_DTYPES.get(str(name).replace("torch.", ""), torch.float32)
+    return BY_NAME.get(str(name).replace("torch.", ""), torch.float32)
 
 
 # -- what is saved ---------------------------------------------------------------------------------
@@ -88,13 +87,10 @@ def master_weights(optimizer_state, names: list[str], shapes: dict[str, torch.Si
     return out
 
 
-def weights_to_save(model_state: dict, masters: dict | None, tied: bool) -> dict:
-    """The model's state with each trainable weight replaced by its fp32 master where there is one."""
-    state = dict(model_state)
-    state.update(masters or {})
-    if tied:  # one tensor under two names: the embedding's master stands for the head too
-        state.pop("lm_head.weight", None)
-    return state
+def weights_to_save(model_state: dict, masters: dict | None) -> dict:
+    """The model's state with each trainable weight replaced by its fp32 master where there is one (a
+    tied head has none of its own: write_model ties it to the embedding's)."""
+    return {**model_state, **(masters or {})}
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -143,15 +139,14 @@ def merged_lora_state(base_dir: Path, adapter_state: dict, spec) -> dict:
     """The base model's weights (fp32) with W += alpha/r * B @ A for every adapted layer."""
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    state = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    state = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).state_dict()
     for name in sorted(n[:-len(".lora_A")] for n in adapter_state if n.endswith(".lora_A")):
         a = adapter_state[f"{name}.lora_A"].float()
         b = adapter_state[f"{name}.lora_B"].float()  # already scale x PEFT's B (the slot's units)
         key = f"{name}.weight"
         if key not in state:
             raise CheckpointError(f"the adapter adapts {name}, which the model at {base_dir} does not have")
-        state[key] += b @ a
+        state[key].add_(b @ a)
     return state
 
 

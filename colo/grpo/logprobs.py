@@ -75,7 +75,8 @@ def completion_logprobs_chunked(model, input_ids, attention_mask, position_ids, 
 class ChunkedHead(torch.autograd.Function):
     """log p(target) under softmax(head(hidden) / temperature), `chunk_tokens` rows at a time, for
     hidden (N, H), weight (V, H), bias (V) or None, targets (N); backward recomputes each chunk's
-    logits and sums the weight's gradient over the chunks in fp32 (see the module docstring)."""
+    logits and sums the weight's gradient over the chunks: in fp32 into the weight's main_grad where it
+    has one, else in its dtype (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_tokens: int):
