@@ -38,8 +38,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,7 +46,7 @@ import torch.nn.functional as F
 
 from . import vllm_compat as compat
 from .files import staged_directory
-from .shared import EngineViews, PublishReport
+from .shared import EngineViews, Placed
 from .regions import WEIGHTS
 
 # Every linear layer of a Llama/Qwen2 decoder layer (PEFT's "all-linear" for these models).
@@ -120,21 +119,32 @@ class _Layer:
                                    # (None: the whole, a KV head that all ranks share)
 
 
-@dataclass
 class SharedAdapter(EngineViews):
-    """The trainer's adapter, a view of the engine's adapter slot; see the module docstring."""
-    spec: LoraSpec
-    llm: object
-    request: object                           # the vllm LoRARequest to generate with
-    slot: int
-    layers: dict[str, _Layer]                 # Hugging Face module name -> its adapter
-    enabled: bool = True
-    tp: object = None                         # colo.tensor_parallel.TensorParallelModel, with tensor parallelism
-    publish_count: int = 0
-    _watched: list = field(default_factory=list, repr=False)   # [(name, parameter, data_ptr)]: EngineViews.watch
+    """The trainer's adapter, a view of the engine's adapter slot; see the module docstring.
 
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return [p for layer in self.layers.values() for p in (layer.lora_a, layer.lora_b)]
+    request: the vllm LoRARequest to generate with; slot: the engine's slot index; layers: {Hugging
+    Face module name: its adapter}; tp: this rank's colo.tensor_parallel.TensorParallelModel, with tensor
+    parallelism (the forward, the gradient norm and gathering go through its group)."""
+
+    def __init__(self, spec: LoraSpec, llm, hf_model, request, slot: int, *, tp=None):
+        super().__init__(llm, hf_model, shared_by="colo.lora.share_adapter", group=tp.group if tp else None,
+                         rank=tp.rank if tp else 0)
+        self.spec, self.request, self.slot, self.tp = spec, request, slot, tp
+        self.layers: dict[str, _Layer] = {}
+        self.enabled = True
+
+    def watch_layers(self) -> None:
+        """Watch the adapter's parameters as they are now: `{module}.lora_A` / `.lora_B`, whole, or with
+        tensor parallelism the part of the split one this rank holds."""
+        layout = {}
+        for name, layer in self.layers.items():
+            for which, param in (("A", layer.lora_a), ("B", layer.lora_b)):
+                if layer.piece is not None and layer.split == which:
+                    dim, ranges, shape = layer.piece
+                    layout[f"{name}.lora_{which}"] = Placed(param, tuple(shape), dim, tuple(map(tuple, ranges)))
+                else:
+                    layout[f"{name}.lora_{which}"] = Placed(param, tuple(param.shape))
+        self.watch(layout)
 
     def scales(self) -> dict[torch.nn.Parameter, float]:
         """Engine units per PEFT unit of each parameter (A: 1, B: alpha/rank), for the master optimizer."""
@@ -145,14 +155,45 @@ class SharedAdapter(EngineViews):
     def numel(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def publish(self) -> PublishReport:
-        """Make the engine serve the adapter the optimizer just wrote: nothing to copy (the engine
-        reads the slot the trainer wrote); checks the slot still belongs to this adapter and forgets
-        vLLM's cached prefixes (their KV was computed with the old adapter)."""
-        started = time.perf_counter()
-        self._check_still_shared()
+    # -- the contract's hooks: the base model's, with the adapter on top -----------------------------
+    @property
+    def trainer_model(self):
+        return self.tp.trainer_model if self.tp is not None else self.hf_model
+
+    def grad_norm(self, params: list, grads: list) -> float:
+        return self.tp.grad_norm(params, grads) if self.tp is not None else super().grad_norm(params, grads)
+
+    def norm_weights(self, params: list) -> dict[int, float]:
+        return self.tp.norm_weights(params) if self.tp is not None else {}
+
+    @property
+    def collective_count(self) -> int:
+        return self.tp.collective_count if self.tp is not None else 0
+
+    def reference(self):
+        """The frozen base: the same model with its adapter off, at no memory cost."""
+        return self.base_model(self.hf_model)
+
+    def master_names(self) -> None:
+        return None  # saved from the slot's values, in PEFT's format
+
+    def write_pretrained(self, directory, state: dict, *, base_dir, dtype=None, masters=None, merge: bool = False):
+        """A PEFT adapter directory with the tokenizer (colo.hf_format.write_adapter_dir); merge: also
+        `merged/`, the base with the adapter merged."""
+        from .hf_format import write_adapter_dir
+
+        return write_adapter_dir(state, self.spec, base_dir, directory, dtype, merge=merge)
+
+    def _check_served(self) -> None:
+        if compat.adapter_slot(self.llm, ADAPTER_ID) != self.slot:
+            raise RuntimeError(f"vLLM no longer serves colo's adapter from slot {self.slot} (it was removed or "
+                               "evicted); the trained adapter is in the trainer's optimizer masters")
+
+    def _publish_copies(self) -> dict:
+        # Nothing to copy: the engine reads the slot the optimizer wrote (with an adapter the base never
+        # changes: nothing of it to publish, or repack on a CPU).
         nbytes = sum(p.nbytes for p in self.parameters())
-        return self.finish_publish(started, aliased_bytes=nbytes, adapter_bytes=nbytes)
+        return dict(aliased_bytes=nbytes, adapter_bytes=nbytes)
 
     def reshare(self) -> int:
         """Put moved parameters back into the slot (their current values, then views again); returns
@@ -160,8 +201,9 @@ class SharedAdapter(EngineViews):
         written = 0
         views = self._views()
         with torch.no_grad():
-            for (name, p, ptr), view in zip(self._watched, views):
-                if p.data_ptr() != ptr:
+            for placed, view in zip(self.layout.values(), views):
+                p = placed.param
+                if p.data_ptr() != self._addresses[id(p)]:
                     view.copy_(p.data)
                     p.data = view
                     written += view.nbytes
@@ -170,12 +212,6 @@ class SharedAdapter(EngineViews):
     def _views(self) -> list[torch.Tensor]:
         by_name = {s.hf_module: s for s in compat.adapter_slices(self.llm, self.slot, self.spec.rank)}
         return [t for name in self.layers for t in (by_name[name].lora_a, by_name[name].lora_b)]
-
-    def _check_still_shared(self) -> None:
-        if compat.adapter_slot(self.llm, ADAPTER_ID) != self.slot:
-            raise RuntimeError(f"vLLM no longer serves colo's adapter from slot {self.slot} (it was removed or "
-                               "evicted); the trained adapter is in the trainer's optimizer masters")
-        self.check_not_moved("colo.lora.share_adapter")
 
     @contextlib.contextmanager
     def disabled(self):
@@ -204,41 +240,6 @@ class SharedAdapter(EngineViews):
                 layer.module.register_parameter("lora_B", layer.lora_b)
 
     # -- PEFT's format ------------------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """{"<module>.lora_A" / ".lora_B": the whole tensor}, in the slot's units (B is scale x PEFT's):
-        the trainer's parameters' names (a checkpoint's). With tensor parallelism each split piece is
-        gathered on the group's first rank, which gets the dict (None on the others; a collective)."""
-        first = self.tp is None or self.tp.rank == 0
-        state = {} if first else None
-        for name, p in _named(self.layers):
-            layer, which = self.layers[name.rpartition(".")[0]], name[-1]
-            value = p.detach()
-            if layer.piece and layer.split == which:
-                dim, ranges, shape = layer.piece
-                value = self.tp.gather_whole(value, dim, ranges, shape)
-            if first:
-                state[name] = value.clone()
-        return state
-
-    @torch.no_grad()
-    def load_full_state_dict(self, state: dict) -> None:
-        """Write a full_state_dict (whole tensors) into the slot, this rank's parts with tensor
-        parallelism; every name and shape is checked before anything is written."""
-        named = dict(_named(self.layers))
-        missing = [n for n in named if n not in state]
-        if missing:
-            raise ValueError(f"the state has no {missing[0]} (it must hold the whole adapter)")
-        parts = {}
-        for name, p in named.items():
-            layer, value = self.layers[name.rpartition(".")[0]], state[name]
-            split = layer.piece is not None and layer.split == name[-1]
-            shape = tuple(layer.piece[2]) if split else tuple(p.shape)
-            if tuple(value.shape) != shape:
-                raise ValueError(f"{name}: the state's is {tuple(value.shape)}, this adapter's is {shape}")
-            parts[name] = _rank_part(value, layer.piece, self.tp.rank) if split else value
-        for name, p in named.items():
-            p.copy_(parts[name])
-
     def peft_state_dict(self, full: dict | None = None) -> dict[str, torch.Tensor] | None:
         """The adapter as PEFT names and scales it (B divided by alpha/rank), in the adapter's dtype, from
         `full` (a full_state_dict) or gathered now (with tensor parallelism: None off the first rank)."""
@@ -281,7 +282,7 @@ class SharedAdapter(EngineViews):
             for p, v in zip(self.parameters(), values):
                 p.copy_(v)
         self.llm, self.slot = llm, compat.adapter_slot(llm, ADAPTER_ID)
-        self.watch(_named(self.layers))
+        self.watch_layers()
 
 
 def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0, tp=None) -> SharedAdapter:
@@ -306,7 +307,7 @@ def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0, tp=N
     if any(hasattr(m, "lora_A") for m in modules.values()):
         raise ValueError("this model already has LoRA adapters (lora_A parameters)")
     # The whole (out, in) of each layer: the engine reads this adapter from disk and takes its rank's parts.
-    shapes = {name: tuple(tp.layout[f"{name}.weight"][2]) if tp is not None else (m.out_features, m.in_features)
+    shapes = {name: tp.layout[f"{name}.weight"].shape if tp is not None else (m.out_features, m.in_features)
               for name, m in modules.items()}
     directory = Path(workdir) / "colo-adapter-slot"
     zero = {}
@@ -318,7 +319,7 @@ def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0, tp=N
     slices = _activate(llm, spec, modules, request)
     for p in hf_model.parameters():
         p.requires_grad_(False)
-    adapter = SharedAdapter(spec, llm, request, compat.adapter_slot(llm, ADAPTER_ID), {}, tp=tp)
+    adapter = SharedAdapter(spec, llm, hf_model, request, compat.adapter_slot(llm, ADAPTER_ID), tp=tp)
     generator = torch.Generator().manual_seed(seed)
     for name, module in modules.items():
         a_view, b_view, piece = slices[name].lora_a, slices[name].lora_b, None
@@ -342,7 +343,7 @@ def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0, tp=N
         tp.add_replicated([layer.lora_a if layer.split == "B" else layer.lora_b for layer in layers],
                           kv=[layer.lora_b for name, layer in adapter.layers.items()
                               if name.rpartition(".")[2] in ("k_proj", "v_proj")])
-    adapter.watch(_named(adapter.layers))
+    adapter.watch_layers()
     return adapter
 
 
@@ -357,14 +358,15 @@ def _piece(tp, name: str, split: str, rank: int) -> tuple | None:
     """(dim, every rank's (start, stop), whole shape) of this rank's part of a layer's A or B: the rows of
     B / columns of A that its base weight's shard has (vLLM slices both alike); None when that is the
     whole (a KV head every rank holds)."""
-    _, shard, (out_features, in_features) = tp.layout[f"{name}.weight"]
+    weight = tp.layout[f"{name}.weight"]
+    out_features, in_features = weight.shape
     dim = 0 if split == "B" else 1
-    if shard is None and name.endswith(("k_proj", "v_proj")) and tp.kv_replicas == tp.size:
+    if weight.ranges is None and name.endswith(("k_proj", "v_proj")) and tp.kv_replicas == tp.size:
         return None
-    if shard is None or shard[0] != dim:
-        raise RuntimeError(f"colo misread the engine's layout: {name}'s adapter is split ({split}) but its weight's "
-                           f"shard is {shard}")
-    return dim, tp.shards[f"{name}.weight"], (out_features, rank) if split == "B" else (rank, in_features)
+    if weight.ranges is None or weight.dim != dim:
+        raise RuntimeError(f"colo misread the engine's layout: {name}'s adapter is split ({split}) but its weight "
+                           f"is {'whole' if weight.ranges is None else f'split along {weight.dim}'}")
+    return dim, list(weight.ranges), (out_features, rank) if split == "B" else (rank, in_features)
 
 
 def _activate(llm, spec: LoraSpec, modules, request) -> dict[str, compat.AdapterSlice]:
@@ -402,12 +404,6 @@ class _WithoutAdapter:
         parts one by one (colo.grpo.logprobs: the decoder, then the head in chunks)."""
         with self.adapter.disabled():
             yield self.model
-
-
-def _named(layers: dict[str, _Layer]):
-    for name, layer in layers.items():
-        yield f"{name}.lora_A", layer.lora_a
-        yield f"{name}.lora_B", layer.lora_b
 
 
 def _adapter_forward(adapter: SharedAdapter, dropout: float):
@@ -558,7 +554,7 @@ def share_peft_adapter(peft_model, llm, workdir, adapter_name: str = "default") 
     write_adapter(directory, spec, zero)
     request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(directory))
     slices = _activate(llm, spec, layers, request)
-    adapter = SharedAdapter(spec, llm, request, compat.adapter_slot(llm, ADAPTER_ID), {})
+    adapter = SharedAdapter(spec, llm, peft_model, request, compat.adapter_slot(llm, ADAPTER_ID))
     masters = {}
     for name, module in layers.items():
         a_view, b_view = slices[name].lora_a, slices[name].lora_b
@@ -573,6 +569,6 @@ def share_peft_adapter(peft_model, llm, workdir, adapter_name: str = "default") 
         layer = _Layer(module, lora_a, lora_b, scale)
         layer.hook = lora_b.register_hook(lambda grad, s=scale: grad * s)
         adapter.layers[name] = layer
-    adapter.watch(_named(adapter.layers))
+    adapter.watch_layers()
     compat.serve_adapter_by_default(llm, request)
     return adapter, masters

@@ -1,27 +1,39 @@
-"""The contract of a trainer model whose tensors are the engine's.
+"""The engine-view contract: a trainer model whose tensors are the in-process engine's.
 
-Three kinds implement it: `colo.weights.SharedWeights` (the whole model, one copy), the tensor-parallel
+Three kinds implement it: `colo.weights.SharedWeights` (the whole model, one copy),
 `colo.tensor_parallel.TensorParallelModel` (this rank's shards) and `colo.lora.SharedAdapter` (an
-adapter in the engine's LoRA slot). What they share lives here:
+adapter in the engine's LoRA slot). Whoever trains (colo.grpo's scheduler, its checkpointer, colo.trl)
+holds one `EngineViews` and never asks which kind it is:
 
-- the parameters are views of engine tensors, watched by address: one given new storage (model.to(),
-  .half(), assigning .data) no longer reaches the engine, and publish() refuses rather than serve stale
-  weights (`moved_parameters`);
-- publish() makes the engine serve what the optimizer wrote: CPU kernels' packed copies are refreshed
-  in place, vLLM's prefix cache (KV of the old weights) is forgotten, the publish is counted, and the
-  result is a `PublishReport` with the same fields for every kind;
-- helpers to build a Hugging Face model on the meta device whose parameters are then pointed at engine
-  tensors (`materialize_buffers`).
+    views.parameters()                  what the optimizer steps
+    views.publish() -> PublishReport    the engine serves what the optimizer wrote
+    views.full_state_dict(values=None)  the whole weights (or adapter): Hugging Face names and shapes,
+                                        gathered on the first rank of a tensor-parallel group
+    views.load_full_state_dict(state)   whole tensors into this rank's views, every name and shape checked first
+    views.trainer_model                 what forward runs on (colo.grpo.batch.completion_logprobs takes it)
+    views.grad_norm(params, grads)      the whole model's gradient norm (shards summed, replicas once)
 
-What differs (what is shared, copying or casting what is not, state dicts, loading) stays with each kind.
+As in RMM's resources, these public methods are written once, here; a kind implements only the hooks
+where it differs (`_publish_copies`, `_check_served`, `grad_norm`, ...). Its state is declared here
+once, and `watch()` is the only way it comes in: the layout ({Hugging Face name: `Placed`}) says
+which parameter holds each whole tensor, or which part of it on this rank, and the addresses are
+remembered so that a parameter given new storage (model.to(), .half(), assigning .data), which no
+longer reaches the engine, makes publish() refuse rather than serve stale weights.
+
+The helpers all kinds build with are here too: the architectures colo can share, the Hugging Face
+model built on the meta device, the view of a piece of an engine tensor, the errors for a model that
+does not fit the engine (one wording for every kind), and gathering a tensor-parallel tensor whole.
 """
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -51,37 +63,243 @@ class PublishReport(Mapping):
         return tuple(f.name for f in fields(cls))
 
 
+@dataclass(frozen=True)
+class Placed:
+    """Where one whole Hugging Face tensor lives on this rank: `param` holds all of it (ranges None) or
+    the part ranges[rank] along `dim`, ranges listing every rank's (start, stop) in rank order."""
+    param: torch.nn.Parameter
+    shape: tuple[int, ...]                       # the whole tensor's
+    dim: int = 0
+    ranges: tuple[tuple[int, int], ...] | None = None
+
+
 class EngineViews:
-    """Base of the kinds above. Subclasses set `llm`, call `watch(named parameters)` once their
-    parameters are views, list in `_repack` the CPU linears whose packed copies go stale, and end
-    publish() with `finish_publish(started, ...)`."""
+    """The base of every kind; see the module docstring. A kind calls `watch()` once its parameters
+    are views of the engine's tensors (and again after re-pointing them at a rebuilt engine).
 
-    llm: object
-    publish_count: int = 0
-    _watched: list          # [(name, parameter, data_ptr)]
-    _repack: list           # colo.vllm_compat.CpuLinear whose packed copy the trainer's updates make stale
+    llm: the engine; hf_model: the Hugging Face module the trainer runs; shared_by: the call that
+    made them (named in errors); repack: CPU linears whose packed copy the trainer's updates make stale
+    (colo.vllm_compat.CpuLinear); group, rank: the tensor-parallel group and this rank in it (None, 0:
+    no tensor parallelism)."""
 
-    def watch(self, named_parameters) -> None:
-        self._watched = [(name, p, p.data_ptr()) for name, p in named_parameters]
+    def __init__(self, llm, hf_model, *, shared_by: str, repack=(), group=None, rank: int = 0):
+        self.llm, self.hf_model, self.shared_by = llm, hf_model, shared_by
+        self.group, self.rank = group, rank
+        self.publish_count = 0
+        self._repack = list(repack)
+        self.layout: dict[str, Placed] = {}
+        self._addresses: dict[int, int] = {}     # id(parameter) -> its data_ptr when watched
+
+    def watch(self, layout: dict[str, Placed]) -> None:
+        """Take `layout` as this view's parameters, and remember where their storage is now."""
+        self.layout = dict(layout)
+        self._addresses = {id(p.param): p.param.data_ptr() for p in self.layout.values()}
+
+    # -- the contract: the same for every kind -----------------------------------------------------
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters, each once (a tied head is the embedding's), in layout order."""
+        return [p for _, p in self.named_parameters()]
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        seen, named = set(), []
+        for name, placed in self.layout.items():
+            if id(placed.param) not in seen and placed.param.requires_grad:
+                seen.add(id(placed.param))
+                named.append((name, placed.param))
+        return named
 
     def moved_parameters(self) -> list[str]:
         """Names of the parameters given new storage since they were shared: the engine no longer sees them."""
-        return [name for name, p, ptr in self._watched if p.data_ptr() != ptr]
+        return [name for name, placed in self.layout.items()
+                if placed.param.data_ptr() != self._addresses[id(placed.param)]]
 
-    def check_not_moved(self, shared_by: str) -> None:
-        moved = self.moved_parameters()
-        if moved:
-            raise RuntimeError(f"{moved[0]} was given new storage after {shared_by} (e.g. model.to(), .half(), or "
-                               f"assigning param.data); the engine no longer sees it. Call {shared_by} again.")
-
-    def finish_publish(self, started: float, **report) -> PublishReport:
-        """The end of every publish(): packed CPU copies refreshed, stale prefixes forgotten, counted."""
+    def publish(self) -> PublishReport:
+        """Make the engine serve what the optimizer wrote: what cannot alias is copied (the kind's
+        `_publish_copies`), CPU kernels' packed copies are refreshed in place, vLLM's prefix cache (KV of
+        the old weights) is forgotten, and the publish is counted."""
         from .engine import reset_prefix_cache
 
-        repacked = sum(linear.repack() for linear in getattr(self, "_repack", ()))
+        started = time.perf_counter()
+        self._check_served()
+        moved = self.moved_parameters()
+        if moved:
+            raise RuntimeError(f"{moved[0]} was given new storage after {self.shared_by} (e.g. model.to(), .half(), "
+                               f"or assigning param.data); the engine no longer sees it. Call {self.shared_by} again.")
+        report = self._publish_copies()
+        repacked = sum(linear.repack() for linear in self._repack)
         reset_prefix_cache(self.llm)
         self.publish_count += 1
         return PublishReport(bytes_repacked=repacked, seconds=time.perf_counter() - started, **report)
+
+    def full_state_dict(self, values: dict | None = None) -> dict[str, torch.Tensor] | None:
+        """{Hugging Face name: the whole tensor} (what save_pretrained or a checkpoint holds), on the
+        first rank of a tensor-parallel group, None on the others (a collective there). Tensors this rank
+        holds whole are returned as they are, not copied; a tied head is the embedding's tensor.
+        values: {parameter: tensor to give instead}, e.g. fp32 masters."""
+        first = self.rank == 0
+        state, done = ({} if first else None), {}
+        for name, placed in self.layout.items():
+            if id(placed.param) not in done:
+                local = (values or {}).get(placed.param, placed.param).detach()
+                if placed.ranges is None:
+                    done[id(placed.param)] = local if first else None
+                else:
+                    done[id(placed.param)] = gather_whole(local, placed, self.group, first)
+            if first:
+                state[name] = done[id(placed.param)]
+        return state
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict) -> None:
+        """Write whole tensors (full_state_dict's names and shapes, from a run of any tensor-parallel
+        size) into this rank's views, in place; everything is checked before anything is written. The
+        engine serves them after publish(); optimizer masters are the caller's to refresh."""
+        given = {id(self.layout[name].param) for name in state if name in self.layout}
+        # A tied head is the embedding's parameter: a state that names only one of them (as
+        # save_pretrained writes a tied model) holds it all the same.
+        missing = [name for name, placed in self.layout.items() if name not in state and id(placed.param) not in given]
+        unexpected = [name for name in state if name not in self.layout]
+        if missing or unexpected:
+            raise ValueError(f"the state is not one of this model: missing {missing[:3]}, unexpected {unexpected[:3]} "
+                             f"(it must hold every tensor of {self.shared_by}'s model, whole)")
+        present = [(name, placed) for name, placed in self.layout.items() if name in state]
+        for name, placed in present:
+            if tuple(state[name].shape) != tuple(placed.shape):
+                raise ValueError(f"{name}: the state's is {tuple(state[name].shape)}, this model's is {tuple(placed.shape)}")
+        for name, placed in present:
+            placed.param.copy_(rank_part(state[name], placed, self.rank))
+
+    # -- what the trainer needs, with defaults for a model held whole on this rank -----------------
+    @property
+    def trainer_model(self):
+        """What forward runs on: a Hugging Face model, or an object with completion_logprobs()
+        (colo.grpo.batch.completion_logprobs takes either)."""
+        return self.hf_model
+
+    def scales(self) -> dict | None:
+        """{parameter: engine units per optimizer unit} where the two differ (a LoRA B in vLLM's slot);
+        None: the optimizer steps what the engine holds."""
+        return None
+
+    def grad_norm(self, params: list, grads: list) -> float:
+        """The L2 norm of the whole model's gradient, `grads[i]` being params[i]'s."""
+        if not grads:
+            return 0.0
+        norms = torch._foreach_norm([g.detach() for g in grads])
+        return float(torch.linalg.vector_norm(torch.stack([n.double() for n in norms])))
+
+    def norm_weights(self, params: list) -> dict[int, float]:
+        """{index in params: w} such that summing w x each squared gradient over the group's ranks gives
+        the whole model's (for colo.ShardedMasterWeightOptimizer.clip_grad_norm_); {}: every weight 1."""
+        return {}
+
+    @property
+    def collective_count(self) -> int:
+        """Collectives this view has issued so far (forward and backward): 0 without tensor parallelism."""
+        return 0
+
+    def reference(self):
+        """The frozen policy a KL term compares with, at the cheapest: here a frozen copy of the model."""
+        reference = copy.deepcopy(self.hf_model).eval()
+        for p in reference.parameters():
+            p.requires_grad_(False)
+        return reference
+
+    def master_names(self) -> list[str] | None:
+        """The names of the parameters in optimizer order, where the optimizer's fp32 masters of them are
+        whole tensors a saved model may be written from (None: they are not, and the model is saved as
+        served)."""
+        return [name for name, _ in self.named_parameters()]
+
+    def write_pretrained(self, directory, state: dict, *, base_dir, dtype=None, masters: dict | None = None,
+                         merge: bool = False):
+        """A Hugging Face model directory of full_state_dict() `state`, each weight replaced by its fp32
+        master where `masters` has one, in `dtype` (colo.hf_format)."""
+        from .hf_format import weights_to_save, write_model
+
+        return write_model(weights_to_save(state, masters), base_dir, directory, dtype)
+
+    # -- hooks of the kinds ------------------------------------------------------------------------
+    def _check_served(self) -> None:
+        """Raise if the engine no longer serves these views (before anything is published)."""
+
+    def _publish_copies(self) -> dict:
+        """Order the trainer's work before the engine's and copy what does not alias; returns the
+        PublishReport fields it sets (aliased_bytes at least)."""
+        raise NotImplementedError
+
+
+# -- helpers the kinds share ----------------------------------------------------------------------
+
+def check_architecture(arch: str) -> None:
+    """Raise NotImplementedError naming `arch` unless colo can share its weights with vLLM."""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise NotImplementedError(f"colo.share_weights does not support the architecture {arch} (supported: "
+                                  f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+
+
+def meta_model(config, dtype: torch.dtype):
+    """A Hugging Face causal LM of `config` on the meta device (no memory), its architecture checked,
+    whose parameters are then pointed at engine tensors."""
+    from transformers import AutoModelForCausalLM
+
+    for arch in getattr(config, "architectures", None) or ():
+        check_architecture(arch)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def piece_view(tensor, piece) -> torch.Tensor:
+    """The rows of an engine tensor (colo.vllm_compat.EngineTensor) that one Hugging Face parameter fills."""
+    view = tensor.param.detach()
+    return view[piece.rows[0]:piece.rows[1]] if tensor.shape else view
+
+
+def no_parameter_for(name: str, engine_tensor: str, shape) -> ValueError:
+    return ValueError(f"{name}: the engine has {engine_tensor} {tuple(shape)} but the Hugging Face model has no such "
+                      "parameter")
+
+
+def no_place_for(name: str, shape) -> ValueError:
+    return ValueError(f"{name}: the Hugging Face model has this parameter {tuple(shape)} but the engine has no place "
+                      "for it (different architecture, layer count or tie_word_embeddings?)")
+
+
+def shape_mismatch(name: str, model_shape, engine_shape, engine_tensor: str) -> ValueError:
+    return ValueError(f"{name}: shape {tuple(model_shape)} in the Hugging Face model, the engine expects "
+                      f"{tuple(engine_shape)} (for {engine_tensor})")
+
+
+def rank_part(whole: torch.Tensor, placed: Placed, rank: int) -> torch.Tensor:
+    """This rank's part of a whole tensor placed as `placed` says (the whole where it is not split)."""
+    if placed.ranges is None:
+        return whole
+    start, stop = placed.ranges[rank]
+    return whole.narrow(placed.dim, start, stop - start)
+
+
+def gather_whole(local: torch.Tensor, placed: Placed, group, first: bool) -> torch.Tensor | None:
+    """The whole tensor whose part ranges[r] rank r of `group` holds (`local` here), on the group's first
+    rank; None on the others (a collective: torch.distributed.gather takes equal shapes, so each part is
+    padded along `dim` to the longest)."""
+    import torch.distributed as dist
+
+    dim, ranges = placed.dim, placed.ranges
+    longest = max(end - begin for begin, end in ranges)
+    padded = local
+    if local.shape[dim] < longest:
+        shape = list(local.shape)
+        shape[dim] = longest - local.shape[dim]
+        padded = torch.cat([local, local.new_zeros(shape)], dim)
+    padded = padded.contiguous()
+    pieces = [torch.empty_like(padded) for _ in ranges] if first else None
+    dist.gather(padded, pieces, dst=dist.get_global_rank(group, 0), group=group)
+    if not first:
+        return None
+    whole = local.new_empty(placed.shape)
+    for (begin, end), piece in zip(ranges, pieces):
+        whole.narrow(dim, begin, end - begin).copy_(piece.narrow(dim, 0, end - begin))
+    return whole
 
 
 def materialize_buffers(hf_model, device) -> None:

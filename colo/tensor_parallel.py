@@ -35,13 +35,12 @@ produces it (before any optimizer's hook sees it), and counted once in the norm.
 (colo.lora.share_adapter with tp=) trains on top of the shards; its pieces that several ranks hold
 the same join them through `add_replicated`. Refused with NotImplementedError before anything
 changes: biases of row-parallel layers (vLLM adds them on rank 0 only), architectures other than
-colo.weights.SUPPORTED_ARCHITECTURES.
+colo.shared.SUPPORTED_ARCHITECTURES.
 """
 from __future__ import annotations
 
 import copy
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,8 +48,7 @@ import torch.nn.functional as F
 
 from . import vllm_compat as compat
 from .clipping import clip_
-from .shared import EngineViews, PublishReport, materialize_buffers
-from .weights import check_architecture
+from .shared import EngineViews, Placed, materialize_buffers, meta_model, no_parameter_for, no_place_for, shape_mismatch
 
 
 ROW_PARALLEL_BIASES = ("o_proj.bias", "down_proj.bias")
@@ -131,30 +129,32 @@ def vocab_parallel_logprobs(local_logits: torch.Tensor, targets: torch.Tensor, s
     return _ReduceFromGroup.apply(picked, group, counts) - sum_exp.log()
 
 
-@dataclass
 class TensorParallelModel(EngineViews):
     """This rank's trainer model (see the module docstring); `hf_model` returns this rank's
     vocabulary columns of the logits, `token_logprobs` the log-probabilities of whole-vocabulary
-    softmaxes."""
-    hf_model: torch.nn.Module
-    llm: object
-    group: object                          # the engine's tensor-parallel group (torch.distributed)
-    rank: int
-    size: int
-    vocab_start: int                       # the first vocabulary row this rank holds
-    replicated: list                       # parameters every rank holds whole (norms)
-    kv_replicas: int = 1                   # ranks sharing one KV head (1: KV heads split over the ranks)
-    kv_params: list = field(default_factory=list)  # k_proj / v_proj parameters, when kv_replicas > 1
-    kv_group: object = None                # the ranks sharing this rank's KV head, when kv_replicas > 1
-    collectives: Collectives = field(default_factory=Collectives)
-    shards: dict = field(default_factory=dict, repr=False)     # HF name -> every rank's (start, stop), in rank order
-    layout: dict = field(default_factory=dict, repr=False)     # HF name -> (parameter, shard, whole shape)
-    publish_count: int = 0
-    _watched: list = field(default_factory=list, repr=False)   # [(name, parameter, data_ptr)]
-    _repack: list = field(default_factory=list, repr=False)    # CPU linears whose packed copy goes stale
+    softmaxes. Its layout places each Hugging Face tensor's shard: full_state_dict() gathers the whole
+    weights on the group's first rank, load_full_state_dict() writes each rank's part (colo.shared)."""
 
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return list(self.hf_model.parameters())
+    def __init__(self, hf_model, llm, *, group, rank: int, size: int, vocab_start: int, layout: dict, replicated: list,
+                 kv_replicas: int = 1, kv_params=(), kv_group=None, collectives: Collectives, repack=()):
+        super().__init__(llm, hf_model, shared_by="colo.tensor_parallel.shared_tp_model", repack=repack, group=group,
+                         rank=rank)
+        self.size = size
+        self.vocab_start = vocab_start                 # the first vocabulary row this rank holds
+        self.replicated = list(replicated)             # parameters every rank holds whole (norms)
+        self.kv_replicas = kv_replicas                 # ranks sharing one KV head (1: KV heads split over the ranks)
+        self.kv_params = list(kv_params)               # k_proj / v_proj parameters, when kv_replicas > 1
+        self.kv_group = kv_group                       # the ranks sharing this rank's KV head, when kv_replicas > 1
+        self.collectives = collectives
+        self.watch(layout)
+
+    @property
+    def trainer_model(self):
+        return self  # completion_logprobs over the vocabulary shards
+
+    @property
+    def collective_count(self) -> int:
+        return self.collectives.total
 
     def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """log p(input_ids[:, t + 1] | input_ids[:, :t + 1]), fp32, [batch, length - 1]."""
@@ -204,61 +204,21 @@ class TensorParallelModel(EngineViews):
             _sum_gradients(list(kv), self.kv_group, self.collectives)
             self.kv_params.extend(kv)
 
-    def gather_whole(self, local: torch.Tensor, dim: int, ranges: list, shape) -> torch.Tensor | None:
-        """The whole tensor (of `shape`) whose range ranges[r] along `dim` rank r holds (`local` here), on
-        the group's first rank; None on the others (a collective)."""
-        whole_on_me = self.rank == 0
-        pieces = _gather_shards(local, dim, ranges, dist.get_global_rank(self.group, 0), self.group, whole_on_me)
-        if not whole_on_me:
-            return None
-        whole = local.new_empty(shape)
-        for (begin, end), piece in zip(ranges, pieces):
-            whole.narrow(dim, begin, end - begin).copy_(piece.narrow(dim, 0, end - begin))
-        return whole
-
     def clip_grad_norm_(self, optimizer, max_norm: float | None) -> float:
         """As MasterWeightOptimizer.clip_grad_norm_, with the whole model's norm; returns it."""
         norm = self.grad_norm(optimizer.params, optimizer.main_grads)
         clip_(optimizer.main_grads, norm, max_norm)
         return norm
 
-    def full_state_dict(self, values: dict | None = None) -> dict[str, torch.Tensor] | None:
-        """The whole model's weights, Hugging Face names and shapes (what save_pretrained writes), on
-        the first rank of the tensor-parallel group (None on the others): each shard gathered there
-        one tensor at a time. values: {parameter: tensor to gather instead}, e.g. fp32 masters."""
-        whole_on_me = self.rank == 0
-        state = {} if whole_on_me else None
-        for name, (param, shard, shape) in self.layout.items():
-            local = (values or {}).get(param, param).detach()
-            if shard is not None:
-                whole = self.gather_whole(local, shard[0], self.shards[name], shape)
-            else:  # the same on every rank: rank 0's
-                whole = local.clone() if whole_on_me else None
-            if whole_on_me:
-                state[name] = whole
-        return state
+    def reference(self):
+        raise NotImplementedError("a KL reference (beta > 0) with tensor parallelism")
 
-    @torch.no_grad()
-    def load_full_state_dict(self, state: dict) -> None:
-        """Write whole weights (Hugging Face names and shapes, from a run of any tensor-parallel size)
-        into this rank's shards, in place; the engine serves them after publish(). Optimizer masters
-        are the caller's to refresh."""
-        missing = [name for name in self.layout if name not in state]
-        if missing:
-            raise ValueError(f"the state has no {missing[0]} (it must hold the whole model's weights)")
-        for name, (_, _, shape) in self.layout.items():  # all checked before anything is written
-            if tuple(state[name].shape) != tuple(shape):
-                raise ValueError(f"{name}: the state's is {tuple(state[name].shape)}, this model's is {tuple(shape)}")
-        for name, (param, shard, _) in self.layout.items():
-            whole = state[name]
-            param.copy_(whole.narrow(shard[0], shard[1], shard[2] - shard[1]) if shard else whole)
+    def master_names(self) -> None:
+        return None  # the masters stay sharded per tensor-parallel rank: the model is saved as served
 
-    def publish(self) -> PublishReport:
-        """Make the engine serve what the optimizer wrote into the shards: nothing to copy; CPU
-        kernels' packed copies are refreshed and vLLM's prefix cache forgotten."""
-        started = time.perf_counter()
-        self.check_not_moved("colo.tensor_parallel.shared_tp_model")
-        return self.finish_publish(started, aliased_bytes=sum(p.nbytes for p in self.parameters()))
+    def _publish_copies(self) -> dict:
+        # Nothing to copy: the optimizer wrote into the engine's own shards.
+        return dict(aliased_bytes=sum(p.nbytes for p in self.parameters()))
 
 
 def local_config(config, size: int, vocab_rows: int):
@@ -295,11 +255,8 @@ def shared_tp_model(llm) -> TensorParallelModel:
     """This rank's trainer model over the in-process tensor-parallel engine `llm` (built by
     colo.engine.build_llm under torchrun): its parameters are views of the engine's shards, in the
     engine's dtype, in training mode."""
-    from transformers import AutoModelForCausalLM
 
     config = compat.engine_hf_config(llm)
-    for arch in getattr(config, "architectures", None) or ():
-        check_architecture(arch)
     placement = compat.engine_placement(llm)
     if placement is None:
         raise RuntimeError("shared_tp_model needs an engine built by colo.engine.build_llm (its weights in a pool)")
@@ -308,14 +265,15 @@ def shared_tp_model(llm) -> TensorParallelModel:
     views, vocab = _shard_views(tensors)
     start, rows = vocab["model.embed_tokens.weight"]
     local = local_config(config, size, rows)
-    with torch.device("meta"):
-        hf_model = AutoModelForCausalLM.from_config(local, dtype=compat.engine_dtype(llm))
+    hf_model = meta_model(local, compat.engine_dtype(llm))
     counts = Collectives()
     params = _install(hf_model, views)
     embedding = VocabParallelEmbedding(params["model.embed_tokens.weight"], start, group, counts)
     hf_model.model.embed_tokens = embedding
     if "lm_head.weight" not in params:  # tied: vLLM's LM head is the embedding's parameter
         hf_model.lm_head.weight = embedding.weight
+        views["lm_head.weight"] = views["model.embed_tokens.weight"]
+        params["lm_head.weight"] = embedding.weight
     elif vocab["lm_head.weight"] != (start, rows):
         raise RuntimeError(f"colo misread the engine's layout: LM head rows {vocab['lm_head.weight']}, "
                            f"embedding rows {(start, rows)}")
@@ -327,12 +285,16 @@ def shared_tp_model(llm) -> TensorParallelModel:
     kv_group = _kv_replica_group(size, replicas) if replicas > 1 else None
     _sum_gradients(kv_params, kv_group, counts)
     kv_ids = {id(p) for p in kv_params}
-    replicated = [params[name] for name in views if views[name][1] is None and id(params[name]) not in kv_ids]
-    return TensorParallelModel(hf_model.train(), llm, group, rank, size, start, replicated, replicas, kv_params,
-                               kv_group, counts, layout={name: (params[name], shard, shape) for name, (_, shard, shape) in views.items()},
-                               _watched=[(name, p, p.data_ptr()) for name, p in params.items()],
-                               _repack=[lin for lin in placement.linears if lin.stale_after_update],
-                               shards=_every_ranks_shards(views, group, size))
+    replicated = [params[name] for name in views
+                  if views[name][1] is None and id(params[name]) not in kv_ids and name != "lm_head.weight"]
+    everyone = _every_ranks_shards(views, group, size)
+    layout = {name: Placed(params[name], tuple(shape), shard[0] if shard else 0,
+                           tuple(everyone[name]) if shard else None)
+              for name, (_, shard, shape) in views.items()}
+    return TensorParallelModel(hf_model.train(), llm, group=group, rank=rank, size=size, vocab_start=start,
+                               layout=layout, replicated=replicated, kv_replicas=replicas, kv_params=kv_params,
+                               kv_group=kv_group, collectives=counts,
+                               repack=[lin for lin in placement.linears if lin.stale_after_update])
 
 
 def _every_ranks_shards(views: dict, group, size: int) -> dict:
@@ -341,22 +303,7 @@ def _every_ranks_shards(views: dict, group, size: int) -> dict:
     mine = {name: shard[1:] for name, (_, shard, _) in views.items() if shard is not None}
     everyone = [None] * size
     dist.all_gather_object(everyone, mine, group=group)
-    return {name: [ranks[name] for ranks in everyone] for name in mine}
-
-
-def _gather_shards(local: torch.Tensor, dim: int, ranges: list, owner: int, group, whole_on_me: bool):
-    """Every rank's shard of one tensor on the group's first rank (padded along `dim` to the longest,
-    as torch.distributed.gather takes equal shapes)."""
-    longest = max(end - begin for begin, end in ranges)
-    padded = local
-    if local.shape[dim] < longest:
-        shape = list(local.shape)
-        shape[dim] = longest - local.shape[dim]
-        padded = torch.cat([local, local.new_zeros(shape)], dim)
-    padded = padded.contiguous()
-    pieces = [torch.empty_like(padded) for _ in ranges] if whole_on_me else None
-    dist.gather(padded, pieces, dst=owner, group=group)
-    return pieces
+    return {name: [tuple(ranks[name]) for ranks in everyone] for name in mine}
 
 
 def _kv_replica_group(size: int, replicas: int):
@@ -406,17 +353,16 @@ def _install(hf_model, views: dict) -> dict[str, torch.nn.Parameter]:
     for name, (view, *_) in views.items():
         meta = expected.get(name)
         if meta is None:
-            raise ValueError(f"{name}: the engine holds it but this rank's Hugging Face model has no such parameter")
+            raise no_parameter_for(name, f"this rank's shard of {name}", view.shape)
         if tuple(meta.shape) != tuple(view.shape):
-            raise ValueError(f"{name}: this rank's shard is {tuple(view.shape)} in the engine, the local model "
-                             f"expects {tuple(meta.shape)}")
+            raise shape_mismatch(name, meta.shape, view.shape, f"this rank's shard of {name}")
         module_name, _, attr = name.rpartition(".")
         param = torch.nn.Parameter(view, requires_grad=True)
         hf_model.get_submodule(module_name)._parameters[attr] = param
         installed[name] = param
     missing = [n for n in expected if n not in installed and n != "lm_head.weight"]
     if missing:
-        raise ValueError(f"{missing[0]}: this rank's Hugging Face model has it but the engine has no place for it")
+        raise no_place_for(missing[0], expected[missing[0]].shape)
     return installed
 
 

@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -36,11 +35,11 @@ import torch.nn.functional as F
 from . import vllm_compat as compat
 from .checks import check_int
 from .engine import reset_prefix_cache
-from .shared import EngineViews, PublishReport, materialize_buffers
+from .shared import (SUPPORTED_ARCHITECTURES, EngineViews, Placed, PublishReport, check_architecture,  # noqa: F401
+                     materialize_buffers, meta_model, no_parameter_for, no_place_for, piece_view, shape_mismatch)
 from .regions import WEIGHTS, region_for
 from .sizes import shape_bytes
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Config fields that change what the same weights compute; parameter shapes cannot reveal them.
 _CONFIG_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
                   "rope_parameters", "rope_theta")
@@ -63,35 +62,33 @@ class _Engine(NamedTuple):
     device: torch.device
 
 
-@dataclass
 class SharedWeights(EngineViews):
-    """The result of `share_weights` / `shared_model`; call `publish()` after each optimizer step."""
-    hf_model: torch.nn.Module
-    llm: object
-    pool: object
-    aliased_bytes: int                      # HF bytes that are views of the engine's tensors (never copied)
-    copy_bytes: int                         # bytes publish() copies each time (0 when all alias)
-    packed_bytes: int                       # CPU: weight bytes publish() repacks into vLLM's kernel layouts
-    shared_once_bytes: int                  # bytes share_weights copied from the trainer into the engine
-    _copies: "_CopyPlan" = field(repr=False, default=None)        # what publish() copies, planned once
-    _watched: list = field(repr=False, default_factory=list)      # [(name, param, data_ptr)]
-    _repack: list = field(repr=False, default_factory=list)       # compat.CpuLinear whose packed copy goes stale
-    superseded: bool = False                # a later share_weights on the same engine took the weights over
-    publish_count: int = 0
+    """The result of `share_weights` / `shared_model`; call `publish()` after each optimizer step.
 
-    def publish(self) -> PublishReport:
-        """Make the engine serve the trainer's current weights.
+    aliased_bytes: HF bytes that are views of the engine's tensors (never copied); copy_bytes: bytes
+    publish() copies each time (0 when all alias); packed_bytes: CPU weight bytes publish() repacks
+    into vLLM's kernel layouts; shared_once_bytes: bytes share_weights copied from the trainer into the
+    engine; superseded: a later share_weights on the same engine took the weights over."""
 
-        Orders the training stream before inference (copying/casting the non-aliased parameters on
-        the copy stream in between), repacks vLLM's CPU kernel copies, and resets vLLM's prefix
-        cache, whose KV was computed with the old weights. Returns bytes_copied, bytes_repacked,
-        seconds, aliased_bytes, copied_tensors, buckets.
-        """
-        start = time.perf_counter()
+    def __init__(self, hf_model, llm, pool, *, copies: "_CopyPlan", aliased_bytes: int, copy_bytes: int,
+                 packed_bytes: int, shared_once_bytes: int, repack):
+        super().__init__(llm, hf_model, shared_by="colo.share_weights", repack=repack)
+        self.pool = pool
+        self.aliased_bytes, self.copy_bytes = aliased_bytes, copy_bytes
+        self.packed_bytes, self.shared_once_bytes = packed_bytes, shared_once_bytes
+        self.superseded = False
+        self._copies = copies  # what publish() copies, planned once
+        # Every name, a tied head's too: a checkpoint of the whole model holds both, as state_dict() does.
+        self.watch({name: Placed(p, tuple(p.shape)) for name, p in hf_model.named_parameters(remove_duplicate=False)})
+
+    def _check_served(self) -> None:
         if self.superseded:
             raise RuntimeError("a later colo.share_weights on this engine took its weights over; publish with "
                                "the SharedWeights that call returned")
-        self.check_not_moved("colo.share_weights")
+
+    def _publish_copies(self) -> dict:
+        """Orders the training stream before inference, copying or casting the non-aliased parameters
+        on the copy stream in between."""
         train, infer = self.pool.stream("train"), self.pool.stream("infer")
         on_cuda = self.pool.device.type == "cuda"
         if on_cuda:  # the optimizer ran on torch's current stream: make it part of the training stream
@@ -104,17 +101,8 @@ class SharedWeights(EngineViews):
             torch.cuda.current_stream(self.pool.device).wait_stream(infer.torch_stream())
         else:
             ready.synchronize()  # vLLM runs in this thread on the host
-        return self.finish_publish(start, bytes_copied=self.copy_bytes, aliased_bytes=self.aliased_bytes,
-                                   copied_tensors=self._copies.count, buckets=self._copies.batches)
-
-
-def check_architecture(arch: str) -> None:
-    """Raise NotImplementedError naming `arch` unless colo can share its weights with vLLM."""
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise NotImplementedError(
-            f"colo.share_weights does not support the architecture {arch} (supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+        return dict(bytes_copied=self.copy_bytes, aliased_bytes=self.aliased_bytes, copied_tensors=self._copies.count,
+                    buckets=self._copies.batches)
 
 
 def shared_model(llm, dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20) -> SharedWeights:
@@ -125,13 +113,7 @@ def shared_model(llm, dtype: torch.dtype | None = None, *, bucket_bytes: int = 2
     dtype: the trainer's dtype (default: the engine's). Parameters in another dtype than the
     engine's cannot alias; they are the engine's values cast once, and publish() casts them back.
     """
-    from transformers import AutoModelForCausalLM
-
-    config = copy.deepcopy(compat.engine_hf_config(llm))
-    for arch in getattr(config, "architectures", None) or ():
-        check_architecture(arch)
-    with torch.device("meta"):
-        hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype or compat.engine_dtype(llm))
+    hf_model = meta_model(copy.deepcopy(compat.engine_hf_config(llm)), dtype or compat.engine_dtype(llm))
     return share_weights(hf_model.train(), llm, bucket_bytes=bucket_bytes)
 
 
@@ -161,21 +143,17 @@ def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes:
     once = _write_and_alias(hf_model, sources, bucket_bytes, pool)
     copies = [s for s in sources if not s.alias]
     shared = SharedWeights(
-        hf_model=hf_model, llm=llm, pool=pool,
-        aliased_bytes=sum(_piece_view(s.tensor, s.piece).nbytes for s in sources if s.alias),
-        copy_bytes=sum(_piece_view(s.tensor, s.piece).nbytes for s in copies),
-        packed_bytes=sum(linear.packed_bytes for linear in repack),
-        shared_once_bytes=once,
-        _copies=_CopyPlan(copies, bucket_bytes),
-        _watched=[(s.piece.hf_name, s.param, s.param.data_ptr()) for s in sources],
-        _repack=repack,
-    )
+        hf_model, llm, pool, copies=_CopyPlan(copies, bucket_bytes),
+        aliased_bytes=sum(piece_view(s.tensor, s.piece).nbytes for s in sources if s.alias),
+        copy_bytes=sum(piece_view(s.tensor, s.piece).nbytes for s in copies),
+        packed_bytes=sum(linear.packed_bytes for linear in repack), shared_once_bytes=once, repack=repack)
     previous = getattr(llm, "colo_shared_weights", None)
     if previous is not None:
         previous.superseded = True
     llm.colo_shared_weights = shared
     if once:
-        _repack(repack)
+        for linear in repack:
+            linear.repack()
     reset_prefix_cache(llm)
     return shared
 
@@ -210,15 +188,13 @@ def _match(hf_model, tensors, alias: bool, device: torch.device) -> list[_Source
         for piece in t.pieces:
             param = by_name.get(piece.hf_name)
             if param is None:
-                raise ValueError(f"{piece.hf_name}: the engine has {t.name} {t.shape} but the Hugging Face model "
-                                 "has no such parameter")
+                raise no_parameter_for(piece.hf_name, t.name, t.shape)
             if id(param) in used:
                 raise ValueError(
                     f"{piece.hf_name}: the Hugging Face model ties it to {used[id(param)]}, but the engine keeps "
                     "them separate (tie_word_embeddings differs)")
             if tuple(param.shape) != piece.hf_shape:
-                raise ValueError(f"{piece.hf_name}: shape {tuple(param.shape)} in the Hugging Face model, the engine "
-                                 f"expects {piece.hf_shape} (for {t.name})")
+                raise shape_mismatch(piece.hf_name, param.shape, piece.hf_shape, t.name)
             if not param.dtype.is_floating_point:
                 raise ValueError(f"{piece.hf_name}: dtype {param.dtype} is not a floating-point type")
             if param.is_meta and piece.shard is not None:
@@ -231,8 +207,7 @@ def _match(hf_model, tensors, alias: bool, device: torch.device) -> list[_Source
             sources.append(_Source(t, piece, param, can_alias))
     for name, param in by_name.items():
         if id(param) not in used:
-            raise ValueError(f"{name}: the Hugging Face model has this parameter {tuple(param.shape)} but the engine "
-                             "has no place for it (different architecture, layer count or tie_word_embeddings?)")
+            raise no_place_for(name, param.shape)
     return sources
 
 
@@ -302,7 +277,7 @@ def _write_and_alias(hf_model, sources, bucket_bytes: int, pool) -> int:
     replaced = {}  # id(meta parameter) -> the Parameter that replaces it
     with torch.no_grad():
         for s in sources:
-            view = _piece_view(s.tensor, s.piece)
+            view = piece_view(s.tensor, s.piece)
             if s.param.is_meta:
                 replaced[id(s.param)] = torch.nn.Parameter(
                     view if s.alias else view.to(s.param.dtype, copy=True), requires_grad=s.param.requires_grad)
@@ -312,10 +287,10 @@ def _write_and_alias(hf_model, sources, bucket_bytes: int, pool) -> int:
         unwritten = [s for s in sources if not s.alias and not s.param.is_meta]
         if unwritten:
             _CopyPlan(unwritten, bucket_bytes).run(pool).synchronize()
-            written += sum(_piece_view(s.tensor, s.piece).nbytes for s in unwritten)
+            written += sum(piece_view(s.tensor, s.piece).nbytes for s in unwritten)
     for s in sources:
         if s.alias and not s.param.is_meta:
-            s.param.data = _piece_view(s.tensor, s.piece)
+            s.param.data = piece_view(s.tensor, s.piece)
     if replaced:
         _replace_parameters(hf_model, replaced)
         for s in sources:
@@ -332,10 +307,6 @@ def _replace_parameters(module: torch.nn.Module, replaced: dict) -> None:
                 sub._parameters[name] = replaced[id(param)]
 
 
-def _repack(linears) -> int:
-    return sum(linear.repack() for linear in linears)
-
-
 class _CopyPlan:
     """Copies from trainer tensors into engine pieces, grouped once so that running them is a few
     calls: same-dtype contiguous pairs as one batch of byte copies, the rest (casts, strided
@@ -345,7 +316,7 @@ class _CopyPlan:
         self.byte_pairs, self.cast_buckets = [], []
         dsts, srcs, size = [], [], 0
         for s in sources:
-            dst, src = _piece_view(s.tensor, s.piece), s.param.detach()
+            dst, src = piece_view(s.tensor, s.piece), s.param.detach()
             if s.piece.shard is not None:
                 dim, begin, end = s.piece.shard
                 src = src.narrow(dim, begin, end - begin)
@@ -383,13 +354,6 @@ class _CopyPlan:
                 for dsts, srcs in self.cast_buckets:
                     torch._foreach_copy_(dsts, srcs)
         return copy_stream.record()
-
-
-def _piece_view(t: compat.EngineTensor, piece: compat.Piece) -> torch.Tensor:
-    view = t.param.detach()
-    if not t.shape:
-        return view
-    return view[piece.rows[0]:piece.rows[1]]
 
 
 @contextlib.contextmanager

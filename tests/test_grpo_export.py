@@ -1,4 +1,4 @@
-"""colo.grpo.hf_format and `python -m colo.grpo.export` without an engine: what a saved directory holds
+"""colo.hf_format and `python -m colo.grpo.export` without an engine: what a saved directory holds
 (the tokenizer, chat template and generation config of a real model), LoRA merged as PEFT merges it,
 masters reassembled from ZeRO shards, and bad input refused by name. The runs' own OUT/final are
 tested with their runs (test_grpo_run.py, test_grpo_lora.py)."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from colo.errors import CheckpointError
-from colo.grpo import hf_format
+from colo import hf_format
 from colo.lora import LoraSpec
 
 from conftest import tiny_hf_model

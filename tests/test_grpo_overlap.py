@@ -305,15 +305,15 @@ def test_out_of_memory_while_training_during_generation_redoes_the_step_serially
                         overlap="on", dtype="fp32")
     run = GRPOScheduler(build_toy_model(tmp_path / "model"), config=config, task=long_tail_toy_task(mean_length=16),
                         engine_options=dict(enforce_eager=True))
-    backward, failures = run._backward, []
+    backward, failures = run.strategy.backward, []
 
     def out_of_memory_once(*args, **kwargs):
-        if run._generating and not failures:
+        if run.strategy.generating and not failures:
             failures.append(run.step + 1)
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (a test)")
         return backward(*args, **kwargs)
 
-    run._backward = out_of_memory_once
+    run.strategy.backward = out_of_memory_once
     try:
         first = run.train_step()
         assert failures == [1] and first["step"] == 1

@@ -14,6 +14,7 @@ from colo.grpo.checkpoint import (CheckpointError, capture_rng, latest_checkpoin
 from colo.grpo.config import GRPOConfig
 from colo.grpo.metrics import StepLog, Timeline
 from colo.grpo.toy_task import ToyTask
+from colo.grpo.phases import MemoryPhases
 from colo.grpo.train_memory import TrainingMemory
 
 
@@ -117,6 +118,52 @@ def test_packed_batch_logprobs_match_each_sequence_alone():
         pack(prompts, completions[:1])
 
 
+class _KvCacheOnly:
+    """What colo.grpo.phases.MemoryPhases asks of an engine: a KV cache that sleeps and wakes."""
+
+    def __init__(self, pool):
+        self.region = pool.region("kv_cache", budget=1 << 20)
+
+    @property
+    def kv_cache_asleep(self):
+        return self.region.asleep
+
+    def sleep_kv_cache(self):
+        self.region.sleep(offload=False)
+
+    def wake_kv_cache(self):
+        self.region.wake()
+
+
+def test_memory_phases_release_gradients_before_the_copy_out_and_wake_the_kv_cache_last():
+    """The order to_generate() keeps: gradients asleep before the optimizer state's copy out starts, the
+    copy done before the KV cache wakes; and optimizer_state_in_reach() puts everything back as it was."""
+    model = _tiny_model()
+    pool = colo.Pool("cpu", capacity=1 << 30)
+    memory = TrainingMemory(pool, list(model.parameters()), offload_optimizer=True)
+    optimizer = memory.build_optimizer(torch.optim.AdamW, lr=1e-2)
+    engine = _KvCacheOnly(pool)
+    phases = MemoryPhases(engine, memory, on=True)
+    phases.to_train()
+    ids = torch.randint(0, 64, (2, 6))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    memory.adopt_optimizer_state(optimizer)
+    seen = []
+    phases.to_generate(overlapping=lambda: seen.append((memory.grads.asleep, memory.optimizer_state_away,
+                                                        engine.kv_cache_asleep)))
+    assert seen == [(True, True, True)]
+    assert not engine.kv_cache_asleep and memory.optimizer_region.asleep
+    with phases.optimizer_state_in_reach():
+        assert not memory.optimizer_state_away
+    assert memory.optimizer_region.asleep and not engine.kv_cache_asleep
+    off = MemoryPhases(engine, memory, on=False)  # memory phases off: nothing sleeps, gradients are zeroed
+    memory.wake_gradients()
+    memory.flat_grads[torch.float32].fill_(1.0)
+    off.to_train()
+    assert not engine.kv_cache_asleep and float(memory.flat_grads[torch.float32].abs().sum()) == 0
+
+
 def test_training_memory_gradients_and_offloaded_optimizer_state_live_in_the_pool():
     model = _tiny_model()
     params = list(model.parameters())
@@ -133,12 +180,17 @@ def test_training_memory_gradients_and_offloaded_optimizer_state_live_in_the_poo
     moments = [optimizer.state[p]["exp_avg_sq"].clone() for p in params]
     assert all(memory.optimizer_region.contains(optimizer.state[p]["exp_avg"]) for p in params)
 
-    memory.sleep_for_generation()
-    memory.finish_offload()  # the generate phase does this right before the KV cache wakes
+    engine = _KvCacheOnly(pool)
+    phases = MemoryPhases(engine, memory, on=True)
+    copied_out_during = phases.to_generate(overlapping=lambda: memory.optimizer_state_away)
+    assert copied_out_during  # the publish runs while the optimizer state's copy out is in flight
     stats = pool.stats()
     assert stats["grads"]["resident_bytes"] == 0 and stats["optimizer"]["resident_bytes"] == 0
+    assert not engine.kv_cache_asleep  # ready to generate
+    assert phases.to_generate() is None and phases.take_seconds() > 0  # a second call finds it done
 
-    memory.wake_for_training()
+    phases.to_train()
+    assert engine.kv_cache_asleep
     memory.finish_prefetch()
     assert all(torch.equal(optimizer.state[p]["exp_avg_sq"], m) for p, m in zip(params, moments))
     assert all(float(p.grad.abs().sum()) == 0 for p in params)  # gradients start from zero each step
@@ -164,10 +216,10 @@ def test_bf16_training_memory_keeps_fp32_masters_and_main_grads_in_the_pool():
     optimizer.step()
     memory.adopt_optimizer_state(optimizer)
     state = optimizer.state_dict()
-    memory.sleep_for_generation()  # masters and moments offloaded, gradients released
-    memory.finish_offload()
+    phases = MemoryPhases(_KvCacheOnly(pool), memory, on=True)
+    phases.to_generate()  # masters and moments offloaded, gradients released
     assert pool.stats()["optimizer"]["resident_bytes"] == 0 and pool.stats()["grads"]["resident_bytes"] == 0
-    memory.wake_for_training()
+    phases.to_train()
     memory.finish_prefetch()
     torch.testing.assert_close(optimizer.master_flat, state["master_weights"], atol=0, rtol=0)
     for p, master in zip(params, optimizer.masters):

@@ -542,7 +542,6 @@ def test_kv_cache_time_shares_the_training_memory(tmp_path, monkeypatch):
     gradients' and optimizer state's bytes while they sleep (generation), and they get them back
     while it sleeps (training). Checkpointing between steps brings the optimizer state back for a
     moment, putting the KV cache to sleep first when both do not fit."""
-    from colo import engine as colo_engine
     from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask, build_toy_model
     from colo.grpo import rollout_engine
 
@@ -567,11 +566,15 @@ def test_kv_cache_time_shares_the_training_memory(tmp_path, monkeypatch):
         # Overlap would need the gradients awake beside the KV cache: it does not fit, so steps are serial.
         assert "do not fit in the pool" in run.serial_reason
         records = [run.train_step() for _ in range(2)]
-        colo_engine.wake_kv_cache(run.engine.llm)  # as if a user checkpoints with the KV cache awake
+        assert not run.engine.kv_region.asleep  # between steps the run is ready to generate
         assert budgets["optimizer"] > run.pool.unbudgeted_bytes
+        slept = []
+        sleep = run.engine.sleep_kv_cache
+        monkeypatch.setattr(run.engine, "sleep_kv_cache", lambda: (slept.append(True), sleep()))
         assert run.save().name == "step-000002.pt"
-        assert run.engine.kv_region.asleep  # made room for the optimizer state
+        assert slept == [True]  # the KV cache made room for the optimizer state
         assert run.memory.optimizer_region.asleep  # offloaded again after the checkpoint
+        assert not run.engine.kv_region.asleep  # and the KV cache woke again
         records.append(run.train_step())
     finally:
         run.close()

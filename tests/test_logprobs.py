@@ -119,7 +119,7 @@ def test_lora_adapter_trains_and_its_base_is_the_reference():
     model = tiny_hf_model("qwen2", vocab_size=VOCAB)
     for p in model.parameters():
         p.requires_grad_(False)
-    adapter = SharedAdapter(LoraSpec(rank=4), llm=None, request=None, slot=0, layers={})
+    adapter = SharedAdapter(LoraSpec(rank=4), llm=None, hf_model=model, request=None, slot=0)
     torch.manual_seed(1)
     for name in ("q_proj", "v_proj", "down_proj"):
         for module in (m for n, m in model.named_modules() if n.endswith(name)):

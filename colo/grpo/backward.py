@@ -3,8 +3,6 @@ batch, or one prompt's group), in micro-batches whose gradients add up to the gr
 whole batch's loss."""
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from .batch import PackedBatch, Rollout, completion_logprobs, pack
@@ -73,14 +71,6 @@ def engine_mismatch(trainer_logprobs: torch.Tensor, mask: torch.Tensor, engine_l
         total += float(diff.sum())
         count += float(mask[row, :n].sum())
     return worst, total, count
-
-
-def frozen_copy(model):
-    """A copy of `model` that never trains (the KL term's reference, where no shared base serves)."""
-    reference = copy.deepcopy(model).eval()
-    for p in reference.parameters():
-        p.requires_grad_(False)
-    return reference
 
 
 def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: GRPOConfig, *, device,

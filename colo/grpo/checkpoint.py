@@ -21,7 +21,6 @@ scheduler decides when to save.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import os
@@ -33,7 +32,7 @@ import torch
 
 from ..errors import CheckpointError, ModelSaveError  # noqa: F401 - raised here, re-exported
 from . import distributed
-from . import hf_format
+from .. import hf_format
 
 logger = logging.getLogger(__name__)
 
@@ -230,17 +229,17 @@ class Checkpointer:
     ZeRO-1, each tensor-parallel rank's state with tensor parallelism.
 
     Built from the run's parts: its out_dir (None: save writes nothing), resolved config, world and
-    model_dir (recorded in each checkpoint); the engine (its KV cache sleeps to make room for the
-    optimizer state, and it publishes restored weights); the trainer's model, its tensor-parallel
-    view `tp` and LoRA `adapter` (None where absent); the training memory, optimizer and
-    lr_scheduler; the KL reference (a frozen copy is checkpointed, the adapter's shared base is not);
-    and the timeline that spans each write.
+    model_dir (recorded in each checkpoint); the views the trainer trains (colo.shared's contract:
+    whole weights, tensor-parallel shards or an adapter, whose full_state_dict is the checkpoint's
+    model, and which publish restored weights); the memory phases (colo.grpo.phases, which bring the
+    optimizer state within reach between steps); the training memory, optimizer and lr_scheduler; the KL reference (a frozen
+    copy is checkpointed, an adapter's shared base is not); and the timeline that spans each write.
     """
 
-    def __init__(self, out_dir: Path | None, config, world: distributed.World, model_dir: Path, *, engine, model, tp, adapter,
+    def __init__(self, out_dir: Path | None, config, world: distributed.World, model_dir: Path, *, views, phases,
                  memory, optimizer, lr_scheduler, reference, timeline):
         self.out_dir, self.config, self.world, self.model_dir = out_dir, config, world, model_dir
-        self.engine, self.model, self.tp, self.adapter = engine, model, tp, adapter
+        self.views, self.phases = views, phases
         self.memory, self.optimizer, self.lr_scheduler = memory, optimizer, lr_scheduler
         self.reference, self.timeline = reference, timeline
         self.last_saved_step: int | None = None  # a step already on disk is not written again
@@ -272,21 +271,11 @@ class Checkpointer:
     def restore(self, state: dict) -> int:
         """Load a checkpoint into the live, weight-sharing model, then let the engine see it; returns
         the checkpoint's step (already saved, so not written again)."""
-        if self.tp is not None:  # whole weights (or adapter), this rank's shards written in place
-            try:
-                (self.adapter or self.tp).load_full_state_dict(state["model"])
-            except ValueError as e:
-                raise CheckpointError(f"checkpoint does not fit the model at {self.model_dir}: {e}") from e
-            missing = unexpected = []
-        else:
-            missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
-        if self.adapter is not None:  # an adapter's checkpoint holds the adapter only; the base is the model's
-            trainable = set(self._trainable_names())
-            missing = [n for n in missing if n in trainable]
-        if missing or unexpected:
-            raise CheckpointError(f"checkpoint does not fit the model at {self.model_dir}: "
-                                  f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-        with self._optimizer_region_awake():  # bf16: the masters it restores live in the optimizer region
+        try:  # the whole weights (or adapter); with tensor parallelism this rank's shards of them
+            self.views.load_full_state_dict(state["model"])
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint does not fit the model at {self.model_dir}: {e}") from e
+        with self.phases.optimizer_state_in_reach():  # bf16: the masters it restores live in the optimizer region
             self.optimizer.load_state_dict(state["optimizer"])
             self.memory.adopt_optimizer_state(self.optimizer)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -299,7 +288,7 @@ class Checkpointer:
         if len(state["rng"]) != self.world.size:
             logger.info("resuming a run of %d ranks on %d", len(state["rng"]), self.world.size)
         self.last_saved_step = int(state["step"])
-        self.engine.publish()
+        self.views.publish()
         return self.last_saved_step
 
     # -- saving ------------------------------------------------------------------------------------
@@ -315,8 +304,8 @@ class Checkpointer:
             save_optimizer_shard(self.out_dir, step, self.world.dp_rank, self.world.dp_size,
                                  self._optimizer_state(), self._shard_kind(self.world))
             distributed.barrier(self.world)
-        model_state = self._model_state()  # with tensor parallelism a collective: every rank takes part
-        if self.tp is not None and self.memory.shard is None:  # each TP rank's optimizer state, once
+        model_state = self.views.full_state_dict()  # with tensor parallelism a collective: every rank takes part
+        if self.world.tp_size > 1 and self.memory.shard is None:  # each TP rank's optimizer state, once
             if self.world.dp_rank == 0:
                 save_optimizer_shard(self.out_dir, step, self.world.tp_rank, self.world.tp_size,
                                      self._optimizer_state(), kind="tp")
@@ -324,44 +313,40 @@ class Checkpointer:
         if self.world.is_main:
             with self.timeline.span("checkpoint", step=step):
                 optimizer = {"sharded_over": self.world.dp_size} if self.memory.shard is not None else \
-                    {} if self.tp is not None else self._optimizer_state()
-                if self.tp is not None:
+                    {} if self.world.tp_size > 1 else self._optimizer_state()
+                if self.world.tp_size > 1:
                     optimizer["tensor_parallel_over"] = self.world.tp_size
                 state = {"model": model_state, "optimizer": optimizer,
                          "lr_scheduler": self.lr_scheduler.state_dict(), "rng": rng,
                          "config": self.config.to_dict(), "model_dir": str(self.model_dir)}
                 if isinstance(self.reference, torch.nn.Module):
                     state["reference"] = self.reference.state_dict()
-                if self.adapter is None and self.tp is None:  # the masters' order, for colo.grpo.export
-                    state["param_names"] = self._trainable_names()
+                if self.views.master_names() is not None:  # the masters' order, for colo.grpo.export
+                    state["param_names"] = self.views.master_names()
                 path = save_checkpoint(self.out_dir, step, state, keep=self.config.keep_checkpoints)
-                if self.adapter is not None:  # the newest adapter in PEFT's format, for PEFT and vLLM
-                    self.adapter.save_pretrained(self.out_dir / "adapter", base_model=str(self.model_dir),
-                                                 full=model_state)
+                if self.config.lora_spec is not None:  # the newest adapter in PEFT's format, for PEFT and vLLM
+                    self.views.save_pretrained(self.out_dir / "adapter", base_model=str(self.model_dir),
+                                               full=model_state)
         distributed.barrier(self.world)
         self.last_saved_step = step
         return path
 
     def save_model(self, directory: Path) -> Path | None:
-        """The model as trained so far, in Hugging Face format (colo.grpo.hf_format): every rank calls it
+        """The model as trained so far, in Hugging Face format (colo.hf_format): every rank calls it
         (gathering is collective) and rank 0 writes; the path on rank 0. A failure raises
         ModelSaveError on every rank, with the checkpoints untouched."""
-        model_state = self._model_state()  # with tensor parallelism a collective
+        model_state = self.views.full_state_dict()  # with tensor parallelism a collective
         masters = self._masters()  # with ZeRO-1 a collective
         error = None
         if self.world.is_main:
             dtype = hf_format.save_dtype(self.config.save_dtype)
             try:
                 with self.timeline.span("save_model"):
-                    if self.adapter is not None:
-                        hf_format.write_adapter_dir(model_state, self.config.lora_spec, self.model_dir, directory,
-                                                    dtype, merge=self.config.merge_lora)
-                    else:
-                        names = self._trainable_names()
-                        found = hf_format.master_weights(masters, names, {n: model_state[n].shape for n in names}) \
-                            if masters is not None else None
-                        hf_format.write_model(hf_format.weights_to_save(model_state, found), self.model_dir,
-                                              directory, dtype)
+                    names = self.views.master_names()
+                    found = hf_format.master_weights(masters, names, {n: model_state[n].shape for n in names}) \
+                        if masters is not None else None
+                    self.views.write_pretrained(directory, model_state, base_dir=self.model_dir, dtype=dtype,
+                                                masters=found, merge=self.config.merge_lora)
             except (OSError, ValueError, RuntimeError) as e:
                 error = f"{type(e).__name__}: {e}"
         if distributed.sum_floats([1.0 if error else 0.0], self.world)[0]:
@@ -370,20 +355,21 @@ class Checkpointer:
         return Path(directory) if self.world.is_main else None
 
     def _masters(self):
-        """What colo.grpo.hf_format.master_weights reads, on rank 0: the fp32 masters (every rank's shard
-        with ZeRO-1, gathered); None where there are none (fp32 training) or they stay sharded per
-        tensor-parallel rank, for an adapter (saved from its slot's values), and off rank 0."""
-        if self.adapter is not None or self.tp is not None:
+        """What colo.hf_format.master_weights reads, on rank 0: the fp32 masters (every rank's shard
+        with ZeRO-1, gathered); None where there are none (fp32 training), where the views' masters are
+        not whole tensors (tensor-parallel shards; an adapter, saved from its slot's values), and off
+        rank 0."""
+        if self.views.master_names() is None:
             return None
         if self.memory.shard is not None:  # collective: every rank sends its shard
-            with self._optimizer_region_awake():
+            with self.phases.optimizer_state_in_reach():
                 mine = self.optimizer.state_dict()
             return distributed.gather_objects({"ranges": mine["ranges"], "master_weights": mine["master_weights"]},
                                               self.world)
         flat = getattr(self.optimizer, "master_flat", None)
         if flat is None or not self.world.is_main:
             return None
-        with self._optimizer_region_awake():
+        with self.phases.optimizer_state_in_reach():
             return {"master_weights": flat.detach().to("cpu", copy=True)}
 
     @staticmethod
@@ -391,28 +377,13 @@ class Checkpointer:
         """The name of this rank's ZeRO-1 optimizer shard files (optimizer_shard_path's kind)."""
         return "rank" if world.tp_size == 1 else f"tp{world.tp_rank}-rank"
 
-    def _trainable_names(self) -> list[str]:
-        return [n for n, p in self.model.named_parameters() if p.requires_grad]
-
-    def _model_state(self) -> dict:
-        """What a checkpoint keeps of the model: every weight, or with an adapter the adapter only. With
-        tensor parallelism the whole weights (or adapter), gathered on rank 0 (None on the other ranks)."""
-        if self.adapter is not None:
-            return self.adapter.full_state_dict()
-        if self.tp is not None:
-            state = self.tp.full_state_dict()
-            if state is not None and "lm_head.weight" not in state and "lm_head.weight" in self.model.state_dict():
-                state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied: state_dict names both
-            return state
-        return self.model.state_dict()
-
     def _check_ranks_agree(self, step: int) -> None:
         """Every rank applies the same averaged update, so their weights must be identical; rank 0's
         checkpoint stands for all of them only if they are."""
         if self.world.size == 1:
             return
         with torch.no_grad():
-            digest = float(sum(p.sum(dtype=torch.float64) for p in self.model.parameters()))
+            digest = float(sum(p.sum(dtype=torch.float64) for p in self.views.parameters()))
         # The ranks holding the same shards (the same tensor-parallel rank of every engine) must agree.
         digests = distributed.gather_objects(digest, self.world)[self.world.tp_rank::self.world.tp_size]
         if max(digests) - min(digests) > 1e-9 * max(1.0, abs(digest)):
@@ -421,22 +392,5 @@ class Checkpointer:
 
     def _optimizer_state(self) -> dict:
         """The optimizer's state dict, readable even while its region sleeps (from the host copy)."""
-        with self._optimizer_region_awake():
+        with self.phases.optimizer_state_in_reach():
             return copy.deepcopy(self.optimizer.state_dict())
-
-    @contextlib.contextmanager
-    def _optimizer_region_awake(self):
-        """Between steps: bring the optimizer state back for a moment, and put it to sleep again after.
-        If its budget does not fit beside the awake KV cache (they time-share the pool), the KV cache
-        sleeps first; its contents are disposable between steps and the next generate phase wakes it."""
-        asleep = self.memory.optimizer_state_away
-        if asleep:
-            region = self.memory.optimizer_region
-            if region.asleep and region.budget > self.memory.pool.unbudgeted_bytes and not self.engine.kv_cache_asleep:
-                self.engine.sleep_kv_cache()
-            self.memory.finish_prefetch()  # wakes and copies back
-        try:
-            yield
-        finally:
-            if asleep:
-                self.memory.offload_optimizer_state()

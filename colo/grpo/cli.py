@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _save_dtype(text: str) -> str:
-    from .hf_format import save_dtype
+    from ..hf_format import save_dtype
 
     try:
         save_dtype(text)
@@ -242,7 +242,7 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
     """Model directory and config: from the flags for a new run, from OUT/run.json when resuming."""
     out = Path(args.out)
     run_file = out / "run.json"
-    from .hf_format import check_writable
+    from ..hf_format import check_writable
 
     try:  # before anything loads, not after the first steps
         check_writable(out)

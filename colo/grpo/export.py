@@ -4,7 +4,7 @@
     python -m colo.grpo.export OUT/step-000020.pt -o DIR --save-dtype bf16
     python -m colo.grpo.export OUT -o DIR --merge-lora      LoRA: the PEFT adapter and DIR/merged
 
-What is written, and in which dtype, is colo.grpo.hf_format's (the same as a run's OUT/final).
+What is written, and in which dtype, is colo.hf_format's (the same as a run's OUT/final).
 Exit status: 0 written, 2 bad arguments or a file that is not a colo.grpo checkpoint.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from .hf_format import check_writable, master_weights, save_dtype, weights_to_save, write_adapter_dir, write_model
+from ..hf_format import check_writable, master_weights, save_dtype, weights_to_save, write_adapter_dir, write_model
 
 
 def export_checkpoint(checkpoint: str | Path, directory: str | Path, dtype: torch.dtype | None = None,

@@ -301,10 +301,11 @@ def cpu_split(cores: int) -> tuple[int, int]:
     return max(1, cores - cores // 2), max(1, cores // 2)
 
 
-def finish_overlap(overlapped: OverlappedStep, memory, loss_type: str, ranks: int, global_tokens: float,
-                   record: dict) -> dict:
-    """Wait for the last groups and return the batch's statistics; with dapo (groups' losses summed with
-    denominator 1) divide the accumulated gradients and the loss by the batch's share of tokens now."""
+def finish_overlap(overlapped: OverlappedStep, memory, loss_type: str, ranks: int,
+                   global_tokens: float) -> tuple[dict, EarlyTraining]:
+    """Wait for the last groups; return the batch's statistics and what trained early. With dapo
+    (groups' losses summed with denominator 1) divide the accumulated gradients and the loss by the
+    batch's share of tokens now."""
     early = overlapped.join()
     stats = merge_stats([early.results[i] for i in sorted(early.results)])
     if loss_type == "dapo":
@@ -312,5 +313,4 @@ def finish_overlap(overlapped: OverlappedStep, memory, loss_type: str, ranks: in
         for flat in memory.flat_grads.values():
             flat.mul_(scale)
         stats["loss"] *= scale
-    record.update(overlap_train_s=early.seconds_during_generation, groups_trained_early=early.trained_during_generation)
-    return stats
+    return stats, early

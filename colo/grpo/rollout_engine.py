@@ -71,9 +71,10 @@ class RolloutEngine:
     lora: a colo.lora.LoraSpec: the base is frozen and shared as above, and `adapter` (colo.lora) is
     the trainable adapter, a view of the engine's adapter slot; every generation uses it and
     publish() copies nothing. `workdir` holds the zero adapter the engine loads once at start.
-    tensor_parallel: ranks of the engine (under torchrun, consecutive ranks): `tensor_parallel` is
-    then this rank's colo.tensor_parallel.TensorParallelModel, `hf_model` its module (this rank's
-    shards, views of the engine's), and publish() copies nothing.
+    tensor_parallel: ranks of the engine (under torchrun, consecutive ranks): `shared` is then this
+    rank's colo.tensor_parallel.TensorParallelModel, `hf_model` its module (this rank's shards, views
+    of the engine's), and publish() copies nothing.
+    `views` is what the trainer trains (colo.shared's contract, whichever kind it is).
     """
 
     def __init__(self, model_dir, pool, *, seed: int, max_num_seqs: int, sequence_tokens: int = 1,
@@ -120,10 +121,15 @@ class RolloutEngine:
         self._llm_kwargs = dict(skip_tokenizer_init=True, max_num_seqs=max_num_seqs, block_size=block, **llm_kwargs)
         self.llm = self._build(load_format="auto")
         self.shared = self._share()
-        self.tensor_parallel = self.shared if tensor_parallel > 1 else None
         self.hf_model = self.shared.hf_model
         self.adapter = share_adapter(self.hf_model, self.llm, lora, workdir, seed=seed,
-                                     tp=self.tensor_parallel) if lora else None
+                                     tp=self.shared if tensor_parallel > 1 else None) if lora else None
+
+    @property
+    def views(self):
+        """What the trainer trains, a colo.shared.EngineViews: the adapter with LoRA, else the weights
+        (whole, or this rank's tensor-parallel shards)."""
+        return self.adapter or self.shared
 
     def _kv_budget(self, wanted: int, config) -> int:
         if KV_CACHE in self.pool.regions:
@@ -226,8 +232,7 @@ class RolloutEngine:
         return completions
 
     def publish(self) -> "PublishReport":
-        # With an adapter the base never changes: nothing of it to publish (or repack, on CPU).
-        return self.adapter.publish() if self.adapter else self.shared.publish()
+        return self.views.publish()
 
     def rebuild(self) -> None:
         """Replace a broken engine by a fresh one serving the trainer's weights (nothing read from disk)."""
@@ -265,13 +270,13 @@ class RolloutEngine:
         gc.collect()
 
 
-def generate_or_rebuild(engine: RolloutEngine, attempt, *, step: int, rank: int, timeline, record: dict,
-                        not_the_engines=()):
-    """attempt() (a generation on `engine`); on an engine error, rebuild the engine from the shared
-    weights and attempt() once more. Errors of the types in not_the_engines (the user's reward
-    function, the trainer) are raised as they are, without a rebuild. Two failures: EngineFailure."""
+def generate_or_rebuild(engine: RolloutEngine, attempt, *, step: int, rank: int, timeline, not_the_engines=()):
+    """(attempt()'s result, the rebuild's seconds or None): attempt() is a generation on `engine`; on an
+    engine error the engine is rebuilt from the shared weights and attempt() runs once more. Errors of
+    the types in not_the_engines (the user's reward function, the trainer) are raised as they are,
+    without a rebuild. Two failures: EngineFailure."""
     try:
-        return attempt()
+        return attempt(), None
     except not_the_engines:
         raise
     except Exception as e:  # noqa: BLE001 - any engine error gets one rebuild
@@ -285,9 +290,8 @@ def generate_or_rebuild(engine: RolloutEngine, attempt, *, step: int, rank: int,
         except Exception as e:  # noqa: BLE001 - reported as an EngineFailure, which ranks share
             raise EngineFailure(f"step {step}: the engine raised {first} and could not be rebuilt from the "
                                 f"shared weights: {type(e).__name__}: {e}") from e
-    record["engine_rebuild_s"] = span["seconds"]
     try:
-        return attempt()
+        return attempt(), span["seconds"]
     except not_the_engines:
         raise
     except Exception as second:  # noqa: BLE001

@@ -1,17 +1,23 @@
 """The GRPO phase machine: generate, reward, train, publish, one device, one pool, one copy of the weights.
 
-One step:
+One step, as train_step() reads:
 
-    generate  KV region awake; the whole rollout batch in one engine call (n completions per prompt)
-    reward    the user's function scores every completion; advantages are normalised per prompt group
-    train     KV region asleep (resident bytes 0); gradients mapped; optimizer state copied back on
-              the copy stream while the forward and backward passes run; gradients averaged over
-              ranks; clip; optimizer step (with shard_optimizer, ZeRO-1: gradients reduce-scattered
-              to their shard's rank, each rank steps its shard and all-gathers the updated weights
-              straight into the engine's)
-    publish   gradients released and (on a GPU, by default) the optimizer state's copy to host
-              started; the engine serves the new weights (no bytes copied when layouts match) while
-              that copy runs; the step ends once it is done, before the KV cache wakes again
+    generate  the KV cache awake; the whole rollout batch in one engine call (n completions per prompt)
+    reward    the user's functions score every completion; advantages are normalised per prompt group
+    train     the KV cache asleep (resident bytes 0); gradients awake; the optimizer state copied back
+              on the copy stream while forward and backward run; gradients averaged over ranks and
+              clipped (one rule, colo.clipping: a norm that is not finite skips the update); optimizer
+              step (with shard_optimizer, ZeRO-1: gradients reduce-scattered to their shard's rank,
+              each rank steps its shard and all-gathers the updated weights straight into the engine's)
+    publish   the gradients released and the optimizer state's copy to host started where it is
+              offloaded; the engine serves the new weights (no bytes copied when layouts match) while
+              that copy runs; the KV cache wakes once it is done
+
+Three objects keep the step short: `views` (colo.shared's contract: whole weights, tensor-parallel
+shards or a LoRA adapter, all alike here), `phases` (colo.grpo.phases: the memory's two verbs,
+to_train() and to_generate()) and `strategy` (colo.grpo.strategy: serial, or each group trained while
+the engine decodes the others, chosen once per run). Each phase returns what it did, and the step
+builds its record at the end.
 
 Every rank of a torchrun job runs this same loop with its own engine and its share of the prompts.
 With tensor parallelism (config.tensor_parallel = T) an engine spans T consecutive ranks: each holds
@@ -28,7 +34,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -36,27 +44,25 @@ from typing import Callable
 import torch
 
 from ..checks import check_int
+from ..clipping import clip_
 from ..errors import ModelSaveError, NonFiniteGradients, Terminated
+from ..hf_format import FINAL, check_writable, model_step_dir
 from ..hub import resolve_model
 from ..pool import Pool
 from ..regions import WEIGHTS
 from ..zero import ShardLayout
 from . import distributed
-from .backward import backward_rollout, frozen_copy
-from .batch import Rollout, concatenated_scores, loss_tokens, rollout_of
+from .backward import backward_rollout
+from .batch import Rollout, rollout_of
 from .checkpoint import Checkpointer
 from .config import GRPOConfig, check_model_dir
-from .evaluation import greedy_pass_at_1
-from .gradients import reduce_and_clip
-from .hf_format import FINAL, check_writable, model_step_dir
-from .loss import group_advantages
-from .metrics import ProgressBar, StepLog, Timeline, rank_path
-from .overlap import GroupFailed, OverlappedStep, finish_overlap, memory_refusal, serial_reason, start_overlapped_step
-from .rollout_engine import EngineFailure, GenerationTrace, RolloutEngine, generate_or_rebuild
-from .task import Task
-from .step_stats import Residency, reward_stats, scored_mean_std, train_stats
-from .task_setup import build_tasks, checked_prompts, fit_model_length, longest_sequence, sampling_options
-from .termination import TerminationRequest
+from .metrics import ProgressBar, Residency, StepLog, Timeline, rank_path, reward_stats, scored_mean_std, train_stats
+from .overlap import GroupFailed, memory_refusal, serial_reason
+from .phases import MemoryPhases
+from .rollout_engine import EngineFailure, RolloutEngine, generate_or_rebuild
+from .strategy import Generated, OverlappedSteps, SerialSteps
+from .task import (Task, build_tasks, checked_prompts, fit_model_length, longest_sequence, sampling_options,
+                   stop_options)
 from .trackers import Trackers
 from .train_memory import TrainingMemory
 
@@ -81,7 +87,7 @@ class GRPOScheduler:
       per completion.
     - task: a colo.grpo.task.Task.
     out_dir: where checkpoints go (None: no checkpoints), and the model in Hugging Face format: out_dir/final
-    at the end, out_dir/model-step-N every config.save_model_every steps (colo.grpo.hf_format). resume=True
+    at the end, out_dir/model-step-N every config.save_model_every steps (colo.hf_format). resume=True
     continues from its latest checkpoint.
     pool_capacity: bytes of the device (or RAM) this run's pool may use; default: all that is free.
     The regions time-share it: the KV cache may use the bytes of the training memory that sleeps
@@ -113,11 +119,12 @@ class GRPOScheduler:
         self._start_engine(engine_options or {})
         self._build_training()
         self.serial_reason = self._overlap_refusal()  # None: each step trains finished groups while generating
+        self.strategy = self._strategy()
         self.timeline = Timeline(rank_path(trace_path, self.world.rank), rank=self.world.rank, append=resume)
-        self.checkpointer = Checkpointer(self.out_dir, self.config, self.world, self.model_dir, engine=self.engine,
-                                         model=self.model, tp=self.tp, adapter=self.adapter, memory=self.memory,
-                                         optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-                                         reference=self.reference, timeline=self.timeline)
+        self.checkpointer = Checkpointer(self.out_dir, self.config, self.world, self.model_dir, views=self.views,
+                                         phases=self.phases, memory=self.memory, optimizer=self.optimizer,
+                                         lr_scheduler=self.lr_scheduler, reference=self.reference,
+                                         timeline=self.timeline)
         self.step = self.checkpointer.restore(resume_state) if resume_state is not None else 0
         self.log = StepLog(log_path if self.world.is_main else None,
                            resume_after_step=self.step if resume else None)
@@ -126,8 +133,6 @@ class GRPOScheduler:
         # then must not checkpoint them (run() saves on the way out only when this is False).
         self._unsafe_to_save = False
         self.skipped_in_a_row = 0  # steps whose gradient norm was not finite, up to the last one
-        self._generating = False  # True while the engine generates (groups may train meanwhile: --overlap)
-        self._serial_this_step = False
 
     # -- set-up ------------------------------------------------------------------------------------
     def _join_world(self) -> None:
@@ -149,19 +154,17 @@ class GRPOScheduler:
                                     sequence_tokens=self.sequence_tokens, lora=lora,
                                     workdir=self._workdir.name if lora else None,
                                     tensor_parallel=self.config.tensor_parallel, **engine_options)
+        self.views = self.engine.views  # what the optimizer trains, whichever kind (colo.shared)
         self.model = self.engine.hf_model
-        self.tp = self.engine.tensor_parallel  # this rank's TensorParallelModel, or None
-        self.adapter = self.engine.adapter
-        self.reference = None
-        if self.config.beta > 0:  # with an adapter the reference is the shared base itself: no copy
-            self.reference = self.adapter.base_model(self.model) if self.adapter else frozen_copy(self.model)
+        # The KL term's reference: with an adapter the shared base itself (no copy), else a frozen copy.
+        self.reference = self.views.reference() if self.config.beta > 0 else None
 
     def _build_training(self) -> None:
         """Gradients, optimizer state and the optimizer, with exact budgets in the pool."""
         cfg = self.config
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self.views.parameters()
         # The training memory gets its budgets beside the weights while the KV cache sleeps (they
-        # time-share the pool), and sleeps itself before the first generation wakes the KV cache.
+        # time-share the pool); the run then starts ready to generate.
         if cfg.memory_phases:
             self.engine.sleep_kv_cache()
         # ZeRO-1: this rank's shard of masters and moments; the all-gather lands in the engine's weights.
@@ -169,8 +172,7 @@ class GRPOScheduler:
         shard = ShardLayout(params, self.world.dp_size, self.world.dp_rank, store_region=self.pool.regions[WEIGHTS]) \
             if cfg.shard_optimizer else None
         self.memory = TrainingMemory(self.pool, params, offload_optimizer=cfg.offload_optimizer, shard=shard,
-                                     shard_group=self.world.dp_group,
-                                     scales=self.adapter.scales() if self.adapter else None)
+                                     shard_group=self.world.dp_group, scales=self.views.scales())
         # fp32 parameters: AdamW itself; bf16: a colo.MasterWeightOptimizer stepping fp32 masters in the
         # optimizer region; sharded: a colo.ShardedMasterWeightOptimizer.
         self.optimizer = self.memory.build_optimizer(torch.optim.AdamW, lr=cfg.learning_rate, betas=cfg.adam_betas,
@@ -178,9 +180,9 @@ class GRPOScheduler:
         warmup = cfg.warmup_steps
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             getattr(self.optimizer, "optimizer", self.optimizer), lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
-        if cfg.memory_phases:
-            self.memory.sleep_for_generation()
-            self.memory.finish_offload()
+        self.phases = MemoryPhases(self.engine, self.memory, on=cfg.memory_phases)
+        self.phases.to_generate()
+        self.phases.take_seconds()  # set-up, not a step's
 
     def _open_trackers(self, log_path, resume: bool) -> Trackers | None:
         """The experiment trackers config.report_to names (None: none), with the run's config."""
@@ -200,6 +202,15 @@ class GRPOScheduler:
             (logger.warning if self.config.overlap == "on" else logger.info)("serial GRPO steps: %s", reason)
         return reason
 
+    def _strategy(self) -> SerialSteps:
+        """Serial steps, or overlapped ones where nothing refuses them (chosen once: serial_reason)."""
+        if self.serial_reason is not None:
+            return SerialSteps(self.engine, self.task, self.config, self.world, self._backward)
+        stream = self.pool.stream("train").torch_stream() if self.device.type == "cuda" else None
+        return OverlappedSteps(self.engine, self.task, self.config, self.world, self._backward, phases=self.phases,
+                               memory=self.memory, model_dir=self.model_dir, sequence_tokens=self.sequence_tokens,
+                               device=self.device, train_stream=stream)
+
     def _sequences_per_rank(self) -> int:
         return len(distributed.rank_share(self.config.prompts_per_step, self.world, rank=0)) * self.config.num_generations
 
@@ -207,213 +218,131 @@ class GRPOScheduler:
     def train_step(self) -> dict:
         """Run one GRPO step (the next one) and return its metrics record."""
         step = self.step + 1
-        record: dict = {"step": step, "dtype": self.config.dtype}
         started = time.perf_counter()
-        rollout = self._generate_phase(step, record)
+        rollout, generated, generate_s, rebuild_s = self._generate(step)
         try:
-            rewards = self._reward_phase(step, rollout, record)
-            self._train_phase(step, rollout, rewards, record)
+            with self.timeline.span("reward", step=step):
+                scores, reward_s = self.strategy.score(step, rollout, generated)
+            with self.timeline.span("train", step=step) as train:
+                self.phases.to_train(gradients_awake=generated.early is not None)
+                self.timeline.counter("resident_bytes", self.residency.resident())
+                collectives = self.views.collective_count
+                trained = self.strategy.train(rollout, scores, generated)
+                norm, skipped = self._update()
         except BaseException:
-            if rollout.overlapped is not None:  # the trainer's thread stops; on a GPU its stream is waited for
-                rollout.overlapped.abandon()
+            self.strategy.abandon(generated)  # the trainer's thread stops; on a GPU its stream is waited for
             raise
-        self._publish_phase(step, record)
-        # The optimizer state's copy out overlapped the publish; between steps every region is settled
-        # (a user may checkpoint, or wake the KV cache, before the next step).
-        switch = time.perf_counter()
-        self.memory.finish_offload()
-        record["phase_switch_s"] += time.perf_counter() - switch
+        # The gradients sleep and the optimizer state's copy out overlaps the publish; the KV cache wakes
+        # after it, so between steps the run is ready to generate (a user may checkpoint or evaluate).
+        report, publish_s = self.phases.to_generate(overlapping=lambda: self._publish(step))
+        self.step = step
+        record = {
+            "step": step, "dtype": self.config.dtype,
+            "generate_s": generate_s, "generate_tail_s": generated.tail_s, "overlap": generated.early is not None,
+            **({"overlap_fallback": generated.fallback} if generated.fallback else {}),
+            **({"engine_rebuild_s": rebuild_s} if rebuild_s is not None else {}),
+            "reward_s": reward_s, **reward_stats(scores, rollout, self.world),
+            "train_s": train["seconds"], **train_stats(trained.stats, self.world), **trained.early,
+            "grad_norm": norm, "step_skipped": skipped, "skipped_steps_in_a_row": self.skipped_in_a_row,
+            "optimizer_state_bytes": self.memory.optimizer_state_bytes(),
+            **({"tp_all_reduces": self.views.collective_count - collectives} if self.world.tp_size > 1 else {}),
+            "publish_s": publish_s, "publish_bytes_copied": report.bytes_copied,
+            "phase_switch_s": self.phases.take_seconds(), **self.residency.take(),
+        }
         record["step_s"] = time.perf_counter() - started
         record["tokens_per_s"] = record["tokens_generated"] / record["step_s"]
         record["lr"] = self.lr_scheduler.get_last_lr()[0]
-        self.step = step
         if self.eval_task is not None and self.config.eval_every and step % self.config.eval_every == 0:
             record.update(self.evaluate())
         return record
 
-    def _generate_phase(self, step: int, record: dict) -> "Rollout":
+    def _generate(self, step: int) -> tuple[Rollout, Generated, float, float | None]:
+        """This rank's rollout of the step (the strategy's try; after an engine error the engine is
+        rebuilt from the shared weights and tried once more), the generation, its seconds and the
+        rebuild's. Every rank fails together rather than leaving the others waiting in an all-reduce."""
         cfg = self.config
         all_rows, all_prompts = self.task.batch(step, cfg.prompts_per_step)
         all_prompts = checked_prompts(cfg, all_prompts, step, self.engine.vocab_size, self.engine.max_model_len)
         share = distributed.rank_share(cfg.prompts_per_step, self.world)  # uneven when the ranks do not divide it
-        prompts = all_prompts[share.start:share.stop]
-        self._serial_this_step = False  # set when an overlapped try runs out of memory
+        rows, prompts = all_rows[share.start:share.stop], all_prompts[share.start:share.stop]
+        sampling = sampling_options(cfg, self.task, step, share)
         with self.timeline.span("generate", step=step) as span:
-            switch = time.perf_counter()
-            if self.engine.kv_cache_asleep:
-                self.engine.wake_kv_cache()  # also forgets prefixes whose KV was lost
-            record["phase_switch_s"] = time.perf_counter() - switch
-            error = None
-            rows = all_rows[share.start:share.stop]
+            error = generated = rebuild_s = None
             try:
-                outputs, overlapped = generate_or_rebuild(
-                    self.engine, lambda: self._generate(step, rows, prompts, share, record), step=step,
-                    rank=self.world.rank, timeline=self.timeline, record=record, not_the_engines=GroupFailed)
+                generated, rebuild_s = generate_or_rebuild(
+                    self.engine, lambda: self.strategy.generate(step, rows, prompts, sampling), step=step,
+                    rank=self.world.rank, timeline=self.timeline, not_the_engines=GroupFailed)
             except EngineFailure as e:
                 error = e
             except GroupFailed as e:  # a reward function or the trainer raised: that error, as it is
                 raise e.__cause__ from None
-            # All ranks fail together rather than leaving the others waiting in an all-reduce.
-            failed = distributed.sum_floats([1.0 if error else 0.0], self.world)[0]
-            if error is not None:
-                raise error
-            if failed:
-                if overlapped is not None:
-                    overlapped.abandon()
+            if distributed.sum_floats([1.0 if error else 0.0], self.world)[0]:
+                if error is not None:
+                    raise error
+                self.strategy.abandon(generated)
                 raise EngineFailure(f"step {step}: generation failed on another rank (see its error)")
-            self.residency.sample("generate", record)
-        record["generate_s"] = span["seconds"]
-        record["overlap"] = overlapped is not None
-        rollout = rollout_of(rows, prompts, outputs, cfg.num_generations)
-        rollout.overlapped = overlapped
-        return rollout
+            self.residency.sample("generate")
+        return rollout_of(rows, prompts, generated.completions, cfg.num_generations), generated, span["seconds"], rebuild_s
 
-    def _generate(self, step, rows, prompts, share, record):
-        """One try: the completions and the OverlappedStep (None: serial). On any error the groups
-        trained so far are abandoned and the gradients sleep again (a retry starts from zeroed ones);
-        out of memory while training during generation, the step is generated again, serially."""
-        overlapped = self._start_overlap(step, rows, prompts, record)
-        trace = GenerationTrace()
-        self._generating = True
-        try:
-            outputs = self.engine.generate(prompts, sampling_options(self.config, self.task, step, share), trace=trace,
-                                           on_group=overlapped.on_group if overlapped else None)
-        except BaseException as e:
-            if overlapped is None:
-                raise
-            overlapped.abandon()
-            self.memory.grads.sleep(offload=False)  # what the groups accumulated is void
-            cause = e.__cause__ if isinstance(e, GroupFailed) else e
-            if not _out_of_memory(cause):
-                raise
-            record["overlap_fallback"] = (f"out of memory while training during generation ({type(cause).__name__}: "
-                                          f"{str(cause)[:200]}); step {step} redone serially")
-            logger.warning("rank %d: %s", self.world.rank, record["overlap_fallback"])
-            self._serial_this_step = True
-            self._generating = False
-            return self._generate(step, rows, prompts, share, record)
-        finally:
-            self._generating = False
-        if overlapped is not None:
-            overlapped.generation_done()  # the engine's thread gets its cores back; the groups left train in join()
-        record["generate_tail_s"] = trace.tail_s
-        return outputs, overlapped
-
-    def _start_overlap(self, step, rows, prompts, record) -> OverlappedStep | None:
-        """The gradients wake (zeroed) before generation, and each group trains as it finishes."""
-        if self.serial_reason is not None or self._serial_this_step:
-            return None
-        # What the device holds outside the pool changes between steps (torch's cache, the engine's
-        # own buffers): whether the gradients fit beside the KV cache is asked again each step.
-        refusal = memory_refusal(self.memory, self.config, self.model_dir, self.sequence_tokens)
-        if refusal is not None:
-            record["overlap_fallback"] = f"step {step} serial: {refusal}"
-            return None
-        self.memory.wake_gradients()
-        stream = self.pool.stream("train").torch_stream() if self.device.type == "cuda" else None
-        return start_overlapped_step(
-            self.task, step, rows, prompts, self.config, self.world.dp_size,
-            lambda group, advantages, **options: self._backward(group, advantages, record, **options),
-            device=self.device, train_stream=stream)
-
-    def _reward_phase(self, step, rollout: "Rollout", record) -> torch.Tensor:
-        """Every completion's reward (NaN: no function could score it) and the step's reward record:
-        overall and per function, mean and std over every rank's completions, as TRL logs them."""
-        if rollout.overlapped is not None:  # scored group by group as they finished
-            scores = concatenated_scores(rollout.overlapped.scores)
-            record["reward_s"] = rollout.overlapped.reward_s
-        else:
-            with self.timeline.span("reward", step=step) as span:
-                scores = self.task.score(step, rollout.rows, rollout.prompts, rollout.completions)
-            record["reward_s"] = span["seconds"]
-        record.update(reward_stats(scores, rollout, self.world))
-        return scores.total
-
-    def _train_phase(self, step, rollout: "Rollout", rewards, record) -> None:
-        cfg = self.config
-        with self.timeline.span("train", step=step) as span:
-            switch = time.perf_counter()
-            if cfg.memory_phases:
-                self.engine.sleep_kv_cache()
-            if rollout.overlapped is None:
-                self.memory.wake_for_training()  # optimizer state starts coming back on the copy stream
-            else:  # the gradients are awake since generation began, holding the groups trained so far
-                self.memory.start_prefetch()
-            record["phase_switch_s"] += time.perf_counter() - switch
-            self.timeline.counter("resident_bytes", self.residency.resident())
-            global_tokens, global_sequences = distributed.sum_floats([loss_tokens(rollout, cfg.mask_truncated),
-                                                            float(len(rollout.completions))],
-                                                           self.world, data_parallel=True)
-            collectives = self.tp.collectives.total if self.tp else 0
-            if rollout.overlapped is None:
-                # scale_rewards="batch": the std of every rank's rewards
-                batch_std = scored_mean_std(rewards, self.world)[1] if cfg.scale_rewards == "batch" else None
-                advantages = group_advantages(rewards, cfg.num_generations, scale=cfg.scale_rewards,
-                                              allow_unscorable=True, batch_std=batch_std)
-                stats = self._backward(rollout, advantages, record, global_tokens=global_tokens,
-                                       global_sequences=global_sequences)
-            else:
-                stats = finish_overlap(rollout.overlapped, self.memory, self.config.loss_type, self.world.dp_size,
-                                       global_tokens, record)
-            self.memory.check_grads_attached()
-            record["grad_norm"] = reduce_and_clip(self.memory, self.optimizer, self.world, cfg.max_grad_norm,
-                                                  tp=self.tp)
-            self.residency.sample("train", record)
-            self.memory.finish_prefetch()
-            # A norm that is not finite (the same on every rank) skips the update: the weights the engine
-            # serves stay as they were, and the next step starts from zeroed gradients.
-            record["step_skipped"] = not math.isfinite(record["grad_norm"])
-            self.skipped_in_a_row = self.skipped_in_a_row + 1 if record["step_skipped"] else 0
-            record["skipped_steps_in_a_row"] = self.skipped_in_a_row
-            if not record["step_skipped"]:
-                self._unsafe_to_save = True
-                self.optimizer.step()  # sharded: also all-gathers every rank's updated weights into the engine's
-                self.memory.adopt_optimizer_state(self.optimizer)  # no-op after the first step
-                self.lr_scheduler.step()
-            record["optimizer_state_bytes"] = self.memory.optimizer_state_bytes()
-        record["train_s"] = span["seconds"]
-        if self.tp is not None:  # the step's tensor-parallel all-reduces (forward, backward, vocabulary, KV heads)
-            record["tp_all_reduces"] = self.tp.collectives.total - collectives
-        record.update(train_stats(stats, self.world))
-
-    def _backward(self, rollout: "Rollout", advantages, record, *, after_forward=lambda: None, **totals) -> dict:
+    def _backward(self, rollout: Rollout, advantages, *, after_forward=lambda: None, **totals) -> dict:
+        """Forward, loss and backward over `rollout` (the strategy's, for a batch or one group)."""
         def forward_done():  # activations alive: the moment to sample memory (and the overlap's catch_up)
-            # A group trained while the KV cache is still awake (during generation, or the group in hand
-            # when it ends: --overlap) is counted with generation; the train phase's figures are those
-            # with the KV cache asleep.
-            awake = self._generating or (self.config.memory_phases and not self.engine.kv_cache_asleep)
-            self.residency.sample("generate" if awake else "train", record)
+            # A group trained while the KV cache is awake (during generation, or the group in hand when it
+            # ends: --overlap) is counted with generation; the train phase's figures have it asleep.
+            awake = self.strategy.generating or (self.phases.on and self.phases.kv_cache_awake)
+            self.residency.sample("generate" if awake else "train")
             after_forward()
 
-        return backward_rollout(self.tp or self.model, rollout, advantages, self.config, device=self.device,
+        return backward_rollout(self.views.trainer_model, rollout, advantages, self.config, device=self.device,
                                 dp_size=self.world.dp_size, reference=self.reference, after_forward=forward_done,
                                 **totals)
 
-    def _publish_phase(self, step: int, record: dict) -> None:
-        # The gradients are dead once the optimizer has stepped: they sleep now, and the optimizer
-        # state's copy to host (where it is offloaded) starts on the copy stream, so it overlaps the
-        # publish; the step ends by waiting for it (finish_offload).
-        switch = time.perf_counter()
-        if self.config.memory_phases:
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # activations' cached blocks go back before the KV cache wakes
-            self.memory.sleep_for_generation()
-        record["phase_switch_s"] += time.perf_counter() - switch
+    def _update(self) -> tuple[float, bool]:
+        """Gradients made global and clipped; the optimizer steps unless their norm is not finite (the
+        same on every rank): then the weights the engine serves stay as they were, and the next step
+        starts from zeroed gradients. Returns (the norm before clipping, whether the update was skipped)."""
+        self.memory.check_grads_attached()
+        norm = global_clipped_norm(self.memory, self.optimizer, self.views, self.world, self.config.max_grad_norm)
+        self.residency.sample("train")
+        self.memory.finish_prefetch()
+        skipped = not math.isfinite(norm)
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        if not skipped:
+            self._unsafe_to_save = True
+            self.optimizer.step()  # sharded: also all-gathers every rank's updated weights into the engine's
+            self.memory.adopt_optimizer_state(self.optimizer)  # no-op after the first step
+            self.lr_scheduler.step()
+        return norm, skipped
+
+    def _publish(self, step: int):
+        """The engine serves the trainer's weights from now on: (colo.shared.PublishReport, seconds)."""
         with self.timeline.span("publish", step=step) as span:
-            result = self.engine.publish()
-            self.residency.sample("publish", record)
+            report = self.engine.publish()
+            self.residency.sample("publish")
         self._unsafe_to_save = False
-        record["publish_s"] = span["seconds"]
-        record["publish_bytes_copied"] = result.bytes_copied
         self.timeline.counter("resident_bytes", self.residency.resident())
+        return report, span["seconds"]
 
     # -- evaluation --------------------------------------------------------------------------------
     def evaluate(self) -> dict:
         """Greedy pass@1 on the eval dataset: one completion per row at temperature 0, each reward
-        function's mean over the rows it scored ({"eval/<name>": mean}); the rows are split over the
-        data-parallel ranks. Runs between steps, with the weights of the step just finished."""
-        return greedy_pass_at_1(self.engine, self.eval_task, self.config.max_new_tokens, self.world, self.timeline,
-                                self.step)
+        function's mean over the rows it scored ({"eval/<name>": mean}, and "eval_s"); the rows are split
+        over the data-parallel ranks. Runs between steps, with the weights of the step just finished."""
+        task, world = self.eval_task, self.world
+        rows = list(distributed.rank_share(len(task.prompt_token_ids), world))
+        prompts = [task.prompt_token_ids[r] for r in rows]
+        record = {}
+        with self.timeline.span("eval", step=self.step) as span:
+            self.phases.to_generate()
+            sampling = dict(n=1, max_tokens=self.config.max_new_tokens, temperature=0.0, **stop_options(task))
+            outputs = self.engine.generate(prompts, [sampling] * len(prompts)) if prompts else []
+            scores = task.score(self.step, rows, prompts, [c.token_ids for c in outputs]) if prompts else None
+        for i, name in enumerate(task.reward_names):
+            column = scores.per_function[:, i] if scores is not None else torch.empty(0)
+            record[f"eval/{name}"] = scored_mean_std(column, world)[0]  # collective: every rank, rows or not
+        record["eval_s"] = span["seconds"]
+        self.phases.take_seconds()  # between steps, not a step's
+        return record
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self, steps: int, progress: bool = True) -> list[dict]:
@@ -421,7 +350,7 @@ class GRPOScheduler:
         check_int(steps, "steps")
         records = []
         bar = ProgressBar(steps, self.step, enabled=progress and self.world.is_main)
-        terminate = TerminationRequest()
+        terminate = _TerminationRequest()
         try:
             while self.step < steps:
                 record = self.train_step()
@@ -478,6 +407,38 @@ class GRPOScheduler:
             self._workdir.cleanup()
 
 
-def _out_of_memory(error) -> bool:
-    """A device or pool out-of-memory error (torch's, colo's or Python's MemoryError)."""
-    return isinstance(error, (MemoryError, torch.OutOfMemoryError))
+def global_clipped_norm(memory, optimizer, views, world, max_norm: float | None) -> float:
+    """Make this rank's accumulated gradients the global ones and clip them (colo.clipping); returns the
+    norm before clipping, the same on every rank: not finite means the optimizer must not step.
+    Averaged over the data-parallel ranks (with a sharded optimizer, reduce-scattered to their shard's
+    rank), the norm the whole model's (a tensor-parallel model's shards counted once: the views')."""
+    if memory.shard is not None:  # colo.ShardedMasterWeightOptimizer: reduce-scatter, then the global norm
+        return optimizer.clip_grad_norm_(max_norm, weights=views.norm_weights(optimizer.params) or None,
+                                         sum_group=views.group)
+    distributed.average_(list(memory.flat_grads.values()), world)
+    # fp32 parameters keep their gradients in .grad; 16-bit ones the optimizer's fp32 main gradients
+    # (colo.MasterWeightOptimizer, over the same parameters in the same order).
+    grads = getattr(optimizer, "main_grads", None) or [p.grad for p in memory.params]
+    norm = views.grad_norm(memory.params, grads)
+    clip_(grads, norm, max_norm)  # not finite: left as they are, and the step must not run
+    return norm
+
+
+class _TerminationRequest:
+    """SIGTERM as a request to stop after the current step (the run checkpoints it and raises
+    colo.errors.Terminated), instead of dying mid-step with the work since the last checkpoint lost.
+    Installs its handler on the main thread only (elsewhere a no-op) until restore()."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._request)
+
+    def _request(self, signum, frame):
+        self.requested = True
+
+    def restore(self):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None

@@ -224,21 +224,7 @@ class TrainingMemory:
             self._prefetch.synchronize()
             self._prefetch = None
 
-    # -- phases ------------------------------------------------------------------------------------
-    def sleep_for_generation(self) -> None:
-        """Release gradients (dead between steps) and start offloading the optimizer state; the
-        scheduler calls finish_offload() at the end of the step, after the publish it overlaps.
-        The gradients go first: releasing device memory waits for all queued work (CUDA unmaps
-        synchronise), which must not include the copy that is meant to overlap the publish."""
-        if not self.grads.asleep:
-            self.grads.sleep(offload=False)
-        self.start_offload()
-
-    def wake_for_training(self) -> None:
-        """Map the gradients back (zeroed) and start bringing the optimizer state back."""
-        self.wake_gradients()
-        self.start_prefetch()
-
+    # -- phases (colo.grpo.phases orders them) --------------------------------------------------------
     def gradients_fit_while_generating(self, activation_bytes: int = 0) -> bool:
         """Whether the gradients, and `activation_bytes` outside the regions, fit beside everything
         awake while the engine generates (the engine's weights and KV cache, the optimizer state unless

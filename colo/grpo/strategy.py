@@ -1,0 +1,160 @@
+"""Serial or overlapped: how a step generates its rollout, scores it and trains on it. The scheduler
+chooses one per run (colo.grpo.overlap.serial_reason says why a run is serial) and calls the same
+three methods either way:
+
+    generated = strategy.generate(step, rows, prompts, sampling)   # one try (the scheduler retries)
+    scores, reward_s = strategy.score(step, rollout, generated)
+    trained = strategy.train(rollout, scores, generated)           # forward, loss, backward
+
+`SerialSteps` generates the whole batch, then scores it, then trains on it. `OverlappedSteps` scores
+and trains each prompt's group as soon as its completions are done, while the engine decodes the
+others (colo.grpo.overlap); a step whose gradients do not fit beside the KV cache that moment, or that
+runs out of memory while training during generation, is generated again serially, and says why.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from . import distributed
+from .batch import concatenated_scores, loss_tokens
+from .loss import group_advantages
+from .metrics import scored_mean_std
+from .overlap import GroupFailed, OverlappedStep, finish_overlap, memory_refusal, start_overlapped_step
+from .rollout_engine import GenerationTrace
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Generated:
+    """One generation's outputs: the completions (n per prompt, prompt after prompt), the overlapped
+    step that scored and trained groups while generating (None: serial), the tail's seconds (fewer than
+    a quarter of the sequences still decoding), and why an overlapped run generated this step serially."""
+    completions: list
+    early: OverlappedStep | None = None
+    tail_s: float = 0.0
+    fallback: str | None = None
+
+
+@dataclass
+class Trained:
+    """What forward, loss and backward over a rollout report (colo.grpo.backward.merge_stats), and,
+    for an overlapped step, the trainer's seconds while the engine decoded and the groups trained then."""
+    stats: dict
+    early: dict = field(default_factory=dict)
+
+
+class SerialSteps:
+    """Generate everything, then score, then train. backward(rollout, advantages, **totals) runs
+    forward, loss and backward over completions (the scheduler's, which knows the model)."""
+
+    overlapped = False
+
+    def __init__(self, engine, task, config, world, backward: Callable):
+        self.engine, self.task, self.config, self.world, self.backward = engine, task, config, world, backward
+        self.generating = False  # True while the engine decodes (memory sampled then counts as generation's)
+
+    def generate(self, step: int, rows, prompts, sampling) -> Generated:
+        trace = GenerationTrace()
+        self.generating = True
+        try:
+            completions = self.engine.generate(prompts, sampling, trace=trace)
+        finally:
+            self.generating = False
+        return Generated(completions, tail_s=trace.tail_s)
+
+    def score(self, step: int, rollout, generated: Generated):
+        """(colo.grpo.task.Scores of every completion, the seconds the reward functions took)."""
+        started = time.perf_counter()
+        scores = self.task.score(step, rollout.rows, rollout.prompts, rollout.completions)
+        return scores, time.perf_counter() - started
+
+    def train(self, rollout, scores, generated: Generated) -> Trained:
+        cfg = self.config
+        global_tokens, global_sequences = self._batch_totals(rollout)
+        # scale_rewards="batch": the std of every rank's rewards
+        batch_std = scored_mean_std(scores.total, self.world)[1] if cfg.scale_rewards == "batch" else None
+        advantages = group_advantages(scores.total, cfg.num_generations, scale=cfg.scale_rewards,
+                                      allow_unscorable=True, batch_std=batch_std)
+        return Trained(self.backward(rollout, advantages, global_tokens=global_tokens, global_sequences=global_sequences))
+
+    def abandon(self, generated: Generated) -> None:
+        """The step failed after generation: nothing of it may run on (a no-op for serial steps)."""
+
+    def _batch_totals(self, rollout) -> tuple[float, float]:
+        """Loss tokens and completions of every data-parallel rank's batch (a collective)."""
+        return tuple(distributed.sum_floats([loss_tokens(rollout, self.config.mask_truncated),
+                                             float(len(rollout.completions))], self.world, data_parallel=True))
+
+
+class OverlappedSteps(SerialSteps):
+    """Each group scored and trained as soon as it finishes (on a GPU on the pool's train stream),
+    while the engine decodes the others; the optimizer step and publish wait for the last group, so
+    every sample comes from the same weights."""
+
+    overlapped = True
+
+    def __init__(self, engine, task, config, world, backward: Callable, *, phases, memory, model_dir,
+                 sequence_tokens: int, device: torch.device, train_stream=None):
+        super().__init__(engine, task, config, world, backward)
+        self.phases, self.memory, self.model_dir = phases, memory, model_dir
+        self.sequence_tokens, self.device, self.train_stream = sequence_tokens, device, train_stream
+
+    def generate(self, step: int, rows, prompts, sampling) -> Generated:
+        # What the device holds outside the pool changes between steps (torch's cache, the engine's own
+        # buffers): whether the gradients fit beside the KV cache is asked again each step.
+        refusal = memory_refusal(self.memory, self.config, self.model_dir, self.sequence_tokens)
+        if refusal is not None:
+            return self._serially(step, rows, prompts, sampling, f"step {step} serial: {refusal}")
+        self.phases.wake_gradients_for_overlap()
+        early = start_overlapped_step(self.task, step, rows, prompts, self.config, self.world.dp_size, self.backward,
+                                      device=self.device, train_stream=self.train_stream)
+        trace = GenerationTrace()
+        self.generating = True
+        try:
+            completions = self.engine.generate(prompts, sampling, trace=trace, on_group=early.on_group)
+        except BaseException as e:
+            # The groups trained so far are void: a retry (or the serial try below) starts from zeroed gradients.
+            early.abandon()
+            self.phases.drop_gradients()
+            cause = e.__cause__ if isinstance(e, GroupFailed) else e
+            if not isinstance(cause, (MemoryError, torch.OutOfMemoryError)):
+                raise
+            self.generating = False
+            return self._serially(step, rows, prompts, sampling,
+                                  f"out of memory while training during generation ({type(cause).__name__}: "
+                                  f"{str(cause)[:200]}); step {step} redone serially", warn=True)
+        finally:
+            self.generating = False
+        early.generation_done()  # the engine's thread gets its cores back; the groups left train in train()
+        return Generated(completions, early=early, tail_s=trace.tail_s)
+
+    def score(self, step: int, rollout, generated: Generated):
+        if generated.early is None:
+            return super().score(step, rollout, generated)
+        return concatenated_scores(generated.early.scores), generated.early.reward_s  # scored as they finished
+
+    def train(self, rollout, scores, generated: Generated) -> Trained:
+        if generated.early is None:
+            return super().train(rollout, scores, generated)
+        global_tokens, _ = self._batch_totals(rollout)
+        stats, early = finish_overlap(generated.early, self.memory, self.config.loss_type, self.world.dp_size,
+                                      global_tokens)
+        return Trained(stats, {"overlap_train_s": early.seconds_during_generation,
+                               "groups_trained_early": early.trained_during_generation})
+
+    def abandon(self, generated: Generated) -> None:
+        if generated.early is not None:  # the trainer's thread stops; on a GPU its stream is waited for
+            generated.early.abandon()
+
+    def _serially(self, step, rows, prompts, sampling, why: str, warn: bool = False) -> Generated:
+        if warn:
+            logger.warning("rank %d: %s", self.world.rank, why)
+        generated = super().generate(step, rows, prompts, sampling)
+        generated.fallback = why
+        return generated
