@@ -1,6 +1,6 @@
 """Run a command as a CPU of another kind would run it, on any x86 machine.
 
-    python -m colo.cpu_persona avx2 -- python -m pytest tests/test_cpu_gemm_paths.py
+    python -m colo.cpu_persona avx2 -- python -m pytest tests/sharing/test_cpu_gemm_paths.py
     python -m colo.cpu_persona avx2 -- python -m colo.grpo --steps 4 --out /tmp/run
 
 CI lands on whichever CPU kind comes (AMD EPYC with AVX2 only, AMD EPYC with AVX-512-BF16, Intel

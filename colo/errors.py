@@ -35,5 +35,10 @@ class NonFiniteGradients(ColoError, ArithmeticError):
     not touch the weights, and the last checkpoint is as it was."""
 
 
+class EnvironmentFailed(ColoError, RuntimeError):
+    """An agentic task's environment failed where the rollout cannot go on (its reset() raised, naming
+    the dataset row); the run stops, its last checkpoint as it was."""
+
+
 class Terminated(ColoError):
     """The run stopped at a step boundary because the process was asked to terminate (SIGTERM)."""

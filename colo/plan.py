@@ -34,7 +34,7 @@ projections, of which each rank holds whole KV heads):
 - verl (FSDP + tensor-parallel engine copy): FSDP's shards (16 P / W) beside a T-way engine copy
   (d P_T), asleep on the host while training; FSDP keeps every layer's whole activations.
 
-The same byte counts are what colo's pool measures on a CPU at small sizes (tests/test_plan.py
+The same byte counts are what colo's pool measures on a CPU at small sizes (tests/bench/test_plan.py
 compares them with the regions of a real colo.grpo run).
 """
 from __future__ import annotations

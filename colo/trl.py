@@ -50,6 +50,7 @@ KV cache itself and never moves the weights).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -80,10 +81,12 @@ trl, _VLLMGeneration = _import_trl()
 class ColoVLLMGeneration(_VLLMGeneration):
     """TRL's VLLMGeneration with the engine built and shared by colo (colocate mode only)."""
 
-    def __init__(self, *args, pool=None, engine_dtype=None, fp32_masters=False, **kwargs):
+    def __init__(self, *args, pool=None, engine_dtype=None, fp32_masters=False, engine_options=None, **kwargs):
         self.colo_pool, self.colo_engine_dtype, self.colo_fp32_masters = pool, engine_dtype, fp32_masters
+        self.colo_engine_options = dict(engine_options or {})  # more vllm.LLM options (e.g. enforce_eager)
         self.colo_masters: dict = {}  # parameter -> its fp32 values, for TRL's optimizer (fp32_masters)
         self.colo_shared = None
+        self.colo_generation_round = False  # inside GRPOTrainer._generate: several turns, one KV cache
         self.colo_adapter = None  # colo.lora.SharedAdapter, for a PEFT model
         self._colo_workdir = None  # where the engine's adapter slot was first loaded from (PEFT)
         self.colo_sync_reports: list[dict] = []
@@ -120,7 +123,7 @@ class ColoVLLMGeneration(_VLLMGeneration):
             self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
                 [list(range(i * self.tensor_parallel_size, (i + 1) * self.tensor_parallel_size))
                  for i in range(accelerator.num_processes // self.tensor_parallel_size)])
-        extra = {}
+        extra = dict(self.colo_engine_options)
         if accelerator.num_processes > 1:
             # As TRL does for its external launcher: vLLM reads the layout from the environment. (A
             # single process needs none, and leaves the environment as it was.)
@@ -216,7 +219,19 @@ class ColoVLLMGeneration(_VLLMGeneration):
         try:
             return super().generate(*args, **kwargs)
         finally:
-            self.sleep_kv_cache()  # TRL trains next: the KV cache's memory is released until then
+            if not self.colo_generation_round:
+                self.sleep_kv_cache()  # TRL trains next: the KV cache's memory is released until then
+
+    @contextlib.contextmanager
+    def generation_round(self):
+        """One round of TRL's generation, every turn of its tool loop included: the KV cache stays awake
+        between the turns (vLLM's prefix cache then serves each turn's earlier tokens) and sleeps after."""
+        self.colo_generation_round = True
+        try:
+            yield
+        finally:
+            self.colo_generation_round = False
+            self.sleep_kv_cache()
 
     def sleep_kv_cache(self) -> None:
         """Release the KV cache's memory if it is awake (the next request wakes it again)."""
@@ -308,12 +323,13 @@ def choose_engine_dtype(model, args, asked=None, device="cpu") -> tuple[torch.dt
 class GRPOTrainer(trl.GRPOTrainer):
     """trl.GRPOTrainer whose colocated vLLM engine is colo's (see the module docstring).
 
-    Extra keyword arguments: colo_pool (a colo.Pool; default: a new one on the model's device) and
+    Extra keyword arguments: colo_pool (a colo.Pool; default: a new one on the model's device),
     colo_engine_dtype (default: choose_engine_dtype's choice, said at start and kept in
-    `colo_engine_dtype_reason`).
+    `colo_engine_dtype_reason`) and colo_engine_options (more vllm.LLM options, e.g.
+    {"enforce_eager": True}: TRL's config has no field for them).
     """
 
-    def __init__(self, *args, colo_pool=None, colo_engine_dtype=None, **kwargs):
+    def __init__(self, *args, colo_pool=None, colo_engine_dtype=None, colo_engine_options=None, **kwargs):
         config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
         if config is None or not config.use_vllm or config.vllm_mode != "colocate":
             raise ValueError("colo.trl.GRPOTrainer is TRL's colocate mode: pass args=trl.GRPOConfig(use_vllm=True, "
@@ -337,7 +353,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 warnings.warn(warning, stacklevel=2)
         self.vllm_generation = ColoVLLMGeneration(
             model=self.model, accelerator=self.accelerator, processing_class=self.processing_class,
-            pool=colo_pool, engine_dtype=engine_dtype, fp32_masters=fp32_masters,
+            pool=colo_pool, engine_dtype=engine_dtype, fp32_masters=fp32_masters, engine_options=colo_engine_options,
             mode=args.vllm_mode, structured_outputs_regex=args.vllm_structured_outputs_regex,
             tensor_parallel_size=args.vllm_tensor_parallel_size, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             max_model_length=args.vllm_max_model_length,
@@ -387,6 +403,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         super()._save(output_dir, state_dict=state_dict)
         if masters and self.args.should_save and self.vllm_generation.colo_adapter is None:
             _say_fp32_in_config(output_dir or self.args.output_dir)
+
+    def _generate(self, prompts):
+        # TRL's tool loop calls generate() once per turn: the KV cache stays awake for the whole round,
+        # so vLLM's prefix cache keeps the earlier turns (it sleeps after, as after any generation).
+        with self.vllm_generation.generation_round():
+            return super()._generate(prompts)
 
     def compute_loss(self, *args, **kwargs):
         # TRL trains now: a KV cache woken outside TRL's generate (a user's llm.generate, an eval

@@ -8,6 +8,9 @@ test may use (tests must not assume its weights: colo.share_weights re-points th
         path = tiny_model_dir("llama", vocab_size=777, tie_word_embeddings=False)
         llm = build_engine(path)                  # fp32, 16 MiB KV cache in a fresh colo.Pool
         scores = prompt_logprobs(llm)             # log p(token | prefix) of fixed prompts
+
+The test files are in folders by area (docs/install.md lists them); plain functions and constants
+that several of them share, beyond the few here, are in tests/helpers/.
 """
 from __future__ import annotations
 

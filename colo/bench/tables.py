@@ -11,7 +11,7 @@ and `TABLES[NAME]` rebuilds what lies between them from the results files alone 
 caption naming each file it reads, the machine that file records and the commit it ran at. The prose
 around the markers is written by hand. `python -m colo.bench.tables` rewrites the blocks in place;
 with `--check` it writes nothing and exits 1, printing a diff, when a README's blocks differ from what
-the files give (tests/test_bench_tables.py runs it, so a results file and its tables change together).
+the files give (tests/bench/test_bench_tables.py runs it, so a results file and its tables change together).
 Either exits 2, writing nothing more, when a README lacks a block or a results file lacks a row a table
 quotes.
 

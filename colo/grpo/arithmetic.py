@@ -3,6 +3,11 @@ the sum or product of two small numbers, with the answer in an `answer` column (
 reads it). Written offline, seeded, in TRL's conventions.
 
     python -m colo.grpo.arithmetic DIR [--train N] [--eval N] [--seed S]   # DIR/train.jsonl, DIR/eval.jsonl
+    python -m colo.grpo.arithmetic DIR --tool-sums [--show-call]           # 4-5 digit sums, for `add`
+
+--tool-sums writes the agentic example's task (docs/agentic.md): sums of two 4-5 digit numbers, which
+a 135M model cannot add in its head but can with a tool; `add` here is that tool (`--tool
+colo.grpo.arithmetic:add`). --show-call adds a system message that shows the call's format.
 """
 from __future__ import annotations
 
@@ -28,14 +33,42 @@ def problems(count: int, seed: int) -> list[dict]:
     return rows
 
 
-def write(directory: str | Path, train: int = 256, eval: int = 32, seed: int = 0) -> tuple[Path, Path]:
+TOOL_SYSTEM = ("You have a tool to add numbers. To use it, reply with exactly:\n"
+               '<tool_call>\n{"name": "add", "arguments": {"a": 1234, "b": 5678}}\n</tool_call>\n'
+               "After the tool's result, answer with the number only.")
+
+
+def add(a: int, b: int) -> int:
+    """Add two whole numbers exactly.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return int(a) + int(b)
+
+
+def tool_sums(count: int, seed: int, show_call: bool = False) -> list[dict]:
+    """Sums of two 4-5 digit numbers as chat prompts; with show_call, a system message showing the call."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(1000, 99999), rng.randint(1000, 99999)
+        system = [{"role": "system", "content": TOOL_SYSTEM}] if show_call else []
+        rows.append({"prompt": [*system, {"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)})
+    return rows
+
+
+def write(directory: str | Path, train: int = 256, eval: int = 32, seed: int = 0, tool_sums_task: bool = False,
+          show_call: bool = False) -> tuple[Path, Path]:
     """Write DIR/train.jsonl and DIR/eval.jsonl (disjoint seeds) and return their paths."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, count, offset in (("train", train, 0), ("eval", eval, 1)):
         path = directory / f"{name}.jsonl"
-        path.write_text("".join(json.dumps(row) + "\n" for row in problems(count, seed * 2 + offset)))
+        rows = tool_sums(count, seed * 2 + offset, show_call) if tool_sums_task else problems(count, seed * 2 + offset)
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         paths.append(path)
     return paths[0], paths[1]
 
@@ -46,6 +79,8 @@ if __name__ == "__main__":
     parser.add_argument("--train", type=int, default=256)
     parser.add_argument("--eval", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tool-sums", action="store_true", help="4-5 digit sums, for the add tool")
+    parser.add_argument("--show-call", action="store_true", help="with --tool-sums: a system message showing the call")
     args = parser.parse_args()
-    for path in write(args.directory, args.train, args.eval, args.seed):
+    for path in write(args.directory, args.train, args.eval, args.seed, args.tool_sums, args.show_call):
         print(path)

@@ -7,14 +7,16 @@ import torch
 
 from .batch import PackedBatch, Rollout, completion_logprobs, pack
 from .config import GRPOConfig
-from .loss import grpo_loss, loss_denominators
+from .loss import grpo_loss, importance_weights, loss_denominators
 
 
 def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, config: GRPOConfig, *,
                          num_tokens: float | torch.Tensor, reference=None, engine_logprobs: list | None = None,
                          after_forward=None) -> dict:
     """Add d(loss)/d(params) to the parameters' .grad; return loss, clip_fraction, kl and (when the
-    engine's log-probabilities are given and temperature is 1) engine_logprob_max_abs_diff and _mean_abs_diff.
+    engine's log-probabilities are given: at temperature 1, or with importance sampling)
+    engine_logprob_max_abs_diff and _mean_abs_diff; with config.importance_sampling, the policy term
+    of each token is weighted by colo.grpo.loss.importance_weights, and its statistics returned.
 
     num_tokens: the token count the loss is averaged over (the whole batch, or its share per rank),
     or one denominator per row (loss.loss_denominators: the loss type's).
@@ -25,6 +27,7 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
     local_tokens = max(float(batch.completion_mask.sum()), 1.0)
     loss = clip = kl = mismatch = 0.0
     gap_sum = gap_count = 0.0
+    sampling = []  # importance sampling's statistics of each micro-batch, with its loss tokens
     per_row = isinstance(num_tokens, torch.Tensor) and num_tokens.dim() == 1
     for start in range(0, len(batch), micro):
         part = batch.rows(start, start + micro)
@@ -33,9 +36,15 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
         if reference is not None:
             with torch.no_grad():
                 ref = completion_logprobs(reference, part, config.temperature)
+        weights = None
+        if config.importance_sampling != "off" and engine_logprobs is not None:
+            sampled = padded(engine_logprobs[start:start + micro], logprobs.shape, logprobs.device)
+            weights, is_stats = importance_weights(logprobs, sampled, part.completion_mask, config.importance_sampling,
+                                                   config.importance_sampling_min, config.importance_sampling_max)
+            sampling.append((is_stats, float(part.completion_mask.sum())))
         parts = grpo_loss(logprobs, logprobs.detach(), advantages[start:start + micro], part.completion_mask,
                           epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high, beta=config.beta,
-                          ref_logprobs=ref,
+                          ref_logprobs=ref, weights=weights,
                           num_tokens=num_tokens[start:start + micro].to(logprobs.device) if per_row else num_tokens)
         if after_forward is not None:
             after_forward()  # activations are alive now: the moment to sample memory
@@ -45,21 +54,51 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
         clip += parts.clip_fraction * weight
         kl += parts.kl_mean * weight
         if engine_logprobs is not None:
-            worst, total, count = engine_mismatch(logprobs.detach(), part.attention_mask[:, part.prompt_len:],
+            worst, total, count = engine_mismatch(logprobs.detach(), part.model_tokens,
                                                   engine_logprobs[start:start + micro])
             mismatch, gap_sum, gap_count = max(mismatch, worst), gap_sum + total, gap_count + count
     stats = {"loss": loss, "clip_fraction": clip, "kl": kl}
     if engine_logprobs is not None:
         stats["engine_logprob_max_abs_diff"] = mismatch
         stats["engine_logprob_abs_diff_sum"], stats["engine_logprob_tokens"] = gap_sum, gap_count
+    if sampling:
+        stats.update(merge_sampling(sampling))
     return stats
+
+
+def padded(rows: list, shape, device) -> torch.Tensor:
+    """Per-row lists of numbers (None or missing: 0) as a (B, C) tensor."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        if row:
+            values = torch.tensor([0.0 if v is None else v for v in row[:shape[1]]], dtype=torch.float32)
+            out[i, :len(values)] = values
+    return out.to(device)
+
+
+def merge_sampling(parts: list[tuple[dict, float]]) -> dict:
+    """Importance sampling's statistics of several pieces as one: min and max of theirs, means weighted
+    by each piece's loss tokens."""
+    tokens = sum(n for _, n in parts) or 1.0
+    merged = {}
+    for key in parts[0][0]:
+        values = [s[key] for s, _ in parts]
+        if key.endswith("/min"):
+            merged[key] = min(values)
+        elif key.endswith("/max"):
+            merged[key] = max(values)
+        else:
+            merged[key] = sum(s[key] * n for s, n in parts) / tokens
+    merged["sampling/tokens"] = sum(n for _, n in parts)
+    return merged
 
 
 def engine_mismatch(trainer_logprobs: torch.Tensor, mask: torch.Tensor, engine_logprobs: list) -> tuple:
     """(largest, sum, count) of |trainer - engine| log-probability over the sampled tokens: proof that
     the engine runs the weights being trained (0 up to kernel differences when the publish is exact).
     vLLM reports raw-logit log-probabilities, so this compares like with like only at temperature 1.
-    mask: the completion tokens that exist (truncated ones too, even when left out of the loss)."""
+    mask: the tokens the engine sampled (truncated ones too, even when left out of the loss; not the
+    tools' tokens of an agentic rollout, whose logprobs the engine did not give)."""
     worst = total = count = 0.0
     for row, sample in enumerate(engine_logprobs):
         if not sample:
@@ -84,7 +123,7 @@ def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: 
     parts = []
     for start in range(0, len(rollout.completions), micro):
         part = rollout.part(start, start + micro)
-        batch = pack(part.prompts, part.completions)
+        batch = pack(part.prompts, part.completions, loss_masks=part.loss_masks)
         if config.mask_truncated:  # the tokens stay in the sequence; they only stop counting in the loss
             batch.completion_mask[torch.tensor(part.truncated, dtype=torch.bool)] = 0
         batch = batch.to(device)
@@ -93,9 +132,12 @@ def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: 
         denominators = loss_denominators(config.loss_type, batch.completion_mask.cpu(), global_tokens=global_tokens,
                                          global_sequences=global_sequences, max_new_tokens=config.max_new_tokens,
                                          ranks=dp_size)
+        # vLLM's log-probabilities are of the distribution it sampled from only at temperature 1, or when
+        # it reports processed ones (colo.grpo builds it so for importance sampling).
+        compare = config.temperature == 1.0 or config.importance_sampling != "off"
         stats = accumulate_gradients(model, batch, advantages[start:start + micro].to(device), config,
                                      num_tokens=denominators, reference=reference,
-                                     engine_logprobs=part.logprobs if config.temperature == 1.0 else None,
+                                     engine_logprobs=part.logprobs if compare else None,
                                      after_forward=after_forward)
         parts.append({**stats, "tokens": float(batch.completion_mask.sum())})
     return merge_stats(parts)
@@ -112,4 +154,8 @@ def merge_stats(results: list[dict]) -> dict:
         merged["engine_logprob_max_abs_diff"] = max(r["engine_logprob_max_abs_diff"] for r in results)
         for key in ("engine_logprob_abs_diff_sum", "engine_logprob_tokens"):
             merged[key] = sum(r[key] for r in results)
+    sampled = [r for r in results if "sampling/tokens" in r]
+    if sampled:
+        merged.update(merge_sampling([({k: v for k, v in r.items() if k.startswith("sampling/") and k != "sampling/tokens"},
+                                       r["sampling/tokens"]) for r in sampled]))
     return merged

@@ -21,8 +21,13 @@ class PackedBatch:
     attention_mask: torch.Tensor   # (B, P + C), 1 for real tokens
     position_ids: torch.Tensor     # (B, P + C)
     completion_ids: torch.Tensor   # (B, C), padding = 0
-    completion_mask: torch.Tensor  # (B, C), 1 for real completion tokens
+    completion_mask: torch.Tensor  # (B, C), 1 for the completion tokens the loss counts
     prompt_len: int                # P
+    model_tokens: torch.Tensor | None = None  # (B, C), 1 for the tokens the engine sampled (default: completion_mask)
+
+    def __post_init__(self):
+        if self.model_tokens is None:
+            self.model_tokens = self.completion_mask.clone()
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -30,16 +35,19 @@ class PackedBatch:
     def rows(self, start: int, stop: int) -> "PackedBatch":
         return PackedBatch(self.input_ids[start:stop], self.attention_mask[start:stop],
                            self.position_ids[start:stop], self.completion_ids[start:stop],
-                           self.completion_mask[start:stop], self.prompt_len)
+                           self.completion_mask[start:stop], self.prompt_len, self.model_tokens[start:stop])
 
     def to(self, device) -> "PackedBatch":
         return PackedBatch(self.input_ids.to(device), self.attention_mask.to(device),
                            self.position_ids.to(device), self.completion_ids.to(device),
-                           self.completion_mask.to(device), self.prompt_len)
+                           self.completion_mask.to(device), self.prompt_len, self.model_tokens.to(device))
 
 
-def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0) -> PackedBatch:
-    """One row per (prompt, completion) pair; the two lists have equal length."""
+def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0,
+         loss_masks: list | None = None) -> PackedBatch:
+    """One row per (prompt, completion) pair; the two lists have equal length. loss_masks: per completion,
+    1 for each token the model sampled and 0 for the tools' (agentic rollouts): those stay in the
+    sequence, as context, and out of the loss (None: every completion token counts)."""
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     if not prompts:
@@ -58,8 +66,14 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0
             input_ids[i, prompt_len:prompt_len + len(c)] = torch.tensor(c, dtype=torch.long)
             attention_mask[i, prompt_len:prompt_len + len(c)] = 1
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    completion_mask = attention_mask[:, prompt_len:].clone()
+    for i, mask in enumerate(loss_masks or ()):
+        if mask is not None:
+            if len(mask) != len(completions[i]):
+                raise ValueError(f"completion {i}: {len(mask)} loss mask entries for {len(completions[i])} tokens")
+            completion_mask[i, :len(mask)] = torch.tensor(mask, dtype=completion_mask.dtype)
     return PackedBatch(input_ids, attention_mask, position_ids, input_ids[:, prompt_len:].clone(),
-                       attention_mask[:, prompt_len:].clone(), prompt_len)
+                       completion_mask, prompt_len)
 
 
 def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
@@ -86,23 +100,55 @@ class Rollout:
     completions: list[list[int]]
     logprobs: list                   # the engine's log-probability of each sampled token
     truncated: list[bool]            # stopped by max_new_tokens, not by EOS
-    overlapped: object = None        # the OverlappedStep that scored and trained it while generating
+    # Agentic rollouts (colo.grpo.agent), else None: per completion, 1 for the model's tokens and 0 for
+    # the tools'; its turns as messages (what reward functions get); its environment instance.
+    loss_masks: list | None = None
+    conversations: list | None = None
+    environments: list | None = None
+    extra: list | None = None        # a rollout_func's other fields, one dict per completion
 
     def part(self, start: int, stop: int) -> "Rollout":
+        cut = lambda values: None if values is None else values[start:stop]  # noqa: E731
         return Rollout(self.rows[start:stop], self.prompts[start:stop], self.completions[start:stop],
-                       self.logprobs[start:stop], self.truncated[start:stop])
+                       self.logprobs[start:stop], self.truncated[start:stop], cut(self.loss_masks),
+                       cut(self.conversations), cut(self.environments), cut(self.extra))
+
+    def model_tokens(self) -> list[int]:
+        """Each completion's tokens the model sampled (the tools' not counted)."""
+        if self.loss_masks is None:
+            return [len(c) for c in self.completions]
+        return [sum(m) for m in self.loss_masks]
+
+    def reward_inputs(self) -> dict:
+        """What a task's score() takes beyond the token ids (agentic rollouts: the turns, the environments)."""
+        inputs = {}
+        if self.conversations is not None:
+            inputs["conversations"] = self.conversations
+        if self.environments is not None and any(e is not None for e in self.environments):
+            inputs["environments"] = self.environments
+        if self.extra and self.extra[0]:
+            inputs["extra_columns"] = {key: [fields.get(key) for fields in self.extra] for key in self.extra[0]}
+        return inputs
 
 
 def rollout_of(rows, prompts, completions, n: int) -> Rollout:
-    """A Rollout of these prompts' completions (engine Completions, n per prompt, prompt after prompt)."""
-    return Rollout(rows=[r for r in rows for _ in range(n)], prompts=[p for p in prompts for _ in range(n)],
+    """A Rollout of these prompts' completions (engine Completions, n per prompt, prompt after prompt;
+    an agentic completion carries its own prompt, loss mask, turns and environment)."""
+    agentic = bool(completions) and hasattr(completions[0], "loss_mask")
+    prompts = [p for p in prompts for _ in range(n)]
+    return Rollout(rows=[r for r in rows for _ in range(n)],
+                   prompts=[c.prompt_ids for c in completions] if agentic else prompts,
                    completions=[c.token_ids for c in completions], logprobs=[c.logprobs for c in completions],
-                   truncated=[c.truncated for c in completions])
+                   truncated=[c.truncated for c in completions],
+                   loss_masks=[c.loss_mask for c in completions] if agentic else None,
+                   conversations=[c.messages for c in completions] if agentic else None,
+                   environments=[c.environment for c in completions] if agentic else None,
+                   extra=[c.extra for c in completions] if agentic else None)
 
 
 def loss_tokens(rollout: Rollout, mask_truncated: bool) -> float:
     """Completion tokens that count in the loss (pack's completion_mask summed)."""
-    return float(sum(len(c) for c, cut in zip(rollout.completions, rollout.truncated) if not (mask_truncated and cut)))
+    return float(sum(n for n, cut in zip(rollout.model_tokens(), rollout.truncated) if not (mask_truncated and cut)))
 
 
 def concatenated_scores(scores: list) -> Scores:

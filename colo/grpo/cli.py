@@ -3,10 +3,14 @@
     python -m colo.grpo --steps 40 --json log.jsonl --out ckpt/ [--resume] [--model PATH] [--trace trace.json]
     python -m colo.grpo --model DIR --dataset train.jsonl --reward math --reward my_rewards.py:fmt
         --eval-dataset eval.jsonl --eval-every 10 --steps 100 --json log.jsonl --out ckpt/
+    python -m colo.grpo --model DIR --dataset sums.jsonl --reward math --tool calc.py:add --max-turns 2
+        --chat-template qwen2_5 --steps 30 --json log.jsonl --out ckpt/
 
 With --dataset it trains --model on a user's dataset (JSONL/JSON, Parquet, CSV or a save_to_disk
 directory; a `prompt` column of text or chat messages, every other column passed to the reward
-functions by name) with --reward functions in TRL's signature (colo.grpo.rewards). Without it, the
+functions by name) with --reward functions in TRL's signature (colo.grpo.rewards); with --tool and
+--environment the rollouts have several turns, the model calling tools between them (colo.grpo.agent,
+TRL's conventions). Without it, the
 toy task of colo.grpo.toy_task (reward = share of completion tokens that obey a token rule), on a small
 random Qwen2 model written to OUT/toy-model unless --model is given. --config FILE.yaml holds any of
 the flags (names with - or _); the command line wins. The run's settings are saved in OUT/run.json;
@@ -24,7 +28,7 @@ from pathlib import Path
 
 from ..checks import int_kind
 from .checkpoint import CheckpointError, checkpoint_to_resume, list_checkpoints
-from .config import DTYPES, LOSS_TYPES, OVERLAP_MODES, SCALES, GRPOConfig, check_model_dir
+from .config import DTYPES, IMPORTANCE_SAMPLING, LOSS_TYPES, OVERLAP_MODES, SCALES, GRPOConfig, check_model_dir
 
 OFFLOAD_CHOICES = {"auto": None, "on": True, "off": False}
 TOY_DEFAULTS = dict(prompts_per_step=8, num_generations=8, max_new_tokens=16, ignore_eos=True,
@@ -43,7 +47,11 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     chat_template_kwargs="chat_template_kwargs", overlap="overlap",
                     overlap_threads="overlap_threads", save_model_every="save_model_every", save_dtype="save_dtype",
                     merge_lora="merge_lora", report_to="report_to", run_name="run_name",
-                    max_skipped_steps="max_skipped_steps")
+                    max_skipped_steps="max_skipped_steps", max_turns="max_turns", tool_timeout="tool_timeout",
+                    chat_template="chat_template", importance_sampling="importance_sampling",
+                    importance_sampling_max="importance_sampling_max",
+                    importance_sampling_min="importance_sampling_min",
+                    structured_outputs_regex="structured_outputs_regex")
 
 
 def _int_at_least(minimum: int):
@@ -115,6 +123,28 @@ def build_parser() -> argparse.ArgumentParser:
     task.add_argument("--max-prompt-length", type=_positive_int, metavar="N",
                       help="refuse longer prompts, naming the row (or cut them with --truncate-prompts left)")
     task.add_argument("--truncate-prompts", choices=("left",), help="keep the last --max-prompt-length tokens")
+    agent = p.add_argument_group("agentic rollouts: tools, environments and several turns (TRL's conventions; with --dataset)")
+    agent.add_argument("--tool", action="append", metavar="FILE.py:NAME", help="a function the model may call "
+                       "(FILE.py:NAME or module:NAME; sync or async, with type hints and a Google-style docstring, "
+                       "described to the model by the chat template); repeatable")
+    agent.add_argument("--environment", metavar="FILE.py:CLASS", help="TRL's environment_factory: one instance per "
+                       "rollout, reset(**row) before it (a string it returns is appended to the prompt), its public "
+                       "methods tools, get_reward() a reward of weight 1 (then --reward is optional)")
+    agent.add_argument("--max-turns", type=_non_negative_int, metavar="N",
+                       help="most rounds of tool calls in a rollout (TRL's max_tool_calling_iterations; default 5)")
+    agent.add_argument("--tool-timeout", type=_positive_float, metavar="S",
+                       help="seconds a tool call may take before its result is an error (default 30)")
+    agent.add_argument("--chat-template", metavar="NAME|FILE.jinja",
+                       help="the chat template instead of the model's own: a .jinja file, or one TRL ships by name "
+                            "(qwen2_5: describes tools, ChatML like SmolLM2's)")
+    agent.add_argument("--structured-outputs-regex", metavar="REGEX",
+                       help="guided decoding: every turn matches REGEX (TRL's vllm_structured_outputs_regex)")
+    agent.add_argument("--importance-sampling", choices=IMPORTANCE_SAMPLING,
+                       help="correct for the engine's log-probabilities (TRL's vllm_importance_sampling_mode; "
+                            "default off)")
+    agent.add_argument("--importance-sampling-max", type=float, metavar="C",
+                       help="the ratio's cap (default 3.0, TRL's)")
+    agent.add_argument("--importance-sampling-min", type=float, metavar="C", help="the ratio's floor (default none)")
     gen = p.add_argument_group("generation and loss (defaults: the toy's, or TRL's with --dataset)")
     gen.add_argument("--prompts-per-step", type=_positive_int, metavar="P", help="prompts per step over all ranks (8)")
     gen.add_argument("--num-generations", type=_positive_int, metavar="G", help="completions per prompt, the GRPO group (8)")
@@ -314,19 +344,21 @@ def _check_task_flags(args, parser) -> None:
 
     if not args.dataset:
         for flag in ("reward", "reward_weights", "eval_dataset", "eval_every", "chat_template_kwargs",
-                     "max_prompt_length"):
+                     "max_prompt_length", "tool", "environment", "chat_template"):
             if getattr(args, flag):
                 parser.error(f"--{flag.replace('_', '-')} needs --dataset (the toy task has its own prompts and reward)")
         return
     if not args.model:
         parser.error("--dataset needs --model (a Hugging Face model directory with its tokenizer)")
-    if not args.reward:
-        parser.error("--dataset needs at least one --reward")
-    if args.reward_weights and len(args.reward_weights) != len(args.reward):
+    tools, environment = load_agent_flags(args, parser)
+    rewarding = environment is not None and callable(getattr(environment, "get_reward", None))
+    if not args.reward and not rewarding:
+        parser.error("--dataset needs at least one --reward (or an --environment with get_reward)")
+    if args.reward_weights and len(args.reward_weights) != len(args.reward or ()):
         parser.error(f"--reward-weights: {len(args.reward_weights)} weights for {len(args.reward)} --reward functions")
     if args.eval_every and not args.eval_dataset:
         parser.error("--eval-every needs --eval-dataset")
-    for spec in args.reward:
+    for spec in args.reward or ():
         try:
             load_reward(spec)
         except (ValueError, ImportError) as e:
@@ -345,10 +377,40 @@ def _check_task_flags(args, parser) -> None:
                              f"{', '.join(columns)})")
 
 
+def load_agent_flags(args, parser):
+    """--tool and --environment loaded and checked (type hints, docstrings, reset), and the chat template
+    checked to describe them, before any engine starts; (tools, environment class or None)."""
+    from .tools import ToolError, check_environment, check_template_renders_tools, check_tools, environment_tools
+    from .tools import load_object, set_chat_template, tool_capable_template
+
+    try:
+        tools = [load_object(spec, "--tool") for spec in args.tool or ()]
+        check_tools(tools)
+        environment = load_object(args.environment, "--environment") if args.environment else None
+        if environment is not None:
+            check_environment(environment)
+        described = [*tools, *([getattr(environment, n) for n in environment_tools(environment)] if environment else [])]
+        if described or args.chat_template:
+            from transformers import AutoTokenizer
+
+            from ..hub import resolve_model
+
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+            name = f"of {args.model}"
+            if args.chat_template:
+                set_chat_template(tokenizer, tool_capable_template(args.chat_template))
+                name = repr(args.chat_template)
+            if described:
+                check_template_renders_tools(tokenizer, described, name)
+    except ToolError as e:
+        parser.error(str(e))
+    return tools, environment
+
+
 def task_settings(args) -> dict:
     """What run.json keeps of the task, so --resume trains on the same data with the same rewards."""
     return {"dataset": args.dataset, "eval_dataset": args.eval_dataset, "rewards": args.reward,
-            "reward_weights": args.reward_weights}
+            "reward_weights": args.reward_weights, "tool": args.tool, "environment": args.environment}
 
 
 def main(argv=None) -> int:
@@ -405,8 +467,11 @@ def main(argv=None) -> int:
     from .scheduler import GRPOScheduler
 
     if args.dataset:
+        from .tools import load_object
+
         task = dict(dataset=args.dataset, reward_funcs=args.reward, reward_weights=args.reward_weights,
-                    eval_dataset=args.eval_dataset)
+                    eval_dataset=args.eval_dataset, tools=[load_object(spec) for spec in args.tool or ()],
+                    environment_factory=load_object(args.environment, "--environment") if args.environment else None)
     else:
         from .toy_task import ToyTask
 
@@ -444,7 +509,7 @@ def _cuda() -> bool:
 
 def run_cli(argv=None) -> int:
     """main() with failures turned into a one-line message and exit status 1 (2 for bad checkpoints)."""
-    from ..errors import NonFiniteGradients
+    from ..errors import EnvironmentFailed, NonFiniteGradients
     from .rollout_engine import EngineFailure
     from .scheduler import Terminated
 
@@ -453,8 +518,8 @@ def run_cli(argv=None) -> int:
     except CheckpointError as e:
         print(f"colo.grpo: error: {e}", file=sys.stderr)
         return 2
-    except (EngineFailure, NonFiniteGradients, FileNotFoundError, ValueError, MemoryError, NotImplementedError,
-            ImportError) as e:
+    except (EngineFailure, EnvironmentFailed, NonFiniteGradients, FileNotFoundError, ValueError, MemoryError,
+            NotImplementedError, ImportError) as e:
         print(f"colo.grpo: error: {e}", file=sys.stderr)
         return 1
     except Terminated as e:

@@ -17,6 +17,8 @@ DTYPES = ("bf16", "fp32")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")      # how token losses are averaged (colo.grpo.loss)
 SCALES = ("group", "batch", "none")           # what advantages are divided by (colo.grpo.loss)
 OVERLAP_MODES = ("auto", "on", "off")         # training during generation (colo.grpo.overlap)
+# Importance sampling against the engine's log-probabilities (colo.grpo.loss; TRL's modes).
+IMPORTANCE_SAMPLING = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # What --save-dtype takes (colo.grpo.export turns the name into a torch dtype).
 SAVE_DTYPES = ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
 
@@ -98,6 +100,22 @@ class GRPOConfig:
     run_name: str | None = None
     keep_checkpoints: int = 2          # newest ones kept (0: all)
     seed: int = 0
+    # Agentic rollouts (colo.grpo.agent; the scheduler's tools= and environment_factory=): the most rounds
+    # of tool calls in a rollout (TRL's max_tool_calling_iterations) and the seconds a tool call may take
+    # (None: no limit). max_new_tokens bounds every turn's tokens together, the tools' results included.
+    max_turns: int = 5
+    tool_timeout: float | None = 30.0
+    # A chat template instead of the model's own: a .jinja file, or one TRL ships by name (e.g. "qwen2_5",
+    # which describes tools and is ChatML like SmolLM2's own).
+    chat_template: str | None = None
+    # Importance sampling against the engine's log-probabilities (TRL's vllm_importance_sampling_*): a
+    # mode of IMPORTANCE_SAMPLING, and the ratio's cap and floor (None: none; TRL's defaults 3.0, None).
+    importance_sampling: str = "off"
+    importance_sampling_max: float | None = 3.0
+    importance_sampling_min: float | None = None
+    # Guided decoding: every turn's text must match this regular expression (TRL's
+    # vllm_structured_outputs_regex; e.g. to make a small model write well-formed tool calls in a test).
+    structured_outputs_regex: str | None = None
 
     def __post_init__(self):
         self.adam_betas = tuple(self.adam_betas)
@@ -166,6 +184,17 @@ class GRPOConfig:
         self.report_to = check_report_to([self.report_to] if isinstance(self.report_to, str) else self.report_to)
         if self.merge_lora and not self.lora_rank:
             raise ValueError("merge_lora needs lora_rank > 0 (full fine-tuning saves the whole model already)")
+        check_int(self.max_turns, "max_turns", 0)
+        if self.tool_timeout is not None and not self.tool_timeout > 0:
+            raise ValueError(f"tool_timeout must be > 0 seconds or None, got {self.tool_timeout}")
+        if self.importance_sampling not in IMPORTANCE_SAMPLING:
+            raise ValueError(f"importance_sampling must be one of {', '.join(IMPORTANCE_SAMPLING)}, got "
+                             f"{self.importance_sampling!r}")
+        low, high = self.importance_sampling_min, self.importance_sampling_max
+        if self.importance_sampling.endswith("truncate") and low is None and high is None:
+            raise ValueError(f"importance_sampling={self.importance_sampling!r} needs importance_sampling_max or _min")
+        if low is not None and high is not None and not low < high:
+            raise ValueError(f"importance_sampling_min ({low}) must be below importance_sampling_max ({high})")
         if self.dtype not in (None, *DTYPES):
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or None (the fastest here), got {self.dtype!r}")
 

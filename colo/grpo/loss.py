@@ -87,6 +87,7 @@ def grpo_loss(
     beta: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: float | torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> LossParts:
     """The GRPO objective, negated for minimisation, as a token-level mean.
 
@@ -94,6 +95,8 @@ def grpo_loss(
     num_tokens: the denominator of the mean. Default mask.sum(); pass the token count of the whole
     (multi-rank, multi-micro-batch) batch so summing the pieces' gradients gives the exact global mean.
     A (batch,) tensor gives each row its own denominator (loss_denominators: TRL's loss types).
+    weights: importance-sampling weights multiplying the policy term, (batch, completion_len) or (batch, 1)
+    (importance_weights), before the KL term is added, as TRL applies them.
     """
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
         raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
@@ -108,6 +111,8 @@ def grpo_loss(
     adv = advantages.to(logprobs.dtype).unsqueeze(1)
     unclipped_obj, clipped_obj = ratio * adv, clipped * adv
     per_token = -torch.min(unclipped_obj, clipped_obj)
+    if weights is not None:
+        per_token = per_token * weights.to(per_token.dtype)
     kl_mean = 0.0
     if beta != 0.0:
         delta = ref_logprobs - logprobs
@@ -142,3 +147,33 @@ def loss_denominators(loss_type: str, completion_mask: torch.Tensor, *, global_t
     if loss_type == "dr_grpo":
         return torch.full((rows,), global_sequences * max_new_tokens / ranks)
     raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+
+
+def importance_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
+                       mode: str, low: float | None = None, high: float | None = None) -> tuple[torch.Tensor, dict]:
+    """Importance-sampling weights correcting for the engine sampling from (slightly) other numbers than
+    the trainer computes, as TRL's vllm_importance_sampling_correction: per token (`token_*`, shape (B, C))
+    rho = exp(trainer - engine), per sequence (`sequence_*`, (B, 1)) rho = exp(sum over its tokens);
+    `*_truncate` clamps rho to [low, high], `*_mask` sets it to 0 outside. Only tokens of `mask` (the model's,
+    in the loss) count. Returns the weights (no gradient) and their statistics (TRL's names)."""
+    mask = mask.to(torch.float32)
+    diff = torch.nan_to_num((trainer_logprobs.detach().float() - engine_logprobs.float()) * mask, nan=0.0)
+    ratio = diff.exp() if mode.startswith("token") else diff.sum(dim=1, keepdim=True).exp()
+    if mode.endswith("truncate"):
+        ratio = ratio.clamp(min=low, max=high)
+    else:
+        outside = torch.zeros_like(ratio, dtype=torch.bool)
+        if low is not None:
+            outside |= ratio < low
+        if high is not None:
+            outside |= ratio > high
+        ratio = ratio.masked_fill(outside, 0.0)
+    counted = mask.bool() if mode.startswith("token") else mask.sum(dim=1, keepdim=True) > 0
+    values = ratio[counted] if counted.any() else ratio.new_ones(1)
+    gaps = diff.abs()[mask.bool()] if mask.any() else diff.new_zeros(1)
+    stats = {"sampling/importance_sampling_ratio/min": float(values.min()),
+             "sampling/importance_sampling_ratio/mean": float(values.mean()),
+             "sampling/importance_sampling_ratio/max": float(values.max()),
+             "sampling/sampling_logp_difference/mean": float(gaps.mean()),
+             "sampling/sampling_logp_difference/max": float(gaps.max())}
+    return ratio, stats

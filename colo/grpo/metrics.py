@@ -208,7 +208,7 @@ def reward_stats(scores, rollout, world) -> dict:
     for i, name in enumerate(scores.names):
         record[f"rewards/{name}/mean"], record[f"rewards/{name}/std"] = scored_mean_std(scores.per_function[:, i],
                                                                                         world)
-    lengths = [len(c) for c in rollout.completions]
+    lengths = rollout.model_tokens()  # the model's tokens (an agentic rollout's tool results not counted)
     n, tokens, clipped, unscored = distributed.sum_floats(
         [len(lengths), sum(lengths), sum(rollout.truncated), float(torch.isnan(scores.total).sum())],
         world, data_parallel=True)
@@ -229,6 +229,15 @@ def train_stats(stats: dict, world) -> dict:
                                    world, data_parallel=True)
         record["engine_logprob_max_abs_diff"] = distributed.min_max(0.0, stats["engine_logprob_max_abs_diff"], world)[1]
         record["engine_logprob_mean_abs_diff"] = gap / max(tokens, 1.0)
+    if "sampling/tokens" in stats:  # importance sampling: min and max over ranks, means weighted by tokens
+        tokens = stats["sampling/tokens"]
+        means = [k for k in stats if k.startswith("sampling/") and k.endswith("/mean")]
+        summed = distributed.sum_floats([tokens, *(stats[k] * tokens for k in means)], world, data_parallel=True)
+        for key, total in zip(means, summed[1:]):
+            record[key] = total / max(summed[0], 1.0)
+        for key in (k for k in stats if k.startswith("sampling/") and k.endswith(("/min", "/max"))):
+            low, high = distributed.min_max(stats[key], stats[key], world)
+            record[key] = low if key.endswith("/min") else high
     return record
 
 
@@ -255,3 +264,26 @@ class Residency:
         """What was sampled since the last take()."""
         seen, self._seen = self._seen, {}
         return seen
+
+
+def agent_stats(completions, stats, world) -> dict:
+    """An agentic step's figures over every data-parallel rank (colo.grpo.agent): tool calls per rollout
+    and the share of them that failed (TRL's tools/call_frequency, tools/failure_frequency), calls that
+    could not be read and calls that timed out, the share of rollouts that called a tool, turns per
+    rollout, the prompt tokens the engine computed against those in context over all turns (the rest
+    came from vLLM's prefix cache), and the seconds the engine had nothing to decode while tools ran."""
+    def total(name):
+        return float(sum(getattr(c, name, 0) for c in completions))
+
+    (n, calls, failures, malformed, timeouts, calling, turns, in_context, computed, idle, tool_s) = distributed.sum_floats(
+        [float(len(completions)), total("tool_calls"), total("tool_failures"), total("malformed_calls"),
+         total("timeouts"), float(sum(getattr(c, "tool_calls", 0) > 0 for c in completions)), total("turns"),
+         total("prefill_in_context"), total("prefill_computed"), stats.engine_idle_s, stats.tool_s],
+        world, data_parallel=True)
+    most_turns = distributed.min_max(0.0, max((getattr(c, "turns", 1) for c in completions), default=0), world)[1]
+    return {"tools/call_frequency": calls / max(n, 1.0), "tools/failure_frequency": failures / max(calls, 1.0),
+            "tools/malformed_calls": int(malformed), "tools/timeouts": int(timeouts),
+            "tools/rollouts_calling": calling / max(n, 1.0), "turns_mean": turns / max(n, 1.0), "turns_max": int(most_turns),
+            "prefill_tokens_in_context": int(in_context), "prefill_tokens_computed": int(computed),
+            "prefix_cache_hit_rate": 1.0 - computed / max(in_context, 1.0),
+            "engine_idle_during_tools_s": idle / world.dp_size, "tool_s": tool_s}

@@ -279,7 +279,7 @@ def start_overlapped_step(task, step: int, rows, prompts, config, dp_size: int, 
 
     def score(i, completions):
         group = rollout_of(rows[i:i + 1], prompts[i:i + 1], completions, n)
-        scores = task.score(step, group.rows, group.prompts, group.completions)
+        scores = task.score(step, group.rows, group.prompts, group.completions, **group.reward_inputs())
         return scores, (group, group_advantages(scores.total, n, scale=config.scale_rewards, allow_unscorable=True))
 
     # Denominators known now (sequences) are used as they are; dapo's token count of the whole batch

@@ -27,10 +27,12 @@ RewardFunc = Callable[..., list]
 
 
 def completion_text(completion) -> str:
-    """The text of a completion: itself, or the content of its (last) message."""
+    """The text of a completion: itself, or the content of its last assistant message (an agentic
+    rollout's messages end with the model's final turn; tool results are not its answer)."""
     if isinstance(completion, str):
         return completion
-    return completion[-1]["content"]
+    said = [m for m in completion if m.get("role") == "assistant"] or completion
+    return said[-1].get("content") or ""
 
 
 def math_reward(completions, solution=None, answer=None, **kwargs) -> list[float | None]:

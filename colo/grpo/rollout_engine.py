@@ -109,6 +109,7 @@ class RolloutEngine:
         # 128-token block on CPU. Sizing by tokens alone left the toy batch 5x short of blocks here,
         # and generation crawled through preemptions.
         block = llm_kwargs.pop("block_size", None) or default_block_size(pool.device)
+        self.block_size = block  # tokens per KV block (vLLM's prefix cache reuses whole blocks)
         # vLLM makes bytes // (block x the layers' page bytes) blocks (v1/core/kv_cache_utils.py,
         # get_kv_cache_config_from_groups); a full-attention page is block x one layer's K and V per
         # token, so these bytes give exactly `blocks`, null block included.
@@ -118,7 +119,8 @@ class RolloutEngine:
         # load_model, so in the weights region: not parameters, and not in the KV cache's budget.
         self.runner_buffer_bytes = compat.sampler_buffer_bytes(config.vocab_size, max_num_seqs, pool.device.type)
         self.kv_cache_bytes = self._kv_budget(blocks * block * kv_bytes_per_token(config, dtype, tensor_parallel), config)
-        self._llm_kwargs = dict(skip_tokenizer_init=True, max_num_seqs=max_num_seqs, block_size=block, **llm_kwargs)
+        llm_kwargs.setdefault("skip_tokenizer_init", True)  # token ids in and out (guided decoding needs it, though)
+        self._llm_kwargs = dict(max_num_seqs=max_num_seqs, block_size=block, **llm_kwargs)
         self.llm = self._build(load_format="auto")
         self.shared = self._share()
         self.hf_model = self.shared.hf_model
@@ -187,38 +189,59 @@ class RolloutEngine:
         on_group(i, completions): called (on this thread, between engine steps) as soon as every
         completion of prompt i has finished, while the engine goes on decoding the others.
         trace: records how many sequences were running after each engine step (GenerationTrace)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        params = [SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **s) for s in sampling]
-        # LLM.generate is enqueue + a loop of engine steps (vllm/entrypoints/common/offline.py,
-        # _run_engine); running that loop here sees each prompt's group the step it finishes.
-        ids = self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
-                               lora_request=self.adapter.request if self.adapter else None)
-        index = {compat.external_request_id(request_id): i for i, request_id in enumerate(ids)}
+        ids = self.enqueue(prompts, sampling)
+        index = {request_id: i for i, request_id in enumerate(ids)}
         groups: list[list[Completion] | None] = [None] * len(prompts)
-        engine = self.llm.llm_engine
         if trace is not None:
-            trace.start(engine.get_num_unfinished_requests())
+            trace.start(self.unfinished())
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if not out.finished:
-                        continue
+            while self.unfinished():
+                for out in self.step():
                     i = index[out.request_id]
                     groups[i] = self._completions(out, sampling[i]["n"])
                     if on_group is not None:
                         on_group(i, groups[i])
                 if trace is not None:
-                    trace.sample(engine.get_num_unfinished_requests())
+                    trace.sample(self.unfinished())
         except BaseException:
             # Requests left behind would come out of the next generation's steps.
-            engine.abort_request([ids[i] for i, group in enumerate(groups) if group is None], internal=True)
+            self.abort([ids[i] for i, group in enumerate(groups) if group is None])
             raise
         missing = [i for i, g in enumerate(groups) if g is None]
         if missing:
             raise RuntimeError(f"engine finished without the completions of prompts {missing[:5]}")
         return [c for group in groups for c in group]
+
+    # -- requests one at a time (colo.grpo.agent drives the engine turn by turn with these) --------
+    def enqueue(self, prompts: list[list[int]], sampling: list[dict]) -> list[str]:
+        """Queue one request per prompt (SamplingParams' fields in `sampling`); their ids, as step() names them."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        params = []
+        for options in sampling:
+            options = dict(options)
+            regex = options.pop("structured_outputs_regex", None)
+            if regex is not None:
+                options["structured_outputs"] = StructuredOutputsParams(regex=regex)
+            params.append(SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **options))
+        # LLM.generate is enqueue + a loop of engine steps (vllm/entrypoints/common/offline.py,
+        # _run_engine); running that loop here sees each request the step it finishes.
+        ids = self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                               lora_request=self.adapter.request if self.adapter else None)
+        return [compat.external_request_id(request_id) for request_id in ids]
+
+    def step(self) -> list:
+        """One engine step; the requests it finished (vLLM RequestOutputs: request_id, outputs,
+        prompt_token_ids, num_cached_tokens: the prompt tokens the prefix cache served)."""
+        return [out for out in self.llm.llm_engine.step() if out.finished]
+
+    def unfinished(self) -> int:
+        return self.llm.llm_engine.get_num_unfinished_requests()
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.llm.llm_engine.abort_request(list(request_ids))  # external ids (enqueue gives those)
 
     @staticmethod
     def _completions(out, n: int) -> list[Completion]:

@@ -56,7 +56,8 @@ from .backward import backward_rollout
 from .batch import Rollout, rollout_of
 from .checkpoint import Checkpointer
 from .config import GRPOConfig, check_model_dir
-from .metrics import ProgressBar, Residency, StepLog, Timeline, rank_path, reward_stats, scored_mean_std, train_stats
+from .metrics import (ProgressBar, Residency, StepLog, Timeline, agent_stats, rank_path, reward_stats, scored_mean_std,
+                      train_stats)
 from .overlap import GroupFailed, memory_refusal, serial_reason
 from .phases import MemoryPhases
 from .rollout_engine import EngineFailure, RolloutEngine, generate_or_rebuild
@@ -86,6 +87,12 @@ class GRPOScheduler:
       prompts. reward_fn(prompts, completions) returns one float per completion, prompts repeated once
       per completion.
     - task: a colo.grpo.task.Task.
+    Agentic rollouts (colo.grpo.agent), with a dataset task, as TRL's GRPOTrainer takes them: tools (plain
+    functions the model may call, described to it by the chat template), environment_factory (a class:
+    one instance per rollout, reset(**row) before it, its public methods tools, get_reward() a reward),
+    config.max_turns rounds of tool calls at most; or rollout_func(prompts, context) -> {"prompt_ids",
+    "completion_ids", "logprobs", optional "env_mask", other fields for the reward functions}, which
+    generates with the engine itself (context.llm).
     out_dir: where checkpoints go (None: no checkpoints), and the model in Hugging Face format: out_dir/final
     at the end, out_dir/model-step-N every config.save_model_every steps (colo.hf_format). resume=True
     continues from its latest checkpoint.
@@ -98,17 +105,32 @@ class GRPOScheduler:
                  config: GRPOConfig | None = None, *, dataset=None, reward_funcs=None, reward_weights=None,
                  eval_dataset=None, tokenizer=None, task: Task | None = None, out_dir: str | Path | None = None,
                  log_path: str | Path | None = None, trace_path: str | Path | None = None,
-                 resume: bool = False, engine_options: dict | None = None, pool_capacity: int | None = None):
+                 resume: bool = False, engine_options: dict | None = None, pool_capacity: int | None = None,
+                 tools=None, environment_factory=None, rollout_func=None):
         self.config = config or GRPOConfig()
         self.model_dir = resolve_model(model_dir)  # a directory, or a hub id ORG/NAME from the hub's cache
         self.out_dir = Path(out_dir) if out_dir is not None else None
         check_model_dir(self.model_dir, self.config.tensor_parallel)  # before any engine starts
         if self.out_dir is not None:
             check_writable(self.out_dir, "out_dir")
+        self.tools, self.environment_factory, self.rollout_func = list(tools or ()), environment_factory, rollout_func
+        if rollout_func is not None and (self.tools or environment_factory is not None):
+            raise ValueError("rollout_func generates the rollouts itself: give it, or tools / environment_factory")
+        if rollout_func is not None and not callable(rollout_func):
+            raise ValueError(f"rollout_func must be a function (prompts, context) -> dict, got {rollout_func!r}")
+        if (self.tools or environment_factory is not None or rollout_func is not None) and self.config.tensor_parallel > 1:
+            # The ranks of a tensor-parallel engine step together; tools returning at different moments on
+            # each rank would queue different turns on them.
+            raise NotImplementedError("agentic rollouts (tools, environments, rollout_func) with tensor_parallel > 1")
         self.task, self.eval_task = build_tasks(self.config, self.model_dir, task, dataset, reward_funcs,
-                                                reward_weights, eval_dataset, tokenizer, prompt_fn, reward_fn)
+                                                reward_weights, eval_dataset, tokenizer, prompt_fn, reward_fn,
+                                                tools=self.tools, environment=environment_factory)
         engine_options = fit_model_length(self.config, self.model_dir, (self.task, self.eval_task),
                                           dict(engine_options or {}))
+        if self.config.importance_sampling != "off":  # the log-probabilities of what the engine sampled from
+            engine_options.setdefault("logprobs_mode", "processed_logprobs")
+        if self.config.structured_outputs_regex:  # vLLM's guided decoding reads the vocabulary from the tokenizer
+            engine_options["skip_tokenizer_init"] = False
         self._join_world()
         resume_state = Checkpointer.find_resume_state(self.out_dir, self.config, self.world) if resume else None
         torch.manual_seed(self.config.seed + self.world.dp_rank)  # an engine's tensor-parallel ranks alike
@@ -117,6 +139,7 @@ class GRPOScheduler:
         self.config = self.config.resolve_dtype(self.device)
         self.sequence_tokens = longest_sequence(self.config, self.task)  # may ask the task for step 1's prompts
         self._start_engine(engine_options or {})
+        self.agent, self.eval_agent = self._agents()
         self._build_training()
         self.serial_reason = self._overlap_refusal()  # None: each step trains finished groups while generating
         self.strategy = self._strategy()
@@ -159,6 +182,20 @@ class GRPOScheduler:
         # The KL term's reference: with an adapter the shared base itself (no copy), else a frozen copy.
         self.reference = self.views.reference() if self.config.beta > 0 else None
 
+    def _agents(self):
+        """The multi-turn rollouts of training and evaluation (colo.grpo.agent; None, None: single turns)."""
+        from .agent import AgentRollouts, CustomRollouts
+
+        if self.rollout_func is not None:
+            return CustomRollouts(self.engine, self.task, self.rollout_func, self.config), None
+        if not self.tools and self.environment_factory is None:
+            return None, None
+        options = dict(tools={t.__name__: t for t in self.tools}, environment=self.environment_factory,
+                       max_turns=self.config.max_turns, tool_timeout=self.config.tool_timeout,
+                       max_new_tokens=self.config.max_new_tokens, max_model_len=self.engine.max_model_len)
+        evaluation = AgentRollouts(self.engine, self.eval_task, **options) if self.eval_task is not None else None
+        return AgentRollouts(self.engine, self.task, **options), evaluation
+
     def _build_training(self) -> None:
         """Gradients, optimizer state and the optimizer, with exact budgets in the pool."""
         cfg = self.config
@@ -197,6 +234,8 @@ class GRPOScheduler:
         """Why this run's steps are serial (None: they overlap); logged once, a warning where asked for."""
         reason = serial_reason(self.config, device_type=self.device.type, stop_tokens=bool(self.task.stop_token_ids),
                                groups=len(distributed.rank_share(self.config.prompts_per_step, self.world)))
+        if reason is None and self.rollout_func is not None:
+            reason = "rollout_func returns the whole batch at once: no group finishes early"
         reason = reason or memory_refusal(self.memory, self.config, self.model_dir, self.sequence_tokens)
         if reason is not None:
             (logger.warning if self.config.overlap == "on" else logger.info)("serial GRPO steps: %s", reason)
@@ -205,9 +244,10 @@ class GRPOScheduler:
     def _strategy(self) -> SerialSteps:
         """Serial steps, or overlapped ones where nothing refuses them (chosen once: serial_reason)."""
         if self.serial_reason is not None:
-            return SerialSteps(self.engine, self.task, self.config, self.world, self._backward)
+            return SerialSteps(self.engine, self.task, self.config, self.world, self._backward, agent=self.agent)
         stream = self.pool.stream("train").torch_stream() if self.device.type == "cuda" else None
-        return OverlappedSteps(self.engine, self.task, self.config, self.world, self._backward, phases=self.phases,
+        return OverlappedSteps(self.engine, self.task, self.config, self.world, self._backward, agent=self.agent,
+                               phases=self.phases,
                                memory=self.memory, model_dir=self.model_dir, sequence_tokens=self.sequence_tokens,
                                device=self.device, train_stream=stream)
 
@@ -242,6 +282,7 @@ class GRPOScheduler:
             **({"overlap_fallback": generated.fallback} if generated.fallback else {}),
             **({"engine_rebuild_s": rebuild_s} if rebuild_s is not None else {}),
             "reward_s": reward_s, **reward_stats(scores, rollout, self.world),
+            **(agent_stats(generated.completions, self.agent.stats, self.world) if self.agent is not None else {}),
             "train_s": train["seconds"], **train_stats(trained.stats, self.world), **trained.early,
             "grad_norm": norm, "step_skipped": skipped, "skipped_steps_in_a_row": self.skipped_in_a_row,
             "optimizer_state_bytes": self.memory.optimizer_state_bytes(),
@@ -335,8 +376,14 @@ class GRPOScheduler:
         with self.timeline.span("eval", step=self.step) as span:
             self.phases.to_generate()
             sampling = dict(n=1, max_tokens=self.config.max_new_tokens, temperature=0.0, **stop_options(task))
-            outputs = self.engine.generate(prompts, [sampling] * len(prompts)) if prompts else []
-            scores = task.score(self.step, rows, prompts, [c.token_ids for c in outputs]) if prompts else None
+            scores = None
+            if prompts and self.eval_agent is not None:  # the tools run, turn by turn, as in training
+                outputs = self.eval_agent.generate(rows, prompts, [sampling] * len(prompts))
+                done = rollout_of(rows, prompts, outputs, 1)
+                scores = task.score(self.step, rows, done.prompts, done.completions, **done.reward_inputs())
+            elif prompts:
+                outputs = self.engine.generate(prompts, [sampling] * len(prompts))
+                scores = task.score(self.step, rows, prompts, [c.token_ids for c in outputs])
         for i, name in enumerate(task.reward_names):
             column = scores.per_function[:, i] if scores is not None else torch.empty(0)
             record[f"eval/{name}"] = scored_mean_std(column, world)[0]  # collective: every rank, rows or not
@@ -399,6 +446,9 @@ class GRPOScheduler:
         return self.checkpointer.save(self.step)
 
     def close(self) -> None:
+        for agent in (self.agent, self.eval_agent):
+            if agent is not None:
+                agent.close()
         if self.trackers is not None:
             self.trackers.close()
         self.timeline.close()

@@ -55,23 +55,29 @@ class SerialSteps:
 
     overlapped = False
 
-    def __init__(self, engine, task, config, world, backward: Callable):
+    def __init__(self, engine, task, config, world, backward: Callable, agent=None):
         self.engine, self.task, self.config, self.world, self.backward = engine, task, config, world, backward
+        self.agent = agent  # multi-turn rollouts (colo.grpo.agent), or None: one engine call, one turn
         self.generating = False  # True while the engine decodes (memory sampled then counts as generation's)
 
     def generate(self, step: int, rows, prompts, sampling) -> Generated:
         trace = GenerationTrace()
         self.generating = True
         try:
-            completions = self.engine.generate(prompts, sampling, trace=trace)
+            completions = self._rollouts(rows, prompts, sampling, trace=trace)
         finally:
             self.generating = False
         return Generated(completions, tail_s=trace.tail_s)
 
+    def _rollouts(self, rows, prompts, sampling, **options) -> list:
+        if self.agent is not None:
+            return self.agent.generate(rows, prompts, sampling, **options)
+        return self.engine.generate(prompts, sampling, **options)
+
     def score(self, step: int, rollout, generated: Generated):
         """(colo.grpo.task.Scores of every completion, the seconds the reward functions took)."""
         started = time.perf_counter()
-        scores = self.task.score(step, rollout.rows, rollout.prompts, rollout.completions)
+        scores = self.task.score(step, rollout.rows, rollout.prompts, rollout.completions, **rollout.reward_inputs())
         return scores, time.perf_counter() - started
 
     def train(self, rollout, scores, generated: Generated) -> Trained:
@@ -99,9 +105,9 @@ class OverlappedSteps(SerialSteps):
 
     overlapped = True
 
-    def __init__(self, engine, task, config, world, backward: Callable, *, phases, memory, model_dir,
+    def __init__(self, engine, task, config, world, backward: Callable, *, agent=None, phases, memory, model_dir,
                  sequence_tokens: int, device: torch.device, train_stream=None):
-        super().__init__(engine, task, config, world, backward)
+        super().__init__(engine, task, config, world, backward, agent)
         self.phases, self.memory, self.model_dir = phases, memory, model_dir
         self.sequence_tokens, self.device, self.train_stream = sequence_tokens, device, train_stream
 
@@ -117,7 +123,7 @@ class OverlappedSteps(SerialSteps):
         trace = GenerationTrace()
         self.generating = True
         try:
-            completions = self.engine.generate(prompts, sampling, trace=trace, on_group=early.on_group)
+            completions = self._rollouts(rows, prompts, sampling, trace=trace, on_group=early.on_group)
         except BaseException as e:
             # The groups trained so far are void: a retry (or the serial try below) starts from zeroed gradients.
             early.abandon()

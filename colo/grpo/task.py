@@ -130,11 +130,14 @@ class DatasetTask(Task):
     function (default 1 each). max_prompt_length: None refuses nothing here (the scheduler checks
     prompt + completion against the model); a number refuses longer prompts, naming the row, or with
     truncate="left" keeps their last tokens. Rows are taken in a fresh seeded shuffle every epoch.
+    tools: functions the chat template describes to the model in every prompt (colo.grpo.tools);
+    environment: a class whose instances' reset() may add to a rollout's prompt and whose get_reward(),
+    where it has one, is one more reward function (weight 1, named after the class), as in TRL.
     """
 
     def __init__(self, dataset, tokenizer, reward_funcs, reward_weights=None, *, seed: int = 0,
                  chat_template_kwargs: dict | None = None, max_prompt_length: int | None = None,
-                 truncate: str | None = None, name: str = "dataset"):
+                 truncate: str | None = None, name: str = "dataset", tools=(), environment=None):
         from ..hub import load_dataset_spec
         from .rewards import load_reward
 
@@ -148,9 +151,13 @@ class DatasetTask(Task):
             raise ValueError(f"{name} has no rows")
         if truncate not in (None, "left"):
             raise ValueError(f"truncate must be None or 'left', got {truncate!r}")
-        funcs = [load_reward(f) if isinstance(f, str) else f for f in _as_list(reward_funcs)]
+        funcs = [load_reward(f) if isinstance(f, str) else f for f in _as_list(reward_funcs or [])]
+        if environment is not None and callable(getattr(environment, "get_reward", None)):
+            funcs.append(environment_reward(environment))
+            if reward_weights is not None:
+                reward_weights = [*reward_weights, 1.0]
         if not funcs:
-            raise ValueError("a dataset task needs at least one reward function")
+            raise ValueError("a dataset task needs at least one reward function (or an environment with get_reward)")
         for f in funcs:
             if not callable(f):
                 raise ValueError(f"reward function {f!r} is not callable")
@@ -164,7 +171,13 @@ class DatasetTask(Task):
         self.prompts = list(self.dataset[PROMPT])
         self.conversational = _is_conversational(self.prompts[0])
         self.columns = {c: list(self.dataset[c]) for c in columns if c not in RESERVED}
-        self.prompt_token_ids = self._tokenize(chat_template_kwargs or {}, max_prompt_length, truncate)
+        self.tools, self.environment = list(tools), environment
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        if (self.tools or environment is not None) and not self.conversational:
+            raise ValueError(f"{name}'s prompts are text: tools and environments need chat prompts ({{role, content}} "
+                             "messages), which the chat template renders with the tools' descriptions")
+        self.max_prompt_length, self.truncate = max_prompt_length, truncate
+        self.prompt_token_ids = self._tokenize(self.template_kwargs, max_prompt_length, truncate)
         self.stop_token_ids = tuple(stop_token_ids(tokenizer, chat=self.conversational))
 
     def _tokenize(self, template_kwargs, max_prompt_length, truncate) -> list[list[int]]:
@@ -177,8 +190,7 @@ class DatasetTask(Task):
                 if not _is_conversational(messages):
                     raise ValueError(f"{self.name} row {row}: prompt is not a list of {{role, content}} messages "
                                      "like row 0's")
-                ids.append(list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=True, **template_kwargs)["input_ids"]))
+                ids.append(self._render(messages, self._tool_schemas(), template_kwargs))
         else:
             for row, text in enumerate(self.prompts):
                 if not isinstance(text, str):
@@ -194,6 +206,34 @@ class DatasetTask(Task):
                                      f"max_prompt_length={max_prompt_length} (truncate it with "
                                      "--truncate-prompts left, or raise the limit)")
                 ids[row] = x[-max_prompt_length:]
+        return ids
+
+    def _render(self, messages, tools, template_kwargs) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                       tokenize=True, return_dict=True, **template_kwargs)["input_ids"])
+
+    def _tool_schemas(self, extra=()) -> list[dict]:
+        from .tools import environment_tools, tool_schema
+
+        env = [getattr(self.environment, n) for n in environment_tools(self.environment)] if self.environment else []
+        return [tool_schema(t) for t in [*self.tools, *env, *extra]]
+
+    def row_fields(self, row: int) -> dict:
+        """The dataset row as TRL hands it to an environment's reset(**row): the prompt and every column."""
+        return {PROMPT: self.prompts[row], **{name: values[row] for name, values in self.columns.items()}}
+
+    def prompt_ids_with(self, row: int, observation: str | None, tools) -> list[int]:
+        """The row's prompt tokens with `observation` appended to its last message (TRL's rule for the
+        string an environment's reset() returns), rendered with `tools` described."""
+        if observation is None:
+            return self.prompt_token_ids[row]
+        messages = [dict(m) for m in self.prompts[row]]
+        messages[-1]["content"] = f"{messages[-1]['content']}{observation}"
+        from .tools import tool_schema
+
+        ids = self._render(messages, [tool_schema(t) for t in tools], self.template_kwargs)
+        if self.max_prompt_length is not None and len(ids) > self.max_prompt_length and self.truncate == "left":
+            ids = ids[-self.max_prompt_length:]
         return ids
 
     def rows(self, step: int, count: int) -> list[int]:
@@ -220,14 +260,23 @@ class DatasetTask(Task):
     def decode(self, completion_ids: list[list[int]]) -> list[str]:
         return self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
-    def score(self, step, rows, prompt_ids, completion_ids):
-        texts = self.decode(completion_ids)
+    def score(self, step, rows, prompt_ids, completion_ids, *, conversations=None, environments=None,
+              extra_columns=None):
+        """conversations: each completion's turns as messages (agentic rollouts: what TRL's reward functions
+        get as `completion`), else each is decoded as one assistant message; environments: each
+        completion's environment instance (passed as `environments=`, as TRL does); extra_columns: more
+        keyword arguments for the reward functions, a value per completion (a rollout_func's fields)."""
         prompts = [self.prompts[r] for r in rows]
-        if self.conversational:
-            completions = [[{"role": "assistant", "content": t}] for t in texts]
+        if conversations is not None:
+            completions = conversations
+        elif self.conversational:
+            completions = [[{"role": "assistant", "content": t}] for t in self.decode(completion_ids)]
         else:
-            completions = texts
+            completions = self.decode(completion_ids)
         columns = {name: [values[r] for r in rows] for name, values in self.columns.items()}
+        if environments is not None:
+            columns["environments"] = environments
+        columns.update(extra_columns or {})
         per_function = []
         for function, name in zip(self.reward_funcs, self.reward_names):
             call = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
@@ -251,6 +300,15 @@ class DatasetTask(Task):
             except Exception:  # noqa: BLE001 - the row is what we are looking for
                 return f", on {self.describe_row(row)} (completion {i} of the {len(rows)} it was scoring)"
         return ""
+
+
+def environment_reward(environment):
+    """TRL's reward of an environment class: each rollout's instance's get_reward() (None: unscored)."""
+    def get_reward(environments=None, **kwargs):
+        return [e.get_reward() if isinstance(e, environment) else None for e in environments or ()]
+
+    get_reward.__name__ = environment.__name__
+    return get_reward
 
 
 def stop_token_ids(tokenizer, chat: bool) -> list[int]:
@@ -311,8 +369,9 @@ def _is_conversational(prompt) -> bool:
 # -- the scheduler's set-up and per-step checks ----------------------------------------------------
 
 def build_tasks(config, model_dir, task, dataset, reward_funcs, reward_weights, eval_dataset, tokenizer, prompt_fn,
-                reward_fn) -> tuple[Task, Task | None]:
-    """The scheduler's training task (and eval one) from what it was given, checked before any engine starts."""
+                reward_fn, tools=(), environment=None) -> tuple[Task, Task | None]:
+    """The scheduler's training task (and eval one) from what it was given, checked before any engine
+    starts; with tools or an environment (agentic rollouts) every one of them and the chat template too."""
     given = [name for name, value in (("task", task), ("dataset", dataset), ("prompt_fn", prompt_fn))
              if value is not None]
     if len(given) != 1:
@@ -322,26 +381,53 @@ def build_tasks(config, model_dir, task, dataset, reward_funcs, reward_weights, 
         raise ValueError("eval_dataset needs a dataset task (dataset and reward_funcs)")
     if config.eval_every and eval_dataset is None:
         raise ValueError(f"eval_every={config.eval_every} needs an eval_dataset")
+    agentic = bool(tools) or environment is not None
+    if agentic and dataset is None:
+        raise ValueError("tools and environments need a dataset task (chat prompts, through the model's tokenizer "
+                         "and chat template)")
     if task is not None:
         return task, None
     if prompt_fn is not None:
         if reward_fn is None:
             raise ValueError("prompt_fn needs a reward_fn")
         return CallableTask(prompt_fn, reward_fn), None
-    if reward_funcs is None:
-        raise ValueError("a dataset needs reward_funcs (TRL's reward functions, or names: colo.grpo.rewards)")
+    rewarding_environment = environment is not None and callable(getattr(environment, "get_reward", None))
+    if reward_funcs is None and not rewarding_environment:
+        raise ValueError("a dataset needs reward_funcs (TRL's reward functions, or names: colo.grpo.rewards), or an "
+                         "environment with get_reward()")
     if tokenizer is None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if agentic or config.chat_template:
+        _prepare_tool_template(config, tokenizer, model_dir, tools, environment)
     options = dict(seed=config.seed, chat_template_kwargs=config.chat_template_kwargs,
-                   max_prompt_length=config.max_prompt_length, truncate=config.truncate_prompts)
+                   max_prompt_length=config.max_prompt_length, truncate=config.truncate_prompts, tools=tools,
+                   environment=environment)
     train = DatasetTask(dataset, tokenizer, reward_funcs, reward_weights, name="dataset", **options)
     evaluation = None
     if eval_dataset is not None:
-        evaluation = DatasetTask(eval_dataset, tokenizer, train.reward_funcs, train.weights.tolist(),
+        user = len(train.reward_funcs) - rewarding_environment  # the environment's reward is added again
+        evaluation = DatasetTask(eval_dataset, tokenizer, train.reward_funcs[:user], train.weights.tolist()[:user],
                                  name="eval dataset", **options)
     return train, evaluation
+
+
+def _prepare_tool_template(config, tokenizer, model_dir, tools, environment) -> None:
+    """The tokenizer's chat template (config.chat_template's, where given), checked to describe the tools."""
+    from .tools import check_environment, check_template_renders_tools, check_tools, environment_tools
+    from .tools import set_chat_template, tool_capable_template
+
+    check_tools(tools)
+    if environment is not None:
+        check_environment(environment)
+    template_name = f"of {model_dir}"
+    if config.chat_template:
+        set_chat_template(tokenizer, tool_capable_template(config.chat_template))
+        template_name = repr(config.chat_template)
+    described = [*tools, *([getattr(environment, n) for n in environment_tools(environment)] if environment else [])]
+    if described:
+        check_template_renders_tools(tokenizer, described, template_name)
 
 
 def fit_model_length(config, model_dir, tasks, engine_options: dict) -> dict:
@@ -362,7 +448,9 @@ def fit_model_length(config, model_dir, tasks, engine_options: dict) -> dict:
                                  "(shorten it, set max_prompt_length with truncate_prompts='left', or lower "
                                  "max_new_tokens)")
         longest = max(longest, task.longest_prompt())
-    if longest and "max_model_len" not in engine_options:
+    # An environment's reset() may lengthen a prompt by what it returns: the engine keeps the model's limit.
+    varying = any(getattr(task, "environment", None) is not None for task in tasks)
+    if longest and "max_model_len" not in engine_options and not varying:
         engine_options["max_model_len"] = longest + config.max_new_tokens
     return engine_options
 
@@ -406,8 +494,9 @@ def sampling_options(config, task: Task, step: int, share: range) -> list[dict]:
     per_step = config.prompts_per_step * config.num_generations
     top_k = dict(top_k=config.top_k) if config.top_k else {}
     stop = stop_options(task)
+    guided = {"structured_outputs_regex": config.structured_outputs_regex} if config.structured_outputs_regex else {}
     return [dict(n=config.num_generations, max_tokens=config.max_new_tokens, temperature=config.temperature,
-                 top_p=config.top_p, ignore_eos=config.ignore_eos, **stop, **top_k,
+                 top_p=config.top_p, ignore_eos=config.ignore_eos, **stop, **top_k, **guided,
                  seed=(config.seed * 1_000_003 * per_step + step * per_step
                        + i * config.num_generations) % (2**63 - 1),
                  logprobs=0)

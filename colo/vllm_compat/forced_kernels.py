@@ -3,7 +3,7 @@
 colo's own engine path never imports this module. `forced_cpu_gemm(kernel)` makes vLLM's CPU dispatch
 pick one kernel for every layer it can take, so CI on one CPU kind covers what another kind's vLLM
 does, and a benchmark can run a baseline that stock vLLM cannot (packed kernels cannot take new
-weights in place). Tests' own helpers around it live in tests/cpu_gemm_helpers.py.
+weights in place). Tests' own helpers around it live in tests/helpers/cpu_gemm.py.
 """
 from __future__ import annotations
 

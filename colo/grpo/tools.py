@@ -1,0 +1,362 @@
+"""Tools and environments for agentic rollouts, with TRL's conventions (TRL 1.16's GRPOTrainer `tools=`,
+`environment_factory=`), so a TRL user's functions and classes work unchanged.
+
+- A tool is a plain Python function, sync or async, with type hints and a Google-style docstring: its
+  JSON schema is transformers' `get_json_schema`, given to the chat template as `tools=`. `--tool
+  FILE.py:NAME` or `module:NAME` names one (`load_object`).
+- An environment is a class: one instance per rollout, `reset(**row)` before the rollout (None, or a
+  string appended to the last user message), its public methods the rollout's tools, and an optional
+  `get_reward()` scoring the finished episode (a reward of weight 1 named after the class).
+- A turn's tool calls are parsed the way transformers parses the template's responses where the
+  tokenizer has a response template (`tokenizer.parse_response`), and otherwise in the Hermes format,
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. A call that does not parse, an unknown
+  tool, a tool that raises or one that runs past its timeout becomes an error in the tool's result
+  message (as TRL writes it, `{'error': '...'}`) and is counted; the run goes on.
+- The next turn's tokens are the previous ones plus the template's rendering of the tool messages
+  (`tool_suffix_ids`, TRL's way: the difference between two renderings of a dummy conversation), so the
+  model's own tokens are never decoded and tokenized again.
+
+Everything a user can get wrong is checked before any engine starts (`check_tools`,
+`check_environment`, `check_template_renders_tools`), naming the tool, class or template.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import json
+import re
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+class ToolError(ValueError):
+    """A tool, an environment or a chat template that cannot be used, named, before the engine starts."""
+
+
+# -- finding and checking --------------------------------------------------------------------------
+
+def load_object(spec: str, flag: str = "--tool"):
+    """The object `spec` names: `path/to/file.py:NAME` or `package.module:NAME`."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ToolError(f"{flag} {spec!r}: give FILE.py:NAME or module:NAME")
+    where, _, name = spec.rpartition(":")
+    if not where or not name.isidentifier():
+        raise ToolError(f"{flag} {spec!r}: give FILE.py:NAME or module:NAME")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ToolError(f"{flag} {spec!r}: no file {path}")
+        module_spec = importlib.util.spec_from_file_location(f"colo_user_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - the user's file: say which and why
+            raise ToolError(f"{flag} {spec!r}: importing {path} raised {type(e).__name__}: {e}") from e
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise ToolError(f"{flag} {spec!r}: cannot import module {where!r} ({e})") from e
+    if not hasattr(module, name):
+        raise ToolError(f"{flag} {spec!r}: {where} has no {name!r}")
+    return getattr(module, name)
+
+
+def tool_schema(tool) -> dict:
+    """The JSON schema of a tool (transformers' get_json_schema), or ToolError naming the tool and what
+    it lacks (type hints, a docstring, a description of an argument)."""
+    from transformers.utils import get_json_schema
+
+    name = getattr(tool, "__name__", repr(tool))
+    if not callable(tool):
+        raise ToolError(f"tool {name}: not a function")
+    try:
+        return get_json_schema(tool)
+    except Exception as e:  # noqa: BLE001 - transformers raises its own parsing exceptions
+        raise ToolError(f"tool {name!r} cannot be described to the model: {e} (a tool needs type hints on "
+                        "every argument and a Google-style docstring with an Args: entry for each)") from e
+
+
+def check_tools(tools) -> dict:
+    """{name: tool} of a list of functions, each with a schema; names must be unique."""
+    by_name = {}
+    for tool in tools or ():
+        tool_schema(tool)
+        name = tool.__name__
+        if name in by_name:
+            raise ToolError(f"two tools are named {name!r}")
+        by_name[name] = tool
+    return by_name
+
+
+def environment_tools(cls) -> list[str]:
+    """The public methods of an environment class that are its tools (TRL: every function on the class
+    whose name does not start with '_', except reset and get_reward)."""
+    return [name for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+            if not name.startswith("_") and name not in ("reset", "get_reward")]
+
+
+def check_environment(cls) -> None:
+    """An environment class colo can use: a class with reset(), each public method a tool."""
+    name = getattr(cls, "__name__", repr(cls))
+    if not inspect.isclass(cls):
+        raise ToolError(f"environment {name}: not a class (give --environment FILE.py:CLASS)")
+    if not callable(getattr(cls, "reset", None)):
+        raise ToolError(f"environment {name} has no reset() method (TRL's environment contract: reset(**row) "
+                        "returns None or a string appended to the prompt)")
+    if inspect.iscoroutinefunction(cls.reset):
+        raise ToolError(f"environment {name}: reset() must be synchronous (it runs before the rollout's prompt is made)")
+    for method in environment_tools(cls):
+        try:
+            tool_schema(getattr(cls, method))
+        except ToolError as e:
+            raise ToolError(f"environment {name}: {e}") from None
+
+
+def check_template_renders_tools(tokenizer, tools: list, template_name: str) -> None:
+    """Refuse a chat template that ignores `tools` (its prompt would not tell the model they exist)."""
+    messages = [{"role": "user", "content": "hello"}]
+    try:
+        plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        with_tools = tokenizer.apply_chat_template(messages, tools=[tool_schema(t) for t in tools],
+                                                   add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # noqa: BLE001 - a template error: name the template
+        raise ToolError(f"the chat template {template_name} cannot render tools: {type(e).__name__}: {e}") from e
+    if plain == with_tools:
+        raise ToolError(f"the chat template {template_name} ignores `tools`: the model would never see them. Give a "
+                        "tool-capable template, e.g. --chat-template qwen2_5 (TRL's Qwen2.5 template, ChatML like "
+                        "SmolLM2's)")
+
+
+def tool_capable_template(name_or_path: str) -> str:
+    """The text of a chat template: a file's, or one TRL ships (trl.chat_template_utils: qwen2_5,
+    qwen3, ...), by name."""
+    path = Path(name_or_path)
+    if path.suffix == ".jinja" or path.is_file():
+        if not path.is_file():
+            raise ToolError(f"--chat-template {name_or_path}: no such file")
+        return path.read_text()
+    try:
+        from trl import chat_template_utils
+    except ImportError as e:
+        raise ToolError(f"--chat-template {name_or_path}: TRL's templates need TRL (pip install 'colo[trl]'), "
+                        "or give a .jinja file") from e
+    text = getattr(chat_template_utils, f"{name_or_path}_chat_template", None)
+    if not isinstance(text, str):
+        known = sorted(n[:-len("_chat_template")] for n in dir(chat_template_utils) if n.endswith("_chat_template"))
+        raise ToolError(f"--chat-template {name_or_path}: not a template TRL ships ({', '.join(known)}) nor a .jinja file")
+    return text
+
+
+def set_chat_template(tokenizer, template: str) -> None:
+    """Give the tokenizer `template`, and the response parser TRL pairs with it where it has one."""
+    tokenizer.chat_template = template
+    try:
+        from trl.chat_template_utils import add_response_schema
+    except ImportError:
+        return  # no TRL: tool calls are read in the Hermes format
+    try:
+        add_response_schema(tokenizer)
+    except ValueError:
+        pass  # a template TRL has no parser for: the Hermes format
+
+
+# -- a turn's tool calls ---------------------------------------------------------------------------
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+
+
+@dataclass
+class Turn:
+    """What one assistant turn said: its message (content, tool_calls as the template writes them), the
+    calls to run, and why a call that was attempted could not be read (None: none such)."""
+    message: dict
+    calls: list[ToolCall] = field(default_factory=list)
+    malformed: str | None = None
+
+
+def parse_turn(tokenizer, turn_ids: list[int], prefix_ids: list[int], tools: list) -> Turn:
+    """The assistant turn `turn_ids` (the engine's tokens), read after `prefix_ids` (what came before)."""
+    if getattr(tokenizer, "response_template", None) or getattr(tokenizer, "response_schema", None):
+        try:
+            message = tokenizer.parse_response(turn_ids, prefix=prefix_ids, tools=tools or None)
+            calls = [_call(c) for c in message.get("tool_calls") or ()]
+        except (ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
+            text = tokenizer.decode(turn_ids, skip_special_tokens=True)
+            return Turn({"role": "assistant", "content": text}, malformed=f"{type(e).__name__}: {e}")
+        message = {"role": "assistant", **{k: v for k, v in message.items() if k != "role"}}
+        message["content"] = message.get("content") or ""  # as TRL: a turn of tool calls only has content ""
+        if isinstance(message["content"], str) and tokenizer.eos_token:
+            message["content"] = message["content"].removesuffix(tokenizer.eos_token)
+        return Turn(message, calls)
+    return parse_hermes(tokenizer.decode(turn_ids, skip_special_tokens=True))
+
+
+def parse_hermes(text: str) -> Turn:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in `text` (Qwen's, Hermes')."""
+    calls, problems = [], []
+    for block in HERMES_CALL.findall(text):
+        try:
+            calls.append(_call({"function": json.loads(block)}))
+        except (ValueError, TypeError, KeyError) as e:
+            problems.append(f"{type(e).__name__}: {e} in {block[:80]!r}")
+    if "<tool_call>" in text and not HERMES_CALL.search(text):
+        problems.append("<tool_call> without </tool_call>")
+    content = HERMES_CALL.sub("", text).strip()
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in calls]
+    return Turn(message, calls, "; ".join(problems) or None)
+
+
+def _call(raw: dict) -> ToolCall:
+    function = raw.get("function", raw)
+    name, arguments = function.get("name"), function.get("arguments")
+    if not isinstance(name, str):
+        raise TypeError(f"a tool call's name must be a string, got {name!r}")
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments)
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise TypeError(f"tool {name}: arguments must be an object, got {type(arguments).__name__}")
+    return ToolCall(name, arguments)
+
+
+def tool_suffix_ids(tokenizer, tool_messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """The tokens the chat template puts after an assistant turn that called tools: the tool messages
+    and the next assistant turn's header. TRL's way: render a dummy conversation up to the calling turn
+    and again with the tool messages, and keep the difference (after the calling turn's end-of-turn
+    token, which the engine already produced)."""
+    kwargs = dict(template_kwargs or {})
+    calls = [{"type": "function", "function": {"name": m.get("name", "tool"), "arguments": {}}} for m in tool_messages]
+    dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    before = _ids(tokenizer.apply_chat_template(dummy, add_generation_prompt=False, tokenize=True, **kwargs))
+    after = _ids(tokenizer.apply_chat_template(dummy + tool_messages, add_generation_prompt=True, tokenize=True,
+                                               **kwargs))
+    ends = [i for i, t in enumerate(before) if t == tokenizer.eos_token_id]
+    if ends:
+        before = before[:ends[-1] + 1]
+    if after[:len(before)] != before:
+        raise ToolError("the chat template renders a conversation differently once tool results follow it (it is not "
+                        "prefix-preserving), so the next turn cannot extend the engine's tokens")
+    return after[len(before):]
+
+
+def _ids(rendered) -> list[int]:
+    if isinstance(rendered, dict) or hasattr(rendered, "keys"):
+        rendered = rendered["input_ids"]
+    return [int(t) for t in rendered]
+
+
+# -- running the calls -----------------------------------------------------------------------------
+
+@dataclass
+class ToolResult:
+    name: str
+    content: str
+    failed: bool = False
+    timed_out: bool = False
+    seconds: float = 0.0
+
+    def message(self) -> dict:
+        return {"role": "tool", "name": self.name, "content": self.content}
+
+
+def _error(name: str, text: str, **flags) -> ToolResult:
+    return ToolResult(name, str({"error": text}), failed=True, **flags)
+
+
+class ToolRunner:
+    """Runs tool calls off the engine's thread: sync tools on a pool of threads, async ones on an event
+    loop of their own, so no call blocks the engine's steps. Each call has a deadline (`timeout`
+    seconds, None: none): one past it gives an error result at once. Python cannot stop a thread, so a
+    sync tool that never returns keeps its thread; an async one is cancelled."""
+
+    def __init__(self, timeout: float | None = None, threads: int = 16):
+        self.timeout = timeout
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="colo-tool")
+        self._loop = None
+
+    def submit(self, call: ToolCall, tools: dict) -> "PendingCall":
+        """Start one call; `tools` maps names to the rollout's callables."""
+        started = time.perf_counter()
+        tool = tools.get(call.name)
+        if tool is None:
+            return PendingCall.done(_error(call.name, f"Tool {call.name} not found."), started)
+        if inspect.iscoroutinefunction(tool):
+            future = asyncio.run_coroutine_threadsafe(self._run_async(tool, call), self._event_loop())
+        else:
+            future = self._pool.submit(_run_sync, tool, call)
+        deadline = started + self.timeout if self.timeout is not None else None
+        return PendingCall(call.name, future, started, deadline)
+
+    async def _run_async(self, tool, call: ToolCall):
+        try:
+            return await asyncio.wait_for(tool(**call.arguments), timeout=self.timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError from None
+
+    def _event_loop(self):
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="colo-tool-loop", daemon=True).start()
+        return self._loop
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None
+
+
+def _run_sync(tool, call: ToolCall):
+    return tool(**call.arguments)
+
+
+@dataclass
+class PendingCall:
+    """One call in flight; result() once done() (or past its deadline)."""
+    name: str
+    future: Future | None
+    started: float
+    deadline: float | None
+    _result: ToolResult | None = None
+
+    @classmethod
+    def done(cls, result: ToolResult, started: float) -> "PendingCall":
+        return cls(result.name, None, started, None, result)
+
+    def ready(self, now: float) -> bool:
+        return (self._result is not None or self.future.done()
+                or (self.deadline is not None and now >= self.deadline))
+
+    def result(self, timeout_s: float | None) -> ToolResult:
+        if self._result is None:
+            seconds = time.perf_counter() - self.started
+            if not self.future.done():
+                self.future.cancel()
+                self._result = _error(self.name, f"Tool {self.name} timed out after {timeout_s:g} s.", timed_out=True,
+                                      seconds=seconds)
+            else:
+                try:
+                    value = self.future.result()
+                    content = value if isinstance(value, list) else str(value)
+                    self._result = ToolResult(self.name, content, seconds=seconds)
+                except TimeoutError:
+                    self._result = _error(self.name, f"Tool {self.name} timed out after {timeout_s:g} s.",
+                                          timed_out=True, seconds=seconds)
+                except Exception as e:  # noqa: BLE001 - a tool's failure is the model's to read, not a crash
+                    self._result = _error(self.name, str(e) or type(e).__name__, seconds=seconds)
+        return self._result

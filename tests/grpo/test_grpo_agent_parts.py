@@ -1,0 +1,212 @@
+"""Agentic rollouts without an engine (colo.grpo.tools, colo.grpo.loss, colo.grpo.batch): tools checked
+before anything starts, tool calls read in the template's format or the Hermes one, calls run off the
+engine's thread with errors and timeouts as results, the template's tokens after a tool call, the loss
+mask of tool tokens, and importance sampling's weights against a hand computation."""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import pytest
+import torch
+
+from colo.grpo.batch import pack
+from colo.grpo.loss import importance_weights
+from colo.grpo.tools import (ToolCall, ToolError, ToolRunner, check_environment, check_template_renders_tools,
+                             check_tools, load_object, parse_hermes, parse_turn, set_chat_template,
+                             tool_capable_template, tool_suffix_ids)
+
+
+def add(a: int, b: int) -> int:
+    """Add two whole numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+def no_hints(a, b):
+    """Add.
+
+    Args:
+        a: first
+        b: second
+    """
+    return a + b
+
+
+def no_docstring(a: int) -> int:
+    return a
+
+
+def broken(x: int) -> int:
+    """Always fails.
+
+    Args:
+        x: ignored
+    """
+    raise RuntimeError("the tool broke")
+
+
+def slow(x: int) -> int:
+    """Sleeps.
+
+    Args:
+        x: ignored
+    """
+    time.sleep(2.0)
+    return x
+
+
+async def slow_async(x: int) -> int:
+    """Sleeps without a thread.
+
+    Args:
+        x: ignored
+    """
+    await asyncio.sleep(2.0)
+    return x
+
+
+class Counter:
+    def reset(self, **row):
+        self.count = 0
+
+    def bump(self, by: int) -> int:
+        """Add to the counter.
+
+        Args:
+            by: how much
+        """
+        self.count += by
+        return self.count
+
+
+class NoReset:
+    def bump(self, by: int) -> int:
+        """Add.
+
+        Args:
+            by: how much
+        """
+        return by
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_model_dir)
+    set_chat_template(tok, tool_capable_template("qwen2_5"))
+    return tok
+
+
+def test_bad_tools_environments_and_templates_are_refused_by_name(tmp_path, smollm2_model_dir):
+    assert set(check_tools([add])) == {"add"}
+    with pytest.raises(ToolError, match="tool 'no_hints'.*type hints"):
+        check_tools([no_hints])
+    with pytest.raises(ToolError, match="tool 'no_docstring'"):
+        check_tools([no_docstring])
+    with pytest.raises(ToolError, match="two tools are named 'add'"):
+        check_tools([add, add])
+    check_environment(Counter)
+    with pytest.raises(ToolError, match="environment NoReset has no reset"):
+        check_environment(NoReset)
+    with pytest.raises(ToolError, match="no file"):
+        load_object(str(tmp_path / "missing.py") + ":add")
+    (tmp_path / "mine.py").write_text("def other(): pass\n")
+    with pytest.raises(ToolError, match="has no 'add'"):
+        load_object(f"{tmp_path / 'mine.py'}:add")
+    assert load_object("colo.grpo.rewards:load_reward").__name__ == "load_reward"
+    from transformers import AutoTokenizer
+
+    own = AutoTokenizer.from_pretrained(smollm2_model_dir)  # SmolLM2's own template has no tools
+    with pytest.raises(ToolError, match="the chat template of smol ignores `tools`"):
+        check_template_renders_tools(own, [add], "of smol")
+    with pytest.raises(ToolError, match="not a template TRL ships"):
+        tool_capable_template("no_such_template")
+
+
+def test_tool_calls_are_read_in_the_template_format_and_hermes(tokenizer):
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "3+4?"}], tools=[add],
+                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    call = tokenizer('<tool_call>\n{"name": "add", "arguments": {"a": "3", "b": 4}}\n</tool_call><|im_end|>',
+                     add_special_tokens=False)["input_ids"]
+    turn = parse_turn(tokenizer, call, prompt, [add])
+    assert [(c.name, c.arguments) for c in turn.calls] == [("add", {"a": 3, "b": 4})]  # typed from the schema
+    assert turn.malformed is None and turn.message["role"] == "assistant" and turn.message["content"] == ""
+    bad = tokenizer('<tool_call>\n{"name": "add", "arguments": {"a": 3,</tool_call><|im_end|>',
+                    add_special_tokens=False)["input_ids"]
+    assert parse_turn(tokenizer, bad, prompt, [add]).malformed
+    text = tokenizer("It is 7.<|im_end|>", add_special_tokens=False)["input_ids"]
+    plain = parse_turn(tokenizer, text, prompt, [add])
+    assert plain.calls == [] and plain.malformed is None and plain.message["content"] == "It is 7."
+    hermes = parse_hermes('ok <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    assert [(c.name, c.arguments) for c in hermes.calls] == [("add", {"a": 1, "b": 2})] and hermes.malformed is None
+    assert parse_hermes("<tool_call>{not json}</tool_call>").malformed
+    assert parse_hermes("<tool_call> never closed").malformed
+
+
+def test_the_suffix_after_a_tool_call_is_the_templates_rendering_of_its_results(tokenizer):
+    messages = [{"role": "tool", "name": "add", "content": "7"}]
+    suffix = tool_suffix_ids(tokenizer, messages)
+    assert tokenizer.decode(suffix) == "\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n" \
+                                       "<|im_start|>assistant\n"
+    # Token-exact: a conversation rendered whole is the turns' tokens one after the other.
+    user = [{"role": "user", "content": "3+4?"}]
+    prompt = tokenizer.apply_chat_template(user, tools=[add], add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"]
+    turn = tokenizer('<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>',
+                     add_special_tokens=False)["input_ids"]
+    whole = tokenizer.apply_chat_template(
+        user + [{"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}]}] + messages,
+        tools=[add], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert tokenizer.decode(prompt + turn + suffix) == tokenizer.decode(whole)
+
+
+def test_tool_calls_run_off_thread_and_failures_become_results():
+    runner = ToolRunner(timeout=0.3)
+    tools = {"add": add, "broken": broken, "slow": slow, "slow_async": slow_async}
+    try:
+        calls = [runner.submit(ToolCall(name, args), tools) for name, args in
+                 (("add", {"a": 2, "b": 5}), ("broken", {"x": 1}), ("missing", {}), ("add", {"c": 1}),
+                  ("slow", {"x": 1}), ("slow_async", {"x": 1}))]
+        started = time.perf_counter()
+        while not all(c.ready(time.perf_counter()) for c in calls):
+            time.sleep(0.01)
+        assert time.perf_counter() - started < 1.5  # the deadline, not the sleeping tools, ended the wait
+        results = [c.result(0.3) for c in calls]
+    finally:
+        runner.close()
+    assert results[0].content == "7" and not results[0].failed
+    assert results[1].failed and "the tool broke" in results[1].content
+    assert results[2].failed and "Tool missing not found." in results[2].content
+    assert results[3].failed and "unexpected keyword" in results[3].content
+    assert results[4].timed_out and results[5].timed_out and "timed out after 0.3 s" in results[4].content
+
+
+def test_tool_tokens_stay_in_the_sequence_and_out_of_the_loss():
+    batch = pack([[5, 6]], [[7, 8, 9, 10, 11]], loss_masks=[[1, 1, 0, 0, 1]])
+    assert batch.input_ids[0].tolist() == [5, 6, 7, 8, 9, 10, 11] and batch.attention_mask.sum() == 7
+    assert batch.completion_mask.tolist() == [[1, 1, 0, 0, 1]] and batch.model_tokens.tolist() == [[1, 1, 0, 0, 1]]
+    with pytest.raises(ValueError, match="loss mask entries"):
+        pack([[5]], [[7, 8]], loss_masks=[[1]])
+
+
+def test_importance_weights_match_a_hand_computation():
+    trainer = torch.tensor([[-1.0, -2.0, -3.0]])
+    engine = torch.tensor([[-1.5, -2.0, -1.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    token, stats = importance_weights(trainer, engine, mask, "token_truncate", None, 1.2)
+    assert torch.allclose(token, torch.tensor([[min(math.exp(0.5), 1.2), 1.0, 1.0]]))
+    assert stats["sampling/sampling_logp_difference/max"] == pytest.approx(0.5)
+    sequence, _ = importance_weights(trainer, engine, mask, "sequence_truncate", None, 3.0)
+    assert torch.allclose(sequence, torch.tensor([[math.exp(0.5)]]))
+    masked, stats = importance_weights(trainer, engine, mask, "sequence_mask", None, 1.5)
+    assert masked.tolist() == [[0.0]] and stats["sampling/importance_sampling_ratio/max"] == 0.0
+    kept, _ = importance_weights(trainer, engine, mask, "token_mask", 0.9, 1.5)
+    assert torch.allclose(kept, torch.tensor([[0.0, 1.0, 1.0]]))  # exp(0.5) > 1.5: masked

@@ -1,0 +1,125 @@
+"""colo's dtype="auto" (colo.dtype_choice.fastest_dtype) and the AVX2 persona CI runs the kernel- and
+dtype-dependent tests under (colo.cpu_persona)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from colo.cpu_persona import environment
+from colo.dtype_choice import fastest_dtype
+
+REPO = Path(__file__).resolve().parents[2]
+
+# CPU kinds seen on these machines (and one without bf16 but with AVX-512), as torch reports them.
+AVX2 = {"architecture": "x86_64", "avx2": True, "avx512_f": False, "avx512_bf16": False, "amx_bf16": False}
+AVX512 = {**AVX2, "avx512_f": True}
+AVX512_BF16 = {**AVX512, "avx512_bf16": True}
+AMX = {**AVX512_BF16, "amx_tile": True, "amx_bf16": True}
+
+
+@pytest.mark.parametrize("caps,expected", [(AVX2, torch.float32), (AVX512, torch.float32),
+                                           (AVX512_BF16, torch.bfloat16), (AMX, torch.bfloat16),
+                                           ({"architecture": "arm64", "bf16": True}, torch.bfloat16),
+                                           ({"architecture": "arm64", "bf16": False}, torch.float32)],
+                         ids=["avx2", "avx512", "avx512-bf16", "amx", "arm-bf16", "arm"])
+def test_bf16_only_where_the_cpu_has_bf16_instructions(monkeypatch, caps, expected):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    choice = fastest_dtype("cpu")
+    assert choice.dtype == expected and choice.reason
+    assert choice.name == {torch.bfloat16: "bf16", torch.float32: "fp32"}[expected]
+
+
+def test_onednn_capped_below_bf16_means_fp32(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: AMX)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core")
+    assert fastest_dtype("cpu").dtype == torch.float32 and "ONEDNN_MAX_CPU_ISA" in fastest_dtype("cpu").reason
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert fastest_dtype("cpu").dtype == torch.bfloat16
+
+
+def test_cuda_choice_follows_the_gpus_bf16_support(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    for supported, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: supported)
+        assert fastest_dtype("cuda").dtype == expected
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        fastest_dtype("meta")
+
+
+@pytest.mark.cpu_kind
+def test_the_choice_agrees_with_the_native_build_vllm_loads():
+    """bf16 exactly where vLLM loads its AVX-512-BF16 build (`_C`, with the sgl kernels): the two read
+    the same CPU features, so on the persona both see an AVX2 machine."""
+    from colo.vllm_compat.forced_kernels import sgl_unavailable_reason
+    from helpers.cpu_gemm import onednn_takes
+
+    if torch.cpu.get_capabilities().get("architecture") != "x86_64":
+        pytest.skip("vLLM's CPU builds are per x86 ISA")
+    bf16 = fastest_dtype("cpu").dtype == torch.bfloat16
+    assert bf16 == (sgl_unavailable_reason() == "")
+    assert onednn_takes(torch.float32)
+    if not torch.cpu.get_capabilities().get("avx512_f"):  # vLLM's AVX2 build: oneDNN refuses bf16
+        assert not onednn_takes(torch.bfloat16)
+
+
+def test_avx2_persona_takes_in_every_process_it_starts():
+    """python -m colo.cpu_persona avx2: torch dispatches at AVX2, reports no AVX-512 or AMX, vLLM loads
+    its AVX2 build, and auto picks fp32, in the command and in a Python process it starts in turn."""
+    probe = ("import json, torch; from colo.dtype_choice import fastest_dtype; "
+             "from colo.vllm_compat.forced_kernels import sgl_unavailable_reason; "
+             "print(json.dumps([torch.backends.cpu.get_cpu_capability(), torch.cpu._is_avx512_supported(), "
+             "torch.cpu._is_avx512_bf16_supported(), torch.cpu._is_amx_tile_supported(), "
+             "fastest_dtype().name, bool(sgl_unavailable_reason())]))")
+    nested = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {probe!r}], check=True)"
+    for code in (probe, nested):
+        done = subprocess.run([sys.executable, "-m", "colo.cpu_persona", "avx2", "--", sys.executable, "-c", code],
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == ["AVX2", False, False, False, "fp32", True]
+
+
+def test_persona_refuses_unknown_names_and_missing_commands():
+    assert subprocess.run([sys.executable, "-m", "colo.cpu_persona", "avx9", "--", "true"], capture_output=True,
+                          text=True, cwd=REPO).returncode == 2
+    done = subprocess.run([sys.executable, "-m", "colo.cpu_persona", "avx2"], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 2 and "usage" in done.stderr
+    env = environment("avx2", {"PYTHONPATH": "/elsewhere"})
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert env["PYTHONPATH"].split(os.pathsep)[1] == "/elsewhere"
+    # Caches of its own, as another machine would have: compile caches are not keyed by what it changes.
+    env = environment("avx2", {"VLLM_CACHE_ROOT": "/caches/vllm"})
+    assert env["VLLM_CACHE_ROOT"] == "/caches/vllm/persona-avx2"
+    assert env["TORCHINDUCTOR_CACHE_DIR"].endswith("persona-avx2")
+    with pytest.raises(ValueError, match="unknown CPU persona"):
+        environment("avx9")
+
+
+@pytest.mark.cpu_kind  # the answer is the CPU kind's
+def test_emulated_bf16_says_why_exactly_where_auto_picks_fp32_and_colo_trl_warns_there(monkeypatch):
+    """colo.dtype_choice.emulated_bf16 answers where bf16 is not native (AVX2 here under the persona
+    pass) and None where it is; colo.trl turns it into one warning with this machine's measured cost
+    and the fix, for bf16=True on a CPU only."""
+    from types import SimpleNamespace
+
+    import colo.trl as colo_trl
+    from colo.dtype_choice import bf16_slowdown, emulated_bf16, fastest_dtype
+
+    why = emulated_bf16("cpu")
+    assert (why is None) == (fastest_dtype("cpu").dtype == torch.bfloat16)
+    monkeypatch.setattr(colo_trl, "_WARNED", set())
+    warning = colo_trl.autocast_warning(SimpleNamespace(bf16=True), "cpu")
+    if why is None:
+        assert warning is None
+        return
+    assert why in warning and "Pass bf16=False" in warning and "x as long in bf16 as in fp32 on one core here" in warning
+    assert colo_trl.autocast_warning(SimpleNamespace(bf16=True), "cpu") is None  # once per process
+    monkeypatch.setattr(colo_trl, "_WARNED", set())
+    assert colo_trl.autocast_warning(SimpleNamespace(bf16=False), "cpu") is None
+    assert bf16_slowdown() > 2  # emulated: measured several times slower (about 25x on an AVX2 EPYC)

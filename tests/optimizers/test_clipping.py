@@ -1,0 +1,51 @@
+"""One clipping rule for every optimizer path (colo.clipping): over max_norm scaled as torch scales,
+and a non-finite norm refused with nothing touched, so the optimizer step can be skipped and the
+weights the engine serves stay finite. The scheduler side: tests/grpo/test_grpo_skipped_steps.py."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from colo.clipping import clip_
+
+
+def test_the_rule_scales_as_torch_and_refuses_what_is_not_finite():
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 3), torch.randn(7)]
+    reference = [g.clone().requires_grad_() for g in grads]
+    for r, g in zip(reference, grads):
+        r.grad = g.clone()
+    expected_norm = float(torch.nn.utils.clip_grad_norm_(reference, 0.5))
+    norm = math.sqrt(sum(float(g.norm()) ** 2 for g in grads))
+    assert norm == pytest.approx(expected_norm, rel=1e-6)
+    assert clip_(grads, norm, 0.5)
+    for g, r in zip(grads, reference):
+        torch.testing.assert_close(g, r.grad)
+    small = [torch.ones(3)]
+    assert clip_(small, 3 ** 0.5, 10.0) and torch.equal(small[0], torch.ones(3))  # under max_norm: untouched
+    for bad in (float("inf"), float("nan")):
+        grads = [torch.tensor([1.0, float("inf")]), torch.ones(2)]
+        assert not clip_(grads, bad, 1.0)
+        assert grads[0][1] == float("inf") and not grads[0].isnan().any() and torch.equal(grads[1], torch.ones(2))
+
+
+@pytest.mark.parametrize("poison", [float("inf"), float("nan")])
+def test_master_weight_optimizers_report_a_non_finite_norm_and_touch_nothing(poison):
+    """colo.MasterWeightOptimizer and ZeRO-1's colo.ShardedMasterWeightOptimizer (one rank): the norm is
+    not finite, the main gradients are not scaled (no inf turned into NaN), the masters stay."""
+    from colo import MasterWeightOptimizer, ShardedMasterWeightOptimizer
+
+    for build in (lambda ps: MasterWeightOptimizer(ps, torch.optim.AdamW, lr=1e-2),
+                  lambda ps: ShardedMasterWeightOptimizer(ps, torch.optim.AdamW, lr=1e-2)):
+        params = [torch.nn.Parameter(torch.randn(4, 4).to(torch.bfloat16)) for _ in range(2)]
+        opt = build(params)
+        (params[0].float().sum() + params[1].float().square().sum()).backward()
+        opt.main_grads[0].view(-1)[3] = poison
+        before = [m.clone() for m in opt.masters]
+        norm = opt.clip_grad_norm_(1.0)
+        assert not math.isfinite(norm)
+        assert opt.main_grads[1].isfinite().all() and opt.main_grads[1].abs().sum() > 0  # not scaled to 0 or NaN
+        assert torch.equal(opt.main_grads[0].view(-1)[3:4], torch.tensor([poison])) or math.isnan(poison)
+        assert all(torch.equal(a, b) for a, b in zip(before, opt.masters))
