@@ -31,6 +31,15 @@ engine_model = compat.engine_model
 engine_worker = compat.engine_worker
 import_vllm = compat.import_vllm
 
+# The engine steps on the pool's high-priority `infer` stream (colo.vllm_compat.worker), but vLLM captures
+# its CUDA graphs on a stream of its own, and torch instantiates graphs so that each kernel keeps the
+# priority of the stream it was captured on. This CUDA setting makes graph kernels take the priority of
+# the stream they are launched into instead (CUDA Programming Guide, environment variables); the driver
+# reads it when it starts, so it is set here, on import, before colo's pool or vLLM starts CUDA. A value
+# the user set wins. (Not yet seen on a GPU: python -m colo.gpu_check reports it.)
+GRAPH_PRIORITY_SETTING = "CUDA_GRAPHS_USE_NODE_PRIORITY"
+os.environ.setdefault(GRAPH_PRIORITY_SETTING, "0")
+
 
 def quiet_vllm_logs() -> None:
     """Send vLLM's logs to stderr, warnings and up, unless the user set VLLM_LOGGING_STREAM or

@@ -10,7 +10,8 @@ Each check is small, real work on the device, and says what it saw:
   mempool_routing      torch's own allocations inside pool.use(name) land in that region (GPU only:
                        torch's CPU allocator cannot be routed)
   streams_and_events   the pool's 'train' stream has a lower priority than 'infer' and 'copy'; work on
-                       one stream ordered after another's through a colo event, and a batched copy
+                       one stream ordered after another's through a colo event, and a batched copy;
+                       Stream.as_current (what the engine's steps run under) makes 'infer' current
   overlap_handover     a small Hugging Face model's groups trained on the pool's 'train' stream, on the
                        overlap's trainer thread, while the step's stream works: the same gradients as
                        the groups trained one after another
@@ -115,6 +116,23 @@ def streams_and_events(device: torch.device) -> dict:
         _sync(device)
         if not torch.equal(seen, a):
             raise AssertionError("work on 'infer' after waiting for 'train''s event did not see its result")
+        # What the engine's steps run under (colo.vllm_compat.worker): the infer stream is torch's current
+        # stream in the block, after the caller's work, and the caller's stream after the block's.
+        before = torch.cuda.current_stream(device)
+        b = a @ a
+        with pool.stream("infer").as_current():
+            inside = torch.cuda.current_stream(device)
+            c = b @ b
+        after = torch.cuda.current_stream(device)
+        d = c.clone()
+        _sync(device)
+        if inside != streams["infer"] or after != before or not torch.equal(d, (a @ a) @ (a @ a)):
+            raise AssertionError(f"Stream.as_current: inside {inside}, after {after} (before {before})")
+        details["engine_steps_on"] = {"stream": "infer", "priority": inside.priority}
+        from colo.engine import GRAPH_PRIORITY_SETTING  # noqa: F401 - sets it before CUDA starts, where it can
+        import os
+
+        details[GRAPH_PRIORITY_SETTING] = os.environ.get(GRAPH_PRIORITY_SETTING)
     source = torch.randn(4 * MiB // 4, device=device)
     target = torch.empty_like(source)
     event = pool.copy_async([(target, source)])

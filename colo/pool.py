@@ -127,6 +127,29 @@ class Stream:
             raise RuntimeError("torch_stream() is only available for CUDA pools")
         return torch.cuda.ExternalStream(self.native_handle, device=self.pool.device)
 
+    @contextlib.contextmanager
+    def as_current(self):
+        """Inside the block torch's current stream of this thread is this one (CUDA; on the host a
+        no-op): it first waits for what the thread's stream holds, and the thread's stream waits for it
+        on the way out, so the block's work is ordered between theirs and runs at this stream's
+        priority. Through torch.cuda.set_stream, which vLLM sees too (it records a thread's stream
+        there: vllm.utils.torch_utils); a block inside one on the same stream changes nothing."""
+        if self.pool.device.type != "cuda":
+            yield
+            return
+        mine = self.torch_stream()
+        previous = torch.cuda.current_stream(self.pool.device)
+        if previous == mine:
+            yield
+            return
+        mine.wait_stream(previous)
+        torch.cuda.set_stream(mine)
+        try:
+            yield
+        finally:
+            previous.wait_stream(mine)
+            torch.cuda.set_stream(previous)
+
     def copy_async(self, pairs) -> Event:
         """Enqueue byte copies [(dst, src), ...] of contiguous tensors as one batch; returns an Event."""
         copies, keep = [], []

@@ -8,10 +8,11 @@ Nothing heavy is imported here, so `python -m colo.bench --help` stays instant.
 """
 
 # In the order they run; the cheap pool sections first so their rows appear early.
-SECTIONS = ("pool_alloc", "sleep_wake", "publish", "grpo_step", "memory", "trl", "lora", "logprob_memory", "overlap")
+SECTIONS = ("pool_alloc", "sleep_wake", "publish", "grpo_step", "memory", "trl", "lora", "logprob_memory", "overlap",
+            "agentic")
 # `--quick` (the README's main job: minutes on a fresh 2-core machine) leaves out what only the full run
-# needs to show; `--sections lora` runs it quick too.
-QUICK_SECTIONS = tuple(name for name in SECTIONS if name != "lora")
+# needs to show; `--sections lora` (or agentic) runs it quick too.
+QUICK_SECTIONS = tuple(name for name in SECTIONS if name not in ("lora", "agentic"))
 # What each section measures, and about how many seconds it took on 2 CPU cores with empty compile
 # caches (quick: the slower of bench/results/cpu-quick-fresh-*.json, rounded up; full: the full runs'
 # files in bench/results), printed as it starts.
@@ -26,6 +27,8 @@ ABOUT = {
     "lora": ("LoRA with colo.trl and colo.grpo against stock TRL + PEFT", 110, 620),
     "logprob_memory": ("peak memory of chunked log-probabilities against all logits at once", 30, 280),
     "overlap": ("a GRPO step training finished groups during generation against the serial step", 15, 600),
+    "agentic": ("an agentic step (tools, an environment, two turns) with colo.trl and colo.grpo against stock TRL",
+                400, 400),
 }
 
 DEVICE_CHOICES = ("cpu", "cuda", "all")

@@ -1,8 +1,10 @@
 """`python -m colo.grpo.plot log.jsonl -o curve.png`: a run's learning curve from its step log.
 
 Top: the reward per step (mean, with the std as a band) and each reward function's mean, with the
-eval pass@1 points where the run evaluated. Bottom: completion length per step (mean, min-max band)
-and the share of completions cut by max_new_tokens (clipped_ratio, right axis).
+eval pass@1 points where the run evaluated. Then completion length per step (mean, min-max band) and
+the share of completions cut by max_new_tokens (clipped_ratio, right axis). An agentic run (tools,
+colo.grpo.agent) gets a third panel: the share of rollouts that called a tool, tool calls per
+rollout, and assistant turns per rollout (right axis).
 """
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ def plot(records: list[dict], out: str | Path, title: str | None = None) -> Path
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    agentic = "tools/rollouts_calling" in records[0]
+    fig, axes = plt.subplots(3 if agentic else 2, 1, figsize=(8, 10 if agentic else 7), sharex=True)
+    top, bottom = axes[0], axes[1]
     mean = [r["reward_mean"] for r in records]
     std = [r.get("reward_std", 0.0) for r in records]
     top.plot(steps, mean, color="black", label="reward (weighted sum)")
@@ -60,8 +64,19 @@ def plot(records: list[dict], out: str | Path, title: str | None = None) -> Path
     else:
         bottom.plot(steps, [r["tokens_generated"] for r in records], label="tokens generated")
     bottom.set_ylabel("completion tokens", color="tab:blue")
-    bottom.set_xlabel("step")
     bottom.grid(alpha=0.3)
+    if agentic:
+        tools = axes[2]
+        tools.plot(steps, [r["tools/rollouts_calling"] for r in records], color="tab:green",
+                   label="rollouts that called a tool")
+        tools.plot(steps, [r["tools/call_frequency"] for r in records], color="tab:olive", label="tool calls per rollout")
+        tools.set_ylabel("share / calls")
+        tools.legend(fontsize=8, loc="upper left")
+        tools.grid(alpha=0.3)
+        turns = tools.twinx()
+        turns.plot(steps, [r["turns_mean"] for r in records], color="tab:purple", label="turns per rollout")
+        turns.set_ylabel("turns per rollout", color="tab:purple")
+    axes[-1].set_xlabel("step")
     fig.suptitle(title or "colo.grpo")
     fig.tight_layout()
     out = Path(out)

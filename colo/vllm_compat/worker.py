@@ -1,14 +1,28 @@
-"""The worker hook: colo's worker places the engine's memory in a colo.Pool while vLLM allocates it.
+"""The worker hook: colo's worker places the engine's memory in a colo.Pool while vLLM allocates it,
+and runs the engine's GPU work on the pool's high-priority stream.
 
 `ColoWorker`, a subclass of the platform's own worker (passed to vLLM as `worker_cls`, by the dotted
 name `placing` yields), answers vLLM's `_maybe_get_memory_pool_context(tag)`: tag "weights" (around
 `load_model`) places the engine's parameters in the pool's `weights` region, tag "kv_cache" (around the
 KV cache allocation, on both model runners) places the KV cache in the `kv_cache` region. The same
 `colo.placement.AllocateIn` mode does it on the host and on a GPU.
+
+On a GPU, vLLM computes on torch's current stream of the thread that steps it (both model runners;
+V1 makes side streams only for copies, V2 caches the stream it first sees as `main_stream`). Left
+alone that is the default stream, of the same (lowest) priority as colo's `train` stream, so during an
+overlapped step the trainer's large matmuls and the latency-bound decode tail compete as equals. The
+worker's steps (`execute_model`, `sample_tokens`, the warm-up that captures CUDA graphs) therefore run
+on the pool's `infer` stream, the highest priority, entered with torch.cuda.set_stream (vLLM records a
+thread's stream through it: vllm.utils.torch_utils) after it waits for the caller's stream, which waits
+for it again on the way out (colo.pool.Stream.as_current); V2's `main_stream` is that stream. CUDA graphs are captured on a stream of
+vLLM's own (parallel_state.graph_capture) and torch instantiates them with each node's capture-time
+priority, so colo.engine sets CUDA_GRAPHS_USE_NODE_PRIORITY=0, before CUDA starts, for graph kernels to
+take the priority of the stream they are replayed on (colo.engine.prioritize_graph_replays).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 
@@ -121,12 +135,42 @@ class _ColoWorkerMixin:
         super().__init__(*args, **kwargs)
         self.distributed_init_method = job_init_method(self.distributed_init_method)
 
+    def execute_model(self, *args, **kwargs):
+        with self.colo_placement.pool.stream("infer").as_current():
+            return super().execute_model(*args, **kwargs)
+
+    def sample_tokens(self, *args, **kwargs):
+        with self.colo_placement.pool.stream("infer").as_current():
+            return super().sample_tokens(*args, **kwargs)
+
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        with self.colo_placement.pool.stream("infer").as_current():
+            return super().compile_or_warm_up_model(*args, **kwargs)
+
+    def execute_dummy_batch(self, *args, **kwargs):
+        with self.colo_placement.pool.stream("infer").as_current():
+            return super().execute_dummy_batch(*args, **kwargs)
+
+    def _make_model_runner(self, *args, **kwargs):
+        runner = super()._make_model_runner(*args, **kwargs)
+        pin_main_stream(runner, self.colo_placement.pool)
+        return runner
+
     def _maybe_get_memory_pool_context(self, tag: str):
         if tag == "weights":
             return self.colo_placement.loading_weights(self)
         if tag == "kv_cache":
             return self.colo_placement.allocating_kv_cache()
         return super()._maybe_get_memory_pool_context(tag)
+
+
+def pin_main_stream(runner, pool) -> None:
+    """Model Runner V2 caches the stream it first sees (a functools.cached_property, main_stream) to
+    order its output copy after sampling and to return to after it: make that the `infer` stream."""
+    if pool.device.type != "cuda":
+        return
+    if isinstance(getattr(type(runner), "main_stream", None), functools.cached_property):
+        runner.__dict__["main_stream"] = pool.stream("infer").torch_stream()
 
 
 def __getattr__(name: str):

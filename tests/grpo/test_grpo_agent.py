@@ -192,43 +192,40 @@ def test_an_environment_per_rollout_its_reset_its_tools_and_its_reward(engine_an
     assert scores.per_function[:, 1].tolist() == [float(e.count) for e in environments]
 
 
-def test_a_run_with_tools_trains_overlapped_and_an_environment_that_fails_stops_it_with_the_checkpoint(
+def test_a_run_with_tools_and_an_environment_trains_overlapped_and_a_failing_reset_stops_it_with_the_checkpoint(
         tmp_path, smollm2_model_dir):
     from colo.grpo import GRPOConfig, GRPOScheduler
-
-    config = GRPOConfig(prompts_per_step=2, num_generations=2, max_new_tokens=160, learning_rate=1e-5, max_turns=1,
-                        chat_template="qwen2_5", structured_outputs_regex=ADD_CALL + "|The answer is [0-9]+\\.",
-                        save_every=1, overlap="on", dtype="fp32", seed=1)
-    run = GRPOScheduler(smollm2_model_dir, config=config, dataset=_dataset(), reward_funcs=[_correct], tools=[add],
-                        out_dir=tmp_path / "out", engine_options=dict(enforce_eager=True))
-    try:
-        record = run.train_step()
-        run.save()
-    finally:
-        run.close()
-    assert record["overlap"] is True and record["turns_max"] <= 2 and record["tools/timeouts"] == 0
-    assert 0 <= record["tools/rollouts_calling"] <= 1 and record["prefill_tokens_computed"] > 0
-    assert record["tokens_generated"] > 0 and record["loss"] == record["loss"]
 
     class FailsOnSecondStep(Counter):
         calls = 0
 
         def reset(self, **row):
             FailsOnSecondStep.calls += 1
-            if FailsOnSecondStep.calls > 4:
+            if FailsOnSecondStep.calls > 4:  # the second step's first rollout (2 prompts x 2 a step)
                 raise KeyError("the environment's server went away")
             return super().reset(**row)
 
-    config2 = GRPOConfig(prompts_per_step=2, num_generations=2, max_new_tokens=96, learning_rate=1e-5, max_turns=1,
-                         chat_template="qwen2_5", save_every=1, dtype="fp32")
-    run = GRPOScheduler(smollm2_model_dir, config=config2, dataset=_dataset(), environment_factory=FailsOnSecondStep,
-                        out_dir=tmp_path / "env", engine_options=dict(enforce_eager=True))
+    either = CALL.format(name="(add|bump)", arg="(a|by)", more=r"(, \"b\": [1-9][0-9]{0,3})?")
+    config = GRPOConfig(prompts_per_step=2, num_generations=2, max_new_tokens=160, learning_rate=1e-5, max_turns=1,
+                        chat_template="qwen2_5", structured_outputs_regex=either + "|The answer is [0-9]+\\.",
+                        save_every=1, overlap="on", dtype="fp32", seed=1)
+    run = GRPOScheduler(smollm2_model_dir, config=config, dataset=_dataset(), reward_funcs=[_correct], tools=[add],
+                        environment_factory=FailsOnSecondStep, out_dir=tmp_path / "out",
+                        engine_options=dict(enforce_eager=True))
+    records = []
     try:
         with pytest.raises(EnvironmentFailed, match=r"FailsOnSecondStep.reset raised KeyError.*dataset row \d"):
-            run.run(3, progress=False)
+            records.append(run.train_step())
+            run.save()
+            run.train_step()
     finally:
         run.close()
-    assert sorted(p.name for p in (tmp_path / "env").glob("step-*.pt")) == ["step-000001.pt"]
+    record = records[0]
+    assert record["overlap"] is True and record["turns_max"] <= 2 and record["tools/timeouts"] == 0
+    assert 0 <= record["tools/rollouts_calling"] <= 1 and record["prefill_tokens_computed"] > 0
+    assert "rewards/FailsOnSecondStep/mean" in record and record["loss"] == record["loss"]
+    # The failed step changed nothing on disk: the first step's checkpoint is the newest.
+    assert sorted(p.name for p in (tmp_path / "out").glob("step-*.pt")) == ["step-000001.pt"]
 
 
 def test_rollout_func_generates_with_the_engine_and_its_fields_reach_the_rewards(smollm2_model_dir):
