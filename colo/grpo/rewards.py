@@ -16,12 +16,10 @@ Names (`--reward`, `load_reward`): `FILE.py:NAME`, `package.module:NAME`, or a b
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import re
-import sys
-from pathlib import Path
 from typing import Callable
+
+from .user_code import load_object
 
 RewardFunc = Callable[..., list]
 
@@ -112,30 +110,11 @@ def load_reward(spec: str) -> RewardFunc:
         return BUILTIN[spec]
     if spec.startswith("regex:"):
         return regex_reward(spec[len("regex:"):])
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name:
+    if ":" not in spec:
         raise ValueError(f"reward {spec!r}: expected FILE.py:NAME, module:NAME or one of "
                          f"{', '.join(sorted(BUILTIN))}, regex:PATTERN")
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise ValueError(f"reward {spec!r}: no file {path}")
-        module_name = f"colo_reward_{abs(hash(str(path.resolve())))}"
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module  # so pickling and dataclasses in it work
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:
-            raise ValueError(f"reward {spec!r}: importing {path} raised {type(e).__name__}: {e}") from e
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise ValueError(f"reward {spec!r}: cannot import module {where!r}: {e}") from e
-    function = getattr(module, name, None)
-    if function is None:
-        raise ValueError(f"reward {spec!r}: {where} has no {name!r}")
+    function = load_object(spec, "reward")
+    where, _, name = spec.rpartition(":")
     if not callable(function):
         raise ValueError(f"reward {spec!r}: {name!r} in {where} is a {type(function).__name__}, not a function")
     return function

@@ -22,8 +22,6 @@ Everything a user can get wrong is checked before any engine starts (`check_tool
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import json
 import re
@@ -43,30 +41,13 @@ class ToolError(ValueError):
 # -- finding and checking --------------------------------------------------------------------------
 
 def load_object(spec: str, flag: str = "--tool"):
-    """The object `spec` names: `path/to/file.py:NAME` or `package.module:NAME`."""
-    if not isinstance(spec, str) or ":" not in spec:
-        raise ToolError(f"{flag} {spec!r}: give FILE.py:NAME or module:NAME")
-    where, _, name = spec.rpartition(":")
-    if not where or not name.isidentifier():
-        raise ToolError(f"{flag} {spec!r}: give FILE.py:NAME or module:NAME")
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise ToolError(f"{flag} {spec!r}: no file {path}")
-        module_spec = importlib.util.spec_from_file_location(f"colo_user_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:  # noqa: BLE001 - the user's file: say which and why
-            raise ToolError(f"{flag} {spec!r}: importing {path} raised {type(e).__name__}: {e}") from e
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise ToolError(f"{flag} {spec!r}: cannot import module {where!r} ({e})") from e
-    if not hasattr(module, name):
-        raise ToolError(f"{flag} {spec!r}: {where} has no {name!r}")
-    return getattr(module, name)
+    """The object `spec` names: `path/to/file.py:NAME` or `package.module:NAME`; ToolError otherwise."""
+    from .user_code import load_object as load
+
+    try:
+        return load(spec, flag)
+    except ValueError as e:
+        raise ToolError(str(e)) from e.__cause__
 
 
 def tool_schema(tool) -> dict:

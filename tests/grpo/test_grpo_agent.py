@@ -15,60 +15,10 @@ import pytest
 from colo.errors import EnvironmentFailed
 from colo.grpo.agent import AgentRollouts
 from colo.grpo.tools import tool_suffix_ids
+from helpers.agentic import Counter, add, broken, slow
 
 CALL = r'<tool_call>\n\{{"name": "{name}", "arguments": \{{"{arg}": [1-9][0-9]{{0,3}}{more}\}}\}}\n</tool_call>'
 ADD_CALL = CALL.format(name="add", arg="a", more=r', "b": [1-9][0-9]{0,3}')
-
-
-def add(a: int, b: int) -> int:
-    """Add two whole numbers.
-
-    Args:
-        a: the first number
-        b: the second number
-    """
-    return a + b
-
-
-def broken(x: int) -> int:
-    """Always fails.
-
-    Args:
-        x: ignored
-    """
-    raise RuntimeError("the tool broke")
-
-
-def slow(x: int) -> int:
-    """Takes its time.
-
-    Args:
-        x: ignored
-    """
-    time.sleep(3.0)
-    return x
-
-
-class Counter:
-    """An environment: a counter per rollout, its value the episode's reward."""
-    resets: list = []
-
-    def reset(self, **row):
-        self.count = 0
-        Counter.resets.append(row["answer"])
-        return f" (start from {row['answer']})"
-
-    def bump(self, by: int) -> int:
-        """Add to the counter.
-
-        Args:
-            by: how much
-        """
-        self.count += by
-        return self.count
-
-    def get_reward(self) -> float:
-        return float(self.count)
 
 
 def _dataset(n: int = 4):

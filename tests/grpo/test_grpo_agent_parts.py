@@ -4,7 +4,6 @@ engine's thread with errors and timeouts as results, the template's tokens after
 mask of tool tokens, and importance sampling's weights against a hand computation."""
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 
@@ -16,16 +15,7 @@ from colo.grpo.loss import importance_weights
 from colo.grpo.tools import (ToolCall, ToolError, ToolRunner, check_environment, check_template_renders_tools,
                              check_tools, load_object, parse_hermes, parse_turn, set_chat_template,
                              tool_capable_template, tool_suffix_ids)
-
-
-def add(a: int, b: int) -> int:
-    """Add two whole numbers.
-
-    Args:
-        a: the first number
-        b: the second number
-    """
-    return a + b
+from helpers.agentic import Counter, add, broken, slow, slow_async
 
 
 def no_hints(a, b):
@@ -40,49 +30,6 @@ def no_hints(a, b):
 
 def no_docstring(a: int) -> int:
     return a
-
-
-def broken(x: int) -> int:
-    """Always fails.
-
-    Args:
-        x: ignored
-    """
-    raise RuntimeError("the tool broke")
-
-
-def slow(x: int) -> int:
-    """Sleeps.
-
-    Args:
-        x: ignored
-    """
-    time.sleep(2.0)
-    return x
-
-
-async def slow_async(x: int) -> int:
-    """Sleeps without a thread.
-
-    Args:
-        x: ignored
-    """
-    await asyncio.sleep(2.0)
-    return x
-
-
-class Counter:
-    def reset(self, **row):
-        self.count = 0
-
-    def bump(self, by: int) -> int:
-        """Add to the counter.
-
-        Args:
-            by: how much
-        """
-        self.count += by
-        return self.count
 
 
 class NoReset:
