@@ -116,13 +116,14 @@ def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: 
                      dp_size: int, global_tokens: float, global_sequences: float, reference=None,
                      after_forward=None) -> dict:
     """Forward, loss and backward over these completions, their gradients added to the parameters';
-    returns the merged statistics (merge_stats). Each micro-batch is packed on its own, padded to its
-    own longest completion: with long-tailed lengths, padding every row to the batch's longest would
-    multiply the positions computed."""
-    micro = config.micro_batch_size or len(rollout.completions)
+    returns the merged statistics (merge_stats). The rows go in micro-batches of similar lengths
+    (length_buckets), each packed on its own: padding every row to the batch's longest prompt and
+    completion would compute positions that hold nothing (`positions` and `padded_positions` in the
+    statistics say how many were computed and how many of those were padding)."""
     parts = []
-    for start in range(0, len(rollout.completions), micro):
-        part = rollout.part(start, start + micro)
+    for rows in length_buckets([len(p) for p in rollout.prompts], [len(c) for c in rollout.completions],
+                               config.micro_batch_size):
+        part = rollout.select(rows)
         batch = pack(part.prompts, part.completions, loss_masks=part.loss_masks)
         if config.mask_truncated:  # the tokens stay in the sequence; they only stop counting in the loss
             batch.completion_mask[torch.tensor(part.truncated, dtype=torch.bool)] = 0
@@ -135,12 +136,40 @@ def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: 
         # vLLM's log-probabilities are of the distribution it sampled from only at temperature 1, or when
         # it reports processed ones (colo.grpo builds it so for importance sampling).
         compare = config.temperature == 1.0 or config.importance_sampling != "off"
-        stats = accumulate_gradients(model, batch, advantages[start:start + micro].to(device), config,
+        stats = accumulate_gradients(model, batch, advantages[rows].to(device), config,
                                      num_tokens=denominators, reference=reference,
                                      engine_logprobs=part.logprobs if compare else None,
                                      after_forward=after_forward)
-        parts.append({**stats, "tokens": float(batch.completion_mask.sum())})
+        positions = batch.attention_mask.numel()
+        parts.append({**stats, "tokens": float(batch.completion_mask.sum()), "positions": float(positions),
+                      "padded_positions": float(positions - batch.attention_mask.sum())})
     return merge_stats(parts)
+
+
+# A row joins a micro-batch while the micro-batch, padded to its longest prompt and longest completion,
+# stays at least this full of real tokens; otherwise it starts the next one.
+FILL = 0.8
+
+
+def length_buckets(prompt_lengths: list[int], completion_lengths: list[int], most_rows: int | None) -> list[list[int]]:
+    """The rows (indices) of each micro-batch: longest first, a row joining the current micro-batch while
+    that one stays FILL full of real tokens when padded (every row to its longest prompt and its longest
+    completion, the layout colo.grpo.batch.pack makes) and holds at most `most_rows` rows (None: no limit)."""
+    order = sorted(range(len(prompt_lengths)), key=lambda i: (prompt_lengths[i] + completion_lengths[i], -i),
+                   reverse=True)
+    buckets: list[list[int]] = []
+    longest_p = longest_c = real = 0
+    for i in order:
+        p, c = prompt_lengths[i], max(completion_lengths[i], 1)
+        if buckets and (most_rows is None or len(buckets[-1]) < most_rows):
+            padded = (len(buckets[-1]) + 1) * (max(longest_p, p) + max(longest_c, c))
+            if real + p + c >= FILL * padded:
+                buckets[-1].append(i)
+                longest_p, longest_c, real = max(longest_p, p), max(longest_c, c), real + p + c
+                continue
+        buckets.append([i])
+        longest_p, longest_c, real = p, c, p + c
+    return buckets
 
 
 def merge_stats(results: list[dict]) -> dict:
@@ -148,6 +177,8 @@ def merge_stats(results: list[dict]) -> dict:
     token-weighted means (clip fraction, KL) weigh each group by its loss tokens (`tokens`)."""
     tokens = sum(r["tokens"] for r in results)
     merged = {"loss": sum(r["loss"] for r in results), "tokens": tokens,
+              "positions": sum(r.get("positions", 0.0) for r in results),
+              "padded_positions": sum(r.get("padded_positions", 0.0) for r in results),
               "clip_fraction": sum(r["clip_fraction"] * r["tokens"] for r in results) / max(tokens, 1.0),
               "kl": sum(r["kl"] * r["tokens"] for r in results) / max(tokens, 1.0)}
     if results and "engine_logprob_max_abs_diff" in results[0]:

@@ -113,6 +113,13 @@ class Rollout:
                        self.logprobs[start:stop], self.truncated[start:stop], cut(self.loss_masks),
                        cut(self.conversations), cut(self.environments), cut(self.extra))
 
+    def select(self, rows: list[int]) -> "Rollout":
+        """These rows (indices), in this order."""
+        pick = lambda values: None if values is None else [values[i] for i in rows]  # noqa: E731
+        return Rollout(pick(self.rows), pick(self.prompts), pick(self.completions), pick(self.logprobs),
+                       pick(self.truncated), pick(self.loss_masks), pick(self.conversations), pick(self.environments),
+                       pick(self.extra))
+
     def model_tokens(self) -> list[int]:
         """Each completion's tokens the model sampled (the tools' not counted)."""
         if self.loss_masks is None:

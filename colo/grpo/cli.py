@@ -51,7 +51,7 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     chat_template="chat_template", importance_sampling="importance_sampling",
                     importance_sampling_max="importance_sampling_max",
                     importance_sampling_min="importance_sampling_min",
-                    structured_outputs_regex="structured_outputs_regex")
+                    structured_outputs_regex="structured_outputs_regex", micro_batch_size="micro_batch_size")
 
 
 def _int_at_least(minimum: int):
@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--beta", type=float, help="KL-to-reference weight (0: none). With LoRA the reference is the shared "
                      "base, free; with full fine-tuning a frozen second copy of the weights (colo.plan shows its bytes)")
     p.add_argument("--lr", type=float, help="AdamW learning rate (3e-3 for the toy; 1e-6, TRL's, with --dataset)")
+    p.add_argument("--micro-batch-size", type=_positive_int, metavar="N",
+                   help="sequences per forward and backward (their gradients add up to the step's; default: rows of "
+                        "similar length together, the whole rollout at most): bounds the activations' memory")
     p.add_argument("--max-skipped-steps", type=_positive_int, metavar="N",
                    help="a step whose gradient norm is inf or NaN skips its update (counted in the step record); "
                         "N such steps in a row stop the run, the last checkpoint intact (default 3)")

@@ -224,6 +224,10 @@ def train_stats(stats: dict, world) -> dict:
     record = dict(zip(("loss", "clip_fraction", "kl"), (
         v / world.dp_size for v in distributed.sum_floats([stats["loss"], stats["clip_fraction"], stats["kl"]], world,
                                                 data_parallel=True))))
+    # The positions the trainer's forward computed, and how many of them were padding.
+    positions, padded = distributed.sum_floats([stats.get("positions", 0.0), stats.get("padded_positions", 0.0)], world,
+                                               data_parallel=True)
+    record["train_positions"], record["padding_fraction"] = int(positions), padded / max(positions, 1.0)
     if "engine_logprob_max_abs_diff" in stats:
         gap, tokens = distributed.sum_floats([stats["engine_logprob_abs_diff_sum"], stats["engine_logprob_tokens"]],
                                    world, data_parallel=True)

@@ -103,3 +103,40 @@ def test_micro_batches_add_up_to_the_whole_batch_gradient():
     kl_pieces, _ = gradient(3, beta=0.1, reference=reference)
     assert kl_stats["kl"] > 0 and not torch.allclose(kl_whole, whole)
     assert torch.allclose(kl_whole, kl_pieces, atol=1e-6)
+
+
+def test_rows_of_similar_length_train_together_with_the_same_gradient_and_less_padding():
+    """backward_rollout's micro-batches (length_buckets): longest first, a row joining while the padded
+    micro-batch stays mostly real tokens; the gradient is the one of every row padded alike."""
+    from colo.grpo.backward import FILL, backward_rollout, length_buckets
+    from colo.grpo.batch import Rollout
+
+    assert length_buckets([4, 4, 4, 4], [30, 2, 28, 3], None) == [[0, 2], [3, 1]]
+    assert length_buckets([4, 4, 4, 4], [30, 2, 28, 3], 1) == [[0], [2], [3], [1]]
+    assert length_buckets([10, 10, 10], [5, 5, 5], 2) == [[0, 1], [2]]  # equal lengths: the row cap only
+    for prompts, completions in (([3, 9, 5, 5, 20], [40, 1, 7, 30, 2]), ([7] * 6, [1, 2, 3, 50, 60, 64])):
+        for bucket in length_buckets(prompts, completions, None):
+            padded = len(bucket) * (max(prompts[i] for i in bucket) + max(completions[i] for i in bucket))
+            assert len(bucket) == 1 or sum(prompts[i] + completions[i] for i in bucket) >= FILL * padded
+
+    model = one_layer_qwen2()
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12], [13, 14]]
+    completions = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [15], [16, 17], [18, 19, 20], [21] * 9, [22]]
+    rollout = Rollout(rows=list(range(6)), prompts=prompts, completions=completions, logprobs=[None] * 6,
+                      truncated=[False] * 6)
+    advantages = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.25, 0.1, 0.9]), group_size=2)
+    tokens = float(sum(len(c) for c in completions))
+
+    def gradient(micro_batch_size):
+        model.zero_grad(set_to_none=True)
+        cfg = GRPOConfig(micro_batch_size=micro_batch_size, temperature=0.8)
+        stats = backward_rollout(model, rollout, advantages, cfg, device="cpu", dp_size=1, global_tokens=tokens,
+                                 global_sequences=6.0)
+        return torch.cat([p.grad.flatten() for p in model.parameters()]), stats
+
+    bucketed, stats = gradient(None)
+    one_at_a_time, single = gradient(1)
+    torch.testing.assert_close(bucketed, one_at_a_time, atol=1e-6, rtol=1e-5)
+    assert stats["loss"] == pytest.approx(single["loss"], abs=1e-6) and single["padded_positions"] == 0
+    all_padded = 6 * (max(map(len, prompts)) + max(map(len, completions)))
+    assert stats["positions"] < all_padded and stats["padded_positions"] <= (1 - FILL) * stats["positions"]
