@@ -205,7 +205,13 @@ def measure(device: str, progress) -> list[dict]:
                     raise
                 refused = f"{type(e).__name__}: {e}"
                 results["variant"] = in_fresh_process(run_trl, "variant", model, tmp / "variant")
-        baseline = "variant" if refused else "stock"
+    return agentic_rows(results, refused, device)
+
+
+def agentic_rows(results: dict, refused: str, device: str) -> list[dict]:
+    """The section's rows from each side's measurements: `results` holds run_trl's for "colo" and for
+    "stock" (or "variant", where stock TRL raised `refused`), and run_colo_grpo's for "grpo"."""
+    baseline = "variant" if refused else "stock"
     base, colo, grpo = results[baseline], results["colo"], results["grpo"]
     base_step = statistics.median(base["step_s"])
     base_phases, colo_phases = _medians(base["phases"]), _medians(colo["phases"])

@@ -40,7 +40,8 @@ def test_help_works_without_the_compiled_extension():
 @pytest.mark.parametrize("args, message", [
     (["--bogus"], "unrecognized arguments"),
     (["--sections", "pool_alloc,nope"],
-     "valid sections: pool_alloc, sleep_wake, publish, grpo_step, memory, trl, lora, logprob_memory, overlap"),
+     "valid sections: pool_alloc, sleep_wake, publish, grpo_step, memory, trl, lora, logprob_memory, overlap, "
+     "agentic"),
     (["--sections", ","], "no section named"),
     (["--device", "tpu"], "invalid choice"),
     (["--plot", "out.jpg"], "ending in .png"),
@@ -344,3 +345,29 @@ def test_overlap_row_compares_the_overlapped_step_with_the_serial_one():
     assert row["serial_grads_resident_bytes_during_generate"] == 0 and row["serial_groups_trained_early"] == 0
     # Same prompts, seeds and weights: the same completions on both sides.
     assert row["overlapped_completion_length_mean"] == row["serial_completion_length_mean"]
+
+
+def test_agentic_rows_put_each_side_beside_stock_trls_and_name_the_variant():
+    """The agentic section's rows from each side's measurements (run_trl's, run_colo_grpo's): the same
+    fields on both sides, ratios against stock TRL's step, and where stock TRL raised, the variant named
+    with what it raised. (The section itself runs in the full bench only: minutes of SmolLM2 steps.)"""
+    from colo.bench import QUICK_SECTIONS
+    from colo.bench.agentic import agentic_rows
+
+    assert "agentic" not in QUICK_SECTIONS
+
+    def trl_side(step, generate, idle, computed):
+        return {"step_s": [step, step + 2], "calls": [1.0, 1.0], "sync_bytes": [0, 0],
+                "phases": [{"generate_s": generate, "idle_s": idle, "in_context": 900, "computed": computed}] * 2}
+
+    grpo = {"step_s": [5.0, 6.0], "records": [{"generate_s": 2.0, "engine_idle_during_tools_s": 0.1,
+                                                 "prefill_tokens_in_context": 900, "prefill_tokens_computed": 300,
+                                                 "tools/call_frequency": 1.0, "publish_bytes_copied": 0}] * 2}
+    results = {"colo": trl_side(8.0, 3.0, 0.8, 350), "variant": trl_side(10.0, 4.0, 0.8, 880), "grpo": grpo}
+    colo_trl, colo_grpo = agentic_rows(results, "AttributeError: 'Parameter' object has no attribute", "cpu")
+    assert colo_trl["ratio"] == pytest.approx(11.0 / 9.0) and colo_grpo["ratio"] == pytest.approx(11.0 / 5.5)
+    assert colo_trl["baseline"].startswith("stock TRL on vLLM with its packed CPU kernels disabled")
+    assert "stock TRL cannot run here: it raised AttributeError" in colo_trl["note"]
+    assert colo_grpo["colo_engine_idle_during_tools_s"] == 0.1 and colo_grpo["baseline_engine_idle_during_tools_s"] == 0.8
+    assert colo_grpo["colo_prefill_tokens_computed"] == 300 and colo_trl["baseline_prefill_tokens_computed"] == 880
+    assert colo_trl["colo_sync_bytes"] == colo_grpo["colo_sync_bytes"] == 0
