@@ -28,6 +28,7 @@ from .tools import PendingCall, ToolCall, ToolRunner, environment_tools, parse_t
 
 MALFORMED = "tool_call"      # the name a malformed call's error result goes under
 _TURN_SEED_STRIDE = 104_729  # each turn of a rollout samples with a seed of its own
+_SEEDS = 2**63 - 1           # vLLM takes a seed that fits an int64
 
 
 @dataclass
@@ -138,7 +139,7 @@ class AgentRollouts:
                     prompt = self._reset(environment, row)
                     tools.update({name: getattr(environment, name) for name in environment_tools(self.environment)})
                 seed = options.get("seed")
-                one = {**options, "n": 1, **({"seed": seed + j} if seed is not None else {})}
+                one = {**options, "n": 1, **({"seed": (seed + j) % _SEEDS} if seed is not None else {})}
                 group.append(_Rollout(len(rollouts), list(prompt), tools, environment, one))
                 rollouts.append(group[-1])
             groups.append(group)
@@ -174,7 +175,7 @@ class AgentRollouts:
         left = min(self.max_new_tokens - len(c.token_ids), self.max_model_len - len(rollout.context))
         options = {**rollout.sampling, "max_tokens": left}
         if c.turns and options.get("seed") is not None:
-            options["seed"] = options["seed"] + c.turns * _TURN_SEED_STRIDE
+            options["seed"] = (options["seed"] + c.turns * _TURN_SEED_STRIDE) % _SEEDS
         return options
 
     def _end_turn(self, rollout: _Rollout, out) -> None:
