@@ -149,12 +149,17 @@ def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: 
 # A row joins a micro-batch while the micro-batch, padded to its longest prompt and longest completion,
 # stays at least this full of real tokens; otherwise it starts the next one.
 FILL = 0.8
+# Positions (rows x padded length) a micro-batch holds at most, unless one row is longer: the activations
+# autograd keeps grow with them, and a long rollout's whole batch at once would not fit in memory.
+MICRO_BATCH_POSITIONS = 4096
 
 
-def length_buckets(prompt_lengths: list[int], completion_lengths: list[int], most_rows: int | None) -> list[list[int]]:
+def length_buckets(prompt_lengths: list[int], completion_lengths: list[int], most_rows: int | None,
+                   most_positions: int = MICRO_BATCH_POSITIONS) -> list[list[int]]:
     """The rows (indices) of each micro-batch: longest first, a row joining the current micro-batch while
     that one stays FILL full of real tokens when padded (every row to its longest prompt and its longest
-    completion, the layout colo.grpo.batch.pack makes) and holds at most `most_rows` rows (None: no limit)."""
+    completion, the layout colo.grpo.batch.pack makes), holds at most `most_rows` rows (None: no limit)
+    and, padded, at most `most_positions` positions."""
     order = sorted(range(len(prompt_lengths)), key=lambda i: (prompt_lengths[i] + completion_lengths[i], -i),
                    reverse=True)
     buckets: list[list[int]] = []
@@ -163,7 +168,7 @@ def length_buckets(prompt_lengths: list[int], completion_lengths: list[int], mos
         p, c = prompt_lengths[i], max(completion_lengths[i], 1)
         if buckets and (most_rows is None or len(buckets[-1]) < most_rows):
             padded = (len(buckets[-1]) + 1) * (max(longest_p, p) + max(longest_c, c))
-            if real + p + c >= FILL * padded:
+            if real + p + c >= FILL * padded and padded <= most_positions:
                 buckets[-1].append(i)
                 longest_p, longest_c, real = max(longest_p, p), max(longest_c, c), real + p + c
                 continue

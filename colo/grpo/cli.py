@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, help="AdamW learning rate (3e-3 for the toy; 1e-6, TRL's, with --dataset)")
     p.add_argument("--micro-batch-size", type=_positive_int, metavar="N",
                    help="sequences per forward and backward (their gradients add up to the step's; default: rows of "
-                        "similar length together, the whole rollout at most): bounds the activations' memory")
+                        "similar length together, 4096 positions at most): bounds the activations' memory")
     p.add_argument("--max-skipped-steps", type=_positive_int, metavar="N",
                    help="a step whose gradient norm is inf or NaN skips its update (counted in the step record); "
                         "N such steps in a row stop the run, the last checkpoint intact (default 3)")

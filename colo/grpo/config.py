@@ -59,7 +59,7 @@ class GRPOConfig:
     # sequences; "dapo" (TRL's default) the mean over every token of the batch; "dr_grpo" the sum over
     # sequences x max_new_tokens.
     loss_type: str = "dapo"
-    micro_batch_size: int | None = None  # sequences per forward/backward; None: the whole rollout
+    micro_batch_size: int | None = None  # sequences per forward/backward; None: rows of similar length, 4096 positions at most
     memory_phases: bool = True         # KV cache asleep while training, gradients asleep while generating
     # Train each prompt's group while the engine decodes the others' (colo.grpo.overlap): "on", "off",
     # or "auto" (on where it measured faster on this device kind). Exactly on-policy either way.

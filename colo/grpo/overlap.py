@@ -34,7 +34,7 @@ from ..dtype_choice import fastest_dtype
 from .batch import rollout_of
 from .config import OVERLAP_MODES
 from .loss import group_advantages
-from .backward import merge_stats
+from .backward import MICRO_BATCH_POSITIONS, merge_stats
 
 
 # Whether an overlapped step measured faster than the serial one on both workloads of
@@ -91,8 +91,9 @@ def memory_refusal(memory, config, model_dir, longest_sequence: int) -> str | No
     from ..plan import activation_bytes, shape_from_config
 
     n = config.num_generations
-    rows = min(config.micro_batch_size or n, n)  # one micro-batch of one group
-    activations = activation_bytes(shape_from_config(str(model_dir / "config.json")), rows * longest_sequence)[0]
+    rows = min(config.micro_batch_size or n, n)  # one micro-batch of one group, within backward's cap on positions
+    positions = min(rows * longest_sequence, max(MICRO_BATCH_POSITIONS, longest_sequence))
+    activations = activation_bytes(shape_from_config(str(model_dir / "config.json")), positions)[0]
     if memory.gradients_fit_while_generating(activations):
         return None
     return (f"the gradients and one group's activations (~{activations} bytes, colo.plan's estimate) do not fit in "

@@ -114,6 +114,8 @@ def test_rows_of_similar_length_train_together_with_the_same_gradient_and_less_p
     assert length_buckets([4, 4, 4, 4], [30, 2, 28, 3], None) == [[0, 2], [3, 1]]
     assert length_buckets([4, 4, 4, 4], [30, 2, 28, 3], 1) == [[0], [2], [3], [1]]
     assert length_buckets([10, 10, 10], [5, 5, 5], 2) == [[0, 1], [2]]  # equal lengths: the row cap only
+    assert length_buckets([10, 10, 10], [5, 5, 5], None, most_positions=30) == [[0, 1], [2]]  # the positions' cap
+    assert length_buckets([10], [50], None, most_positions=30) == [[0]]  # a row longer than the cap: alone
     for prompts, completions in (([3, 9, 5, 5, 20], [40, 1, 7, 30, 2]), ([7] * 6, [1, 2, 3, 50, 60, 64])):
         for bucket in length_buckets(prompts, completions, None):
             padded = len(bucket) * (max(prompts[i] for i in bucket) + max(completions[i] for i in bucket))
