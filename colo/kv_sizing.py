@@ -3,6 +3,11 @@ scheduler (colo.grpo.rollout_engine), colo.trl and the planner (colo.plan). No t
 the planner is arithmetic."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: no torch import at load
+    import torch
+
 
 def kv_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, tensor_parallel: int = 1) -> int:
     """K and V of one token over all layers on one tensor-parallel rank: vLLM gives each rank

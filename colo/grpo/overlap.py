@@ -32,7 +32,6 @@ import torch
 
 from ..dtype_choice import fastest_dtype
 from .batch import rollout_of
-from .config import OVERLAP_MODES
 from .loss import group_advantages
 from .backward import MICRO_BATCH_POSITIONS, merge_stats
 

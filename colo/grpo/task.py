@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .rewards import RewardFunc, reward_name
+from .rewards import reward_name
 
 PROMPT = "prompt"
 # Columns TRL passes to reward functions under their own names, never as dataset columns.
