@@ -1,6 +1,8 @@
 // Host backends: physical memory from the OS with the same semantics as CUDA VMM (stable addresses,
 // commit/release at offsets, released memory really returned to the OS). "anon" and "memfd" differ
-// only in their PhysicalMemory; both stage offloads in plain pages and use host streams.
+// only in their PhysicalMemory and use host streams. An offload keeps the region's pages rather than
+// copying them into other host pages (it would be the same RAM): anon moves them out of the range
+// and back with mremap, memfd leaves them in its file while the range is unmapped.
 //
 // Which one is the default, and why (measured on this project's 2-core machines, 1 GiB; re-measure
 // with `python -m colo.bench --sections sleep_wake`, whose full run includes memfd):
@@ -29,6 +31,9 @@
 #endif
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
+#endif
+#ifndef MREMAP_DONTUNMAP
+#define MREMAP_DONTUNMAP 4
 #endif
 
 namespace colo {
@@ -92,8 +97,36 @@ class HostMemory : public PhysicalMemory {
 };
 
 // Private anonymous memory; commit = make accessible + ask for huge pages; release = drop pages.
+// Parked pages are moved (mremap, no copy) to an address of their own and moved back at wake.
 class AnonMemory final : public HostMemory {
  public:
+  bool parks_pages() const override { return true; }
+  void park(void* addr, size_t bytes) override {
+    void* keep = reserve_aligned(bytes, kHugePage);
+    // DONTUNMAP (Linux 5.7+) leaves the range mapped, empty, so no other mapping can take its
+    // addresses before they are made inaccessible below.
+    void* moved = mremap(addr, bytes, bytes, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, keep);
+    if (moved == MAP_FAILED) {
+      int err = errno;
+      munmap(keep, bytes);
+      throw SystemError(std::string("mremap(DONTUNMAP) parking region pages failed: ") + std::strerror(err));
+    }
+    COLO_SYSCALL(mprotect(addr, bytes, PROT_NONE) == 0, "mprotect(PROT_NONE)");
+    std::lock_guard<std::mutex> lock(mutex_);
+    parked_[reinterpret_cast<uintptr_t>(addr)] = moved;
+  }
+  void unpark(void* addr, size_t bytes) override {
+    void* kept = take(addr);
+    // Replaces the reservation's inaccessible piece at addr with the kept pages (readable, writable).
+    void* back = mremap(kept, bytes, bytes, MREMAP_MAYMOVE | MREMAP_FIXED, addr);
+    if (back == MAP_FAILED) {
+      int err = errno;
+      std::lock_guard<std::mutex> lock(mutex_);
+      parked_[reinterpret_cast<uintptr_t>(addr)] = kept;
+      throw SystemError(std::string("mremap unparking region pages failed: ") + std::strerror(err));
+    }
+  }
+  void discard_parked(void* addr, size_t bytes) override { munmap(take(addr), bytes); }
   void* reserve(size_t bytes) override { return reserve_aligned(bytes, kHugePage); }
   void unreserve(void* base, size_t bytes) override { munmap(base, bytes); }
   void commit(void*, size_t) override {}  // anonymous memory gets its pages on first touch
@@ -107,6 +140,18 @@ class AnonMemory final : public HostMemory {
     COLO_SYSCALL(madvise(addr, bytes, MADV_DONTNEED) == 0, "madvise(MADV_DONTNEED)");
     COLO_SYSCALL(mprotect(addr, bytes, PROT_NONE) == 0, "mprotect(PROT_NONE)");
   }
+
+ private:
+  void* take(void* addr) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = parked_.find(reinterpret_cast<uintptr_t>(addr));
+    COLO_EXPECTS(it != parked_.end(), InvalidArgument, "no parked pages at this address");
+    void* kept = it->second;
+    parked_.erase(it);
+    return kept;
+  }
+  std::mutex mutex_;
+  std::map<uintptr_t, void*> parked_;  // region address -> where its pages are kept
 };
 
 // One memfd per reservation is the physical memory; mapped shared at fixed addresses.
@@ -154,17 +199,34 @@ class MemfdMemory final : public HostMemory {
     COLO_SYSCALL(mprotect(addr, bytes, PROT_READ | PROT_WRITE) == 0, "mprotect(READ|WRITE)");
   }
 
-  void release(void* addr, size_t bytes) override {
+  // Parked pages stay in the file, unmapped; unparking maps the same file range back.
+  bool parks_pages() const override { return true; }
+  void park(void* addr, size_t bytes) override { unmap(addr, bytes); }
+  void unpark(void* addr, size_t bytes) override {
     auto [fd, offset] = locate(addr);
+    void* p = mmap(addr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, offset);
+    COLO_SYSCALL(p != MAP_FAILED, "mmap(MAP_SHARED|MAP_FIXED)");
+  }
+  void discard_parked(void* addr, size_t bytes) override { punch(addr, bytes); }
+
+  void release(void* addr, size_t bytes) override {
     // Put the reservation back over the range (unmaps it), then free the file's pages:
     // MADV_DONTNEED alone would not free shared memfd pages.
+    unmap(addr, bytes);
+    punch(addr, bytes);
+  }
+
+ private:
+  void unmap(void* addr, size_t bytes) {
     void* p = mmap(addr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
     COLO_SYSCALL(p != MAP_FAILED, "mmap(PROT_NONE|MAP_FIXED)");
+  }
+  void punch(void* addr, size_t bytes) {
+    auto [fd, offset] = locate(addr);
     COLO_SYSCALL(fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, static_cast<off_t>(bytes)) == 0,
                  "fallocate(PUNCH_HOLE)");
   }
 
- private:
   struct Reservation {
     int fd;
     size_t bytes;

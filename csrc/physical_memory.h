@@ -41,6 +41,17 @@ class PhysicalMemory {
   // (CUDA's cuMemCreate) is present already.
   virtual void prefault_async(Stream& /*stream*/, void* /*addr*/, size_t /*bytes*/,
                               std::shared_ptr<const std::atomic<bool>> /*cancelled*/) {}
+
+  // Offload by keeping the pages instead of copying them, where a copy to host memory would be a
+  // copy into the same RAM (host memories). park() takes the pages of one committed piece out of the
+  // reservation and keeps them: its addresses hold no memory and are no longer accessible, and the
+  // piece needs no release(); unpark() puts them back at the same addresses, accessible, as a commit()
+  // and make_accessible() would, with their contents; discard_parked() frees them. Off by default:
+  // CUDA copies the device's memory to the host (host_staging.h).
+  virtual bool parks_pages() const { return false; }
+  virtual void park(void* /*addr*/, size_t /*bytes*/) {}
+  virtual void unpark(void* /*addr*/, size_t /*bytes*/) {}
+  virtual void discard_parked(void* /*addr*/, size_t /*bytes*/) {}
 };
 
 }  // namespace colo

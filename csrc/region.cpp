@@ -97,6 +97,7 @@ Region::Region(std::shared_ptr<Backend> backend, std::string name, size_t budget
   size_t chunks = (virtual_bytes_ + chunk_bytes_ - 1) / chunk_bytes_;
   chunk_live_bytes_.assign(chunks, 0);
   chunk_committed_.assign(chunks, false);
+  chunk_parked_.assign(chunks, false);
   copy_stream_ = backend_->streams().create_stream(StreamRole::kCopy);
 }
 
@@ -111,6 +112,9 @@ Region::~Region() {
   try {
     copy_stream_.reset();
     if (!asleep_) release_all_chunks();
+    for (size_t c = 0; c < chunk_parked_.size(); ++c) {
+      if (chunk_parked_[c]) backend_->memory().discard_parked(chunk_address(c), chunk_size(c));
+    }
     free_offload_buffer();
     backend_->memory().unreserve(base_, virtual_bytes_);
   } catch (...) {
@@ -297,7 +301,13 @@ void Region::sleep(bool offload) {
   auto start = std::chrono::steady_clock::now();
   stop_prefault();
   reap_pending_frees(/*wait=*/true);  // what they free need not be offloaded
-  if (offload && blocks_.allocated_bytes() > 0) offload_live_blocks();
+  if (offload && blocks_.allocated_bytes() > 0) {
+    if (backend_->memory().parks_pages()) {
+      park_live_chunks();
+    } else {
+      offload_live_blocks();
+    }
+  }
   backend_->streams().synchronize_device();  // nothing may touch a range while it is unmapped
   release_all_chunks();
   asleep_ = true;
@@ -329,13 +339,46 @@ void Region::offload_live_blocks() {
   offload_runs_ = std::move(runs);
 }
 
+void Region::park_live_chunks() {
+  // Work on other streams may still be writing this memory; it must finish before the pages go.
+  backend_->streams().synchronize_device();
+  PhysicalMemory& memory = backend_->memory();
+  for (size_t c = 0; c < chunk_committed_.size(); ++c) {
+    if (!chunk_committed_[c] || chunk_live_bytes_[c] == 0) continue;
+    memory.park(chunk_address(c), chunk_size(c));  // on failure the chunks parked so far stay parked, as below
+    chunk_parked_[c] = true;
+    chunk_committed_[c] = false;
+    committed_bytes_ -= chunk_size(c);
+    offload_bytes_ += chunk_size(c);
+  }
+}
+
+void Region::unpark_live_chunks() {
+  PhysicalMemory& memory = backend_->memory();
+  for (size_t c = 0; c < chunk_parked_.size(); ++c) {
+    if (!chunk_parked_[c]) continue;
+    if (chunk_live_bytes_[c] > 0) {
+      memory.unpark(chunk_address(c), chunk_size(c));
+      chunk_committed_[c] = true;
+      committed_bytes_ += chunk_size(c);
+    } else {  // every block on it was freed while asleep
+      memory.discard_parked(chunk_address(c), chunk_size(c));
+    }
+    chunk_parked_[c] = false;
+    offload_bytes_ -= chunk_size(c);
+  }
+}
+
 void Region::wake() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!asleep_) return;
   auto start = std::chrono::steady_clock::now();
   // Only what live allocations need; on failure nothing is committed: asleep, offloaded bytes kept.
-  auto runs = runs_where(0, chunk_live_bytes_.size(), [&](size_t c) { return chunk_live_bytes_[c] > 0; });
+  // Parked chunks come back as they were, with their contents (after the commit, which may fail).
+  auto runs = runs_where(0, chunk_live_bytes_.size(),
+                         [&](size_t c) { return chunk_live_bytes_[c] > 0 && !chunk_parked_[c]; });
   commit_runs(runs);
+  unpark_live_chunks();
   // Populated a huge page at a time before anything copies back into it: a copy that faults the
   // pages in itself waits on the kernel's huge-page compaction as it goes. The copy back is queued
   // after the populate on the same copy stream.

@@ -106,6 +106,8 @@ class Region : public std::enable_shared_from_this<Region> {
   void stop_prefault();  // before releasing memory: stop a running prefault and wait for the copy stream
   void release_all_chunks();
   void offload_live_blocks();  // sleep(offload=true): live bytes to the host buffer, packed
+  void park_live_chunks();     // sleep(offload=true) where the memory parks pages: the chunks kept as they are
+  void unpark_live_chunks();   // wake(): parked chunks still holding live allocations back, the others freed
   void restore_offloaded();    // wake(): the host buffer back into the blocks still allocated
   void free_offload_buffer();
   void* allocate_locked(size_t bytes);  // one attempt; the mutex is held
@@ -127,6 +129,7 @@ class Region : public std::enable_shared_from_this<Region> {
   BlockAllocator blocks_;
   std::vector<size_t> chunk_live_bytes_;
   std::vector<bool> chunk_committed_;
+  std::vector<bool> chunk_parked_;  // asleep with offload on a memory that parks pages: kept, not copied
   size_t committed_bytes_ = 0;
   size_t peak_allocated_ = 0;
   // free_after's blocks: still allocated in blocks_ (and their chunks live) until their event is done.

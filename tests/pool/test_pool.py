@@ -157,6 +157,30 @@ def test_free_while_asleep_then_offload_restores_the_rest(pool):
     assert region.stats()["allocated_bytes"] == 5 * MiB
 
 
+@pytest.mark.parametrize("kind", ["cpu-anon", "cpu-memfd"])
+def test_a_host_offload_keeps_the_pages_instead_of_copying_them(kind):
+    """On the host the "host copy" would be the same RAM: sleep(offload=True) moves the live chunks'
+    pages out of the region (anon: mremap; memfd: the file keeps them) and wake puts them back, so no
+    buffer is held and nothing is copied; chunks whose blocks were all freed while asleep are dropped."""
+    region = make_pool(kind).region("optimizer", budget=64 * MiB)
+    kept = region.empty((8 * MiB,), dtype=torch.uint8).fill_(7)
+    freed = region.empty((8 * MiB,), dtype=torch.uint8).fill_(9)
+    address = kept.data_ptr()
+    region.sleep(offload=True)
+    asleep = region.stats()
+    assert asleep["resident_bytes"] == 0 and asleep["offload_buffer_bytes"] == 0
+    assert asleep["offloaded_bytes"] >= 16 * MiB  # whole chunks, kept as they are
+    del freed
+    region.wake()
+    assert kept.data_ptr() == address and int(kept.min()) == int(kept.max()) == 7
+    awake = region.stats()
+    assert awake["offloaded_bytes"] == 0 and awake["offload_buffer_bytes"] == 0
+    assert 8 * MiB <= awake["resident_bytes"] < 16 * MiB  # the freed block's chunks did not come back
+    region.sleep(offload=True)  # and again, the same way
+    region.wake()
+    assert int(kept.sum()) == 7 * 8 * MiB
+
+
 def test_allocating_in_a_sleeping_region_raises(pool):
     region = pool.region("kv_cache", budget=16 * MiB)
     region.sleep()
