@@ -1,6 +1,7 @@
 """Small measuring helpers shared by the sections: device availability, row building, timing."""
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -78,4 +79,64 @@ class Stopwatch:
         if self._sync:
             self._sync()
         self.seconds = time.perf_counter() - self._start
+        return False
+
+
+class GilShares:
+    """`with GilShares() as gil: ...` then `gil.shares`: the share of the block's wall time each of this
+    process's threads held Python's GIL ({thread name: share}, and "any": the GIL held at all),
+    sampled by py-spy (`py-spy record --gil`, 100 samples a second) where it is installed; otherwise
+    `gil.missing` says why and `shares` stays empty. On a GPU the engine's decode loop and the
+    trainer's are mostly Python: what they hold of the GIL on a CPU bounds how much they can overlap."""
+
+    RATE = 100
+
+    def __init__(self):
+        import shutil
+        import sys
+        from pathlib import Path
+
+        self.shares: dict[str, float] = {}
+        beside = Path(sys.executable).parent / "py-spy"  # a venv's, used without activating it
+        self.binary = str(beside) if beside.is_file() else shutil.which("py-spy")
+        self.missing = "" if self.binary else "py-spy is not installed (pip install py-spy)"
+        self._proc = self._out = None
+
+    def __enter__(self):
+        import subprocess
+        import tempfile
+
+        if self.binary:
+            self._out = tempfile.NamedTemporaryFile(suffix=".txt", delete=False).name
+            self._proc = subprocess.Popen([self.binary, "record", "--pid", str(os.getpid()), "--gil", "--threads",
+                                           "--rate", str(self.RATE), "--format", "raw", "--output", self._out,
+                                           "--nonblocking", "--duration", "36000"],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            time.sleep(0.3)  # attached before the block starts
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        seconds = time.perf_counter() - self._started
+        if self._proc is None:
+            return False
+        self._proc.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+        _, err = self._proc.communicate(timeout=60)
+        counts: dict[str, int] = {}
+        try:
+            with open(self._out) as f:
+                for line in f:
+                    stack, _, count = line.rstrip().rpartition(" ")
+                    name = stack.split(";", 1)[0].partition(": ")[2] or stack.split(";", 1)[0]
+                    counts[name] = counts.get(name, 0) + int(count)
+        except (OSError, ValueError) as e:
+            self.missing = f"py-spy's samples could not be read ({e}; {err.decode(errors='replace')[-200:]})"
+            return False
+        finally:
+            os.unlink(self._out)
+        samples = max(seconds * self.RATE, 1.0)
+        self.shares = {name: n / samples for name, n in counts.items()}
+        self.shares["any"] = sum(counts.values()) / samples
         return False

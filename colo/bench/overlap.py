@@ -24,7 +24,11 @@ it; given_cores_idle_fraction: from those two, how much of the generation the co
 the trainer were in effect idle (1: the engine on its share generates as fast as on every core, so
 an overlap can have them for free; 0: it slows in proportion to the cores), the room an overlap has
 on a CPU; overlap_train_s: trainer time that ran during generation; peak_rss_bytes: the largest
-resident set either side saw in any phase.
+resident set either side saw in any phase; engine_step_s_median (each side) and decode_step_ratio: an
+engine step's seconds with the trainer working beside it against alone (the overlap's cost to decode
+latency); *_gil_share_*: the share of a step's wall time the step's thread, the overlap's trainer
+thread and any thread held Python's GIL (py-spy, where installed): on a GPU, where kernels are
+asynchronous, the engine's decode loop and the trainer are mostly Python, and these bound the overlap.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .measure import engine_unavailable_reason, ratio, rows_per_device
+from .measure import GilShares, engine_unavailable_reason, ratio, rows_per_device
 from .models import QWEN2_SIZES, save_random_model
 
 SECTION = "overlap"
@@ -102,7 +106,8 @@ def summarise(records: list[dict], generate_cpu: list[tuple]) -> dict:
     cores = len(os.sched_getaffinity(0))
     summary = {key: mean(key) for key in ("step_s", "generate_s", "train_s", "reward_s", "publish_s",
                                           "phase_switch_s", "generate_tail_s", "overlap_train_s",
-                                          "groups_trained_early", "completion_length_mean", "completion_length_max")}
+                                          "groups_trained_early", "completion_length_mean", "completion_length_max",
+                                          "engine_step_s_median")}
     summary["idle_core_s"] = statistics.fmean(max(0.0, wall * cores - cpu) for wall, cpu in generate_cpu)
     summary["peak_rss_bytes"] = max(v for r in records for k, v in r.items() if k.startswith("rss_resident_bytes"))
     summary["grads_resident_bytes_during_generate"] = max(r["grads_resident_bytes_during_generate"] for r in records)
@@ -135,15 +140,18 @@ def measure(workload: dict, progress, device: str = "cpu") -> list[dict]:
         runs.update({side: new_run(model_dir, workload, task, "on", threads=split)
                      for side, split in zip(sides[1:], splits)})
         records, on_share = {side: [] for side in runs}, []  # on_share: the serial generations again, on engine_share
+        gil = {side: [] for side in runs}  # each measured step's GIL shares (colo.bench.measure.GilShares)
         try:
             for side in sides[1:]:
                 if runs[side].serial_reason is not None:
                     raise RuntimeError(f"the overlapped side runs serially: {runs[side].serial_reason}")
             for i in progress(range(WARMUP + steps), workload["model"]):
                 for side in sides[i % len(sides):] + sides[:i % len(sides)]:  # each side goes first in turn
-                    record = runs[side].train_step()
+                    with GilShares() as held:
+                        record = runs[side].train_step()
                     if i >= WARMUP:
                         records[side].append(record)
+                        gil[side].append(held)
                         if side == "serial":
                             on_share.append(generate_again(runs[side], engine_share))
             cpu = {side: run.generate_cpu[WARMUP:] for side, run in runs.items()}
@@ -183,11 +191,25 @@ def measure(workload: dict, progress, device: str = "cpu") -> list[dict]:
         for name, summary in (("serial", serial), ("overlapped", overlapped)):
             for key, value in summary.items():
                 row[f"{name}_{key}"] = value
+        # The overlap's effect on decoding: an engine step's seconds with the trainer beside it, against alone.
+        row["decode_step_ratio"] = overlapped["engine_step_s_median"] / max(serial["engine_step_s_median"], 1e-12)
+        row.update(gil_fields(gil["serial"], "serial"), **gil_fields(gil[side], "overlapped"))
         row["note"] = (f"means over {steps} steps after {WARMUP} warm-up step, the {len(sides)} runs taking steps in "
                        "turn; same model, prompts and seeds, engines compiled; ratio = serial / overlapped step; "
                        "vs_bound = overlapped step / max(serial generate, serial train)")
         rows.append(row)
     return rows
+
+
+def gil_fields(steps: list, side: str) -> dict:
+    """The share of each step's wall time the step's thread (MainThread: the engine and, serially, the
+    trainer), the overlap's trainer thread and any thread held the GIL, means over the steps."""
+    if not steps or not steps[0].shares:
+        return {f"{side}_gil_note": steps[0].missing if steps else "no steps"}
+    fields = {}
+    for key, thread in (("main_thread", "MainThread"), ("trainer_thread", "colo-group-trainer"), ("any", "any")):
+        fields[f"{side}_gil_share_{key}"] = statistics.fmean(s.shares.get(thread, 0.0) for s in steps)
+    return fields
 
 
 def prepare(workload: dict, tmp: Path):

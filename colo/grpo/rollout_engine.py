@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -37,22 +38,32 @@ class Completion:
 
 class GenerationTrace:
     """Running sequences over one generation: the tail is the time with fewer than a quarter of the
-    batch's sequences still decoding (the engine mostly idle while a few long completions finish)."""
+    batch's sequences still decoding (the engine mostly idle while a few long completions finish);
+    step_seconds: each engine step's wall time (what decoding one token of every running sequence
+    takes: the latency a trainer working beside the engine may stretch)."""
 
     def __init__(self):
-        self.started = self.tail_started = None
+        self.started = self.tail_started = self._last = None
         self.sequences = 0
         self.tail_s = 0.0
+        self.step_seconds: list[float] = []
 
     def start(self, sequences: int) -> None:
-        self.started, self.sequences = time.perf_counter(), sequences
+        self.started = self._last = time.perf_counter()
+        self.sequences = sequences
 
     def sample(self, running: int) -> None:
         now = time.perf_counter()
+        self.step_seconds.append(now - self._last)
+        self._last = now
         if self.tail_started is None and running < self.sequences / 4:
             self.tail_started = now
         if self.tail_started is not None:
             self.tail_s = now - self.tail_started
+
+    @property
+    def median_step_s(self) -> float:
+        return statistics.median(self.step_seconds) if self.step_seconds else 0.0
 
 
 class RolloutEngine:

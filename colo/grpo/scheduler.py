@@ -278,7 +278,8 @@ class GRPOScheduler:
         self.step = step
         record = {
             "step": step, "dtype": self.config.dtype,
-            "generate_s": generate_s, "generate_tail_s": generated.tail_s, "overlap": generated.early is not None,
+            "generate_s": generate_s, "generate_tail_s": generated.tail_s, "engine_step_s_median": generated.engine_step_s,
+            "overlap": generated.early is not None,
             **({"overlap_fallback": generated.fallback} if generated.fallback else {}),
             **({"engine_rebuild_s": rebuild_s} if rebuild_s is not None else {}),
             "reward_s": reward_s, **reward_stats(scores, rollout, self.world),

@@ -39,6 +39,7 @@ class Generated:
     early: OverlappedStep | None = None
     tail_s: float = 0.0
     fallback: str | None = None
+    engine_step_s: float = 0.0   # the median engine step's seconds (colo.grpo.rollout_engine.GenerationTrace)
 
 
 @dataclass
@@ -67,7 +68,7 @@ class SerialSteps:
             completions = self._rollouts(rows, prompts, sampling, trace=trace)
         finally:
             self.generating = False
-        return Generated(completions, tail_s=trace.tail_s)
+        return Generated(completions, tail_s=trace.tail_s, engine_step_s=trace.median_step_s)
 
     def _rollouts(self, rows, prompts, sampling, **options) -> list:
         if self.agent is not None:
@@ -138,7 +139,7 @@ class OverlappedSteps(SerialSteps):
         finally:
             self.generating = False
         early.generation_done()  # the engine's thread gets its cores back; the groups left train in train()
-        return Generated(completions, early=early, tail_s=trace.tail_s)
+        return Generated(completions, early=early, tail_s=trace.tail_s, engine_step_s=trace.median_step_s)
 
     def score(self, step: int, rollout, generated: Generated):
         if generated.early is None:

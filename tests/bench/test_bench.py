@@ -371,3 +371,26 @@ def test_agentic_rows_put_each_side_beside_stock_trls_and_name_the_variant():
     assert colo_grpo["colo_engine_idle_during_tools_s"] == 0.1 and colo_grpo["baseline_engine_idle_during_tools_s"] == 0.8
     assert colo_grpo["colo_prefill_tokens_computed"] == 300 and colo_trl["baseline_prefill_tokens_computed"] == 880
     assert colo_trl["colo_sync_bytes"] == colo_grpo["colo_sync_bytes"] == 0
+
+
+def test_gil_shares_see_which_thread_holds_the_gil():
+    """colo.bench.measure.GilShares (py-spy --gil on this process): a thread running Python holds the
+    GIL most of the block, one asleep holds none of it."""
+    import threading
+    import time
+
+    from colo.bench.measure import GilShares
+
+    def spin():
+        started = time.time()
+        while time.time() - started < 1.0:
+            sum(range(1000))
+
+    with GilShares() as held:
+        spinner = threading.Thread(target=spin, name="spinner")
+        spinner.start()
+        time.sleep(1.0)
+        spinner.join()
+    assert held.missing == "", held.missing
+    assert held.shares["spinner"] > 0.6 and held.shares.get("MainThread", 0.0) < 0.2
+    assert held.shares["any"] >= held.shares["spinner"]
