@@ -7,13 +7,15 @@ reads it). Written offline, seeded, in TRL's conventions.
 
 --tool-sums writes the agentic example's task (docs/agentic.md): sums of two 4-5 digit numbers, which
 a 135M model cannot add in its head but can with a tool; `add` here is that tool (`--tool
-colo.grpo.arithmetic:add`). --show-call adds a system message that shows the call's format.
+colo.grpo.arithmetic:add`), `final_number` the reward (`--reward colo.grpo.arithmetic:final_number`).
+--show-call adds a system message that shows the call's format.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import re
 from pathlib import Path
 
 SYSTEM = "Answer with the number only."
@@ -46,6 +48,19 @@ def add(a: int, b: int) -> int:
         b: the second number
     """
     return int(a) + int(b)
+
+
+def final_number(completions, answer, **kwargs) -> list[float]:
+    """1.0 where the last number in the completion's final answer is the `answer` column's. Stricter than
+    the math reward, which evaluates an expression it finds: a completion that only restates "a + b"
+    would score there."""
+    from .rewards import completion_text
+
+    rewards = []
+    for completion, gold in zip(completions, answer, strict=True):
+        numbers = re.findall(r"-?\d[\d,]*", completion_text(completion))
+        rewards.append(float(bool(numbers) and numbers[-1].replace(",", "") == str(gold)))
+    return rewards
 
 
 def tool_sums(count: int, seed: int, show_call: bool = False) -> list[dict]:
