@@ -64,6 +64,14 @@ def pytest_report_header(config):
             f"{torch.backends.cpu.get_cpu_capability()}"]
 
 
+def pytest_collection_modifyitems(config, items):
+    """The files holding slow tests first, each file's tests together and in their order: under
+    pytest-xdist the workers then start on the long tests and share the short ones at the end, rather
+    than one finishing a long test alone while the other idles; module fixtures stay shared."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 def pytest_sessionstart(session):
     """Under a CPU persona (python -m colo.cpu_persona), fail at once if it does not take: the whole
     pass would otherwise test the machine as it is and say nothing about the persona's CPU kind."""

@@ -17,6 +17,8 @@ from colo.grpo.agent import AgentRollouts
 from colo.grpo.tools import tool_suffix_ids
 from helpers.agentic import Counter, add, broken, slow
 
+pytestmark = pytest.mark.slow  # engines on a real model
+
 CALL = r'<tool_call>\n\{{"name": "{name}", "arguments": \{{"{arg}": [1-9][0-9]{{0,3}}{more}\}}\}}\n</tool_call>'
 ADD_CALL = CALL.format(name="add", arg="a", more=r', "b": [1-9][0-9]{0,3}')
 
