@@ -131,6 +131,9 @@ class RolloutEngine:
         self.runner_buffer_bytes = compat.sampler_buffer_bytes(config.vocab_size, max_num_seqs, pool.device.type)
         self.kv_cache_bytes = self._kv_budget(blocks * block * kv_bytes_per_token(config, dtype, tensor_parallel), config)
         llm_kwargs.setdefault("skip_tokenizer_init", True)  # token ids in and out (guided decoding needs it, though)
+        # Every request is seeded (sampling_options): on a CPU none may be prefilled in pieces.
+        for key, value in compat.whole_prefill_options(pool.device.type, max_num_seqs, sequence_tokens).items():
+            llm_kwargs.setdefault(key, value)
         self._llm_kwargs = dict(max_num_seqs=max_num_seqs, block_size=block, **llm_kwargs)
         self.llm = self._build(load_format="auto")
         self.shared = self._share()

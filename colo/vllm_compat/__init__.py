@@ -36,6 +36,7 @@ from .engine import (
     engine_hf_config, engine_kv_caches, engine_model, engine_placement, engine_worker, external_request_id,
     is_compiled, keep_process_groups, kv_cache_block_count, platform_device_type, quiet_chat_warmup_without_tokenizer,
     release_engine, request_guard, request_hooks, served_dtype, startup_memory_fraction, tensor_parallel_group,
+    whole_prefill_options,
 )
 from .runner_memory import sampler_buffer_bytes, uses_model_runner_v2
 from .lora_slots import (
@@ -52,7 +53,7 @@ __all__ = [
     "engine_dtype", "engine_hf_config", "engine_kv_caches", "engine_model", "engine_placement", "engine_worker",
     "external_request_id", "is_compiled", "keep_process_groups", "kv_cache_block_count", "platform_device_type",
     "quiet_chat_warmup_without_tokenizer", "release_engine", "request_guard", "request_hooks", "served_dtype",
-    "startup_memory_fraction", "tensor_parallel_group",
+    "startup_memory_fraction", "tensor_parallel_group", "whole_prefill_options",
     "LORA_SLOT_RANKS", "AdapterSlice", "activate_adapter", "adapter_slices", "adapter_slot", "check_shareable_lora",
     "has_lora_slots", "lora_engine_options", "punica_wrappers", "serve_adapter_by_default",
     "sampler_buffer_bytes", "uses_model_runner_v2",

@@ -78,6 +78,17 @@ def external_request_id(request_id: str) -> str:
     return request_id.rsplit("-", 1)[0]
 
 
+def whole_prefill_options(device_type: str, sequences: int, sequence_tokens: int) -> dict:
+    """vLLM options so that no request's prompt is split over engine steps, where that breaks: on a CPU
+    vLLM 0.32 rewinds a seeded request's random generator after a partial prefill
+    (v1/worker/gpu_model_runner.py, _bookkeeping_sync: gen.set_offset), which a CPU torch.Generator
+    cannot do ("CPU Generator does not use offset"), so a seeded batch whose prompts together exceed the
+    step's token budget crashes. A budget of every sequence's tokens prefills them in one step."""
+    if device_type != "cpu":
+        return {}
+    return {"max_num_batched_tokens": max(sequences * sequence_tokens, 8192)}
+
+
 def is_compiled(llm) -> bool:
     """Whether the engine runs compiled code (torch.compile, CUDA graphs) that captured its tensors."""
     from vllm.config import CompilationMode, CUDAGraphMode

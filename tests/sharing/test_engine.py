@@ -400,6 +400,25 @@ def test_the_rollout_kv_cache_holds_the_whole_batch_beside_vllms_null_block(tiny
         engine.close()
 
 
+@pytest.mark.slow
+def test_seeded_prompts_longer_together_than_a_step_generate_on_a_cpu(tiny_model_dir):
+    """vLLM 0.32 on a CPU crashes when a seeded request's prompt is prefilled in pieces ("CPU Generator
+    does not use offset"); the rollout engine's step budget holds every sequence, so 48 seeded prompts
+    of 200 tokens (9600, over vLLM's default budget) generate, and again the same with the same seeds."""
+    from colo.grpo.rollout_engine import RolloutEngine
+
+    sequences, prompt_tokens, new_tokens = 48, 200, 4
+    engine = RolloutEngine(tiny_model_dir("qwen2"), colo.Pool("cpu"), seed=0, max_num_seqs=sequences,
+                           sequence_tokens=prompt_tokens + new_tokens, max_model_len=256, enforce_eager=True)
+    try:
+        prompts = [[(11 * i + j) % 900 + 50 for j in range(prompt_tokens)] for i in range(sequences)]
+        sampling = [dict(n=1, max_tokens=new_tokens, seed=1000 + i) for i in range(sequences)]
+        first = [c.token_ids for c in engine.generate(prompts, sampling)]
+        assert [c.token_ids for c in engine.generate(prompts, sampling)] == first and len(first) == sequences
+    finally:
+        engine.close()
+
+
 def test_each_tensor_parallel_rank_holds_its_share_of_the_kv_heads():
     """The KV cache is sized per rank: its share of the KV heads, or one head that vLLM replicates
     when there are fewer KV heads than ranks."""
