@@ -8,7 +8,7 @@ reads it). Written offline, seeded, in TRL's conventions.
 --tool-sums writes the agentic example's task (docs/agentic.md): sums of two 4-5 digit numbers, which
 a 135M model cannot add in its head but can with a tool; `add` here is that tool (`--tool
 colo.grpo.arithmetic:add`), `final_number` the reward (`--reward colo.grpo.arithmetic:final_number`).
---show-call adds a system message that shows the call's format.
+--show-call puts a demonstrated exchange before each question: a sum, the call, the result, the answer.
 """
 from __future__ import annotations
 
@@ -35,9 +35,15 @@ def problems(count: int, seed: int) -> list[dict]:
     return rows
 
 
-TOOL_SYSTEM = ("You have a tool to add numbers. To use it, reply with exactly:\n"
-               '<tool_call>\n{"name": "add", "arguments": {"a": 1234, "b": 5678}}\n</tool_call>\n'
-               "After the tool's result, answer with the number only.")
+# A demonstrated exchange (a user's sum, the assistant's call, the tool's result, the answer) before the
+# question: SmolLM2-135M wrote no well-formed call when only told how (in a system message).
+DEMONSTRATION = [
+    {"role": "user", "content": "What is 1234 + 5678?"},
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1234, "b": 5678}}}]},
+    {"role": "tool", "name": "add", "content": "6912"},
+    {"role": "assistant", "content": "6912"},
+]
 
 
 def add(a: int, b: int) -> int:
@@ -64,13 +70,13 @@ def final_number(completions, answer, **kwargs) -> list[float]:
 
 
 def tool_sums(count: int, seed: int, show_call: bool = False) -> list[dict]:
-    """Sums of two 4-5 digit numbers as chat prompts; with show_call, a system message showing the call."""
+    """Sums of two 4-5 digit numbers as chat prompts; with show_call, a demonstrated call before each."""
     rng = random.Random(seed)
     rows = []
     for _ in range(count):
         a, b = rng.randint(1000, 99999), rng.randint(1000, 99999)
-        system = [{"role": "system", "content": TOOL_SYSTEM}] if show_call else []
-        rows.append({"prompt": [*system, {"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)})
+        shown = DEMONSTRATION if show_call else []
+        rows.append({"prompt": [*shown, {"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)})
     return rows
 
 
@@ -95,7 +101,7 @@ if __name__ == "__main__":
     parser.add_argument("--eval", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tool-sums", action="store_true", help="4-5 digit sums, for the add tool")
-    parser.add_argument("--show-call", action="store_true", help="with --tool-sums: a system message showing the call")
+    parser.add_argument("--show-call", action="store_true", help="with --tool-sums: a demonstrated call before each question")
     args = parser.parse_args()
     for path in write(args.directory, args.train, args.eval, args.seed, args.tool_sums, args.show_call):
         print(path)
