@@ -39,7 +39,7 @@ import tempfile
 from pathlib import Path
 
 from .baselines import UPDATABLE_VARIANT, stock_update_refused, trl_sync_weights
-from .measure import engine_unavailable_reason, ratio, rows_per_device
+from .measure import engine_unavailable_reason, gemm_peak_flops, matmul_parameters, ratio, rows_per_device
 from .models import QWEN2_SIZES, save_random_model
 
 SECTION = "grpo_step"
@@ -90,13 +90,15 @@ def summarise(records: list[dict]) -> dict:
     summary["step_s"] = statistics.median(r["step_s"] for r in records)
     summary["kv_cache_resident_bytes_during_train"] = max(r["kv_cache_resident_bytes_during_train"] for r in records)
     summary["publish_bytes_copied"] = max(r["publish_bytes_copied"] for r in records)
+    summary["train_positions"] = statistics.median(r.get("train_positions", 0) for r in records)
+    summary["padding_fraction"] = statistics.median(r.get("padding_fraction", 0.0) for r in records)
     return summary
 
 
 def measure_size(name: str, steps: int, progress, device: str = "cpu", other_dtype: bool = True) -> list[dict]:
     """Two rows for model `name`: colo in the dtype its auto rule picks here, then (other_dtype) colo in
     the other dtype, each against the same usual-way baseline (the runs take their steps in turn)."""
-    from colo.dtype_choice import NAMES, fastest_dtype
+    from colo.dtype_choice import BY_NAME, NAMES, fastest_dtype
     from colo.engine import cpu_kernels
     from colo.vllm_compat import engine_dtype
 
@@ -106,6 +108,9 @@ def measure_size(name: str, steps: int, progress, device: str = "cpu", other_dty
     with tempfile.TemporaryDirectory(prefix="colo-grpo-step-") as tmp:
         model_dir = Path(tmp) / "model"
         params = save_model(model_dir, name)
+        from transformers import AutoConfig
+
+        matmul = matmul_parameters(AutoConfig.from_pretrained(model_dir))
         runs = {"colo": new_run(model_dir, max_new_tokens, True),
                 **({"colo_other": new_run(model_dir, max_new_tokens, True, dtype=other)} if other_dtype else {}),
                 "baseline": new_run(model_dir, max_new_tokens, False)}
@@ -154,6 +159,14 @@ def measure_size(name: str, steps: int, progress, device: str = "cpu", other_dty
                 row[f"{label}_{phase}_s"] = values[f"{phase}_s"]
             row[f"{label}_kv_cache_resident_bytes_during_train"] = values["kv_cache_resident_bytes_during_train"]
             row[f"{label}_publish_bytes_copied"] = values["publish_bytes_copied"]
+        # The train phase's rate against the machine's matmul peak in the same dtype, measured now:
+        # 6 x matmul weights x positions computed (forward and backward), the attention's products
+        # and the chunked head's recompute left out, so this understates the work done.
+        flops = 6 * matmul * colo_side["train_positions"]
+        peak = gemm_peak_flops(BY_NAME[dtypes[side]])
+        row.update(train_positions=colo_side["train_positions"], padding_fraction=colo_side["padding_fraction"],
+                   train_flops_per_s=flops / max(colo_side["train_s"], 1e-12), gemm_peak_flops_per_s=peak,
+                   train_vs_gemm_peak=flops / max(colo_side["train_s"], 1e-12) / peak)
         # Flat aliases of colo's own phases, the names the step log uses.
         row.update(generate_s=colo_side["generate_s"], train_s=colo_side["train_s"], publish_s=colo_side["publish_s"])
         row["note"] = (f"medians over {steps} steps after {WARMUP} warm-up steps, the runs (colo in "

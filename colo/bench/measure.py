@@ -140,3 +140,33 @@ class GilShares:
         self.shares = {name: n / samples for name, n in counts.items()}
         self.shares["any"] = sum(counts.values()) / samples
         return False
+
+
+def matmul_parameters(hf_config) -> int:
+    """Weights a token's forward multiplies by in a Llama/Qwen2-shaped decoder (its linear layers and the
+    LM head; the embedding is a lookup): 2 x these FLOPs a position forward, 6 x forward and backward."""
+    c = hf_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    attention = c.hidden_size * head_dim * (2 * c.num_attention_heads + 2 * kv)  # q, o and k, v
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    return c.num_hidden_layers * (attention + mlp) + c.hidden_size * c.vocab_size
+
+
+def gemm_peak_flops(dtype, device: str = "cpu", size: int = 1536, repeats: int = 5) -> float:
+    """The machine's matmul rate in `dtype` (FLOP/s): the best of `repeats` square products of `size`,
+    on torch's threads as the trainer has them."""
+    import torch
+
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    torch.mm(a, b)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        started = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        best = min(best, time.perf_counter() - started)
+    return 2 * size ** 3 / best

@@ -213,6 +213,23 @@ def test_grpo_step_row_of_one_model_size():
             assert set(row["baseline_cpu_kernels"]) == {"plain"} and UPDATABLE_VARIANT in row["baseline"]
         assert row["colo_kv_cache_resident_bytes_during_train"] == 0 < row["baseline_kv_cache_resident_bytes_during_train"]
         assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"])
+        # The train phase's rate against the matmul peak measured in the same run, from the positions computed.
+        assert row["train_positions"] > 0 and 0 <= row["padding_fraction"] < 0.5
+        assert row["gemm_peak_flops_per_s"] > 0 and 0 < row["train_vs_gemm_peak"] < 2
+        assert row["train_vs_gemm_peak"] == pytest.approx(row["train_flops_per_s"] / row["gemm_peak_flops_per_s"])
+
+
+def test_matmul_weights_of_a_decoder_are_its_linear_layers_and_head():
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from colo.bench.measure import matmul_parameters
+
+    config = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert matmul_parameters(config) == linear
 
 
 @pytest.mark.slow
