@@ -376,7 +376,9 @@ class GRPOScheduler:
         record = {}
         with self.timeline.span("eval", step=self.step) as span:
             self.phases.to_generate()
-            sampling = dict(n=1, max_tokens=self.config.max_new_tokens, temperature=0.0, **stop_options(task))
+            guided = {"structured_outputs_regex": self.config.structured_outputs_regex} \
+                if self.config.structured_outputs_regex else {}  # the grammar training generates under, as TRL's
+            sampling = dict(n=1, max_tokens=self.config.max_new_tokens, temperature=0.0, **stop_options(task), **guided)
             scores = None
             if prompts and self.eval_agent is not None:  # the tools run, turn by turn, as in training
                 outputs = self.eval_agent.generate(rows, prompts, [sampling] * len(prompts))
