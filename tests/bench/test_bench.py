@@ -215,7 +215,9 @@ def test_grpo_step_row_of_one_model_size():
         assert row["ratio"] == pytest.approx(row["baseline_s"] / row["colo_s"])
         # The train phase's rate against the matmul peak measured in the same run, from the positions computed.
         assert row["train_positions"] > 0 and 0 <= row["padding_fraction"] < 0.5
-        assert row["gemm_peak_flops_per_s"] > 0 and 0 < row["train_vs_gemm_peak"] < 2
+        assert row["gemm_peak_flops_per_s"] > 0 and row["train_vs_gemm_peak"] > 0
+        if row["dtype_auto"]:  # a dtype with instructions for it: its peak bounds what the train phase reaches
+            assert row["train_vs_gemm_peak"] < 2
         assert row["train_vs_gemm_peak"] == pytest.approx(row["train_flops_per_s"] / row["gemm_peak_flops_per_s"])
 
 
