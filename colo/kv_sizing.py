@@ -45,3 +45,20 @@ def kv_cache_blocks(sequences: int, sequence_tokens: int, block: int) -> int:
     sequence, plus the one block vLLM keeps as its null block (v1/core/block_pool.py), which no
     sequence can use. One short, a sequence is preempted and recomputed every batch."""
     return sequences * -(-sequence_tokens // block) + 1
+
+
+def kv_cache_budget(sequences: int, max_model_len: int, block: int, token_bytes: int, *, memory_fraction: float,
+                    device_bytes: int, weight_bytes: int) -> tuple[int, int]:
+    """(KV cache bytes, sequences of `max_model_len` tokens they hold) for an engine that generates
+    `sequences` at once: all of them at full length where that fits in `memory_fraction` of the
+    device's memory less the weights (vLLM's reading of gpu_memory_utilization), else what does
+    (vLLM's scheduler then runs fewer sequences at once), and never less than one full-length
+    sequence, the least vLLM starts with."""
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    block_bytes = block * token_bytes
+    whole_batch = kv_cache_blocks(sequences, max_model_len, block)
+    within_fraction = (int(memory_fraction * device_bytes) - weight_bytes) // block_bytes
+    one_sequence = kv_cache_blocks(1, max_model_len, block)
+    blocks = max(min(whole_batch, within_fraction), one_sequence)
+    return blocks * block_bytes, min(sequences, (blocks - 1) // -(-max_model_len // block))

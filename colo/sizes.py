@@ -28,3 +28,12 @@ def rss_bytes() -> int:
     """Resident set of this process, from /proc/self/statm (includes shared memfd pages)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * _PAGE_BYTES
+
+
+def device_memory_bytes(device) -> int:
+    """All the memory of `device`: the GPU's, or the machine's for a CPU (what vLLM's memory fraction
+    is a fraction of)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PHYS_PAGES") * _PAGE_BYTES

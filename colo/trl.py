@@ -58,7 +58,6 @@ import warnings
 import torch
 
 TESTED_TRL_VERSION = "1.16.0"
-TRL_DEFAULT_MEMORY_FRACTION = 0.3  # trl.GRPOConfig.vllm_gpu_memory_utilization's default in that release
 logger = logging.getLogger(__name__)
 
 
@@ -162,7 +161,8 @@ class ColoVLLMGeneration(_VLLMGeneration):
     def _build_llm(self, model, dtype, device, lora, extra) -> None:
         import colo
         from colo.engine import build_llm
-        from colo.kv_sizing import default_block_size, kv_bytes_per_token, kv_cache_blocks
+        from colo.kv_sizing import default_block_size, kv_bytes_per_token, kv_cache_budget
+        from colo.sizes import device_memory_bytes
 
         accelerator = self.accelerator
         pool = self.colo_pool if self.colo_pool is not None else colo.Pool(device)
@@ -170,15 +170,21 @@ class ColoVLLMGeneration(_VLLMGeneration):
         max_model_len = self.max_model_length or getattr(config, "max_position_embeddings", 2048)
         block = default_block_size(pool.device)
         # The KV cache holds the whole generation batch at full length (and vLLM's null block: one block
-        # short, a sequence was preempted every generation, 2x its time at 0.4M parameters). No memory
-        # fraction to tune.
+        # short, a sequence was preempted every generation, 2x its time at 0.4M parameters) where that
+        # fits in TRL's memory fraction less the weights; without vllm_max_model_length the full length
+        # is the model's (8192 tokens for SmolLM2: 22 GiB for 64 sequences in fp32), and the fraction
+        # caps it as it caps stock vLLM's.
         sequences = self.max_num_seqs or 1
-        kv_cache_bytes = kv_cache_blocks(sequences, max_model_len, block) * block * \
-            kv_bytes_per_token(config, dtype, self.tensor_parallel_size)  # this rank's share of the KV heads
-        if self.gpu_memory_utilization != TRL_DEFAULT_MEMORY_FRACTION:
-            logger.warning("colo.trl: vllm_gpu_memory_utilization=%s is not used: the KV cache holds exactly "
-                           "max_num_seqs (%d) sequences of %d tokens, %d bytes, in colo's pool",
-                           self.gpu_memory_utilization, sequences, max_model_len, kv_cache_bytes)
+        kv_cache_bytes, held = kv_cache_budget(
+            sequences, max_model_len, block, kv_bytes_per_token(config, dtype, self.tensor_parallel_size),
+            memory_fraction=self.gpu_memory_utilization, device_bytes=device_memory_bytes(pool.device),
+            weight_bytes=sum(p.numel() for p in model.parameters()) * dtype.itemsize // self.tensor_parallel_size)
+        if held < sequences:
+            logger.warning("colo.trl: the KV cache holds %d of the %d sequences of a generation at %d tokens "
+                           "(vllm_gpu_memory_utilization=%s of this device's memory, less the weights); vLLM "
+                           "runs the rest when those end. Set vllm_max_model_length to the longest prompt plus "
+                           "max_completion_length to hold them all", held, sequences, max_model_len,
+                           self.gpu_memory_utilization)
         self.llm = build_llm(
             model.name_or_path, pool, dtype=dtype, kv_cache_bytes=kv_cache_bytes, block_size=block,
             tensor_parallel_size=self.tensor_parallel_size, max_model_len=max_model_len,

@@ -395,12 +395,12 @@ def measure_size(name: str, quick: bool, progress, device: str = "cpu", rounds: 
     return rows
 
 
-def kernels_of(model_dir: Path) -> dict:
-    """The CPU kernels vLLM picks for this model in bf16 here (a short-lived colo engine)."""
+def kernels_of(model_dir: Path, dtype: str = "bfloat16") -> dict:
+    """The CPU kernels vLLM picks for this model in `dtype` here (a short-lived colo engine)."""
     import colo
     from colo.engine import build_llm, cpu_kernels, release_llm
 
-    llm = build_llm(model_dir, colo.Pool("cpu"), dtype="bfloat16", kv_cache_bytes=4 << 20, max_model_len=64,
+    llm = build_llm(model_dir, colo.Pool("cpu"), dtype=dtype, kv_cache_bytes=4 << 20, max_model_len=64,
                     enforce_eager=True)
     try:
         return cpu_kernels(llm)

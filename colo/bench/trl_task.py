@@ -1,0 +1,101 @@
+"""`python -m colo.bench.trl_task --json PATH`: colo.trl against stock TRL on the real task, phase by phase.
+
+The script of issue 46: SmolLM2-135M-Instruct on chat arithmetic with a TRL-signature reward, 8 prompts
+x 8 completions a step, at most 32 new tokens, lr 1e-5, `bf16=False`, one micro-batch of 64, and no
+`vllm_max_model_length` (the model's own 8192 tokens, as a user who sets nothing gets). Each side runs
+in a fresh process, in turn; the phases are colo.bench.trl.PhaseClock's (the same wrappers on both
+sides). Stock TRL runs on its F.linear variant where stock vLLM cannot take new weights
+(colo.bench.baselines.UPDATABLE_VARIANT). A record, not a test: minutes per side.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PHASES = ("wall", "generate", "kv_wake_sleep", "sync", "rewards", "logprob_passes", "loss", "backward", "optimizer",
+          "other")
+
+
+def run_side(side: str, out: str, steps: int) -> dict:
+    """One TRL run of `steps` steps (the first is a warm-up); median seconds per phase, and colo's syncs."""
+    import trl
+    from datasets import Dataset
+
+    from colo.grpo.arithmetic import problems
+    from colo.grpo.rewards import math_reward
+    from colo.smollm2 import smollm2_dir
+    from colo.vllm_compat.forced_kernels import forced_cpu_gemm
+
+    from .trl import PhaseClock
+
+    args = trl.GRPOConfig(output_dir=out, per_device_train_batch_size=64, num_generations=8, max_completion_length=32,
+                          max_steps=steps, logging_steps=1, report_to="none", learning_rate=1e-5, save_strategy="no",
+                          use_cpu=True, bf16=False, seed=0, disable_tqdm=True, use_vllm=True, vllm_mode="colocate",
+                          model_init_kwargs={"dtype": "float32"})
+    if side == "colo":
+        from colo.trl import GRPOTrainer
+    else:
+        GRPOTrainer = trl.GRPOTrainer
+    with forced_cpu_gemm("plain") if side == "stock-variant" else contextlib.nullcontext():
+        trainer = GRPOTrainer(model=str(smollm2_dir()), reward_funcs=[math_reward],
+                              train_dataset=Dataset.from_list(problems(256, 0)), args=args)
+    clock = PhaseClock(trainer, side == "colo")
+    trainer.train()
+    measured = clock.steps[1:]
+    result = {f"{phase}_s": statistics.median(step.get(phase, 0.0) for step in measured) for phase in PHASES}
+    result["steps_measured"] = len(measured)
+    if side == "colo":
+        reports = trainer.vllm_generation.colo_sync_reports[1:]
+        result.update(sync_bytes_copied=max(r["bytes_copied"] for r in reports),
+                      sync_bytes_repacked=max(r["bytes_repacked"] for r in reports),
+                      publish_s=statistics.median(r["seconds"] for r in reports))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m colo.bench.trl_task", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=4, help="steps per side, the first a warm-up (default 4)")
+    parser.add_argument("--json", type=Path, required=True, help="where to write the record")
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the first is a warm-up)")
+
+    from .baselines import stock_update_refused
+    from .machine import machine_info
+    from .trl import in_fresh_process, kernels_of
+
+    from colo.smollm2 import smollm2_dir
+
+    kernels = in_fresh_process(kernels_of, smollm2_dir(), "float32")
+    baseline = "stock-variant" if stock_update_refused(kernels) else "stock"
+    started = time.time()
+    sides = {}
+    with tempfile.TemporaryDirectory(prefix="colo-trl-task-") as tmp:
+        for side in ("colo", baseline):
+            sides[side] = in_fresh_process(run_side, side, f"{tmp}/{side}", args.steps)
+            print(side, {k: round(v, 3) for k, v in sides[side].items()}, file=sys.stderr, flush=True)
+    colo, base = sides["colo"], sides[baseline]
+    train_and_sync = {name: s["wall_s"] - s["generate_s"] for name, s in sides.items()}
+    record = {
+        "command": "python -m colo.bench.trl_task " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(), "cpu_kernels": kernels, "baseline": baseline, "sides": sides,
+        "train_and_sync_s": train_and_sync,
+        "train_and_sync_vs_baseline": train_and_sync["colo"] / train_and_sync[baseline],
+        "step_vs_baseline": colo["wall_s"] / base["wall_s"],
+        "seconds": time.time() - started,
+    }
+    args.json.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
