@@ -400,7 +400,7 @@ def kernels_of(model_dir: Path, dtype: str = "bfloat16") -> dict:
     import colo
     from colo.engine import build_llm, cpu_kernels, release_llm
 
-    llm = build_llm(model_dir, colo.Pool("cpu"), dtype=dtype, kv_cache_bytes=4 << 20, max_model_len=64,
+    llm = build_llm(model_dir, colo.Pool("cpu"), dtype=dtype, kv_cache_bytes=32 << 20, max_model_len=64,
                     enforce_eager=True)
     try:
         return cpu_kernels(llm)
