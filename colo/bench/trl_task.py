@@ -47,16 +47,47 @@ def run_side(side: str, out: str, steps: int) -> dict:
         trainer = GRPOTrainer(model=str(smollm2_dir()), reward_funcs=[math_reward],
                               train_dataset=Dataset.from_list(problems(256, 0)), args=args)
     clock = PhaseClock(trainer, side == "colo")
+    flops = _count_train_flops(trainer, clock)
     trainer.train()
     measured = clock.steps[1:]
     result = {f"{phase}_s": statistics.median(step.get(phase, 0.0) for step in measured) for phase in PHASES}
     result["steps_measured"] = len(measured)
+    # The training's rate: forward and backward FLOPs of TRL's log-probability passes and loss over the
+    # seconds of those phases (the optimizer step left out).
+    result["train_flops_per_s"] = statistics.median(
+        flops.get(i + 1, 0.0) / (step["logprob_passes"] + step.get("loss", 0.0) + step["backward"])
+        for i, step in enumerate(measured))
     if side == "colo":
         reports = trainer.vllm_generation.colo_sync_reports[1:]
         result.update(sync_bytes_copied=max(r["bytes_copied"] for r in reports),
                       sync_bytes_repacked=max(r["bytes_repacked"] for r in reports),
                       publish_s=statistics.median(r["seconds"] for r in reports))
     return result
+
+
+def _count_train_flops(trainer, clock) -> dict[int, float]:
+    """{step index: matmul FLOPs of TRL's model passes}, counted from the shapes TRL gives
+    _get_per_token_logps_and_entropies: the body on every position, the head on the kept ones; x2 a
+    forward, x3 with its backward (grad enabled). Attention's products are left out (an understatement)."""
+    import torch
+
+    from .measure import matmul_parameters
+
+    config = trainer.accelerator.unwrap_model(trainer.model).config
+    head = config.hidden_size * config.vocab_size
+    body = matmul_parameters(config) - head
+    flops: dict[int, float] = {}
+    passes = trainer._get_per_token_logps_and_entropies
+
+    def counted(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        rows = input_ids.shape[0]
+        forward = 2 * (body * input_ids.numel() + head * rows * logits_to_keep)
+        step = len(clock.steps)
+        flops[step] = flops.get(step, 0.0) + forward * (3 if torch.is_grad_enabled() else 1)
+        return passes(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = counted
+    return flops
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         for side in ("colo", baseline):
             sides[side] = in_fresh_process(run_side, side, f"{tmp}/{side}", args.steps)
             print(side, {k: round(v, 3) for k, v in sides[side].items()}, file=sys.stderr, flush=True)
+    from .measure import gemm_peak_flops
+
+    import torch
+
+    peak = gemm_peak_flops(torch.float32)
+    for values in sides.values():
+        values["train_vs_gemm_peak"] = values["train_flops_per_s"] / peak
     colo, base = sides["colo"], sides[baseline]
     train_and_sync = {name: s["wall_s"] - s["generate_s"] for name, s in sides.items()}
     record = {
@@ -89,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(), "cpu_kernels": kernels, "baseline": baseline, "sides": sides,
         "train_and_sync_s": train_and_sync,
         "train_and_sync_vs_baseline": train_and_sync["colo"] / train_and_sync[baseline],
-        "step_vs_baseline": colo["wall_s"] / base["wall_s"],
+        "step_vs_baseline": colo["wall_s"] / base["wall_s"], "gemm_peak_flops_per_s": peak,
         "seconds": time.time() - started,
     }
     args.json.write_text(json.dumps(record, indent=1) + "\n")
