@@ -98,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first is a warm-up)")
 
+    import torch
+
     from .baselines import stock_update_refused
     from .machine import machine_info
+    from .measure import gemm_peak_flops
     from .trl import in_fresh_process, kernels_of
 
     from colo.smollm2 import smollm2_dir
@@ -112,10 +115,6 @@ def main(argv: list[str] | None = None) -> int:
         for side in ("colo", baseline):
             sides[side] = in_fresh_process(run_side, side, f"{tmp}/{side}", args.steps)
             print(side, {k: round(v, 3) for k, v in sides[side].items()}, file=sys.stderr, flush=True)
-    from .measure import gemm_peak_flops
-
-    import torch
-
     peak = gemm_peak_flops(torch.float32)
     for values in sides.values():
         values["train_vs_gemm_peak"] = values["train_flops_per_s"] / peak
