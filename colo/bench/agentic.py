@@ -4,8 +4,8 @@
 The task: SmolLM2-135M-Instruct with TRL's Qwen2.5 template (tool-capable, ChatML like SmolLM2's own)
 on sums of two 4-5 digit numbers (colo.grpo.arithmetic's, with the system message that shows the
 call), the `add` tool and the `Tally` environment below, each call taking TOOL_LATENCY_S as a code
-runner or a search would; guided decoding makes every rollout's first turn one well-formed call, so
-every side runs the same number of calls. One round of tools (max_tool_calling_iterations=1).
+runner or a search would; guided decoding makes every turn one well-formed call, so every side runs
+the same number of calls: one per rollout, in one round of tools (max_tool_calling_iterations=1).
 
 - stock TRL: `trl.GRPOTrainer` with `tools=` and `environment_factory=`: its own tool loop, one engine
   call per turn, the tools run one after another on the trainer's thread between the turns (the
@@ -35,9 +35,10 @@ SECTION = "agentic"
 TOOL_LATENCY_S = 0.2
 BATCH = dict(prompts=4, num_generations=2, max_completion_length=128)
 WARMUP, STEPS = 1, 2
+# Every turn is one well-formed call (a number as well would let the sides' samples call different
+# numbers of tools); the second turn's call is not run: one round of tools.
 CALL_REGEX = (r'<tool_call>\n\{"name": "(add", "arguments": \{"a": [1-9][0-9]{3,4}, "b": [1-9][0-9]{3,4}'
-              r'|tally", "arguments": \{"amount": [1-9][0-9]{3,5})\}\}\n</tool_call>'
-              r'|[1-9][0-9]{3,5}')
+              r'|tally", "arguments": \{"amount": [1-9][0-9]{3,5})\}\}\n</tool_call>')
 
 
 def add(a: int, b: int) -> int:
@@ -223,7 +224,7 @@ def agentic_rows(results: dict, refused: str, device: str) -> list[dict]:
     base_name = f"stock TRL on {UPDATABLE_VARIANT}" if refused else "stock TRL (vLLM default mode)"
     note = (f"TRL 1.16 GRPOTrainer, tools=[add] + environment_factory=Tally, one round of tools, each call "
             f"{TOOL_LATENCY_S} s; SmolLM2-135M-Instruct, qwen2_5 template, 4-5 digit sums; guided decoding makes the "
-            f"first turn a call; medians over {STEPS} steps after {WARMUP} warm-up step")
+            f"every turn a call (one round of them run); medians over {STEPS} steps after {WARMUP} warm-up step")
     if refused:
         note += f"; stock TRL cannot run here: it raised {refused[:300]}"
 
