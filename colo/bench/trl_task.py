@@ -19,10 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-PHASES = ("wall", "generate", "kv_wake_sleep", "sync", "rewards", "logprob_passes", "loss", "backward", "optimizer",
-          "other")
-
-
 def run_side(side: str, out: str, steps: int) -> dict:
     """One TRL run of `steps` steps (the first is a warm-up); median seconds per phase, and colo's syncs."""
     import trl
@@ -33,7 +29,7 @@ def run_side(side: str, out: str, steps: int) -> dict:
     from colo.smollm2 import smollm2_dir
     from colo.vllm_compat.forced_kernels import forced_cpu_gemm
 
-    from .trl import PhaseClock
+    from .trl import PhaseClock, phase_medians
 
     args = trl.GRPOConfig(output_dir=out, per_device_train_batch_size=64, num_generations=8, max_completion_length=32,
                           max_steps=steps, logging_steps=1, report_to="none", learning_rate=1e-5, save_strategy="no",
@@ -50,7 +46,7 @@ def run_side(side: str, out: str, steps: int) -> dict:
     flops = _count_train_flops(trainer, clock)
     trainer.train()
     measured = clock.steps[1:]
-    result = {f"{phase}_s": statistics.median(step.get(phase, 0.0) for step in measured) for phase in PHASES}
+    result = phase_medians(measured)
     result["steps_measured"] = len(measured)
     # The training's rate: forward and backward FLOPs of TRL's log-probability passes and loss over the
     # seconds of those phases (the optimizer step left out).

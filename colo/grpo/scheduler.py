@@ -62,8 +62,8 @@ from .overlap import GroupFailed, memory_refusal, serial_reason
 from .phases import MemoryPhases
 from .rollout_engine import EngineFailure, RolloutEngine, generate_or_rebuild
 from .strategy import Generated, OverlappedSteps, SerialSteps
-from .task import (Task, build_tasks, checked_prompts, fit_model_length, longest_sequence, sampling_options,
-                   stop_options)
+from .task import (Task, build_tasks, checked_prompts, fit_model_length, guided_options, longest_sequence,
+                   sampling_options, stop_options)
 from .trackers import Trackers
 from .train_memory import TrainingMemory
 
@@ -376,9 +376,8 @@ class GRPOScheduler:
         record = {}
         with self.timeline.span("eval", step=self.step) as span:
             self.phases.to_generate()
-            guided = {"structured_outputs_regex": self.config.structured_outputs_regex} \
-                if self.config.structured_outputs_regex else {}  # the grammar training generates under, as TRL's
-            sampling = dict(n=1, max_tokens=self.config.max_new_tokens, temperature=0.0, **stop_options(task), **guided)
+            sampling = dict(n=1, max_tokens=self.config.max_new_tokens, temperature=0.0, **stop_options(task),
+                            **guided_options(self.config))
             scores = None
             if prompts and self.eval_agent is not None:  # the tools run, turn by turn, as in training
                 outputs = self.eval_agent.generate(rows, prompts, [sampling] * len(prompts))

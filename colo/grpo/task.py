@@ -487,6 +487,12 @@ def stop_options(task: Task) -> dict:
     return dict(stop_token_ids=list(task.stop_token_ids)) if task.stop_token_ids else {}
 
 
+def guided_options(config) -> dict:
+    """SamplingParams' guided decoding for the run's regex (none without one): training and evaluation
+    generate under the same grammar, as TRL's do."""
+    return {"structured_outputs_regex": config.structured_outputs_regex} if config.structured_outputs_regex else {}
+
+
 def sampling_options(config, task: Task, step: int, share: range) -> list[dict]:
     """Per-prompt sampling settings of a step's prompts `share`. Seeds depend on (run seed, step,
     prompt index) only, so a resumed run, or a run with a different number of ranks, draws the same
@@ -494,9 +500,8 @@ def sampling_options(config, task: Task, step: int, share: range) -> list[dict]:
     per_step = config.prompts_per_step * config.num_generations
     top_k = dict(top_k=config.top_k) if config.top_k else {}
     stop = stop_options(task)
-    guided = {"structured_outputs_regex": config.structured_outputs_regex} if config.structured_outputs_regex else {}
     return [dict(n=config.num_generations, max_tokens=config.max_new_tokens, temperature=config.temperature,
-                 top_p=config.top_p, ignore_eos=config.ignore_eos, **stop, **top_k, **guided,
+                 top_p=config.top_p, ignore_eos=config.ignore_eos, **stop, **top_k, **guided_options(config),
                  seed=(config.seed * 1_000_003 * per_step + step * per_step
                        + i * config.num_generations) % (2**63 - 1),
                  logprobs=0)
