@@ -20,9 +20,11 @@ which parameter holds each whole tensor, or which part of it on this rank, and t
 remembered so that a parameter given new storage (model.to(), .half(), assigning .data), which no
 longer reaches the engine, makes publish() refuse rather than serve stale weights.
 
-The helpers all kinds build with are here too: the architectures colo can share, the Hugging Face
-model built on the meta device, the view of a piece of an engine tensor, the errors for a model that
-does not fit the engine (one wording for every kind), and gathering a tensor-parallel tensor whole.
+The helpers all kinds build with are here too: what colo trains (`check_model_config`: a decoder-only
+causal LM of a family transformers builds; whether its weights can be shared is the engine's layout's to
+say, colo.vllm_compat.engine_layout, not a list of names), the Hugging Face model built on the meta
+device, the errors for a model that does not fit the engine (one wording for every kind), and gathering
+a tensor-parallel tensor whole.
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+WHAT_COLO_TRAINS = ("colo trains decoder-only causal language models that transformers and vLLM both implement "
+                    "(text only, dense or MoE)")
 
 
 @dataclass(frozen=True)
@@ -231,28 +234,41 @@ class EngineViews:
 
 # -- helpers the kinds share ----------------------------------------------------------------------
 
-def check_architecture(arch: str) -> None:
-    """Raise NotImplementedError naming `arch` unless colo can share its weights with vLLM."""
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise NotImplementedError(f"colo.share_weights does not support the architecture {arch} (supported: "
-                                  f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+def check_model_config(config) -> None:
+    """Refuse, naming why, a config colo cannot train, before any engine starts: a vision-language or
+    encoder-decoder model, one transformers has no causal LM class for (an encoder), or one whose
+    `architectures` disagree with its `model_type`."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", None)
+    architectures = list(getattr(config, "architectures", None) or ())
+    if getattr(config, "vision_config", None) is not None or any(a.endswith("ForConditionalGeneration")
+                                                                   for a in architectures):
+        raise NotImplementedError(f"{architectures[0] if architectures else model_type} is a vision-language or "
+                                  f"encoder-decoder model; {WHAT_COLO_TRAINS}")
+    if getattr(config, "is_encoder_decoder", False):
+        raise NotImplementedError(f"{model_type} is an encoder-decoder model; {WHAT_COLO_TRAINS}")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise NotImplementedError(f"transformers has no causal LM for model_type {model_type!r} (an encoder, or not "
+                                  f"a language model); {WHAT_COLO_TRAINS}")
+    expected = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    for arch in architectures:
+        cls = getattr(transformers, arch, None)
+        config_class = getattr(cls, "config_class", None)
+        if arch != expected and (config_class is None or config_class.model_type != model_type):
+            raise ValueError(f"config.architectures names {arch}, but model_type {model_type!r} is "
+                             f"{expected}: the config contradicts itself")
 
 
 def meta_model(config, dtype: torch.dtype):
-    """A Hugging Face causal LM of `config` on the meta device (no memory), its architecture checked,
-    whose parameters are then pointed at engine tensors."""
+    """A Hugging Face causal LM of `config` on the meta device (no memory), whose parameters are then
+    pointed at engine tensors."""
     from transformers import AutoModelForCausalLM
 
-    for arch in getattr(config, "architectures", None) or ():
-        check_architecture(arch)
+    check_model_config(config)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
-
-
-def piece_view(tensor, piece) -> torch.Tensor:
-    """The rows of an engine tensor (colo.vllm_compat.EngineTensor) that one Hugging Face parameter fills."""
-    view = tensor.param.detach()
-    return view[piece.rows[0]:piece.rows[1]] if tensor.shape else view
 
 
 def no_parameter_for(name: str, engine_tensor: str, shape) -> ValueError:
@@ -266,8 +282,9 @@ def no_place_for(name: str, shape) -> ValueError:
 
 
 def shape_mismatch(name: str, model_shape, engine_shape, engine_tensor: str) -> ValueError:
+    held = tuple(engine_shape) if isinstance(engine_shape, (tuple, list, torch.Size)) else engine_shape
     return ValueError(f"{name}: shape {tuple(model_shape)} in the Hugging Face model, the engine expects "
-                      f"{tuple(engine_shape)} (for {engine_tensor})")
+                      f"{held} (for {engine_tensor})")
 
 
 def rank_part(whole: torch.Tensor, placed: Placed, rank: int) -> torch.Tensor:
@@ -303,15 +320,16 @@ def gather_whole(local: torch.Tensor, placed: Placed, group, first: bool) -> tor
 
 
 def materialize_buffers(hf_model, device) -> None:
-    """A meta-device model's buffers (rotary frequencies) computed for real, as transformers does when
-    it loads a checkpoint onto the meta device."""
-    for module in hf_model.modules():
-        meta = [name for name, b in module._buffers.items() if b is not None and b.is_meta]
-        if not meta:
-            continue
-        if "RotaryEmbedding" not in type(module).__name__:
-            raise NotImplementedError(f"{type(module).__name__} has buffers colo cannot compute on the meta device "
-                                      f"({meta}); load the trainer's model from disk and call colo.share_weights")
-        for name in meta:
-            module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
+    """A meta-device model's buffers (rotary frequencies, an embedding's scale) computed for real, by the
+    model's own initialisation, as transformers does when it loads a checkpoint onto the meta device;
+    the parameters are marked initialised first, so nothing else is touched."""
+    modules = [m for m in hf_model.modules() if any(b is not None and b.is_meta for b in m._buffers.values())]
+    if not modules:
+        return
+    for param in hf_model.parameters():
+        param._is_hf_initialized = True
+    for module in modules:
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
         hf_model._init_weights(module)

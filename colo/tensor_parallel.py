@@ -18,7 +18,7 @@ vocab_parallel_embedding.py): `QKVParallelLinear` holds [q rows of its heads | k
 [r in/T, (r+1) in/T), `VocabParallelEmbedding` / `ParallelLMHead` a range of the vocabulary (padded
 to a multiple of 64, padding at the tail), norms whole. A Hugging Face model built from the config
 with heads / T, KV heads / T and intermediate / T has exactly these shapes, so each of its parameters
-is a view of a row range of one engine tensor (`colo.vllm_compat.engine_layout` says which). Megatron's
+is a view of one engine tensor (`colo.vllm_compat.engine_layout` says which, read from vLLM's loader). Megatron's
 collectives make it compute the whole model: the attention's and the MLP's inputs pass through
 `copy_to_group` (identity forward, all-reduce of the gradient backward), the o_proj and down_proj
 outputs through `reduce_from_group` (all-reduce forward, identity backward): 2 all-reduces per layer
@@ -34,8 +34,8 @@ of its k_proj / v_proj gradient, summed over them by one all-reduce per paramete
 produces it (before any optimizer's hook sees it), and counted once in the norm. A LoRA adapter
 (colo.lora.share_adapter with tp=) trains on top of the shards; its pieces that several ranks hold
 the same join them through `add_replicated`. Refused with NotImplementedError before anything
-changes: biases of row-parallel layers (vLLM adds them on rank 0 only), architectures other than
-colo.shared.SUPPORTED_ARCHITECTURES.
+changes: biases of row-parallel layers (vLLM adds them on rank 0 only), and a parameter whose shard is
+not one view of an engine tensor (the layout says which).
 """
 from __future__ import annotations
 
@@ -256,16 +256,19 @@ def shared_tp_model(llm) -> TensorParallelModel:
     colo.engine.build_llm under torchrun): its parameters are views of the engine's shards, in the
     engine's dtype, in training mode."""
 
-    config = compat.engine_hf_config(llm)
+    config = compat.engine_config_as_saved(llm)
     placement = compat.engine_placement(llm)
     if placement is None:
         raise RuntimeError("shared_tp_model needs an engine built by colo.engine.build_llm (its weights in a pool)")
     group, rank, size = compat.tensor_parallel_group(llm)
-    tensors, _ = compat.engine_layout(compat.engine_model(llm))
-    views, vocab = _shard_views(tensors)
+    with compat.building_trainer_models(llm):
+        whole = meta_model(config, compat.engine_dtype(llm))   # the whole model's names and shapes
+    layout = compat.engine_layout(compat.engine_model(llm), whole, kept=placement.kept)
+    views, vocab = _shard_views(layout)
     start, rows = vocab["model.embed_tokens.weight"]
     local = local_config(config, size, rows)
-    hf_model = meta_model(local, compat.engine_dtype(llm))
+    with compat.building_trainer_models(llm):
+        hf_model = meta_model(local, compat.engine_dtype(llm))
     counts = Collectives()
     params = _install(hf_model, views)
     embedding = VocabParallelEmbedding(params["model.embed_tokens.weight"], start, group, counts)
@@ -330,19 +333,26 @@ def _sum_gradients(params: list, group, counts: Collectives) -> None:
         p.register_hook(hook)
 
 
-def _shard_views(tensors) -> tuple[dict, dict]:
+def _shard_views(layout) -> tuple[dict, dict]:
     """{HF name: (view of the engine tensor, (dim, start, stop) or None when whole, the whole shape)} and the
     vocabulary rows of the embedding and LM head: {HF name: (first row, rows)}."""
+    if layout.unfilled:
+        name = layout.unfilled[0]
+        raise no_parameter_for(name, name, layout.tensors[name].param.shape)
     views, vocab = {}, {}
-    for t in tensors:
-        for piece in t.pieces:
-            if piece.hf_name.endswith(ROW_PARALLEL_BIASES):
-                raise NotImplementedError(f"{piece.hf_name}: vLLM adds a row-parallel layer's bias on rank 0 "
-                                          "only; colo's tensor-parallel trainer does not model that yet")
-            view = t.param.detach()[piece.rows[0]:piece.rows[1]] if t.shape else t.param.detach()
-            if piece.hf_name.endswith(("embed_tokens.weight", "lm_head.weight")):
-                vocab[piece.hf_name] = (piece.shard[1] if piece.shard else 0, view.shape[0])
-            views[piece.hf_name] = (view, piece.shard, piece.hf_shape)
+    for name, placement in layout.placements.items():
+        if name.endswith(ROW_PARALLEL_BIASES):
+            raise NotImplementedError(f"{name}: vLLM adds a row-parallel layer's bias on rank 0 "
+                                      "only; colo's tensor-parallel trainer does not model that yet")
+        if placement.view is None:
+            raise NotImplementedError(f"{name}: this rank's part of it is not one view of an engine tensor "
+                                      "(pieces: " + ", ".join(sorted({p.engine for p in placement.pieces})) +
+                                      "); colo's tensor-parallel trainer holds views only")
+        engine, strided = placement.view
+        view = strided.of(layout.tensors[engine].param.detach())
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            vocab[name] = (placement.covered[1] if placement.covered else 0, view.shape[0])
+        views[name] = (view, placement.covered, placement.hf_shape)
     return views, vocab
 
 

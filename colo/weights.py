@@ -1,4 +1,5 @@
-"""One copy of the weights for a Hugging Face causal LM and an in-process vLLM engine.
+"""One copy of the weights for a Hugging Face causal LM and an in-process vLLM engine, for any model
+family both implement, dense or MoE.
 
     shared = colo.shared_model(llm)                # a HF model whose parameters are the engine's tensors
     model = shared.hf_model                        # train it with any torch optimizer
@@ -7,25 +8,32 @@
     shared = colo.share_weights(hf_model, llm)     # or: an existing HF model's values go into the engine
                                                    # once, then its parameters become views of it
 
-The engine's tensors never move: colo.engine.build_llm allocated them in the pool's `weights`
-region while vLLM loaded the model, and compiled code captured them there. Every Hugging Face
-parameter is a contiguous row range of one engine tensor (fused `qkv_proj` rows q, k, v; fused
-`gate_up_proj` rows gate, up; embeddings padded to vLLM's multiple of 64 rows), so the trainer's
-`q_proj.weight` is literally rows [0, q) of the engine's `qkv_proj.weight`. An existing model's
-parameters keep their identity (`param.data` is re-pointed), so an optimizer built before sharing
-keeps working.
+The engine's tensors never move: colo.engine.build_llm allocated them in the pool's `weights` region
+while vLLM loaded the model, and compiled code captured them there. Where each Hugging Face parameter
+lives among them is read from vLLM's own loader (colo.vllm_compat.engine_layout), so whatever a family
+fuses or renames is followed: the trainer's `q_proj.weight` is rows [0, q) of the engine's fused
+`qkv_proj.weight`, a MoE layer's `experts.gate_up_proj` [E, 2I, H] is the engine's `w13_weight`. An
+existing model's parameters keep their identity (`param.data` is re-pointed), so an optimizer built
+before sharing keeps working.
 
-When a parameter cannot alias (the trainer's dtype differs from the engine's, or the engine holds a
-tensor-parallel shard), the trainer keeps its own tensor and publish() copies it into the engine on
-the pool's copy stream, from a plan made once at share time: same-dtype contiguous pieces as one
-batch of byte copies (`Stream.copy_async`), casts and strided shards as a few large
-`torch._foreach_copy_` buckets. On CPU, where vLLM's GEMM kernels read a packed copy of each linear
-weight, publish() also repacks those copies in place from the shared weights (`bytes_repacked`).
+When a parameter cannot alias (its dtype differs from the engine's, the engine holds a tensor-parallel
+shard of it, or the engine's layout of it is not one view, e.g. gate and up rows padded apart), the
+trainer keeps its own tensor and publish() copies it into the engine on the pool's copy stream, from a
+plan made once at share time: same-dtype contiguous pieces as one batch of byte copies
+(`Stream.copy_async`), the rest as a few large `torch._foreach_copy_` buckets. A parameter whose engine
+values vLLM's loader computes (not a copy) is loaded through vLLM's `load_weights` at each publish. The
+copy path is never a refusal: it is said once in a warning naming the tensors and the bytes each
+publish copies. On CPU, where vLLM's kernels read packed copies of the linear and expert weights,
+publish() also repacks those copies in place from the shared weights (`bytes_repacked`).
+
+At share time the engine's and the trainer's log-probabilities of a few tokens are compared
+(`check_logprobs`): a family whose vLLM and transformers implementations disagree (a config field one
+of them ignores) is refused before the first step, not trained off-policy.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
+import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,10 +43,12 @@ import torch.nn.functional as F
 from . import vllm_compat as compat
 from .checks import check_int
 from .engine import reset_prefix_cache
-from .shared import (SUPPORTED_ARCHITECTURES, EngineViews, Placed, PublishReport, check_architecture,  # noqa: F401
-                     materialize_buffers, meta_model, no_parameter_for, no_place_for, piece_view, shape_mismatch)
 from .regions import WEIGHTS, region_for
+from .shared import (EngineViews, Placed, PublishReport, check_model_config, materialize_buffers,  # noqa: F401
+                     meta_model, no_parameter_for, no_place_for, shape_mismatch)
 from .sizes import shape_bytes
+
+logger = logging.getLogger(__name__)
 
 # Config fields that change what the same weights compute; parameter shapes cannot reveal them.
 _CONFIG_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
@@ -47,18 +57,18 @@ _CONFIG_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hid
 
 @dataclass
 class _Source:
-    """A validated piece: the HF parameter that feeds it and whether it can alias the engine tensor."""
-    tensor: compat.EngineTensor
-    piece: compat.Piece
+    """A validated Hugging Face parameter: where it lives in the engine and whether it is a view there."""
+    name: str
     param: torch.nn.Parameter
+    placement: compat.Placement
     alias: bool
 
 
 class _Engine(NamedTuple):
     """What share_weights reads of the engine."""
     placement: compat.EnginePlacement | None   # None: an engine colo did not build
-    tensors: list[compat.EngineTensor]
-    linear_modules: list                       # the modules whose CPU GEMM runs through `cpu_linear`
+    layout: compat.EngineLayout
+    model: torch.nn.Module
     device: torch.device
 
 
@@ -68,16 +78,18 @@ class SharedWeights(EngineViews):
     aliased_bytes: HF bytes that are views of the engine's tensors (never copied); copy_bytes: bytes
     publish() copies each time (0 when all alias); packed_bytes: CPU weight bytes publish() repacks
     into vLLM's kernel layouts; shared_once_bytes: bytes share_weights copied from the trainer into the
-    engine; superseded: a later share_weights on the same engine took the weights over."""
+    engine; copied: the trainer parameters publish() copies (the copy path), with why; superseded: a
+    later share_weights on the same engine took the weights over."""
 
-    def __init__(self, hf_model, llm, pool, *, copies: "_CopyPlan", aliased_bytes: int, copy_bytes: int,
-                 packed_bytes: int, shared_once_bytes: int, repack):
+    def __init__(self, hf_model, llm, pool, *, copies: "_CopyPlan", loads: "_LoaderLoads", aliased_bytes: int,
+                 copy_bytes: int, packed_bytes: int, shared_once_bytes: int, repack, copied: dict[str, str]):
         super().__init__(llm, hf_model, shared_by="colo.share_weights", repack=repack)
         self.pool = pool
         self.aliased_bytes, self.copy_bytes = aliased_bytes, copy_bytes
         self.packed_bytes, self.shared_once_bytes = packed_bytes, shared_once_bytes
+        self.copied = copied
         self.superseded = False
-        self._copies = copies  # what publish() copies, planned once
+        self._copies, self._loads = copies, loads  # what publish() copies, planned once
         # Every name, a tied head's too: a checkpoint of the whole model holds both, as state_dict() does.
         self.watch({name: Placed(p, tuple(p.shape)) for name, p in hf_model.named_parameters(remove_duplicate=False)})
 
@@ -96,16 +108,21 @@ class SharedWeights(EngineViews):
         ready = train.record()
         if self._copies.count:
             ready = self._copies.run(self.pool, after=ready)
+        if self._loads.count:
+            ready.synchronize()
+            self._loads.run()
+            ready = train.record()
         infer.wait(ready)
         if on_cuda:  # vLLM launches on torch's current stream
             torch.cuda.current_stream(self.pool.device).wait_stream(infer.torch_stream())
         else:
             ready.synchronize()  # vLLM runs in this thread on the host
-        return dict(bytes_copied=self.copy_bytes, aliased_bytes=self.aliased_bytes, copied_tensors=self._copies.count,
-                    buckets=self._copies.batches)
+        return dict(bytes_copied=self.copy_bytes, aliased_bytes=self.aliased_bytes,
+                    copied_tensors=self._copies.count + self._loads.count, buckets=self._copies.batches)
 
 
-def shared_model(llm, dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20) -> SharedWeights:
+def shared_model(llm, dtype: torch.dtype | None = None, *, bucket_bytes: int = 256 << 20,
+                 check_logprobs: bool = True) -> SharedWeights:
     """A Hugging Face model built from the engine's config whose parameters are the engine's own
     tensors: nothing is read from disk and nothing is copied (in the engine's dtype). Its `.hf_model`
     is in training mode, ready for an optimizer.
@@ -113,110 +130,137 @@ def shared_model(llm, dtype: torch.dtype | None = None, *, bucket_bytes: int = 2
     dtype: the trainer's dtype (default: the engine's). Parameters in another dtype than the
     engine's cannot alias; they are the engine's values cast once, and publish() casts them back.
     """
-    hf_model = meta_model(copy.deepcopy(compat.engine_hf_config(llm)), dtype or compat.engine_dtype(llm))
-    return share_weights(hf_model.train(), llm, bucket_bytes=bucket_bytes)
+    with compat.building_trainer_models(llm):
+        hf_model = meta_model(compat.engine_config_as_saved(llm), dtype or compat.engine_dtype(llm))
+    return share_weights(hf_model.train(), llm, bucket_bytes=bucket_bytes, check_logprobs=check_logprobs)
 
 
-def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes: int = 256 << 20) -> SharedWeights:
+def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes: int = 256 << 20,
+                  check_logprobs: bool = True) -> SharedWeights:
     """Make `hf_model` and the in-process engine of `llm` share one copy of the weights.
 
-    hf_model: a transformers causal LM (Llama, Qwen2, Qwen3 families). Its current values are what
-        the engine serves from now on: they are written into the engine's tensors once (unless its
-        parameters are on the meta device, as in `shared_model`), then its parameters become views.
+    hf_model: a transformers causal LM of a family vLLM serves. Its current values are what the engine
+        serves from now on: they are written into the engine's tensors once (unless its parameters are
+        on the meta device, as in `shared_model`), then its parameters become views.
     llm: a vllm.LLM running in this process, built by colo.engine.build_llm. An eager engine built
         otherwise also works: its weights are first moved into `pool` (default: a new one) and its
         CPU linears run torch.nn.functional.linear; a compiled one is refused (its compiled code
         holds the tensors it would lose).
     alias=False: the trainer keeps its own tensors and publish() copies them (for comparisons).
     bucket_bytes: the size of the copy buckets when parameters cannot alias.
+    check_logprobs: compare the engine's and the trainer's log-probabilities of a few tokens once shared
+        (colo.share_check), raising ValueError where they disagree beyond the dtype's rounding.
 
     Sharing an engine again (e.g. with a new model) writes that model's values into the same
     tensors: the earlier SharedWeights can no longer publish, and the earlier model's aliased
     parameters see the new values. Replacing parameter storage after sharing (model.to(...),
     param.data = ...) breaks the link; publish() detects it and raises.
 
-    Raises NotImplementedError for an unsupported architecture and ValueError, naming the first
-    mismatching parameter, when the model does not fit the engine; nothing is changed then.
+    Raises ValueError, naming the first mismatching parameter, when the model does not fit the engine;
+    nothing is changed then.
     """
     sources, engine = _validate(hf_model, llm, alias, bucket_bytes)
     pool, repack = _place_engine_weights(llm, engine, pool)
-    once = _write_and_alias(hf_model, sources, bucket_bytes, pool)
-    copies = [s for s in sources if not s.alias]
+    once = _write_and_alias(hf_model, sources, engine, bucket_bytes, pool)
+    copies = _pairs([s for s in sources if not s.alias and not s.placement.through_loader], engine)
+    loaded = [s for s in sources if s.placement.through_loader]
+    copied = {s.name: _why_copied(s, alias, engine) for s in sources if not s.alias}
     shared = SharedWeights(
         hf_model, llm, pool, copies=_CopyPlan(copies, bucket_bytes),
-        aliased_bytes=sum(piece_view(s.tensor, s.piece).nbytes for s in sources if s.alias),
-        copy_bytes=sum(piece_view(s.tensor, s.piece).nbytes for s in copies),
+        loads=_LoaderLoads(engine.model, hf_model, loaded),
+        aliased_bytes=sum(s.param.nbytes for s in sources if s.alias),
+        copy_bytes=sum(dst.nbytes for dst, _ in copies) + sum(s.param.nbytes for s in loaded), copied=copied,
         packed_bytes=sum(linear.packed_bytes for linear in repack), shared_once_bytes=once, repack=repack)
     previous = getattr(llm, "colo_shared_weights", None)
     if previous is not None:
         previous.superseded = True
     llm.colo_shared_weights = shared
-    if once:
+    if once or shared._loads.count:
+        if shared._loads.count:
+            shared._loads.run()
         for linear in repack:
             linear.repack()
     reset_prefix_cache(llm)
+    if alias and copied:
+        logger.warning("colo.share_weights: %d of the trainer's tensors are not views of the engine's and each "
+                       "publish copies them (%d bytes): %s", len(copied), shared.copy_bytes,
+                       "; ".join(f"{name} ({why})" for name, why in list(copied.items())[:4]))
+    if check_logprobs:
+        from .share_check import check_shared_logprobs
+
+        check_shared_logprobs(hf_model, llm)
     return shared
 
 
 # --- validating: the Hugging Face model against the engine (no mutation) ---------------------------
 
 def _validate(hf_model, llm, alias: bool, bucket_bytes: int) -> tuple[list[_Source], _Engine]:
-    """Everything share_weights checks before it changes anything; returns every engine piece
-    matched with its HF parameter, and what it read of the engine."""
+    """Everything share_weights checks before it changes anything; returns every HF parameter with its
+    place in the engine, and what it read of the engine."""
     if not isinstance(hf_model, torch.nn.Module):
         raise TypeError(f"hf_model must be a transformers model (torch.nn.Module), not {type(hf_model).__name__}")
-    check_architecture(type(hf_model).__name__)
+    check_model_config(hf_model.config)
     check_int(bucket_bytes, "bucket_bytes")
+    compat.run_as_plain_modules(hf_model)
     model = compat.engine_model(llm)
-    tensors, linear_modules = compat.engine_layout(model)
+    _check_config(hf_model, llm)
     placement = compat.engine_placement(llm)
-    device = next(t.param.device for t in tensors if t.param.numel())
-    sources = _match(hf_model, tensors, alias=alias, device=device)
-    _check_config(hf_model, llm, model)
     if placement is None and compat.is_compiled(llm):
         raise RuntimeError("this engine is compiled (torch.compile / CUDA graphs) and was not built by "
                            "colo.engine.build_llm: its compiled code holds weight tensors colo would have to "
                            "replace. Build it with colo.engine.build_llm, or with enforce_eager=True")
-    return sources, _Engine(placement, tensors, linear_modules, device)
+    if placement is None:
+        compat.restore_emptied_weights(model)  # a foreign engine's packed CPU linears: their shapes back
+    layout = compat.engine_layout(model, hf_model, kept=placement.kept if placement is not None else None)
+    device = next(t.param.device for t in layout.tensors.values() if t.param.numel())
+    _, _, tp_size = compat.tensor_parallel_group(llm)
+    sources = _match(hf_model, layout, alias=alias, device=device, sharded=tp_size > 1)
+    return sources, _Engine(placement, layout, model, device)
 
 
-def _match(hf_model, tensors, alias: bool, device: torch.device) -> list[_Source]:
-    """Check every engine piece against the HF model; the first mismatch raises ValueError naming it."""
-    by_name = dict(hf_model.named_parameters(remove_duplicate=False))
-    used, sources = {}, []
-    for t in tensors:
-        for piece in t.pieces:
-            param = by_name.get(piece.hf_name)
-            if param is None:
-                raise no_parameter_for(piece.hf_name, t.name, t.shape)
-            if id(param) in used:
-                raise ValueError(
-                    f"{piece.hf_name}: the Hugging Face model ties it to {used[id(param)]}, but the engine keeps "
-                    "them separate (tie_word_embeddings differs)")
-            if tuple(param.shape) != piece.hf_shape:
-                raise shape_mismatch(piece.hf_name, param.shape, piece.hf_shape, t.name)
-            if not param.dtype.is_floating_point:
-                raise ValueError(f"{piece.hf_name}: dtype {param.dtype} is not a floating-point type")
-            if param.is_meta and piece.shard is not None:
-                raise NotImplementedError(f"{piece.hf_name}: the engine holds a tensor-parallel shard of it, so a "
-                                          "meta-device model cannot be filled from the engine; load the trainer's "
-                                          "model from disk and call colo.share_weights")
-            used[id(param)] = piece.hf_name
-            can_alias = (alias and piece.shard is None and param.dtype == t.dtype
-                         and (param.is_meta or param.device == device))
-            sources.append(_Source(t, piece, param, can_alias))
-    for name, param in by_name.items():
-        if id(param) not in used:
+def _match(hf_model, layout: compat.EngineLayout, alias: bool, device: torch.device, sharded: bool) -> list[_Source]:
+    """Every HF parameter with its placement; the first that does not fit raises ValueError naming it."""
+    if layout.unfilled:
+        name = layout.unfilled[0]
+        raise no_parameter_for(name, name, layout.tensors[name].param.shape)
+    sources, seen = [], set()
+    for name, param in hf_model.named_parameters():
+        placement = layout.placements.get(name)
+        if placement is None:
             raise no_place_for(name, param.shape)
+        if not sharded and not placement.through_loader and \
+                sum(piece.part.numel for piece in placement.pieces) != param.numel():   # vLLM's loader took part of it
+            engines = sorted({piece.engine for piece in placement.pieces})
+            held = (placement.view[1].shape if placement.view is not None else
+                    f"{sum(piece.part.numel for piece in placement.pieces)} elements")
+            raise shape_mismatch(name, param.shape, held, ", ".join(engines))
+        if not param.dtype.is_floating_point:
+            raise ValueError(f"{name}: dtype {param.dtype} is not a floating-point type")
+        if placement.covered is not None and param.is_meta:
+            raise NotImplementedError(f"{name}: the engine holds a tensor-parallel shard of it, so a meta-device "
+                                      "model cannot be filled from the engine; load the trainer's model from disk "
+                                      "and call colo.share_weights")
+        if placement.through_loader and param.is_meta:
+            raise NotImplementedError(f"{name}: vLLM's loader computes the engine's tensors from it, so a meta-device "
+                                      "model cannot be filled from the engine; load the trainer's model from disk "
+                                      "and call colo.share_weights")
+        if not param.is_meta and not param.is_contiguous():
+            raise ValueError(f"{name}: the trainer's parameter is not contiguous; colo copies from contiguous "
+                             "parameters")
+        view = placement.view
+        can_alias = (alias and view is not None and placement.covered is None
+                     and param.dtype == layout.tensors[view[0]].dtype and (param.is_meta or param.device == device))
+        seen.add(id(param))
+        sources.append(_Source(name, param, placement, can_alias))
     return sources
 
 
-def _check_config(hf_model, llm, model) -> None:
-    """Same weights, different meaning: compare the architecture and the fields shapes cannot reveal."""
-    arch = type(hf_model).__name__
-    if type(model).__name__ != arch:
-        raise ValueError(f"architecture: the Hugging Face model is {arch}, the engine serves {type(model).__name__}")
+def _check_config(hf_model, llm) -> None:
+    """Same weights, different meaning: compare the model type and the fields shapes cannot reveal."""
     hf_config, engine_config = hf_model.config, compat.engine_hf_config(llm)
+    if hf_config.model_type != engine_config.model_type:
+        raise ValueError(f"model type: the Hugging Face model is a {hf_config.model_type} "
+                         f"({type(hf_model).__name__}), the engine serves a {engine_config.model_type}")
     missing = object()
     for key in _CONFIG_FIELDS:
         mine, theirs = getattr(hf_config, key, missing), getattr(engine_config, key, missing)
@@ -224,16 +268,36 @@ def _check_config(hf_model, llm, model) -> None:
             raise ValueError(f"config.{key}: {mine!r} in the Hugging Face model, {theirs!r} in the engine")
 
 
+def _why_copied(source: _Source, alias: bool, engine: _Engine) -> str:
+    placement = source.placement
+    if not alias:
+        return "alias=False"
+    if placement.through_loader:
+        return "vLLM's loader computes the engine's values from it"
+    if placement.covered is not None:
+        return "the engine holds a tensor-parallel shard of it"
+    if placement.view is None:
+        tensors = sorted({p.engine for p in placement.pieces})
+        return f"no single view of the engine's {', '.join(tensors)} holds it as laid out"
+    tensor = engine.layout.tensors[placement.view[0]]
+    if source.param.dtype != tensor.dtype:
+        return f"{source.param.dtype} in the trainer, {tensor.dtype} in the engine"
+    return f"on {source.param.device}, the engine on {engine.device}"
+
+
 # --- placing the engine's weights in a pool --------------------------------------------------------
 
 def _place_engine_weights(llm, engine: _Engine, pool):
-    """(the pool holding the engine's weights, the CpuLinears whose packed copies publish() refreshes).
+    """(the pool holding the engine's weights, the CPU kernels whose packed copies publish() refreshes).
     An engine colo built has them in its pool already; another one's are moved into `pool` (default:
     a new one on the engine's device)."""
     if engine.placement is not None:
         return engine.placement.pool, [linear for linear in engine.placement.linears if linear.stale_after_update]
+    if any(t.param is not t.served for t in engine.layout.tensors.values()):
+        raise NotImplementedError("this engine's CPU MoE kernel packed its experts at load and was not built by "
+                                  "colo.engine.build_llm; build it with build_llm to share its weights")
     pool = pool if pool is not None else _foreign_engine_pool(llm, engine.device)
-    _move_into_pool(pool, engine.tensors, engine.linear_modules)
+    _move_into_pool(pool, [t.param for t in engine.layout.tensors.values()], compat.cpu_linear_modules(engine.model))
     return pool, []
 
 
@@ -243,60 +307,81 @@ def _foreign_engine_pool(llm, device):
     return Pool(device)
 
 
-def _move_into_pool(pool, tensors, linear_modules) -> None:
+def _move_into_pool(pool, params, linear_modules) -> None:
     """An engine colo did not build: move its parameters into the pool's weights region (one copy,
     parameter identity kept) and let its CPU linears read them through F.linear, since their packed
     copies (and, for packed layers, the weights themselves) are gone. Only for eager engines."""
     from .placement import adopt_into
 
     # 512 bytes a tensor: room for the padding of the region's 256-byte allocation alignment.
-    region = region_for(pool, WEIGHTS, sum(shape_bytes(t.shape, t.dtype) + 512 for t in tensors))
+    region = region_for(pool, WEIGHTS, sum(shape_bytes(p.shape, p.dtype) + 512 for p in params))
     linear_weight_dtypes = {id(m.bias): m.weight.dtype for m in linear_modules if getattr(m, "bias", None) is not None}
-    for t in tensors:
-        if t.param.numel() == 0 or t.param.dtype != linear_weight_dtypes.get(id(t.param), t.param.dtype):
-            # Emptied by a packing kernel (filled from the trainer below), or a bias the sgl kernel
-            # made fp32: F.linear wants the weight's dtype.
-            dtype = linear_weight_dtypes.get(id(t.param), t.param.dtype)
-            old = t.param.detach()
-            t.param.data = region.empty(t.shape, dtype)
-            if old.numel():
-                t.param.data.copy_(old)
-            else:
-                t.param.data.zero_()
-    adopt_into(region, [t.param for t in tensors])
+    for param in params:
+        if param.dtype != linear_weight_dtypes.get(id(param), param.dtype):
+            # A bias the sgl kernel made fp32: F.linear wants the weight's dtype.
+            old = param.detach()
+            param.data = region.empty(tuple(old.shape), linear_weight_dtypes[id(param)])
+            param.data.copy_(old)
+    adopt_into(region, list(params))
     for module in linear_modules:
         module.cpu_linear = F.linear
 
 
 # --- writing the trainer's values and aliasing -----------------------------------------------------
 
-def _write_and_alias(hf_model, sources, bucket_bytes: int, pool) -> int:
+def _engine_view(engine: _Engine, placement: compat.Placement) -> torch.Tensor:
+    name, view = placement.view
+    return view.of(engine.layout.tensors[name].param.detach())
+
+
+def _pairs(sources: list[_Source], engine: _Engine) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(engine elements, trainer elements) for every piece of the sources: what a copy writes."""
+    pairs = []
+    for s in sources:
+        trainer = s.param.detach()
+        for piece in s.placement.pieces:
+            pairs.append((piece.view.of(engine.layout.tensors[piece.engine].param.detach()), piece.part.of(trainer)))
+    return pairs
+
+
+def _write_and_alias(hf_model, sources: list[_Source], engine: _Engine, bucket_bytes: int, pool) -> int:
     """Write the trainer's values into the engine (skipped for meta parameters and for views of the
     engine already), then make aliased parameters views; returns the bytes written."""
     written = 0
     replaced = {}  # id(meta parameter) -> the Parameter that replaces it
     with torch.no_grad():
         for s in sources:
-            view = piece_view(s.tensor, s.piece)
             if s.param.is_meta:
-                replaced[id(s.param)] = torch.nn.Parameter(
-                    view if s.alias else view.to(s.param.dtype, copy=True), requires_grad=s.param.requires_grad)
-            elif s.alias and s.param.data_ptr() != view.data_ptr():
-                view.copy_(s.param)
-                written += view.nbytes
-        unwritten = [s for s in sources if not s.alias and not s.param.is_meta]
+                value = _engine_view(engine, s.placement) if s.alias else _gather(s, engine)
+                replaced[id(s.param)] = torch.nn.Parameter(value, requires_grad=s.param.requires_grad)
+            elif s.alias:
+                view = _engine_view(engine, s.placement)
+                if s.param.data_ptr() != view.data_ptr() or s.param.stride() != view.stride():
+                    view.copy_(s.param)
+                    written += view.nbytes
+        unwritten = [s for s in sources if not s.alias and not s.param.is_meta and not s.placement.through_loader]
         if unwritten:
-            _CopyPlan(unwritten, bucket_bytes).run(pool).synchronize()
-            written += sum(piece_view(s.tensor, s.piece).nbytes for s in unwritten)
+            _CopyPlan(_pairs(unwritten, engine), bucket_bytes).run(pool).synchronize()
+            written += sum(s.param.nbytes for s in unwritten)
+        written += sum(s.param.nbytes for s in sources if s.placement.through_loader)
     for s in sources:
         if s.alias and not s.param.is_meta:
-            s.param.data = piece_view(s.tensor, s.piece)
+            s.param.data = _engine_view(engine, s.placement)
     if replaced:
         _replace_parameters(hf_model, replaced)
         for s in sources:
             s.param = replaced.get(id(s.param), s.param)
-    materialize_buffers(hf_model, sources[0].tensor.param.device)
+    materialize_buffers(hf_model, engine.device)
     return written
+
+
+def _gather(source: _Source, engine: _Engine) -> torch.Tensor:
+    """A trainer tensor of its own holding the engine's values of `source` (a meta parameter that cannot
+    be a view), in the trainer's dtype."""
+    value = torch.empty(source.placement.hf_shape, dtype=source.param.dtype, device=engine.device)
+    for piece in source.placement.pieces:
+        piece.part.of(value).copy_(piece.view.of(engine.layout.tensors[piece.engine].param.detach()))
+    return value
 
 
 def _replace_parameters(module: torch.nn.Module, replaced: dict) -> None:
@@ -307,20 +392,33 @@ def _replace_parameters(module: torch.nn.Module, replaced: dict) -> None:
                 sub._parameters[name] = replaced[id(param)]
 
 
+class _LoaderLoads:
+    """Parameters whose engine values vLLM's loader computes: publish() hands them to the engine's own
+    `load_weights` in the checkpoint's names and layout (what TRL does for every parameter)."""
+
+    def __init__(self, model, hf_model, sources: list[_Source]):
+        self.model, self.hf_model, self.sources = model, hf_model, sources
+        self.count = len(sources)
+
+    def run(self) -> None:
+        names = {s.name for s in self.sources}
+        wanted = {n for s in self.sources for n in s.placement.checkpoint_names}
+        with torch.no_grad():
+            params = {s.name: s.param.detach() for s in self.sources}
+            checkpoint = compat.checkpoint_tensors(self.hf_model, params) if names else {}
+            self.model.load_weights((n, t) for n, t in checkpoint.items() if n in wanted)
+
+
 class _CopyPlan:
     """Copies from trainer tensors into engine pieces, grouped once so that running them is a few
     calls: same-dtype contiguous pairs as one batch of byte copies, the rest (casts, strided
-    tensor-parallel shards) as `torch._foreach_copy_` buckets of about `bucket_bytes`."""
+    pieces) as `torch._foreach_copy_` buckets of about `bucket_bytes`."""
 
-    def __init__(self, sources, bucket_bytes: int):
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], bucket_bytes: int):
         self.byte_pairs, self.cast_buckets = [], []
         dsts, srcs, size = [], [], 0
-        for s in sources:
-            dst, src = piece_view(s.tensor, s.piece), s.param.detach()
-            if s.piece.shard is not None:
-                dim, begin, end = s.piece.shard
-                src = src.narrow(dim, begin, end - begin)
-            if src.dtype == dst.dtype and src.is_contiguous() and src.device == dst.device:
+        for dst, src in pairs:
+            if src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous() and src.device == dst.device:
                 self.byte_pairs.append((dst, src))
                 continue
             dsts.append(dst)
@@ -363,4 +461,3 @@ def _torch_stream(stream):
             yield
     else:
         yield
-

@@ -238,27 +238,26 @@ class GRPOConfig:
 
 def check_model_dir(model_dir, tensor_parallel: int = 1) -> None:
     """Refuse what colo cannot train before any engine starts (the CLI and the scheduler both ask):
-    no Hugging Face model there (FileNotFoundError), an unreadable config.json (ValueError), an
-    architecture colo cannot share with vLLM or a model `tensor_parallel` ranks cannot split
-    (NotImplementedError / ValueError, naming it)."""
-    import json
+    no Hugging Face model there (FileNotFoundError), an unreadable config.json (ValueError), a model
+    that is not a decoder-only causal LM (a vision-language model, an encoder: NotImplementedError), a
+    config that contradicts itself, or a model `tensor_parallel` ranks cannot split (ValueError, naming
+    it). Whether its weights are shared or copied is decided when the engine is up, from its layout."""
     from pathlib import Path
 
-    from ..weights import check_architecture
+    from transformers import AutoConfig
 
-    config = Path(model_dir) / "config.json"
-    if not config.is_file():
+    from ..shared import check_model_config
+
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
         raise FileNotFoundError(f"no Hugging Face model at {model_dir} (config.json missing)")
     try:
-        architectures = json.loads(config.read_text()).get("architectures") or ()
-    except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"cannot read {config}: {e}") from e
-    for arch in architectures:
-        check_architecture(arch)
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    check_model_config(config)
     if tensor_parallel > 1:
-        from transformers import AutoConfig
-
         from ..tensor_parallel import check_shardable
 
-        check_shardable(AutoConfig.from_pretrained(model_dir), tensor_parallel)
+        check_shardable(config, tensor_parallel)
 

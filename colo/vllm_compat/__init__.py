@@ -17,7 +17,12 @@ compat.engine_model(llm)`):
 - engine: model access, compile mode, start-up memory, the hooks run before every request and
   engine step (the guard that refuses or wakes requests while the KV cache sleeps, the default
   adapter), teardown;
-- layout: the parameter layout (fused q/k/v and gate/up, padded vocabulary, tensor-parallel shards);
+- load_trace: vLLM's own `load_weights` run on meta stand-ins of the trainer's parameters, every write
+  recorded instead of done: where each element of each Hugging Face parameter lands;
+- layout: from that trace, where each Hugging Face parameter lives (a view of one engine tensor: fused
+  q/k/v and gate/up, MoE experts, padded vocabulary, tensor-parallel shards; or pieces to copy);
+- trainer_models: trainer models of the families vLLM serves through its Transformers backend, which
+  decorates transformers' own classes process-wide;
 - lora_slots: LoRA adapter slots (`lora_a_stacked`/`lora_b_stacked`) the trainer's adapter is a view
   of, and a one-adapter fast path for vLLM's CPU punica wrapper;
 - runner_memory: what the model runner allocates in load_model beside the weights, so in the weights
@@ -29,11 +34,13 @@ from __future__ import annotations
 
 from .version import SUPPORTED_VLLM_VERSIONS, check_version, import_vllm
 from .worker import WORKER_CLS, EnginePlacement, job_init_method, placing
-from .cpu_gemm import CpuLinear
-from .layout import EngineTensor, Piece, engine_layout, lora_base_name
+from .cpu_gemm import CpuLinear, CpuPackedExperts, cpu_linear_modules, restore_emptied_weights
+from .load_trace import Strided, checkpoint_tensors
+from .layout import EngineLayout, EngineTensor, Piece, Placement, engine_layout, lora_base_name, solve_view
+from .trainer_models import building_trainer_models, run_as_plain_modules
 from .engine import (
     FIXED_KV_MEMORY_FRACTION, STARTUP_HEADROOM_BYTES, VLLM_DEFAULT_MEMORY_FRACTION, RequestHooks, engine_dtype,
-    engine_hf_config, engine_kv_caches, engine_model, engine_placement, engine_worker, external_request_id,
+    engine_config_as_saved, engine_hf_config, engine_kv_caches, engine_model, engine_placement, engine_worker, external_request_id,
     is_compiled, keep_process_groups, kv_cache_block_count, platform_device_type, quiet_chat_warmup_without_tokenizer,
     release_engine, request_guard, request_hooks, served_dtype, startup_memory_fraction, tensor_parallel_group,
     whole_prefill_options,
@@ -47,10 +54,12 @@ from .lora_slots import (
 __all__ = [
     "SUPPORTED_VLLM_VERSIONS", "check_version", "import_vllm",
     "WORKER_CLS", "EnginePlacement", "job_init_method", "placing",
-    "CpuLinear",
-    "EngineTensor", "Piece", "engine_layout", "lora_base_name",
+    "CpuLinear", "CpuPackedExperts", "cpu_linear_modules", "restore_emptied_weights",
+    "Strided", "checkpoint_tensors",
+    "EngineLayout", "EngineTensor", "Piece", "Placement", "engine_layout", "lora_base_name", "solve_view",
+    "building_trainer_models", "run_as_plain_modules",
     "FIXED_KV_MEMORY_FRACTION", "STARTUP_HEADROOM_BYTES", "VLLM_DEFAULT_MEMORY_FRACTION", "RequestHooks",
-    "engine_dtype", "engine_hf_config", "engine_kv_caches", "engine_model", "engine_placement", "engine_worker",
+    "engine_config_as_saved", "engine_dtype", "engine_hf_config", "engine_kv_caches", "engine_model", "engine_placement", "engine_worker",
     "external_request_id", "is_compiled", "keep_process_groups", "kv_cache_block_count", "platform_device_type",
     "quiet_chat_warmup_without_tokenizer", "release_engine", "request_guard", "request_hooks", "served_dtype",
     "startup_memory_fraction", "tensor_parallel_group", "whole_prefill_options",

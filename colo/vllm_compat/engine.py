@@ -58,8 +58,19 @@ def tensor_parallel_group(llm) -> tuple[object, int, int]:
 
 
 def engine_hf_config(llm):
-    """The transformers config the engine was built from."""
+    """The transformers config the engine was built from, as vLLM holds it (vLLM edits some fields:
+    a `sliding_window` of 0 becomes None, ...)."""
     return llm.llm_engine.model_config.hf_config
+
+
+def engine_config_as_saved(llm):
+    """The engine's model config as its directory has it, before vLLM's edits: what a trainer's
+    transformers model is built from (transformers reads those fields its own way)."""
+    from transformers import AutoConfig
+
+    model_config = llm.llm_engine.model_config
+    return AutoConfig.from_pretrained(model_config.model, revision=model_config.revision,
+                                      trust_remote_code=model_config.trust_remote_code)
 
 
 def engine_placement(llm) -> EnginePlacement | None:

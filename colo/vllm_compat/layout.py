@@ -1,68 +1,204 @@
-"""The parameter layout: which Hugging Face parameters fill each engine tensor (fused q/k/v and
-gate/up, padded vocabulary, tensor-parallel shards), read from vLLM's layer classes.
+"""The parameter layout: where each Hugging Face parameter lives among the engine's tensors, read from
+vLLM's own loader (colo.vllm_compat.load_trace), for any model family vLLM and transformers both have.
+
+    layout = engine_layout(engine_model, hf_model)
+    layout.placements["model.layers.0.self_attn.k_proj.weight"].view   # (engine tensor, Strided) or None
+
+A parameter whose elements vLLM's loader copies into one engine tensor in a layout a strided view can
+express (a row range of a fused `qkv_proj`, a MoE layer's `gate_up_proj` [E, 2I, H] as all of
+`w13_weight`, this rank's shard of a tensor-parallel layer) is that view: the trainer's parameter can be
+the engine's tensor. Anything else (a gap the CPU MoE kernel pads between gate and up rows, values the
+loader computes) still has `pieces`, each a plain strided copy, or is loaded through vLLM's
+`load_weights` (`through_loader`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
+from .load_trace import Strided, Write, contiguous_strides, trace_load
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements `part` of a Hugging Face parameter, at elements `view` of engine tensor `engine`."""
+    engine: str
+    view: Strided
+    part: Strided
+
 
 @dataclass
-class Piece:
-    """One Hugging Face parameter's place in one engine tensor."""
+class Placement:
+    """Where one Hugging Face parameter lives in the engine.
+
+    view: (engine tensor name, Strided) holding all of `covered` as one view, else None;
+    covered: (dim, start, stop) when this rank holds only that narrow of the parameter, None when all;
+    through_loader: the engine's values are computed from it by vLLM's loader (not a copy)."""
     hf_name: str
-    rows: tuple[int, int]                   # rows [start, stop) of the engine tensor it fills
-    hf_shape: tuple[int, ...]               # the full shape the engine expects of the HF parameter
-    shard: tuple[int, int, int] | None = None  # (dim, start, stop) of the HF tensor on this rank; None: all
+    hf_shape: tuple[int, ...]
+    pieces: list[Piece] = field(default_factory=list)
+    view: tuple[str, Strided] | None = None
+    covered: tuple[int, int, int] | None = None
+    through_loader: bool = False
+    checkpoint_names: tuple[str, ...] = ()
 
 
 @dataclass
 class EngineTensor:
+    """One engine tensor: `param` is what a trainer's view reads (for a CPU kernel that repacks its
+    weights, the unpacked tensor colo keeps), `served` the tensor vLLM computes with."""
     name: str
-    param: torch.nn.Parameter
-    shape: tuple[int, ...]                  # its real shape
-    pieces: list[Piece]
+    param: torch.Tensor
+    served: torch.Tensor
 
     @property
     def dtype(self) -> torch.dtype:
         return self.param.dtype
 
 
-def engine_layout(model) -> tuple[list[EngineTensor], list]:
-    """The engine's parameters in order, each with the HF pieces that fill it, and the modules whose
-    CPU GEMM is dispatched through `cpu_linear`."""
-    from vllm.model_executor.layers.linear import (
-        ColumnParallelLinear, LinearBase, ReplicatedLinear, RowParallelLinear,
-    )
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+@dataclass
+class EngineLayout:
+    tensors: dict[str, EngineTensor]
+    placements: dict[str, Placement]
+    unfilled: list[str]          # engine tensors no trainer parameter fills (vLLM's own state)
 
-    packed = getattr(model, "packed_modules_mapping", {}) or {}
-    tensors, linears, seen = [], [], set()
-    for module_name, module in model.named_modules():
-        if _is_lora_wrapper(module):  # its base layer (a submodule) holds the weights
+
+def engine_layout(model, hf_model, kept: dict | None = None) -> EngineLayout:
+    """Read the layout of engine `model` (vLLM's torch module) for the Hugging Face model `hf_model` (any
+    device, meta included: only names, shapes and dtypes are read). kept: {id(served tensor): the tensor
+    colo kept unpacked} for CPU kernels that repack weights (colo.vllm_compat.cpu_gemm)."""
+    kept = kept or {}
+    tensors = {}
+    for name, param in model.named_parameters():
+        name = lora_base_name_of_param(name)
+        tensors[name] = EngineTensor(name, kept.get(id(param), param), param)
+    trace = trace_load(model, hf_model, {name: t.served for name, t in tensors.items()})
+    shapes = {name: tuple(p.shape) for name, p in hf_model.named_parameters()}
+    placements: dict[str, Placement] = {}
+
+    def placement_of(source: str) -> Placement:
+        return placements.setdefault(source, Placement(source, shapes[source]))
+
+    for write in trace.copies():
+        placement = placement_of(write.source)
+        placement.pieces.append(Piece(write.engine, write.dst, write.src))
+    # Values the loader computed (not a constant in padding): their parameter goes through the loader.
+    fills: dict[str, list[Write]] = {}
+    for write in trace.computed():
+        if trace.is_fill(write):
+            fills.setdefault(write.engine, []).append(write)
             continue
-        if hasattr(module, "cpu_linear"):
-            linears.append(module)
-        module_name = lora_base_name(module_name)
-        for attr, param in module._parameters.items():
-            if param is None or id(param) in seen:  # a tied LM head is the embedding's own parameter
-                continue
-            seen.add(id(param))
-            name = f"{module_name}.{attr}" if module_name else attr
-            if isinstance(module, LinearBase):
-                if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
-                    raise NotImplementedError(f"{name}: colo cannot share a {type(module).__name__} yet")
-                shape, pieces = _linear_pieces(module, module_name, attr, packed)
-            elif isinstance(module, VocabParallelEmbedding):
-                shape, pieces = _embedding_pieces(module, name)
-            else:  # norms and other unfused parameters: same name and shape on both sides, replicated
-                shape = tuple(param.shape)
-                pieces = [Piece(name, (0, param.shape[0]) if param.dim() else (0, 1), shape)]
-            if param.numel() and tuple(param.shape) != shape:
-                raise RuntimeError(f"colo misread the engine's layout: {name} is {tuple(param.shape)}, expected {shape}")
-            tensors.append(EngineTensor(name, param, shape, pieces))
-    return tensors, linears
+        source = trace.sources.get(write.checkpoint)
+        if source is None:
+            raise NotImplementedError(f"{write.engine}: vLLM's loader computes it from {write.checkpoint}, which colo "
+                                      "cannot follow back to one parameter of the trainer's model")
+        placement_of(source).through_loader = True
+    for checkpoint, source in trace.sources.items():
+        if source in placements:
+            placements[source].checkpoint_names += (checkpoint,)
+    for placement in placements.values():
+        if any(_overlaps(piece, fills.get(piece.engine, ())) for piece in placement.pieces):
+            placement.through_loader = True
+        if placement.through_loader:
+            continue
+        solved = solve_view(placement.pieces, placement.hf_shape)
+        if solved is not None:
+            engine, view, covered = solved
+            placement.view, placement.covered = (engine, view), covered
+    written = {w.engine for w in trace.writes}
+    unfilled = [name for name, t in tensors.items() if name not in written and t.served.numel()]
+    return EngineLayout(tensors, placements, unfilled)
+
+
+def solve_view(pieces: list[Piece], hf_shape) -> tuple[str, Strided, tuple[int, int, int] | None] | None:
+    """The one strided view of one engine tensor that the pieces of a parameter make together, with the
+    part of the parameter it covers (None: all of it, else (dim, start, stop)); None where they do not
+    make one (several engine tensors, gaps, overlaps, a layout no view expresses)."""
+    if not pieces or len({p.engine for p in pieces}) != 1:
+        return None
+    boxes = [_box(p.part, hf_shape) for p in pieces]
+    if any(b is None for b in boxes):
+        return None
+    low = [min(b[0][d] for b in boxes) for d in range(len(hf_shape))]
+    high = [max(b[0][d] + b[1][d] for b in boxes) for d in range(len(hf_shape))]
+    extent = [h - lo for h, lo in zip(high, low)]
+    if sum(math.prod(b[1]) for b in boxes) != math.prod(extent) or _any_overlap(boxes):
+        return None
+    # engine offset of element x of the covered box = base + sum_d (x_d - low_d) * stride_d, one unknown
+    # stride per parameter dimension: each piece gives its own strides and where its first element is.
+    stride: list[int | None] = [None] * len(hf_shape)
+    for piece, (start, size, dims) in zip(pieces, boxes):
+        for k, d in dims.items():
+            if stride[d] is not None and stride[d] != piece.view.stride[k]:
+                return None
+            stride[d] = piece.view.stride[k]
+    first = min(range(len(pieces)), key=lambda i: pieces[i].view.offset)
+    for d in range(len(hf_shape)):
+        if stride[d] is None:   # a dimension no piece runs along (one expert per piece): from the offsets
+            others = [(boxes[i][0][d] - boxes[first][0][d], pieces[i].view.offset - pieces[first].view.offset)
+                      for i in range(len(pieces)) if boxes[i][0][d] != boxes[first][0][d]]
+            stride[d] = others[0][1] // others[0][0] if others else contiguous_strides(extent)[d]
+    base = pieces[first].view.offset - sum((boxes[first][0][d] - low[d]) * stride[d] for d in range(len(hf_shape)))
+    for piece, (start, size, dims) in zip(pieces, boxes):
+        if piece.view.offset != base + sum((start[d] - low[d]) * stride[d] for d in range(len(hf_shape))):
+            return None
+    if base < 0:
+        return None
+    narrowed = [d for d in range(len(hf_shape)) if extent[d] != hf_shape[d]]
+    if len(narrowed) > 1:
+        return None
+    covered = (narrowed[0], low[narrowed[0]], high[narrowed[0]]) if narrowed else None
+    return pieces[0].engine, Strided(base, tuple(extent), tuple(stride)), covered
+
+
+def _box(part: Strided, shape) -> tuple[list[int], list[int], dict[int, int]] | None:
+    """A part of a contiguous tensor of `shape` as a box: (first index, sizes per dimension, {dimension of
+    the part: dimension of the tensor}), or None where the part is not a box of unit steps."""
+    strides = contiguous_strides(shape)
+    start, rest = [], part.offset
+    for s in strides:
+        start.append(rest // s)
+        rest %= s
+    size = [1] * len(shape)
+    dims = {}
+    for k, (n, s) in enumerate(zip(part.shape, part.stride)):
+        if n == 1:
+            continue
+        candidates = [d for d in range(len(shape)) if strides[d] == s and shape[d] > 1 and d not in dims.values()]
+        if not candidates:
+            return None
+        d = candidates[0]
+        dims[k] = d
+        size[d] = n
+    if any(start[d] + size[d] > shape[d] for d in range(len(shape))):
+        return None
+    return start, size, dims
+
+
+def _any_overlap(boxes) -> bool:
+    ranges = sorted((tuple(b[0]), tuple(b[0][d] + b[1][d] for d in range(len(b[0])))) for b in boxes)
+    for i, (lo_a, hi_a) in enumerate(ranges):
+        for lo_b, hi_b in ranges[i + 1:]:
+            if all(max(x, y) < min(u, v) for x, y, u, v in zip(lo_a, lo_b, hi_a, hi_b)):
+                return True
+    return False
+
+
+def _span(view: Strided) -> tuple[int, int]:
+    return view.offset, view.offset + sum((n - 1) * s for n, s in zip(view.shape, view.stride) if n) + 1
+
+
+def _overlaps(piece: Piece, writes) -> bool:
+    lo, hi = _span(piece.view)
+    return any(max(lo, a) < min(hi, b) for a, b in (_span(w.dst) for w in writes))
+
+
+def lora_base_name_of_param(name: str) -> str:
+    """An engine parameter's name without vLLM's LoRA wrapper: `...qkv_proj.base_layer.weight` ->
+    `...qkv_proj.weight`."""
+    return name.replace(".base_layer.", ".")
 
 
 def _is_lora_wrapper(module) -> bool:
@@ -76,46 +212,3 @@ def _is_lora_wrapper(module) -> bool:
 def lora_base_name(module_name: str) -> str:
     """The layer's name in the model without LoRA: `...qkv_proj.base_layer` -> `...qkv_proj`."""
     return module_name.removesuffix(".base_layer")
-
-
-def _linear_pieces(module, module_name, attr, packed):
-    """The HF parameters behind one (possibly fused, possibly sharded) linear weight or bias."""
-    from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-
-    rows_total = module.output_size_per_partition
-    cols = module.input_size_per_partition
-    shape = (rows_total, cols) if attr == "weight" else (rows_total,)
-    prefix, _, short = module_name.rpartition(".")
-    parts = packed.get(short, [short])
-    sizes = list(module.output_partition_sizes)
-    if len(parts) != len(sizes):
-        raise NotImplementedError(f"{module_name}: {len(sizes)} fused outputs but the mapping names {parts}")
-    tp_rank, tp_size = getattr(module, "tp_rank", 0), getattr(module, "tp_size", 1)
-    pieces, row = [], 0
-    for index, (part, size) in enumerate(zip(parts, sizes)):
-        hf_name = f"{prefix}.{part}.{attr}" if prefix else f"{part}.{attr}"
-        if isinstance(module, ColumnParallelLinear):
-            shards, rank = tp_size, tp_rank
-            if isinstance(module, QKVParallelLinear) and index > 0:  # k and v heads may be replicated across ranks
-                shards, rank = tp_size // module.num_kv_head_replicas, tp_rank // module.num_kv_head_replicas
-            hf_shape = (size * shards, cols) if attr == "weight" else (size * shards,)
-            shard = (0, rank * size, (rank + 1) * size) if shards > 1 else None
-        elif isinstance(module, RowParallelLinear) and attr == "weight":
-            hf_shape = (size, cols * tp_size)
-            shard = (1, tp_rank * cols, (tp_rank + 1) * cols) if tp_size > 1 else None
-        else:  # replicated linear, or the bias of a row-parallel one
-            hf_shape, shard = (size, cols) if attr == "weight" else (size,), None
-        pieces.append(Piece(hf_name, (row, row + size), hf_shape, shard))
-        row += size
-    return shape, pieces
-
-
-def _embedding_pieces(module, name):
-    idx = module.shard_indices
-    shape = (module.num_embeddings_per_partition, module.embedding_dim)
-    if idx.num_added_elements:
-        raise NotImplementedError(f"{name}: embeddings with added (LoRA) vocabulary are not supported")
-    rows = idx.num_org_elements
-    hf_shape = (module.org_vocab_size, module.embedding_dim)
-    shard = None if rows == module.org_vocab_size else (0, idx.org_vocab_start_index, idx.org_vocab_end_index)
-    return shape, [Piece(name, (0, rows), hf_shape, shard)]

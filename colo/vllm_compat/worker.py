@@ -31,14 +31,16 @@ import torch
 from ..placement import AllocateIn, adopt_into
 from ..regions import KV_CACHE, WEIGHTS, WEIGHTS_CHUNK_BYTES, region_for
 from ..sizes import round_up
-from .cpu_gemm import CpuLinear, _keep_linear_weights, _LoadMode
+from .cpu_gemm import CpuLinear, CpuPackedExperts, _keep_expert_weights, _keep_linear_weights, _LoadMode
 
 
 class EnginePlacement:
     """Where one engine's memory goes, and what colo learned while vLLM loaded it.
 
     pool: the colo.Pool; `weights` and `kv_cache` regions are created in it on first use.
-    After loading: `linears` (one CpuLinear per CPU linear layer; empty on a GPU), `adopted_bytes`
+    After loading: `linears` (one CpuLinear per CPU linear layer, one CpuPackedExperts per MoE weight the
+    CPU MoE kernel packed; empty on a GPU), `kept` ({id(served packed tensor): the weights as loaded,
+    which colo keeps for trainers to view}), `adopted_bytes`
     (parameters vLLM made outside torch's factories, copied into the region once, before any
     compilation), `placed_bytes`, and what the weights region holds, apart: `model_bytes` (the
     model's parameters and buffers) and `runtime_bytes` (everything else the model runner allocated
@@ -48,7 +50,8 @@ class EnginePlacement:
 
     def __init__(self, pool):
         self.pool = pool
-        self.linears: list[CpuLinear] = []
+        self.linears: list[CpuLinear | CpuPackedExperts] = []
+        self.kept: dict[int, torch.Tensor] = {}
         self.adopted_bytes = 0
         self.placed_bytes = 0
         self.model_bytes = 0
@@ -72,11 +75,13 @@ class EnginePlacement:
         with mode:
             yield
         model = worker.model_runner.get_model()
-        self.linears = _keep_linear_weights(model, mode)
+        experts = _keep_expert_weights(model, mode)
+        self.linears = [*_keep_linear_weights(model, mode), *experts]
+        self.kept = {id(e.packed): e.weight for e in experts}
         region = self.weights_region()
-        self.adopted_bytes = adopt_into(region, [p for p in model.parameters()])
+        self.adopted_bytes = adopt_into(region, [*model.parameters(), *(e.weight for e in experts)])
         self.placed_bytes = mode.placed_bytes
-        self.model_bytes = _bytes_inside(region, [*model.parameters(), *model.buffers()])
+        self.model_bytes = _bytes_inside(region, [*model.parameters(), *model.buffers(), *self.kept.values()])
         self.runtime_bytes = max(0, region.stats()["allocated_bytes"] - self.model_bytes)
         region.fit_budget()
         self.loaded = True
@@ -135,6 +140,11 @@ class _ColoWorkerMixin:
         super().__init__(*args, **kwargs)
         self.distributed_init_method = job_init_method(self.distributed_init_method)
 
+    def init_device(self, *args, **kwargs):
+        result = super().init_device(*args, **kwargs)
+        ensure_expert_group(self.vllm_config)
+        return result
+
     def execute_model(self, *args, **kwargs):
         with self.colo_placement.pool.stream("infer").as_current():
             return super().execute_model(*args, **kwargs)
@@ -162,6 +172,30 @@ class _ColoWorkerMixin:
         if tag == "kv_cache":
             return self.colo_placement.allocating_kv_cache()
         return super()._maybe_get_memory_pool_context(tag)
+
+
+def ensure_expert_group(vllm_config) -> None:
+    """vLLM makes its process-wide expert-parallel group only when the first engine of the process serves
+    a MoE model; a MoE engine built after a dense one in the same process (a test run, a notebook, a
+    bench comparing families) then fails in its MoE layers ("expert parallel group is not initialized").
+    Make the group as vLLM's initialize_model_parallel makes it (external DP x DP x PP x PCP x TP ranks, the
+    expert group across DP x PCP x TP), on every rank (it is a collective)."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state._EP is not None or not vllm_config.model_config.is_moe:
+        return
+    parallel = vllm_config.parallel_config
+    if parallel.enable_elastic_ep or parallel.enable_eplb:
+        raise NotImplementedError("a MoE engine with elastic expert parallelism or EPLB after a dense engine in "
+                                  "the same process: build it in a process of its own")
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    pcp, dp = parallel.prefill_context_parallel_size, parallel.data_parallel_size
+    all_ranks = torch.arange(torch.distributed.get_world_size()).reshape(-1, dp, pp, pcp, tp)
+    ranks = [r.tolist() for r in all_ranks.transpose(1, 2).reshape(-1, dp * pcp * tp).unbind(0)]
+    world = parallel_state.get_world_group()
+    parallel_state._EP = parallel_state.init_model_parallel_group(
+        ranks, world.local_rank, torch.distributed.get_backend(world.device_group), group_name="ep",
+        use_all2all=parallel.use_all2all)
 
 
 def pin_main_stream(runner, pool) -> None:

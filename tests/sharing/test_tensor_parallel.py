@@ -90,10 +90,7 @@ tp.publish()
 with torch.no_grad():
     reloaded = tp.token_logprobs(ids)[0].double()
 served_reloaded = served()
-pieces = {}
-for layout in colo.vllm_compat.engine_layout(colo.vllm_compat.engine_model(llm))[0]:
-    for piece in layout.pieces:
-        pieces[piece.hf_name] = piece.shard
+pieces = {name: (placed.dim, *placed.ranges[tp.rank]) if placed.ranges else None for name, placed in tp.layout.items()}
 torch.save({"shards": {names[id(p)]: (pieces[names[id(p)]], v.detach().float().clone()) for p, v in zip(params, values)}},
            f"{out}/rank{dist.get_rank()}.pt")
 open(f"{out}/rank{dist.get_rank()}.json", "w").write(json.dumps({

@@ -142,7 +142,9 @@ weight_bytes = colo.engine.weights_region(llm).stats()["allocated_bytes"]
 gc.collect()
 before = rss()
 if how == "shared_model":
-    model = colo.shared_model(llm).hf_model
+    # No log-probability check here: its generation is the engine's first, and vLLM's runtime buffers
+    # (about 43 MB here) would be counted as the trainer's.
+    model = colo.shared_model(llm, check_logprobs=False).hf_model
 else:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -220,17 +222,15 @@ def test_publish_refuses_parameters_moved_after_sharing(tiny_model_dir, tiny_eng
 # A model that does not fit the engine (a tied fp32 Qwen2 with vocab 1000), and the parameter named.
 BAD_MODELS = {
     "wider-mlp": (lambda: tiny_hf_model("qwen2", intermediate_size=384), ValueError,
-                  "model.layers.0.mlp.gate_proj.weight"),
-    "fewer-layers": (lambda: tiny_hf_model("qwen2", num_hidden_layers=1), ValueError,
-                     "model.layers.1.self_attn.q_proj.weight"),
-    "more-layers": (lambda: tiny_hf_model("qwen2", num_hidden_layers=3), ValueError,
-                    "model.layers.2.self_attn.q_proj.weight"),
+                  r"model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight"),
+    "fewer-layers": (lambda: tiny_hf_model("qwen2", num_hidden_layers=1), ValueError, r"model\.layers\.1\."),
+    "more-layers": (lambda: tiny_hf_model("qwen2", num_hidden_layers=3), ValueError, r"model\.layers\.2\."),
     "other-vocab-same-padding": (lambda: tiny_hf_model("qwen2", vocab_size=1010), ValueError,
-                                 "model.embed_tokens.weight"),
-    "untied": (lambda: tiny_hf_model("qwen2", tie_word_embeddings=False), ValueError, "lm_head.weight"),
-    "llama-has-no-qkv-bias": (lambda: tiny_hf_model("llama"), ValueError, "model.layers.0.self_attn.q_proj.bias"),
-    "other-norm-eps": (lambda: tiny_hf_model("qwen2", rms_norm_eps=1e-3), ValueError, "config.rms_norm_eps"),
-    "unsupported-architecture": (lambda: _tiny_gpt2(), NotImplementedError, "GPT2LMHeadModel"),
+                                 r"model\.embed_tokens\.weight"),
+    "untied": (lambda: tiny_hf_model("qwen2", tie_word_embeddings=False), ValueError, r"lm_head\.weight"),
+    "other-family": (lambda: tiny_hf_model("llama"), ValueError, "model type: the Hugging Face model is a llama"),
+    "other-norm-eps": (lambda: tiny_hf_model("qwen2", rms_norm_eps=1e-3), ValueError, r"config\.rms_norm_eps"),
+    "no-such-family-in-the-engine": (lambda: _tiny_gpt2(), ValueError, "is a gpt2"),
     "not-a-model": (lambda: {"model.embed_tokens.weight": torch.zeros(1000, 128)}, TypeError, "dict"),
 }
 
@@ -255,7 +255,7 @@ def test_bad_model_is_refused_and_the_engine_keeps_serving(bad, known_engine, pr
     params_before = {name: (p, p.data_ptr(), p.shape) for name, p in model.named_parameters()}
     linears_before = {name: m.cpu_linear for name, m in model.named_modules() if hasattr(m, "cpu_linear")}
 
-    with pytest.raises(error, match=named.replace(".", r"\.")):
+    with pytest.raises(error, match=named):
         colo.share_weights(make(), known_engine)
 
     after = {name: (p, p.data_ptr(), p.shape) for name, p in model.named_parameters()}

@@ -1,0 +1,62 @@
+"""What colo.smollm2 and colo.gemma3 share: a GGUF file converted offline to a Hugging Face model
+directory (fp32 safetensors, config, tokenizer), cached in $COLO_CACHE (default ~/.cache/colo) and
+written beside the target then renamed, so concurrent first uses (pytest workers, torchrun ranks)
+never see half a model."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("COLO_CACHE") or Path.home() / ".cache" / "colo")
+
+
+def converted(target: Path) -> bool:
+    """Whether target already holds a finished conversion."""
+    return (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file()
+
+
+def gguf_field(gguf: Path, key: str):
+    """A metadata field of the GGUF file (None where absent)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf)).fields.get(key)
+    return None if field is None else field.contents()
+
+
+def convert_gguf(gguf: Path, target: Path, architecture: str, chat_template: str | None = None) -> Path:
+    """Dequantize the GGUF file to a model directory at target (left as it is where it is finished);
+    chat_template is set where the GGUF carries none."""
+    if converted(target):
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if chat_template and not tokenizer.chat_template:
+        tokenizer.chat_template = chat_template
+    # transformers drops the GGUF's add_bos_token (Gemma's is true): without it the tokenizer, and vLLM
+    # through it, would encode prompts with no BOS, which Gemma 3 answers with nonsense.
+    if gguf_field(gguf, "tokenizer.ggml.add_bos_token"):
+        tokenizer.add_bos_token = True
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are dequantized; a saved "quant_method: gguf" would make every later load look for
+    # the GGUF file again.
+    for holder in (model.config, getattr(model, "hf_quantizer", None)):
+        if holder is not None and hasattr(holder, "quantization_config"):
+            delattr(holder, "quantization_config")
+    model.hf_quantizer = None
+    model.config.architectures = [architecture]
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    staging = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if converted(target):  # another process finished first
+        shutil.rmtree(staging, ignore_errors=True)
+        return target
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(staging, target)
+    return target

@@ -1,0 +1,80 @@
+"""The check at share time: the engine and the trainer compute the same log-probabilities.
+
+The layout colo reads from vLLM's loader says where every weight is, exactly; it cannot say that vLLM
+and transformers compute the same function of them. A family where they differ (a config field one of
+them ignores, a norm or a scale implemented otherwise) would train a policy the engine does not sample
+from, so share_weights compares the two on a few tokens before the first step:
+
+    gap = mean |log p_engine(token | prefix) - log p_trainer(token | prefix)|   over PROBE_TOKENS tokens
+
+and refuses a gap beyond what the dtype's rounding makes. Seen on tiny random models of 15 families
+(tests/sharing/test_families.py): about 5e-7 in float32, 1e-2 in bfloat16; a difference of function is
+of the order of the logits' own spread (tenths and more).
+"""
+from __future__ import annotations
+
+import torch
+
+PROBE_TOKENS = 32
+# The largest mean gap taken for rounding, by the engine's dtype.
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
+
+
+def probe_ids(vocab_size: int, count: int = PROBE_TOKENS) -> list[int]:
+    """Token ids spread over the vocabulary (the same ones every time)."""
+    return [(i * 7919 + 13) % vocab_size for i in range(count)]
+
+
+def engine_logprobs(llm, ids: list[int]) -> torch.Tensor:
+    """log p(ids[i] | ids[:i]) for i >= 1, as the engine computes them (one prefill, no sampling)."""
+    from vllm import SamplingParams
+
+    from .engine import KV_CACHE, engine_pool, sleep_kv_cache, wake_kv_cache
+
+    pool = engine_pool(llm)   # None: an engine colo did not build (its KV cache never sleeps)
+    asleep = pool is not None and KV_CACHE in pool.regions and pool.regions[KV_CACHE].asleep
+    if asleep:
+        wake_kv_cache(llm)
+    try:
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        output = llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)[0]
+    finally:
+        if asleep:
+            sleep_kv_cache(llm)
+    return torch.tensor([entry[token].logprob for token, entry in zip(ids[1:], output.prompt_logprobs[1:])],
+                        dtype=torch.float64)
+
+
+def trainer_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
+    device = next(hf_model.parameters()).device
+    tokens = torch.tensor([ids], device=device)
+    was_training = hf_model.training
+    hf_model.eval()
+    try:
+        with torch.no_grad():
+            logits = hf_model(input_ids=tokens).logits[0, :-1].double()
+    finally:
+        hf_model.train(was_training)
+    return torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1, device=device), tokens[0, 1:]].cpu()
+
+
+def logprob_gap(hf_model, llm, ids: list[int] | None = None) -> float:
+    """The mean absolute gap between the engine's and the trainer's log-probabilities of `ids`."""
+    ids = ids if ids is not None else probe_ids(hf_model.config.get_text_config().vocab_size)
+    return float((engine_logprobs(llm, ids) - trainer_logprobs(hf_model, ids)).abs().mean())
+
+
+def check_shared_logprobs(hf_model, llm) -> float:
+    """Raise ValueError where the engine and the trainer disagree beyond rounding; returns the gap."""
+    from . import vllm_compat as compat
+
+    dtype = compat.engine_dtype(llm)
+    gap = logprob_gap(hf_model, llm)
+    tolerance = TOLERANCE.get(dtype, 0.1)
+    if not gap <= tolerance:
+        raise ValueError(
+            f"the engine and the trainer's {type(hf_model).__name__} share every weight but compute different "
+            f"log-probabilities: mean gap {gap:.3g} over {PROBE_TOKENS - 1} tokens, beyond {tolerance:g} for "
+            f"{dtype} (vLLM and transformers implement this family differently, or a config field differs). "
+            "Training would not be on-policy; share_weights(check_logprobs=False) skips this check")
+    return gap
