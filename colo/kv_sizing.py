@@ -29,7 +29,9 @@ def parameter_bytes(hf_config, dtype: torch.dtype) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    from .vllm_compat.trainer_models import building_trainer_models
+
+    with torch.device("meta"), building_trainer_models():
         model = AutoModelForCausalLM.from_config(hf_config)
     return sum(p.numel() for p in model.parameters()) * dtype.itemsize
 

@@ -266,8 +266,10 @@ def meta_model(config, dtype: torch.dtype):
     pointed at engine tensors."""
     from transformers import AutoModelForCausalLM
 
+    from .vllm_compat.trainer_models import building_trainer_models
+
     check_model_config(config)
-    with torch.device("meta"):
+    with torch.device("meta"), building_trainer_models():
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 

@@ -261,14 +261,12 @@ def shared_tp_model(llm) -> TensorParallelModel:
     if placement is None:
         raise RuntimeError("shared_tp_model needs an engine built by colo.engine.build_llm (its weights in a pool)")
     group, rank, size = compat.tensor_parallel_group(llm)
-    with compat.building_trainer_models(llm):
-        whole = meta_model(config, compat.engine_dtype(llm))   # the whole model's names and shapes
+    whole = meta_model(config, compat.engine_dtype(llm))   # the whole model's names and shapes
     layout = compat.engine_layout(compat.engine_model(llm), whole, kept=placement.kept)
     views, vocab = _shard_views(layout)
     start, rows = vocab["model.embed_tokens.weight"]
     local = local_config(config, size, rows)
-    with compat.building_trainer_models(llm):
-        hf_model = meta_model(local, compat.engine_dtype(llm))
+    hf_model = meta_model(local, compat.engine_dtype(llm))
     counts = Collectives()
     params = _install(hf_model, views)
     embedding = VocabParallelEmbedding(params["model.embed_tokens.weight"], start, group, counts)

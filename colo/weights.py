@@ -130,8 +130,7 @@ def shared_model(llm, dtype: torch.dtype | None = None, *, bucket_bytes: int = 2
     dtype: the trainer's dtype (default: the engine's). Parameters in another dtype than the
     engine's cannot alias; they are the engine's values cast once, and publish() casts them back.
     """
-    with compat.building_trainer_models(llm):
-        hf_model = meta_model(compat.engine_config_as_saved(llm), dtype or compat.engine_dtype(llm))
+    hf_model = meta_model(compat.engine_config_as_saved(llm), dtype or compat.engine_dtype(llm))
     return share_weights(hf_model.train(), llm, bucket_bytes=bucket_bytes, check_logprobs=check_logprobs)
 
 

@@ -7,10 +7,30 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# name -> (config class, model class) in transformers
-ARCHITECTURES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
-                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+# name -> (config class, model class) in transformers: the families the tests build tiny models of,
+# dense and MoE (vLLM 0.32 serves OLMo-2 and SmolLM3 through its Transformers backend, the others with
+# its own models).
+ARCHITECTURES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"), "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+}
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 _DEFAULTS = dict(head_dim=64, tie_word_embeddings=True)
+# A small MoE layer per family: 4 experts, 2 per token, expert width 64 (vLLM's CPU MoE kernel wants
+# hidden and expert sizes divisible by 32; Mixtral's and OLMoE's experts take `intermediate_size`).
+MOE_DEFAULTS = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=128),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=64),
+}
 
 # name -> Qwen2 config fields of the model sizes the sections measure.
 QWEN2_SIZES = {
@@ -34,9 +54,28 @@ def random_model(config: dict, *, arch: str = "qwen2", dtype=None, seed: int = 0
     import transformers
 
     config_name, model_name = ARCHITECTURES[arch]
-    model_config = getattr(transformers, config_name)(**{**_DEFAULTS, **config})
+    config_class = getattr(transformers, config_name)
+    fields = {**_DEFAULTS, **MOE_DEFAULTS.get(arch, {}), **config}
+    special = _special_ids_within(config_class(), fields)
+    model_config = config_class(**fields, **special)
+    for name, value in special.items():  # some configs put their default back for None (GLM-4's eos list)
+        setattr(model_config, name, value)
     torch.manual_seed(seed)
     return getattr(transformers, model_name)._from_config(model_config, dtype=dtype or torch.float32)
+
+
+def _special_ids_within(defaults, fields: dict) -> dict:
+    """The special token ids of a family's default config that fall outside the vocabulary `fields` give
+    (those of its real vocabulary: Gemma's, OLMo's, GLM's), set to None, unless `fields` sets them."""
+    vocab = fields.get("vocab_size", defaults.vocab_size)
+    out = {}
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(defaults, name, None)
+        ids = value if isinstance(value, list) else [value]
+        if name not in fields and any(isinstance(i, int) and i >= vocab for i in ids):
+            inside = [i for i in ids if isinstance(i, int) and i < vocab]
+            out[name] = (inside if isinstance(value, list) and inside else inside[0] if inside else None)
+    return out
 
 
 def save_random_model(directory: Path, config: dict, **kwargs) -> int:

@@ -64,8 +64,9 @@ BATCH = dict(per_device_train_batch_size=8, num_generations=4, max_completion_le
 WARMUP = 2
 
 
-def build_model_dir(path: Path, config_kwargs: dict) -> int:
-    """A random bf16-ready Qwen2 and a byte-level BPE tokenizer trained on a word list; returns params."""
+def build_model_dir(path: Path, config_kwargs: dict, arch: str = "qwen2") -> int:
+    """A random bf16-ready model (a Qwen2 unless `arch` names another of colo.bench.models.ARCHITECTURES)
+    and a byte-level BPE tokenizer trained on a word list; returns params."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -77,7 +78,7 @@ def build_model_dir(path: Path, config_kwargs: dict) -> int:
                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
     return save_random_model(path, dict(vocab_size=512, max_position_embeddings=128, eos_token_id=1, pad_token_id=0,
-                                        bos_token_id=None, **config_kwargs))
+                                        bos_token_id=None, **config_kwargs), arch=arch)
 
 
 def real_model_params(model_dir: Path) -> int:

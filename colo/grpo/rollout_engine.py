@@ -177,7 +177,9 @@ class RolloutEngine:
             return shared_model(self.llm, self.dtype)
         from transformers import AutoModelForCausalLM
 
-        own = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.trainer_dtype).to(self.pool.device).train()
+        with compat.building_trainer_models():
+            own = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.trainer_dtype)
+        own = own.to(self.pool.device).train()
         return share_weights(own, self.llm, alias=False)
 
     @property

@@ -159,8 +159,7 @@ def adapter_slices(llm, slot: int, rank: int) -> list[AdapterSlice]:
         if not _is_lora_wrapper(module):
             continue
         if not isinstance(module, BaseLinearLayerWithLoRA):
-            raise NotImplementedError(f"{name}: colo trains adapters of linear layers only, not of a "
-                                      f"{type(module).__name__}")
+            continue  # an embedding's or LM head's slot (some families have one): colo leaves it at zero
         split = _tensor_parallel_split(name, module)
         prefix, _, short = name.rpartition(".")
         parts = packed.get(short, [short]) if module.n_slices > 1 else [short]

@@ -8,8 +8,9 @@ instance goes through vLLM's compile wrapper, which reads `do_not_compile` from 
 trainer's model of the same family is built (colo.shared_model) or was built before the engine (TRL's
 model, colo.share_weights) from that class, and must run as plain transformers code:
 
-- `building_trainer_models(llm)`: build them under a copy of the engine's config whose compilation is
-  off, so the decorator's __init__ marks them `do_not_compile`;
+- `building_trainer_models()`: build them under a copy of the engine's config whose compilation is
+  off (colo's worker remembers the last engine's), so the decorator's __init__ marks them
+  `do_not_compile`;
 - `run_as_plain_modules(model)`: an instance built before the class was decorated is marked the same
   way (it has no `do_not_compile` of its own).
 """
@@ -19,30 +20,45 @@ import contextlib
 import copy
 
 
+_plain_config = None   # the last engine's vLLM config, compilation off (remember_engine_config)
+
+
 def _is_decorated(cls) -> bool:
     from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
 
     return TorchCompileWithNoGuardsWrapper in cls.__bases__
 
 
-@contextlib.contextmanager
-def building_trainer_models(llm):
-    """Inside, transformers models of a class vLLM decorated build without compilation."""
-    from vllm.config import CompilationMode, set_current_vllm_config
+def remember_engine_config(vllm_config) -> None:
+    """Called as each engine starts (colo's worker): trainer models are built under a copy of its config
+    with compilation off, also after the engine is gone (the class stays decorated)."""
+    from vllm.config import CompilationMode
 
-    from .engine import engine_worker
-
-    engine_config = engine_worker(llm).model_runner.vllm_config
-    plain = copy.copy(engine_config)
-    plain.compilation_config = copy.copy(engine_config.compilation_config)
+    global _plain_config
+    plain = copy.copy(vllm_config)
+    plain.compilation_config = copy.copy(vllm_config.compilation_config)
     plain.compilation_config.mode = CompilationMode.NONE
-    with set_current_vllm_config(plain):
+    _plain_config = plain
+
+
+@contextlib.contextmanager
+def building_trainer_models():
+    """Inside, transformers models of a class vLLM decorated build without compilation (nothing to do
+    before colo's first engine in this process)."""
+    if _plain_config is None:
+        yield
+        return
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(_plain_config):
         yield
 
 
 def run_as_plain_modules(model) -> int:
     """Mark `model`'s submodules of a class vLLM decorated (built before it was) to run uncompiled;
     returns how many were marked."""
+    if _plain_config is None:
+        return 0
     marked = 0
     for module in model.modules():
         if _is_decorated(type(module)) and "do_not_compile" not in vars(module):

@@ -31,6 +31,7 @@ import torch
 from ..placement import AllocateIn, adopt_into
 from ..regions import KV_CACHE, WEIGHTS, WEIGHTS_CHUNK_BYTES, region_for
 from ..sizes import round_up
+from .trainer_models import remember_engine_config
 from .cpu_gemm import CpuLinear, CpuPackedExperts, _keep_expert_weights, _keep_linear_weights, _LoadMode
 
 
@@ -143,6 +144,7 @@ class _ColoWorkerMixin:
     def init_device(self, *args, **kwargs):
         result = super().init_device(*args, **kwargs)
         ensure_expert_group(self.vllm_config)
+        remember_engine_config(self.vllm_config)
         return result
 
     def execute_model(self, *args, **kwargs):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from colo.grpo import cli
+from colo.grpo import arithmetic, cli
 from colo.grpo.config import GRPOConfig
 from colo.grpo.loss import group_advantages, grpo_loss, loss_denominators
 from colo.grpo.rewards import gsm8k_reward, load_reward, math_reward, regex_reward
@@ -164,6 +164,30 @@ def test_text_prompts_and_every_file_format(tokenizer, tmp_path):
         assert task.stop_token_ids == (tokenizer.eos_token_id,)  # no chat template: EOS only
     with pytest.raises(ValueError, match="unknown format"):
         load_dataset_file(write_jsonl(tmp_path / "d.txt", rows))
+
+
+def test_arithmetic_few_shot_writes_text_prompts_scored_by_their_first_number(tokenizer, tmp_path, capsys):
+    arithmetic.main([str(tmp_path), "--few-shot", "3", "--train", "6", "--eval", "2"])
+    assert capsys.readouterr().out.split() == [str(tmp_path / "train.jsonl"), str(tmp_path / "eval.jsonl")]
+    rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 6
+    for row in rows:  # three solved problems, one a line, then the question; all of them right
+        *solved, question = row["prompt"].split("\n")
+        assert len(solved) == 3 and question.endswith(" =")
+        for line in [*solved, f"{question} {row['answer']}"]:
+            a, op, b, equals, result = line.split(" ")
+            assert op in "+*" and equals == "=" and 1 <= int(a) <= 20 and 1 <= int(b) <= 20, line
+            assert int(result) == (int(a) + int(b) if op == "+" else int(a) * int(b)), line
+    task = DatasetTask(tmp_path / "train.jsonl", tokenizer, "colo.grpo.arithmetic:first_number")
+    assert not task.conversational and tokenizer.decode(task.prompt_token_ids[0]) == rows[0]["prompt"]
+    gold = rows[0]["answer"]
+    completions = [f" {gold}\n1 + 1 = 2", f" {int(gold) + 1}\n2 * 3 = {gold}", "\n"]
+    scores = task.score(1, [0] * 3, [task.prompt_token_ids[0]] * 3,
+                        [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions])
+    assert scores.total.tolist() == [1.0, 0.0, 0.0]  # the first number counts, not the last
+    with pytest.raises(SystemExit) as refused:
+        arithmetic.main([str(tmp_path), "--few-shot", "2", "--tool-sums"])
+    assert refused.value.code == 2 and "--few-shot" in capsys.readouterr().err
 
 
 def test_rows_are_a_seeded_shuffle_per_epoch(tokenizer, tmp_path):

