@@ -141,7 +141,8 @@ class SharedAdapter(EngineViews):
             for which, param in (("A", layer.lora_a), ("B", layer.lora_b)):
                 if layer.piece is not None and layer.split == which:
                     dim, ranges, shape = layer.piece
-                    layout[f"{name}.lora_{which}"] = Placed(param, tuple(shape), dim, tuple(map(tuple, ranges)))
+                    layout[f"{name}.lora_{which}"] = Placed(param, tuple(shape), dim,
+                                                            tuple(tuple(map(tuple, segments)) for segments in ranges))
                 else:
                     layout[f"{name}.lora_{which}"] = Placed(param, tuple(param.shape))
         self.watch(layout)
@@ -350,12 +351,11 @@ def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0, tp=N
 def _rank_part(whole: torch.Tensor, piece: tuple, rank: int) -> torch.Tensor:
     """Rank `rank`'s part of a whole A or B split as `piece` (_piece's) says."""
     dim, ranges, _ = piece
-    start, stop = ranges[rank]
-    return whole.narrow(dim, start, stop - start)
+    return torch.cat([whole.narrow(dim, start, stop - start) for start, stop in ranges[rank]], dim)
 
 
 def _piece(tp, name: str, split: str, rank: int) -> tuple | None:
-    """(dim, every rank's (start, stop), whole shape) of this rank's part of a layer's A or B: the rows of
+    """(dim, every rank's (start, stop) segments, whole shape) of this rank's part of a layer's A or B: the rows of
     B / columns of A that its base weight's shard has (vLLM slices both alike); None when that is the
     whole (a KV head every rank holds)."""
     weight = tp.layout[f"{name}.weight"]

@@ -69,11 +69,13 @@ class PublishReport(Mapping):
 @dataclass(frozen=True)
 class Placed:
     """Where one whole Hugging Face tensor lives on this rank: `param` holds all of it (ranges None) or
-    the part ranges[rank] along `dim`, ranges listing every rank's (start, stop) in rank order."""
+    the part ranges[rank] along `dim`: ranges lists, in rank order, each rank's (start, stop) segments,
+    which its part holds one after another (one segment mostly; a fused MoE `gate_up_proj` holds its
+    gate rows, then its up rows)."""
     param: torch.nn.Parameter
     shape: tuple[int, ...]                       # the whole tensor's
     dim: int = 0
-    ranges: tuple[tuple[int, int], ...] | None = None
+    ranges: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
 
 class EngineViews:
@@ -254,11 +256,16 @@ def check_model_config(config) -> None:
                                   f"a language model); {WHAT_COLO_TRAINS}")
     expected = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
     for arch in architectures:
+        if arch == expected:
+            continue
         cls = getattr(transformers, arch, None)
         config_class = getattr(cls, "config_class", None)
-        if arch != expected and (config_class is None or config_class.model_type != model_type):
+        if config_class is None or config_class.model_type != model_type:
             raise ValueError(f"config.architectures names {arch}, but model_type {model_type!r} is "
                              f"{expected}: the config contradicts itself")
+        if not arch.endswith(("ForCausalLM", "LMHeadModel")):
+            raise NotImplementedError(f"{arch} is not a causal language model (an encoder, or a model with another "
+                                      f"head); {WHAT_COLO_TRAINS}")
 
 
 def meta_model(config, dtype: torch.dtype):
@@ -293,8 +300,8 @@ def rank_part(whole: torch.Tensor, placed: Placed, rank: int) -> torch.Tensor:
     """This rank's part of a whole tensor placed as `placed` says (the whole where it is not split)."""
     if placed.ranges is None:
         return whole
-    start, stop = placed.ranges[rank]
-    return whole.narrow(placed.dim, start, stop - start)
+    parts = [whole.narrow(placed.dim, start, stop - start) for start, stop in placed.ranges[rank]]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, placed.dim)
 
 
 def gather_whole(local: torch.Tensor, placed: Placed, group, first: bool) -> torch.Tensor | None:
@@ -304,7 +311,8 @@ def gather_whole(local: torch.Tensor, placed: Placed, group, first: bool) -> tor
     import torch.distributed as dist
 
     dim, ranges = placed.dim, placed.ranges
-    longest = max(end - begin for begin, end in ranges)
+    lengths = [sum(stop - start for start, stop in segments) for segments in ranges]
+    longest = max(lengths)
     padded = local
     if local.shape[dim] < longest:
         shape = list(local.shape)
@@ -316,8 +324,11 @@ def gather_whole(local: torch.Tensor, placed: Placed, group, first: bool) -> tor
     if not first:
         return None
     whole = local.new_empty(placed.shape)
-    for (begin, end), piece in zip(ranges, pieces):
-        whole.narrow(dim, begin, end - begin).copy_(piece.narrow(dim, 0, end - begin))
+    for segments, piece in zip(ranges, pieces):
+        offset = 0
+        for start, stop in segments:
+            whole.narrow(dim, start, stop - start).copy_(piece.narrow(dim, offset, stop - start))
+            offset += stop - start
     return whole
 
 

@@ -20,9 +20,13 @@ to a multiple of 64, padding at the tail), norms whole. A Hugging Face model bui
 with heads / T, KV heads / T and intermediate / T has exactly these shapes, so each of its parameters
 is a view of one engine tensor (`colo.vllm_compat.engine_layout` says which, read from vLLM's loader). Megatron's
 collectives make it compute the whole model: the attention's and the MLP's inputs pass through
-`copy_to_group` (identity forward, all-reduce of the gradient backward), the o_proj and down_proj
+`copy_to_group` (identity forward, all-reduce of the gradient backward), the o_proj's and the MLP's
 outputs through `reduce_from_group` (all-reduce forward, identity backward): 2 all-reduces per layer
-forward and 2 backward. The embedding is vocabulary-parallel (one all-reduce), and log-probabilities
+forward and 2 backward. A MoE layer is split the same way (vLLM splits every expert's width over the
+ranks, as a dense MLP's): each rank's `gate_up_proj` is its gate rows then its up rows of every expert,
+its `down_proj` the matching columns, the router whole on every rank. What every rank holds whole inside
+the split attention or MLP (the router, a shared expert's gate, Qwen3's per-head q/k norms) gets from each
+rank the part of its gradient that rank's heads or experts give, summed over the ranks. The embedding is vocabulary-parallel (one all-reduce), and log-probabilities
 are computed over the vocabulary shards (the max, the sum of exponentials and the target's logit
 all-reduced; the full logits are never gathered).
 
@@ -229,16 +233,23 @@ def local_config(config, size: int, vocab_rows: int):
     if kv_heads % size and size % kv_heads:
         raise ValueError(f"{kv_heads} KV heads neither split over nor divide {size} tensor-parallel ranks "
                          "(vLLM refuses this engine)")
-    if heads % size or config.intermediate_size % size:
-        raise ValueError(f"{heads} heads and intermediate size {config.intermediate_size} must split over "
+    uneven = [f"{name} {getattr(config, name)}" for name in _intermediate_sizes(config) if getattr(config, name) % size]
+    if heads % size or uneven:
+        raise ValueError(f"{heads} heads and {', '.join(uneven) or 'the intermediate sizes'} must split over "
                          f"{size} ranks (vLLM refuses this engine)")
     local = copy.deepcopy(config)
     local.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     # Fewer KV heads than ranks: vLLM gives each rank one, replicated on size / kv_heads ranks.
     local.num_attention_heads, local.num_key_value_heads = heads // size, max(1, kv_heads // size)
-    local.intermediate_size = config.intermediate_size // size
+    for field in _intermediate_sizes(config):  # the MLP's, and a MoE layer's experts' and shared expert's
+        setattr(local, field, getattr(config, field) // size)
     local.vocab_size, local.pad_token_id = vocab_rows, None
     return local
+
+
+def _intermediate_sizes(config) -> list[str]:
+    return [name for name, value in vars(config).items()
+            if name.endswith("intermediate_size") and isinstance(value, int) and value > 0]
 
 
 def check_shardable(config, size: int) -> None:
@@ -288,6 +299,11 @@ def shared_tp_model(llm) -> TensorParallelModel:
     kv_ids = {id(p) for p in kv_params}
     replicated = [params[name] for name in views
                   if views[name][1] is None and id(params[name]) not in kv_ids and name != "lm_head.weight"]
+    # Whole on every rank but inside the split attention or MLP (Qwen3's per-head q/k norms, a MoE router, a
+    # shared expert's gate): each rank's gradient is the part its heads or experts give, summed over the ranks.
+    inside = [params[name] for name in views if views[name][1] is None and (".mlp." in name or ".self_attn." in name)
+              and id(params[name]) not in kv_ids]
+    _sum_gradients(inside, group, counts)
     everyone = _every_ranks_shards(views, group, size)
     layout = {name: Placed(params[name], tuple(shape), shard[0] if shard else 0,
                            tuple(everyone[name]) if shard else None)
@@ -299,12 +315,12 @@ def shared_tp_model(llm) -> TensorParallelModel:
 
 
 def _every_ranks_shards(views: dict, group, size: int) -> dict:
-    """{HF name: [(start, stop) of each rank's shard]} for the sharded parameters (one small
+    """{HF name: [each rank's (start, stop) segments]} for the sharded parameters (one small
     collective at start, so gathering whole weights later needs no metadata)."""
-    mine = {name: shard[1:] for name, (_, shard, _) in views.items() if shard is not None}
+    mine = {name: shard[1] for name, (_, shard, _) in views.items() if shard is not None}
     everyone = [None] * size
     dist.all_gather_object(everyone, mine, group=group)
-    return {name: [tuple(ranks[name]) for ranks in everyone] for name in mine}
+    return {name: [tuple(tuple(segment) for segment in ranks[name]) for ranks in everyone] for name in mine}
 
 
 def _kv_replica_group(size: int, replicas: int):
@@ -332,7 +348,7 @@ def _sum_gradients(params: list, group, counts: Collectives) -> None:
 
 
 def _shard_views(layout) -> tuple[dict, dict]:
-    """{HF name: (view of the engine tensor, (dim, start, stop) or None when whole, the whole shape)} and the
+    """{HF name: (view of the engine tensor, (dim, segments) or None when whole, the whole shape)} and the
     vocabulary rows of the embedding and LM head: {HF name: (first row, rows)}."""
     if layout.unfilled:
         name = layout.unfilled[0]
@@ -349,7 +365,7 @@ def _shard_views(layout) -> tuple[dict, dict]:
         engine, strided = placement.view
         view = strided.of(layout.tensors[engine].param.detach())
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            vocab[name] = (placement.covered[1] if placement.covered else 0, view.shape[0])
+            vocab[name] = (placement.covered[1][0][0] if placement.covered else 0, view.shape[0])
         views[name] = (view, placement.covered, placement.hf_shape)
     return views, vocab
 
@@ -388,5 +404,5 @@ def _add_collectives(hf_model, group, counts: Collectives) -> None:
         layer.self_attn.register_forward_pre_hook(copy_input, with_kwargs=True)
         layer.mlp.register_forward_pre_hook(copy_input, with_kwargs=True)
         layer.self_attn.o_proj.register_forward_hook(reduce_output)
-        layer.mlp.down_proj.register_forward_hook(reduce_output)
+        layer.mlp.register_forward_hook(reduce_output)   # a dense MLP's down_proj, or a MoE layer's sum
     hf_model.lm_head.register_forward_pre_hook(copy_input, with_kwargs=True)

@@ -33,14 +33,15 @@ class Piece:
 class Placement:
     """Where one Hugging Face parameter lives in the engine.
 
-    view: (engine tensor name, Strided) holding all of `covered` as one view, else None;
-    covered: (dim, start, stop) when this rank holds only that narrow of the parameter, None when all;
+    view: (engine tensor name, Strided) holding what this rank has of it as one view, else None;
+    covered: None when the engine holds all of it, else (dim, segments): this tensor-parallel rank holds
+    the (start, stop) segments along `dim`, one after another (the view's shape is theirs);
     through_loader: the engine's values are computed from it by vLLM's loader (not a copy)."""
     hf_name: str
     hf_shape: tuple[int, ...]
     pieces: list[Piece] = field(default_factory=list)
     view: tuple[str, Strided] | None = None
-    covered: tuple[int, int, int] | None = None
+    covered: tuple[int, tuple[tuple[int, int], ...]] | None = None
     through_loader: bool = False
     checkpoint_names: tuple[str, ...] = ()
 
@@ -112,45 +113,78 @@ def engine_layout(model, hf_model, kept: dict | None = None) -> EngineLayout:
     return EngineLayout(tensors, placements, unfilled)
 
 
-def solve_view(pieces: list[Piece], hf_shape) -> tuple[str, Strided, tuple[int, int, int] | None] | None:
-    """The one strided view of one engine tensor that the pieces of a parameter make together, with the
-    part of the parameter it covers (None: all of it, else (dim, start, stop)); None where they do not
-    make one (several engine tensors, gaps, overlaps, a layout no view expresses)."""
+def solve_view(pieces: list[Piece], hf_shape) -> tuple[str, Strided, tuple | None] | None:
+    """The one strided view of one engine tensor that the pieces of a parameter make together, and the
+    part of the parameter it holds: None (all of it), else (dim, segments): along `dim`, the (start, stop)
+    segments it holds, one after another (a tensor-parallel rank's rows of a fused MoE `gate_up_proj` are
+    its gate rows then its up rows); the view's shape is that part's. None where the pieces do not make
+    one view (several engine tensors, gaps, overlaps, a layout no view expresses)."""
     if not pieces or len({p.engine for p in pieces}) != 1:
         return None
     boxes = [_box(p.part, hf_shape) for p in pieces]
     if any(b is None for b in boxes):
         return None
-    low = [min(b[0][d] for b in boxes) for d in range(len(hf_shape))]
-    high = [max(b[0][d] + b[1][d] for b in boxes) for d in range(len(hf_shape))]
-    extent = [h - lo for h, lo in zip(high, low)]
-    if sum(math.prod(b[1]) for b in boxes) != math.prod(extent) or _any_overlap(boxes):
+    rank = len(hf_shape)
+    covered = [_merged([(b[0][d], b[0][d] + b[1][d]) for b in boxes]) for d in range(rank)]
+    sizes = [sum(stop - start for start, stop in segments) for segments in covered]
+    if sum(math.prod(b[1]) for b in boxes) != math.prod(sizes) or _any_overlap(boxes):
+        return None   # the pieces do not tile the product of what they cover
+    partial = [d for d in range(rank) if covered[d] != [(0, hf_shape[d])]]
+    if len(partial) > 1:
         return None
-    # engine offset of element x of the covered box = base + sum_d (x_d - low_d) * stride_d, one unknown
-    # stride per parameter dimension: each piece gives its own strides and where its first element is.
-    stride: list[int | None] = [None] * len(hf_shape)
+    local_boxes = [_localized(b, covered) for b in boxes]
+    view = _one_view(pieces, local_boxes, sizes)
+    if view is None:
+        return None
+    return pieces[0].engine, view, (partial[0], tuple(covered[partial[0]])) if partial else None
+
+
+def _merged(intervals) -> list[tuple[int, int]]:
+    merged = []
+    for start, stop in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+        else:
+            merged.append((start, stop))
+    return merged
+
+
+def _localized(box, covered):
+    """A box of the parameter in the coordinates of the part held (segments put one after another)."""
+    start, size, dims = box
+    local = []
+    for d, x in enumerate(start):
+        offset = 0
+        for seg_start, seg_stop in covered[d]:
+            if seg_start <= x < seg_stop:
+                local.append(offset + x - seg_start)
+                break
+            offset += seg_stop - seg_start
+    return local, size, dims
+
+
+def _one_view(pieces: list[Piece], boxes, shape) -> Strided | None:
+    """The strided view of the engine tensor whose elements are the pieces laid out as `boxes` in a
+    tensor of `shape`, or None. Engine offset of element x: base + sum_d x_d * stride_d, one unknown
+    stride per dimension: each piece gives its own strides and where its first element is."""
+    rank = len(shape)
+    stride: list[int | None] = [None] * rank
     for piece, (start, size, dims) in zip(pieces, boxes):
         for k, d in dims.items():
             if stride[d] is not None and stride[d] != piece.view.stride[k]:
                 return None
             stride[d] = piece.view.stride[k]
     first = min(range(len(pieces)), key=lambda i: pieces[i].view.offset)
-    for d in range(len(hf_shape)):
+    for d in range(rank):
         if stride[d] is None:   # a dimension no piece runs along (one expert per piece): from the offsets
             others = [(boxes[i][0][d] - boxes[first][0][d], pieces[i].view.offset - pieces[first].view.offset)
                       for i in range(len(pieces)) if boxes[i][0][d] != boxes[first][0][d]]
-            stride[d] = others[0][1] // others[0][0] if others else contiguous_strides(extent)[d]
-    base = pieces[first].view.offset - sum((boxes[first][0][d] - low[d]) * stride[d] for d in range(len(hf_shape)))
+            stride[d] = others[0][1] // others[0][0] if others else contiguous_strides(shape)[d]
+    base = pieces[first].view.offset - sum(boxes[first][0][d] * stride[d] for d in range(rank))
     for piece, (start, size, dims) in zip(pieces, boxes):
-        if piece.view.offset != base + sum((start[d] - low[d]) * stride[d] for d in range(len(hf_shape))):
+        if piece.view.offset != base + sum(start[d] * stride[d] for d in range(rank)):
             return None
-    if base < 0:
-        return None
-    narrowed = [d for d in range(len(hf_shape)) if extent[d] != hf_shape[d]]
-    if len(narrowed) > 1:
-        return None
-    covered = (narrowed[0], low[narrowed[0]], high[narrowed[0]]) if narrowed else None
-    return pieces[0].engine, Strided(base, tuple(extent), tuple(stride)), covered
+    return Strided(base, tuple(shape), tuple(stride)) if base >= 0 else None
 
 
 def _box(part: Strided, shape) -> tuple[list[int], list[int], dict[int, int]] | None:

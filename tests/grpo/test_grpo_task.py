@@ -299,10 +299,17 @@ def test_cli_bad_arguments_fail_fast_with_a_message(tmp_path, capsys):
     assert "no such directory" in _cli_error(capsys, ["--steps", "3", "--model", str(tmp_path / "missing"), *base])
     (tmp_path / "empty").mkdir()
     assert "no config.json" in _cli_error(capsys, ["--steps", "3", "--model", str(tmp_path / "empty"), *base])
-    (tmp_path / "gpt2").mkdir()
-    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    assert "does not support the architecture GPT2LMHeadModel" in _cli_error(
-        capsys, ["--steps", "3", "--model", str(tmp_path / "gpt2"), *base])
+    # What colo does not train, refused before any engine: an encoder, a vision-language checkpoint, a
+    # config that contradicts itself.
+    for name, config, said in [
+            ("encoder", {"model_type": "bert", "architectures": ["BertForMaskedLM"]}, "not a causal language model"),
+            ("vlm", {"model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"]},
+             "vision-language"),
+            ("contradiction", {"model_type": "qwen2", "architectures": ["LlamaForCausalLM"]}, "contradicts itself")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        error = _cli_error(capsys, ["--steps", "3", "--model", str(tmp_path / name), *base])
+        assert said in error, error
     assert "run.json" in _cli_error(capsys, ["--steps", "3", "--resume", *base])
     out = tmp_path / "out"
     out.mkdir()
@@ -313,15 +320,16 @@ def test_cli_bad_arguments_fail_fast_with_a_message(tmp_path, capsys):
     assert "already holds checkpoints" in _cli_error(capsys, ["--steps", "3", *base])
 
 
-def test_scheduler_refuses_an_unsupported_architecture_before_starting_an_engine(tmp_path, monkeypatch):
-    from transformers import GPT2Config, GPT2LMHeadModel
+def test_scheduler_refuses_an_encoder_before_starting_an_engine(tmp_path, monkeypatch):
+    from transformers import BertConfig, BertForMaskedLM
 
     from colo.grpo import scheduler as scheduler_module
 
-    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64)).save_pretrained(tmp_path)
+    BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=64)).save_pretrained(tmp_path)
     started = []
     monkeypatch.setattr(scheduler_module, "RolloutEngine", lambda *a, **k: started.append(1))
-    with pytest.raises(NotImplementedError, match="GPT2LMHeadModel"):
+    with pytest.raises(NotImplementedError, match="BertForMaskedLM is not a causal language model"):
         scheduler_module.GRPOScheduler(tmp_path, lambda p, c: [0.0] * len(c), lambda step, n: [[1, 2]] * n)
     assert not started
 
