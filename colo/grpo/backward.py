@@ -3,8 +3,11 @@ batch, or one prompt's group), in micro-batches whose gradients add up to the gr
 whole batch's loss."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from ..moe_routing import replay_of
 from .batch import PackedBatch, Rollout, completion_logprobs, pack
 from .config import GRPOConfig
 from .loss import grpo_loss, importance_weights, loss_denominators
@@ -25,30 +28,33 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
     """
     micro = config.micro_batch_size or len(batch)
     local_tokens = max(float(batch.completion_mask.sum()), 1.0)
+    replay = replay_of(model) if batch.routes is not None else None
+    routing = (replay.forcing if config.routing_replay else replay.measuring) if replay is not None else None
     loss = clip = kl = mismatch = 0.0
     gap_sum = gap_count = 0.0
     sampling = []  # importance sampling's statistics of each micro-batch, with its loss tokens
     per_row = isinstance(num_tokens, torch.Tensor) and num_tokens.dim() == 1
     for start in range(0, len(batch), micro):
         part = batch.rows(start, start + micro)
-        logprobs = completion_logprobs(model, part, config.temperature)
-        ref = None
-        if reference is not None:
-            with torch.no_grad():
-                ref = completion_logprobs(reference, part, config.temperature)
-        weights = None
-        if config.importance_sampling != "off" and engine_logprobs is not None:
-            sampled = padded(engine_logprobs[start:start + micro], logprobs.shape, logprobs.device)
-            weights, is_stats = importance_weights(logprobs, sampled, part.completion_mask, config.importance_sampling,
-                                                   config.importance_sampling_min, config.importance_sampling_max)
-            sampling.append((is_stats, float(part.completion_mask.sum())))
-        parts = grpo_loss(logprobs, logprobs.detach(), advantages[start:start + micro], part.completion_mask,
-                          epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high, beta=config.beta,
-                          ref_logprobs=ref, weights=weights,
-                          num_tokens=num_tokens[start:start + micro].to(logprobs.device) if per_row else num_tokens)
-        if after_forward is not None:
-            after_forward()  # activations are alive now: the moment to sample memory
-        parts.loss.backward()
+        with routing(part.routes) if routing is not None else contextlib.nullcontext():
+            logprobs = completion_logprobs(model, part, config.temperature)
+            ref = None
+            if reference is not None:
+                with torch.no_grad():
+                    ref = completion_logprobs(reference, part, config.temperature)
+            weights = None
+            if config.importance_sampling != "off" and engine_logprobs is not None:
+                sampled = padded(engine_logprobs[start:start + micro], logprobs.shape, logprobs.device)
+                weights, is_stats = importance_weights(logprobs, sampled, part.completion_mask, config.importance_sampling,
+                                                       config.importance_sampling_min, config.importance_sampling_max)
+                sampling.append((is_stats, float(part.completion_mask.sum())))
+            parts = grpo_loss(logprobs, logprobs.detach(), advantages[start:start + micro], part.completion_mask,
+                              epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high, beta=config.beta,
+                              ref_logprobs=ref, weights=weights,
+                              num_tokens=num_tokens[start:start + micro].to(logprobs.device) if per_row else num_tokens)
+            if after_forward is not None:
+                after_forward()  # activations are alive now: the moment to sample memory
+            parts.loss.backward()
         weight = float(part.completion_mask.sum()) / local_tokens
         loss += parts.loss.item()
         clip += parts.clip_fraction * weight
@@ -58,6 +64,8 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
                                                   engine_logprobs[start:start + micro])
             mismatch, gap_sum, gap_count = max(mismatch, worst), gap_sum + total, gap_count + count
     stats = {"loss": loss, "clip_fraction": clip, "kl": kl}
+    if replay is not None:
+        stats.update(replay.stats())
     if engine_logprobs is not None:
         stats["engine_logprob_max_abs_diff"] = mismatch
         stats["engine_logprob_abs_diff_sum"], stats["engine_logprob_tokens"] = gap_sum, gap_count
@@ -124,7 +132,7 @@ def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: 
     for rows in length_buckets([len(p) for p in rollout.prompts], [len(c) for c in rollout.completions],
                                config.micro_batch_size):
         part = rollout.select(rows)
-        batch = pack(part.prompts, part.completions, loss_masks=part.loss_masks)
+        batch = pack(part.prompts, part.completions, loss_masks=part.loss_masks, routes=part.routes)
         if config.mask_truncated:  # the tokens stay in the sequence; they only stop counting in the loss
             batch.completion_mask[torch.tensor(part.truncated, dtype=torch.bool)] = 0
         batch = batch.to(device)
@@ -190,6 +198,11 @@ def merge_stats(results: list[dict]) -> dict:
         merged["engine_logprob_max_abs_diff"] = max(r["engine_logprob_max_abs_diff"] for r in results)
         for key in ("engine_logprob_abs_diff_sum", "engine_logprob_tokens"):
             merged[key] = sum(r[key] for r in results)
+    routed = [r for r in results if "router_compared" in r]
+    if routed:  # the share of (token, MoE layer) pairs whose experts differed between engine and trainer
+        merged["router_compared"] = sum(r["router_compared"] for r in routed)
+        merged["router_mismatch"] = (sum(r["router_mismatch"] * r["router_compared"] for r in routed)
+                                     / max(merged["router_compared"], 1))
     sampled = [r for r in results if "sampling/tokens" in r]
     if sampled:
         merged.update(merge_sampling([({k: v for k, v in r.items() if k.startswith("sampling/") and k != "sampling/tokens"},

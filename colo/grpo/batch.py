@@ -24,6 +24,7 @@ class PackedBatch:
     completion_mask: torch.Tensor  # (B, C), 1 for the completion tokens the loss counts
     prompt_len: int                # P
     model_tokens: torch.Tensor | None = None  # (B, C), 1 for the tokens the engine sampled (default: completion_mask)
+    routes: torch.Tensor | None = None        # (B, P + C, MoE layers, top_k): the engine's experts, -1 where none
 
     def __post_init__(self):
         if self.model_tokens is None:
@@ -35,19 +36,23 @@ class PackedBatch:
     def rows(self, start: int, stop: int) -> "PackedBatch":
         return PackedBatch(self.input_ids[start:stop], self.attention_mask[start:stop],
                            self.position_ids[start:stop], self.completion_ids[start:stop],
-                           self.completion_mask[start:stop], self.prompt_len, self.model_tokens[start:stop])
+                           self.completion_mask[start:stop], self.prompt_len, self.model_tokens[start:stop],
+                           None if self.routes is None else self.routes[start:stop])
 
     def to(self, device) -> "PackedBatch":
         return PackedBatch(self.input_ids.to(device), self.attention_mask.to(device),
                            self.position_ids.to(device), self.completion_ids.to(device),
-                           self.completion_mask.to(device), self.prompt_len, self.model_tokens.to(device))
+                           self.completion_mask.to(device), self.prompt_len, self.model_tokens.to(device),
+                           None if self.routes is None else self.routes.to(device))
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0,
-         loss_masks: list | None = None) -> PackedBatch:
+         loss_masks: list | None = None, routes: list | None = None) -> PackedBatch:
     """One row per (prompt, completion) pair; the two lists have equal length. loss_masks: per completion,
     1 for each token the model sampled and 0 for the tools' (agentic rollouts): those stay in the
-    sequence, as context, and out of the loss (None: every completion token counts)."""
+    sequence, as context, and out of the loss (None: every completion token counts). routes: per
+    completion, a MoE engine's experts of its positions from the prompt's first token on
+    ([positions, MoE layers, top_k]), or None."""
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     if not prompts:
@@ -73,7 +78,22 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0
                 raise ValueError(f"completion {i}: {len(mask)} loss mask entries for {len(completions[i])} tokens")
             completion_mask[i, :len(mask)] = torch.tensor(mask, dtype=completion_mask.dtype)
     return PackedBatch(input_ids, attention_mask, position_ids, input_ids[:, prompt_len:].clone(),
-                       completion_mask, prompt_len)
+                       completion_mask, prompt_len, routes=_packed_routes(routes, prompts, input_ids.shape[1]))
+
+
+def _packed_routes(routes: list | None, prompts: list[list[int]], width: int) -> torch.Tensor | None:
+    """Each row's routes at its tokens' columns (prompts end at the same column), -1 elsewhere."""
+    if not routes or all(r is None for r in routes):
+        return None
+    shape = next(r for r in routes if r is not None).shape[1:]
+    out = torch.full((len(prompts), width, *shape), -1, dtype=torch.int16)
+    prompt_len = max(len(p) for p in prompts)
+    for i, (prompt, route) in enumerate(zip(prompts, routes)):
+        if route is not None:
+            start = prompt_len - len(prompt)
+            n = min(route.shape[0], width - start)
+            out[i, start:start + n] = route[:n]
+    return out
 
 
 def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
@@ -106,19 +126,20 @@ class Rollout:
     conversations: list | None = None
     environments: list | None = None
     extra: list | None = None        # a rollout_func's other fields, one dict per completion
+    routes: list | None = None       # a MoE engine's experts per completion (Completion.routes), else None
 
     def part(self, start: int, stop: int) -> "Rollout":
         cut = lambda values: None if values is None else values[start:stop]  # noqa: E731
         return Rollout(self.rows[start:stop], self.prompts[start:stop], self.completions[start:stop],
                        self.logprobs[start:stop], self.truncated[start:stop], cut(self.loss_masks),
-                       cut(self.conversations), cut(self.environments), cut(self.extra))
+                       cut(self.conversations), cut(self.environments), cut(self.extra), cut(self.routes))
 
     def select(self, rows: list[int]) -> "Rollout":
         """These rows (indices), in this order."""
         pick = lambda values: None if values is None else [values[i] for i in rows]  # noqa: E731
         return Rollout(pick(self.rows), pick(self.prompts), pick(self.completions), pick(self.logprobs),
                        pick(self.truncated), pick(self.loss_masks), pick(self.conversations), pick(self.environments),
-                       pick(self.extra))
+                       pick(self.extra), pick(self.routes))
 
     def model_tokens(self) -> list[int]:
         """Each completion's tokens the model sampled (the tools' not counted)."""
@@ -150,7 +171,9 @@ def rollout_of(rows, prompts, completions, n: int) -> Rollout:
                    loss_masks=[c.loss_mask for c in completions] if agentic else None,
                    conversations=[c.messages for c in completions] if agentic else None,
                    environments=[c.environment for c in completions] if agentic else None,
-                   extra=[c.extra for c in completions] if agentic else None)
+                   extra=[c.extra for c in completions] if agentic else None,
+                   routes=None if agentic or all(getattr(c, "routes", None) is None for c in completions)
+                   else [c.routes for c in completions])
 
 
 def loss_tokens(rollout: Rollout, mask_truncated: bool) -> float:

@@ -51,7 +51,8 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     chat_template="chat_template", importance_sampling="importance_sampling",
                     importance_sampling_max="importance_sampling_max",
                     importance_sampling_min="importance_sampling_min",
-                    structured_outputs_regex="structured_outputs_regex", micro_batch_size="micro_batch_size")
+                    structured_outputs_regex="structured_outputs_regex", micro_batch_size="micro_batch_size",
+                    routing_replay="routing_replay")
 
 
 def _int_at_least(minimum: int):
@@ -187,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-alpha", type=float, default=8.0, metavar="A", help="LoRA alpha (scaling A/R; default %(default)s, as PEFT)")
     p.add_argument("--lora-targets", nargs="+", metavar="NAME",
                    help="linear layers the adapter adapts (default: all of them)")
+    p.add_argument("--routing-replay", action="store_true", default=None,
+                   help="MoE models: the trainer routes each token to the experts the engine routed it to (its "
+                        "gate weights from its own router); without it the step record still says how often "
+                        "the two routings differ (router_mismatch)")
     p.add_argument("--tensor-parallel", type=_positive_int, default=None, metavar="N",
                    help="ranks per engine (under torchrun; each holds only its shards of the weights, views of its "
                         "engine's; default 1, or the resumed run's)")

@@ -83,6 +83,10 @@ class GRPOConfig:
     lora_rank: int = 0
     lora_alpha: float = 8.0            # PEFT's lora_alpha (scaling alpha / rank)
     lora_targets: tuple[str, ...] | None = None  # the linear layers adapted; None: colo.lora's default (all)
+    # Routing replay (colo.moe_routing), MoE models only: the trainer routes each token to the experts the
+    # engine routed it to when it sampled, its gate weights computed from its own router logits for
+    # them. Off, the step record still says how often the two routings differ (router_mismatch).
+    routing_replay: bool = False
     # Tensor parallelism (colo.tensor_parallel): ranks per engine; each holds only its shards, views of
     # its engine's. The torchrun world is world / tensor_parallel data-parallel groups of it.
     tensor_parallel: int = 1
@@ -261,3 +265,18 @@ def check_model_dir(model_dir, tensor_parallel: int = 1) -> None:
 
         check_shardable(config, tensor_parallel)
 
+
+
+def check_routing_replay(model_dir, agentic: bool) -> None:
+    """Refuse routing_replay before any engine starts where it has nothing to replay (a dense model) or
+    where colo does not follow the routes yet (agentic rollouts: each turn is a request of its own)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir).get_text_config()
+    experts = max(getattr(config, name, 0) or 0 for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if experts <= 0:
+        raise ValueError(f"routing_replay: {model_dir} is not a MoE model (its config names no experts); there is no "
+                         "routing to replay")
+    if agentic:
+        raise NotImplementedError("routing_replay with agentic rollouts (tools, environments, rollout_func): colo does "
+                                  "not carry the engine's routes across turns yet")

@@ -233,6 +233,10 @@ def train_stats(stats: dict, world) -> dict:
                                    world, data_parallel=True)
         record["engine_logprob_max_abs_diff"] = distributed.min_max(0.0, stats["engine_logprob_max_abs_diff"], world)[1]
         record["engine_logprob_mean_abs_diff"] = gap / max(tokens, 1.0)
+    if "router_compared" in stats:  # a MoE model: how often the trainer's experts differ from the engine's
+        tokens, differed = distributed.sum_floats([stats["router_compared"], stats["router_mismatch"] * stats["router_compared"]],
+                                                  world, data_parallel=True)
+        record["router_mismatch"], record["router_compared"] = differed / max(tokens, 1.0), int(tokens)
     if "sampling/tokens" in stats:  # importance sampling: min and max over ranks, means weighted by tokens
         tokens = stats["sampling/tokens"]
         means = [k for k in stats if k.startswith("sampling/") and k.endswith("/mean")]

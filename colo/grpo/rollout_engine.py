@@ -34,6 +34,9 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float] | None  # the engine's log-probability of each sampled token (raw logits)
     truncated: bool = False       # stopped by max_tokens rather than by EOS or a stop token
+    # A MoE engine's experts for each position the engine ran, prompt and completion but its last token:
+    # [positions, MoE layers, top_k] int16 (colo.vllm_compat.routing), else None.
+    routes: torch.Tensor | None = None
 
 
 class GenerationTrace:
@@ -205,7 +208,8 @@ class RolloutEngine:
         on_group(i, completions): called (on this thread, between engine steps) as soon as every
         completion of prompt i has finished, while the engine goes on decoding the others.
         trace: records how many sequences were running after each engine step (GenerationTrace)."""
-        ids = self.enqueue(prompts, sampling)
+        internal = self._enqueue(prompts, sampling)
+        ids = [compat.external_request_id(request_id) for request_id in internal]
         index = {request_id: i for i, request_id in enumerate(ids)}
         groups: list[list[Completion] | None] = [None] * len(prompts)
         if trace is not None:
@@ -214,7 +218,7 @@ class RolloutEngine:
             while self.unfinished():
                 for out in self.step():
                     i = index[out.request_id]
-                    groups[i] = self._completions(out, sampling[i]["n"])
+                    groups[i] = self._completions(out, sampling[i]["n"], internal[i])
                     if on_group is not None:
                         on_group(i, groups[i])
                 if trace is not None:
@@ -231,6 +235,10 @@ class RolloutEngine:
     # -- requests one at a time (colo.grpo.agent drives the engine turn by turn with these) --------
     def enqueue(self, prompts: list[list[int]], sampling: list[dict]) -> list[str]:
         """Queue one request per prompt (SamplingParams' fields in `sampling`); their ids, as step() names them."""
+        return [compat.external_request_id(request_id) for request_id in self._enqueue(prompts, sampling)]
+
+    def _enqueue(self, prompts: list[list[int]], sampling: list[dict]) -> list[str]:
+        """enqueue(), returning the engine's own ids of the requests."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -243,9 +251,8 @@ class RolloutEngine:
             params.append(SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **options))
         # LLM.generate is enqueue + a loop of engine steps (vllm/entrypoints/common/offline.py,
         # _run_engine); running that loop here sees each request the step it finishes.
-        ids = self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
-                               lora_request=self.adapter.request if self.adapter else None)
-        return [compat.external_request_id(request_id) for request_id in ids]
+        return self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                lora_request=self.adapter.request if self.adapter else None)
 
     def step(self) -> list:
         """One engine step; the requests it finished (vLLM RequestOutputs: request_id, outputs,
@@ -259,15 +266,15 @@ class RolloutEngine:
         if request_ids:
             self.llm.llm_engine.abort_request(list(request_ids))  # external ids (enqueue gives those)
 
-    @staticmethod
-    def _completions(out, n: int) -> list[Completion]:
+    def _completions(self, out, n: int, internal_id: str) -> list[Completion]:
         if len(out.outputs) != n:
             raise RuntimeError(f"engine returned {len(out.outputs)} completions for a prompt, expected {n}")
+        routes = compat.routed_experts(self.llm, out, internal_id)
         completions = []
-        for c in sorted(out.outputs, key=lambda c: c.index):
+        for c, route in zip(sorted(out.outputs, key=lambda c: c.index), routes):
             ids = list(c.token_ids)
             logprobs = [step[t].logprob for step, t in zip(c.logprobs, ids)] if c.logprobs else None
-            completions.append(Completion(ids, logprobs, truncated=c.finish_reason == "length"))
+            completions.append(Completion(ids, logprobs, truncated=c.finish_reason == "length", routes=route))
         return completions
 
     def publish(self) -> "PublishReport":

@@ -43,11 +43,13 @@ from typing import Callable
 
 import torch
 
+from .. import vllm_compat as compat
 from ..checks import check_int
 from ..clipping import clip_
 from ..errors import ModelSaveError, NonFiniteGradients, Terminated
 from ..hf_format import FINAL, check_writable, model_step_dir
 from ..hub import resolve_model
+from ..moe_routing import RouterReplay, is_moe
 from ..pool import Pool
 from ..regions import WEIGHTS
 from ..zero import ShardLayout
@@ -55,7 +57,7 @@ from . import distributed
 from .backward import backward_rollout
 from .batch import Rollout, rollout_of
 from .checkpoint import Checkpointer
-from .config import GRPOConfig, check_model_dir
+from .config import GRPOConfig, check_model_dir, check_routing_replay
 from .metrics import (ProgressBar, Residency, StepLog, Timeline, agent_stats, rank_path, reward_stats, scored_mean_std,
                       train_stats)
 from .overlap import GroupFailed, memory_refusal, serial_reason
@@ -118,6 +120,8 @@ class GRPOScheduler:
             raise ValueError("rollout_func generates the rollouts itself: give it, or tools / environment_factory")
         if rollout_func is not None and not callable(rollout_func):
             raise ValueError(f"rollout_func must be a function (prompts, context) -> dict, got {rollout_func!r}")
+        if self.config.routing_replay:
+            check_routing_replay(self.model_dir, agentic=bool(self.tools or environment_factory or rollout_func))
         if (self.tools or environment_factory is not None or rollout_func is not None) and self.config.tensor_parallel > 1:
             # The ranks of a tensor-parallel engine step together; tools returning at different moments on
             # each rank would queue different turns on them.
@@ -131,6 +135,8 @@ class GRPOScheduler:
             engine_options.setdefault("logprobs_mode", "processed_logprobs")
         if self.config.structured_outputs_regex:  # vLLM's guided decoding reads the vocabulary from the tokenizer
             engine_options["skip_tokenizer_init"] = False
+        if self.config.routing_replay:  # every position routed by the engine, and said so
+            engine_options.update(compat.engine_routing_options("cuda" if torch.cuda.is_available() else "cpu"))
         self._join_world()
         resume_state = Checkpointer.find_resume_state(self.out_dir, self.config, self.world) if resume else None
         torch.manual_seed(self.config.seed + self.world.dp_rank)  # an engine's tensor-parallel ranks alike
@@ -179,6 +185,8 @@ class GRPOScheduler:
                                     tensor_parallel=self.config.tensor_parallel, **engine_options)
         self.views = self.engine.views  # what the optimizer trains, whichever kind (colo.shared)
         self.model = self.engine.hf_model
+        if is_moe(self.model):  # the routing the engine sampled with: replayed, or compared (router_mismatch)
+            RouterReplay.attach(self.model)
         # The KL term's reference: with an adapter the shared base itself (no copy), else a frozen copy.
         self.reference = self.views.reference() if self.config.beta > 0 else None
 
@@ -285,6 +293,7 @@ class GRPOScheduler:
             "reward_s": reward_s, **reward_stats(scores, rollout, self.world),
             **(agent_stats(generated.completions, self.agent.stats, self.world) if self.agent is not None else {}),
             "train_s": train["seconds"], **train_stats(trained.stats, self.world), **trained.early,
+            **({"routing_replay": self.config.routing_replay} if "router_compared" in trained.stats else {}),
             "grad_norm": norm, "step_skipped": skipped, "skipped_steps_in_a_row": self.skipped_in_a_row,
             "optimizer_state_bytes": self.memory.optimizer_state_bytes(),
             **({"tp_all_reduces": self.views.collective_count - collectives} if self.world.tp_size > 1 else {}),

@@ -23,6 +23,8 @@ compat.engine_model(llm)`):
   q/k/v and gate/up, MoE experts, padded vocabulary, tensor-parallel shards; or pieces to copy);
 - trainer_models: trainer models of the families vLLM serves through its Transformers backend, which
   decorates transformers' own classes process-wide;
+- routing: the experts a MoE engine routed each request's tokens to (vLLM's own capture where it runs,
+  colo's worker's through the same router hook where it does not);
 - lora_slots: LoRA adapter slots (`lora_a_stacked`/`lora_b_stacked`) the trainer's adapter is a view
   of, and a one-adapter fast path for vLLM's CPU punica wrapper;
 - runner_memory: what the model runner allocates in load_model beside the weights, so in the weights
@@ -38,6 +40,7 @@ from .cpu_gemm import CpuLinear, CpuPackedExperts, cpu_linear_modules, restore_e
 from .load_trace import Strided, checkpoint_tensors
 from .layout import EngineLayout, EngineTensor, Piece, Placement, engine_layout, lora_base_name, solve_view
 from .trainer_models import building_trainer_models, run_as_plain_modules
+from .routing import engine_routing_options, routed_experts
 from .engine import (
     FIXED_KV_MEMORY_FRACTION, STARTUP_HEADROOM_BYTES, VLLM_DEFAULT_MEMORY_FRACTION, RequestHooks, engine_dtype,
     engine_config_as_saved, engine_hf_config, engine_kv_caches, engine_model, engine_placement, engine_worker, external_request_id,
@@ -57,7 +60,7 @@ __all__ = [
     "CpuLinear", "CpuPackedExperts", "cpu_linear_modules", "restore_emptied_weights",
     "Strided", "checkpoint_tensors",
     "EngineLayout", "EngineTensor", "Piece", "Placement", "engine_layout", "lora_base_name", "solve_view",
-    "building_trainer_models", "run_as_plain_modules",
+    "building_trainer_models", "run_as_plain_modules", "engine_routing_options", "routed_experts",
     "FIXED_KV_MEMORY_FRACTION", "STARTUP_HEADROOM_BYTES", "VLLM_DEFAULT_MEMORY_FRACTION", "RequestHooks",
     "engine_config_as_saved", "engine_dtype", "engine_hf_config", "engine_kv_caches", "engine_model", "engine_placement", "engine_worker",
     "external_request_id", "is_compiled", "keep_process_groups", "kv_cache_block_count", "platform_device_type",

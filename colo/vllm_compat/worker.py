@@ -31,6 +31,7 @@ import torch
 from ..placement import AllocateIn, adopt_into
 from ..regions import KV_CACHE, WEIGHTS, WEIGHTS_CHUNK_BYTES, region_for
 from ..sizes import round_up
+from .routing import install_capture
 from .trainer_models import remember_engine_config
 from .cpu_gemm import CpuLinear, CpuPackedExperts, _keep_expert_weights, _keep_linear_weights, _LoadMode
 
@@ -59,6 +60,7 @@ class EnginePlacement:
         self.runtime_bytes = 0
         self.loaded = False
         self.wake_on_demand = True  # colo.engine: work reaching a sleeping KV cache wakes it
+        self.routing = None         # a MoE model's routed experts, captured per request (.routing)
 
     def weights_region(self, nbytes: int = 0):
         # No budget yet: what the pool has left, fitted to what the model used once it is loaded; in
@@ -76,6 +78,7 @@ class EnginePlacement:
         with mode:
             yield
         model = worker.model_runner.get_model()
+        self.routing = install_capture(model, worker.vllm_config)  # before vLLM compiles the model
         experts = _keep_expert_weights(model, mode)
         self.linears = [*_keep_linear_weights(model, mode), *experts]
         self.kept = {id(e.packed): e.weight for e in experts}
@@ -147,9 +150,13 @@ class _ColoWorkerMixin:
         remember_engine_config(self.vllm_config)
         return result
 
-    def execute_model(self, *args, **kwargs):
+    def execute_model(self, scheduler_output, *args, **kwargs):
         with self.colo_placement.pool.stream("infer").as_current():
-            return super().execute_model(*args, **kwargs)
+            output = super().execute_model(scheduler_output, *args, **kwargs)
+        routing = self.colo_placement.routing
+        if routing is not None:
+            routing.record(scheduler_output, self.model_runner.input_batch.req_ids)
+        return output
 
     def sample_tokens(self, *args, **kwargs):
         with self.colo_placement.pool.stream("infer").as_current():

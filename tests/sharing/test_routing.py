@@ -1,0 +1,105 @@
+"""Routing replay: the experts a MoE engine routed each token to (colo.vllm_compat.routing, captured in
+colo's worker on a CPU), and the trainer made to route the same way (colo.moe_routing)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import colo
+from colo.bench.models import random_model
+from colo.moe_routing import RouterReplay
+from conftest import TINY_CONFIG
+
+
+def experts_used(model):
+    """Per MoE layer, the (expert indices, gate weights) its experts module was called with last."""
+    seen = {}
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            module.register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, (args[1], args[2])))
+    return seen
+
+
+@pytest.mark.slow
+def test_the_engine_returns_each_tokens_experts_and_the_trainer_replays_them(tiny_model_dir, build_engine):
+    from vllm import SamplingParams
+
+    from colo.engine import release_llm
+    from colo.vllm_compat import routed_experts
+
+    llm = build_engine(tiny_model_dir("qwen3_moe", vocab_size=1000), enable_prefix_caching=False)
+    try:
+        model = colo.shared_model(llm).hf_model
+        prompt = list(range(5, 25))
+        (request,) = llm.enqueue([{"prompt_token_ids": prompt}],
+                                 [SamplingParams(max_tokens=12, n=2, temperature=1.0, seed=1)], use_tqdm=False)
+        finished = []
+        while llm.llm_engine.get_num_unfinished_requests():
+            finished += [out for out in llm.llm_engine.step() if out.finished]
+        (output,) = finished
+        completions = sorted(output.outputs, key=lambda c: c.index)
+        routes = routed_experts(llm, output, request)
+        replay = RouterReplay.attach(model)
+        for completion, route in zip(completions, routes):
+            # Every position the engine ran: the prompt and the completion but its last token; 2 MoE layers, top 2.
+            assert route.shape == (len(prompt) + len(completion.token_ids) - 1, 2, 2) and (route >= 0).all()
+            ids = torch.tensor([prompt + list(completion.token_ids)])
+            padded = torch.full((1, ids.shape[1], 2, 2), -1, dtype=torch.int16)
+            padded[0, :route.shape[0]] = route
+            with replay.measuring(padded):
+                model(input_ids=ids)
+            # fp32: the trainer's router picks the engine's experts for every token of every layer.
+            assert replay.stats() == {"router_mismatch": 0.0, "router_compared": route.shape[0] * 2}
+    finally:
+        release_llm(llm)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_forcing_routes_through_the_given_experts_with_the_routers_own_gates(arch):
+    """Other experts than the router's own: the experts module gets exactly those, with the gate weights
+    the router's rule gives them (Qwen3-MoE: softmax then top-k; Mixtral: renormalized over the top-k),
+    and the router still gets a gradient through them."""
+    model = random_model({**TINY_CONFIG, "vocab_size": 100}, arch=arch)
+    replay = RouterReplay.attach(model)
+    used = experts_used(model)
+    ids = torch.arange(3, 19).reshape(2, 8)
+    with torch.no_grad():
+        model(input_ids=ids)
+    own = {name: indices.clone() for name, (indices, _) in used.items()}
+    forced = torch.stack([(indices + 1) % 4 for _, indices in sorted(own.items())], dim=1).view(2, 8, 2, 2)
+    forced[1, :3] = -1    # the trainer's own choice there
+    with replay.forcing(forced.to(torch.int16)):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for column, (name, (indices, weights)) in enumerate(sorted(used.items())):
+        expected = forced[:, :, column].reshape(-1, 2)
+        free = expected[:, 0] < 0
+        torch.testing.assert_close(indices[~free], expected[~free].long())
+        torch.testing.assert_close(indices[free], own[name][free])
+        sums = weights.sum(-1)
+        if arch == "mixtral":  # renormalized over the chosen experts
+            torch.testing.assert_close(sums, torch.ones_like(sums))
+        else:
+            assert (sums < 1).all()
+    assert all(layer.mlp.gate.weight.grad.abs().sum() > 0 for layer in model.model.layers)
+    assert replay.stats()["router_mismatch"] == 1.0  # every forced token differed from the router's choice
+
+
+def test_a_router_whose_weights_follow_no_known_rule_is_refused():
+    model = random_model({**TINY_CONFIG, "vocab_size": 100}, arch="qwen3_moe")
+    replay = RouterReplay.attach(model)
+    for layer in model.model.layers:   # weights that are no softmax of the logits over the chosen experts
+        layer.mlp.gate.register_forward_hook(lambda m, args, out: (out[0], out[1] * 0.5, out[2]), prepend=True)
+        break
+    ids = torch.arange(3, 11).reshape(1, 8)
+    with pytest.raises(NotImplementedError, match="layer 0: its router's weights are not a softmax"):
+        with replay.forcing(torch.zeros(1, 8, 2, 2, dtype=torch.int16)):
+            model(input_ids=ids)
+
+
+def test_routing_replay_is_refused_for_a_dense_model_before_any_engine(tiny_model_dir):
+    from colo.grpo.config import check_routing_replay
+
+    with pytest.raises(ValueError, match="is not a MoE model"):
+        check_routing_replay(tiny_model_dir("qwen2"), agentic=False)
+    with pytest.raises(NotImplementedError, match="agentic rollouts"):
+        check_routing_replay(tiny_model_dir("qwen3_moe", vocab_size=1000), agentic=True)
