@@ -352,7 +352,7 @@ def _shard_views(layout) -> tuple[dict, dict]:
     vocabulary rows of the embedding and LM head: {HF name: (first row, rows)}."""
     if layout.unfilled:
         name = layout.unfilled[0]
-        raise no_parameter_for(name, name, layout.tensors[name].param.shape)
+        raise no_parameter_for(name, name, tuple(layout.tensors[name].param.shape))
     views, vocab = {}, {}
     for name, placement in layout.placements.items():
         if name.endswith(ROW_PARALLEL_BIASES):

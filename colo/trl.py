@@ -349,6 +349,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.use_vllm = True
         args = self.args
         model = self.accelerator.unwrap_model(self.model)
+        from .shared import check_model_config
+
+        # What colo does not train is refused here, before any engine starts; whether each weight is
+        # shared or copied is read from the engine once it is up (colo.share_weights).
+        check_model_config(model.config)
         engine_dtype, fp32_masters, self.colo_engine_dtype_reason = choose_engine_dtype(
             model, args, colo_engine_dtype, self.accelerator.device)
         if self.accelerator.is_main_process:
@@ -367,6 +372,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             trust_remote_code=args.trust_remote_code, repetition_penalty=self.repetition_penalty,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             max_completion_length=self.max_completion_length, logprobs=0, generation_kwargs=args.generation_kwargs)
+        if getattr(self, "ref_model", None) is not None:  # built before the engine, as the policy was
+            from .vllm_compat import run_as_plain_modules
+
+            run_as_plain_modules(self.ref_model)
         self._last_loaded_step = -1  # as TRL: sync once per optimizer step, not per micro-batch
 
     def create_optimizer(self, model=None):

@@ -221,7 +221,9 @@ def _match(hf_model, layout: compat.EngineLayout, alias: bool, device: torch.dev
     """Every HF parameter with its placement; the first that does not fit raises ValueError naming it."""
     if layout.unfilled:
         name = layout.unfilled[0]
-        raise no_parameter_for(name, name, layout.tensors[name].param.shape)
+        raise ValueError(f"{name} {tuple(layout.tensors[name].param.shape)}: the engine holds it but vLLM's loader "
+                         "fills it from no parameter of the trainer's model (vLLM computes it after loading, as MLA "
+                         "attention does, or the models differ: layer count, tie_word_embeddings)")
     sources, seen = [], set()
     for name, param in hf_model.named_parameters():
         placement = layout.placements.get(name)

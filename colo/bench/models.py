@@ -47,6 +47,15 @@ QWEN2_SIZES = {
 }
 
 
+# name -> Qwen3-MoE config fields: the MoE size the publish section measures (0.50B parameters, 32
+# experts of width 384 per layer, 4 per token; head_dim 64).
+MOE_SIZES = {
+    "qwen3moe-0.5B": dict(hidden_size=768, intermediate_size=2048, moe_intermediate_size=384, num_experts=32,
+                          num_experts_per_tok=4, num_hidden_layers=16, num_attention_heads=12, num_key_value_heads=4,
+                          vocab_size=32000),
+}
+
+
 def random_model(config: dict, *, arch: str = "qwen2", dtype=None, seed: int = 0):
     """A `arch` causal LM with the config fields `config`, initialised from `seed`, in `dtype`
     (default float32); initialised in that dtype, so a large bf16 model never exists in fp32."""

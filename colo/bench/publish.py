@@ -2,13 +2,15 @@
 and how fast the engine generates with weights it shares.
 
 For random-weight Qwen2-shaped models of several sizes (bf16, tied embeddings; up to Qwen2-0.5B's
-shape in the full run), each saved with save_pretrained, every engine in vLLM's default mode
-(compiled; CUDA graphs on a GPU; on a CPU the GEMM kernels vLLM picks for this machine):
+shape in the full run) and, in the full run, a 0.5B Qwen3-MoE (32 experts a layer, transformers 5's
+fused `gate_up_proj` / `down_proj` experts), each saved with save_pretrained, every engine in vLLM's
+default mode (compiled; CUDA graphs on a GPU; on a CPU the GEMM kernels vLLM picks for this machine):
 
 - colo: `publish()` on an engine built by colo.engine.build_llm, whose trainer is
   `colo.shared_model(llm)`: the trainer's parameters are the engine's tensors, so nothing is
   copied; the time is stream ordering, the prefix-cache reset and, on a CPU, repacking vLLM's
-  packed kernel copies in place (`bytes_repacked`). `share_once_s`: shared_model itself, once.
+  packed kernel copies in place (`bytes_repacked`, the MoE experts' packed copies included).
+  `share_once_s`: shared_model itself, once.
 
 Baselines, measured in the same run:
 - TRL's sync (`trl_sync_weights`): `model.load_weights([(name, param)])` per trainer parameter on
@@ -40,7 +42,7 @@ from colo.sizes import rss_bytes, tensor_bytes
 
 from .baselines import UPDATABLE_VARIANT, stock_llm, stock_update_refused, trl_sync_weights, try_trl_sync
 from .measure import Stopwatch, engine_unavailable_reason, ratio, rows_per_device
-from .models import QWEN2_SIZES, random_model
+from .models import MOE_SIZES, QWEN2_SIZES, random_model
 
 SECTION = "publish"
 GOAL_RATIO = 100.0
@@ -48,7 +50,7 @@ GOAL_PARAMS = 0.45e9
 GENERATION_GOAL = 0.9
 
 QUICK_SIZES = ("qwen2-9M",)
-FULL_SIZES = ("qwen2-9M", "qwen2-45M", "qwen2-120M", "qwen2-0.5B")  # names in models.QWEN2_SIZES
+FULL_SIZES = ("qwen2-9M", "qwen2-45M", "qwen2-120M", "qwen2-0.5B", "qwen3moe-0.5B")  # models.QWEN2_SIZES, MOE_SIZES
 GEN_BATCH, GEN_PROMPT_TOKENS, GEN_NEW_TOKENS = 4, 32, 32
 ENGINE = dict(dtype="bfloat16", max_model_len=512)
 KV_BYTES = 64 << 20
@@ -92,7 +94,9 @@ class _Size:
         self.name, self.device = name, device
         self.repeats = 3 if quick else 5
         self.sync = torch.cuda.synchronize if device == "cuda" else None
-        hf = random_model({**QWEN2_SIZES[name], "max_position_embeddings": ENGINE["max_model_len"]},
+        arch, fields = ("qwen3_moe", MOE_SIZES[name]) if name in MOE_SIZES else ("qwen2", QWEN2_SIZES[name])
+        self.moe = arch == "qwen3_moe"
+        hf = random_model({**fields, "max_position_embeddings": ENGINE["max_model_len"]}, arch=arch,
                           dtype=torch.bfloat16)
         self.params = sum(p.numel() for p in hf.parameters())
         self.param_bytes = tensor_bytes(hf.parameters())
@@ -179,6 +183,9 @@ class _Size:
             row.update(baseline=f"TRL sync_weights on {UPDATABLE_VARIANT}",
                        note=f"stock vLLM cannot run this baseline here: {stock_update_refused(f['kernels'])}; "
                             f"load_weights raised {refused}. Measured instead on {UPDATABLE_VARIANT}")
+        if self.moe and self.device == "cpu":
+            row["note"] += ("; on a CPU vLLM's MoE kernel serves packed experts, which load_weights overwrites with "
+                            "unpacked ones (timed all the same: what TRL's sync costs)")
         if self.params >= GOAL_PARAMS:
             row.update(goal=f"0 bytes and >= {GOAL_RATIO:.0f}x faster at 0.5B",
                        goal_met=f["colo_bytes"] == 0 and row["ratio"] >= GOAL_RATIO)

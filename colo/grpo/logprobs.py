@@ -35,15 +35,29 @@ from .loss import token_logprobs
 # on a GPU.
 CHUNK_TOKENS = 256
 
-# Causal LMs whose logits are exactly lm_head(decoder(...).last_hidden_state): no softcapping, no
-# logit scale. Others take the straightforward way.
-PLAIN_HEAD_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
 
 def has_plain_head(model) -> bool:
-    config = getattr(model, "config", None)
-    return (isinstance(model, torch.nn.Module) and getattr(config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES
-            and isinstance(model.get_output_embeddings(), torch.nn.Linear))
+    """Whether a causal LM's logits are exactly lm_head(decoder(...).last_hidden_state) (no soft-capping
+    as Gemma 2's, no logit scale as Granite's): read off the model itself, by a two-token forward both
+    ways the first time it is asked, the answer kept on the model. Others take the straightforward way."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "get_decoder") or \
+            not isinstance(model.get_output_embeddings(), torch.nn.Linear):
+        return False
+    known = model.__dict__.get("_colo_plain_head")
+    if known is None:
+        head = model.get_output_embeddings()
+        ids = torch.tensor([[1, 2]], device=head.weight.device)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                logits = model(input_ids=ids, use_cache=False).logits
+                hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+                known = bool(torch.equal(logits, head(hidden)))
+        finally:
+            model.train(was_training)
+        model.__dict__["_colo_plain_head"] = known
+    return known
 
 
 def full_logits_logprobs(model, input_ids, attention_mask, position_ids, completion_ids,

@@ -134,9 +134,8 @@ class _TraceMode(TorchDispatchMode):
         super().__init__()
         spans = []
         for name, tensor in engine_tensors.items():
-            if tensor.numel() and not tensor.is_meta:
-                if not tensor.is_contiguous():
-                    raise RuntimeError(f"colo expects the engine's {name} to be contiguous")
+            # A strided one is a view vLLM made of another tensor after loading (MLA's W_UV): no load target.
+            if tensor.numel() and not tensor.is_meta and tensor.is_contiguous():
                 spans.append((tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes, name, tensor.element_size()))
         spans.sort()
         self._starts = [s[0] for s in spans]

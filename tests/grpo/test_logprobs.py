@@ -106,10 +106,10 @@ def test_completion_logprobs_takes_the_chunked_way_for_plain_heads_only(monkeypa
     model, batch = tiny_hf_model("llama", vocab_size=VOCAB), _batch()
     completion_logprobs(model, batch)
     assert calls == ["chunked"]
-    # A model whose logits are not lm_head(hidden) alone (here: told it is another model type).
-    monkeypatch.setattr(model.config, "model_type", "gemma2")
-    assert not has_plain_head(model)
-    completion_logprobs(model, batch)
+    # A model whose logits are not lm_head(hidden) alone: Gemma 2 soft-caps them.
+    gemma = tiny_hf_model("gemma2", vocab_size=VOCAB)
+    assert gemma.config.final_logit_softcapping and not has_plain_head(gemma)
+    completion_logprobs(gemma, batch)
     assert calls == ["chunked", "full"]
 
 
