@@ -8,11 +8,11 @@ Nothing heavy is imported here, so `python -m colo.bench --help` stays instant.
 """
 
 # In the order they run; the cheap pool sections first so their rows appear early.
-SECTIONS = ("pool_alloc", "sleep_wake", "publish", "grpo_step", "memory", "trl", "lora", "logprob_memory", "overlap",
-            "agentic")
+SECTIONS = ("pool_alloc", "sleep_wake", "publish", "moe_publish", "grpo_step", "memory", "trl", "lora", "logprob_memory",
+            "overlap", "agentic")
 # `--quick` (the README's main job: minutes on a fresh 2-core machine) leaves out what only the full run
 # needs to show; `--sections lora` (or agentic) runs it quick too.
-QUICK_SECTIONS = tuple(name for name in SECTIONS if name not in ("lora", "agentic"))
+QUICK_SECTIONS = tuple(name for name in SECTIONS if name not in ("lora", "agentic", "moe_publish"))
 # What each section measures, and about how many seconds it took on 2 CPU cores with empty compile
 # caches (quick: the slower of bench/results/cpu-quick-fresh-*.json, rounded up; full: the full runs'
 # files in bench/results), printed as it starts.
@@ -21,6 +21,8 @@ ABOUT = {
     "sleep_wake": ("Region.sleep(offload) + wake against a copy to host and back", 5, 30),
     "publish": ("publish() on a compiled engine sharing the trainer's weights against TRL's load_weights sync",
                 50, 420),
+    "moe_publish": ("publish() on a 0.5B MoE whose experts are views of the engine's against TRL's load_weights "
+                    "sync", 600, 600),
     "grpo_step": ("a colocated GRPO step against the usual way (own fp32 copy, per-parameter sync)", 40, 150),
     "memory": ("bytes per parameter resident in each phase, colo against the usual layout", 20, 130),
     "trl": ("TRL's GRPOTrainer with colo.trl against stock TRL colocate, in fresh processes", 100, 1300),

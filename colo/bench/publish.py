@@ -2,9 +2,9 @@
 and how fast the engine generates with weights it shares.
 
 For random-weight Qwen2-shaped models of several sizes (bf16, tied embeddings; up to Qwen2-0.5B's
-shape in the full run) and, in the full run, a 0.5B Qwen3-MoE (32 experts a layer, transformers 5's
-fused `gate_up_proj` / `down_proj` experts), each saved with save_pretrained, every engine in vLLM's
-default mode (compiled; CUDA graphs on a GPU; on a CPU the GEMM kernels vLLM picks for this machine):
+shape in the full run; a 0.5B Qwen3-MoE in the section moe_publish), each saved with save_pretrained,
+every engine in vLLM's default mode (compiled; CUDA graphs on a GPU; on a CPU the GEMM kernels vLLM
+picks for this machine):
 
 - colo: `publish()` on an engine built by colo.engine.build_llm, whose trainer is
   `colo.shared_model(llm)`: the trainer's parameters are the engine's tensors, so nothing is
@@ -50,7 +50,7 @@ GOAL_PARAMS = 0.45e9
 GENERATION_GOAL = 0.9
 
 QUICK_SIZES = ("qwen2-9M",)
-FULL_SIZES = ("qwen2-9M", "qwen2-45M", "qwen2-120M", "qwen2-0.5B", "qwen3moe-0.5B")  # models.QWEN2_SIZES, MOE_SIZES
+FULL_SIZES = ("qwen2-9M", "qwen2-45M", "qwen2-120M", "qwen2-0.5B")  # names in models.QWEN2_SIZES (MoE: moe_publish)
 GEN_BATCH, GEN_PROMPT_TOKENS, GEN_NEW_TOKENS = 4, 32, 32
 ENGINE = dict(dtype="bfloat16", max_model_len=512)
 KV_BYTES = 64 << 20
