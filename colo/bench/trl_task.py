@@ -1,10 +1,14 @@
-"""`python -m colo.bench.trl_task --json PATH`: colo.trl against stock TRL on the real task, phase by phase.
+"""`python -m colo.bench.trl_task --json PATH [--model smollm2|gemma3]`: colo.trl against stock TRL on a
+real task, phase by phase.
 
 The script of issue 46: SmolLM2-135M-Instruct on chat arithmetic with a TRL-signature reward, 8 prompts
 x 8 completions a step, at most 32 new tokens, lr 1e-5, `bf16=False`, one micro-batch of 64, and no
-`vllm_max_model_length` (the model's own 8192 tokens, as a user who sets nothing gets). Each side runs
-in a fresh process, in turn; the phases are colo.bench.trl.PhaseClock's (the same wrappers on both
-sides). Stock TRL runs on its F.linear variant where stock vLLM cannot take new weights
+`vllm_max_model_length` (the model's own 8192 tokens, as a user who sets nothing gets). `--model
+gemma3`: Gemma 3 270M (a base model, no chat template) on the same problems as 4-shot plain text, at
+most 8 new tokens, scored by the first number it writes (colo.grpo.arithmetic.first_number), lr 5e-6,
+`vllm_max_model_length` 256 (its own 32768 tokens of 18 layers would not fit the KV cache on 24 GiB).
+Each side runs in a fresh process, in turn; the phases are colo.bench.trl.PhaseClock's (the same
+wrappers on both sides). Stock TRL runs on its F.linear variant where stock vLLM cannot take new weights
 (colo.bench.baselines.UPDATABLE_VARIANT). A record, not a test: minutes per side.
 """
 from __future__ import annotations
@@ -19,35 +23,49 @@ import tempfile
 import time
 from pathlib import Path
 
-def run_side(side: str, out: str, steps: int) -> dict:
+def task(model: str) -> tuple:
+    """(model directory, dataset rows, reward function, TRL settings) of the task for `model`."""
+    from colo.grpo import arithmetic
+
+    if model == "gemma3":
+        from colo.gemma3 import gemma3_dir
+
+        return (gemma3_dir(), arithmetic.few_shot(256, 0, 4), arithmetic.first_number,
+                dict(max_completion_length=8, learning_rate=5e-6, vllm_max_model_length=256))
+    from colo.grpo.rewards import math_reward
+    from colo.smollm2 import smollm2_dir
+
+    return smollm2_dir(), arithmetic.problems(256, 0), math_reward, dict(max_completion_length=32, learning_rate=1e-5)
+
+
+def run_side(side: str, out: str, steps: int, model: str = "smollm2") -> dict:
     """One TRL run of `steps` steps (the first is a warm-up); median seconds per phase, and colo's syncs."""
     import trl
     from datasets import Dataset
 
-    from colo.grpo.arithmetic import problems
-    from colo.grpo.rewards import math_reward
-    from colo.smollm2 import smollm2_dir
     from colo.vllm_compat.forced_kernels import forced_cpu_gemm
 
     from .trl import PhaseClock, phase_medians
 
-    args = trl.GRPOConfig(output_dir=out, per_device_train_batch_size=64, num_generations=8, max_completion_length=32,
-                          max_steps=steps, logging_steps=1, report_to="none", learning_rate=1e-5, save_strategy="no",
-                          use_cpu=True, bf16=False, seed=0, disable_tqdm=True, use_vllm=True, vllm_mode="colocate",
-                          model_init_kwargs={"dtype": "float32"})
+    model_dir, rows, reward, settings = task(model)
+    args = trl.GRPOConfig(output_dir=out, per_device_train_batch_size=64, num_generations=8, max_steps=steps,
+                          logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0,
+                          disable_tqdm=True, use_vllm=True, vllm_mode="colocate", model_init_kwargs={"dtype": "float32"},
+                          **settings)
     if side == "colo":
         from colo.trl import GRPOTrainer
     else:
         GRPOTrainer = trl.GRPOTrainer
     with forced_cpu_gemm("plain") if side == "stock-variant" else contextlib.nullcontext():
-        trainer = GRPOTrainer(model=str(smollm2_dir()), reward_funcs=[math_reward],
-                              train_dataset=Dataset.from_list(problems(256, 0)), args=args)
+        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[reward], train_dataset=Dataset.from_list(rows),
+                              args=args)
     clock = PhaseClock(trainer, side == "colo")
     flops = _count_train_flops(trainer, clock)
     trainer.train()
     measured = clock.steps[1:]
     result = phase_medians(measured)
     result["steps_measured"] = len(measured)
+    result["reward_per_step"] = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     # The training's rate: forward and backward FLOPs of TRL's log-probability passes and loss over the
     # seconds of those phases (the optimizer step left out).
     result["train_flops_per_s"] = statistics.median(
@@ -90,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m colo.bench.trl_task", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per side, the first a warm-up (default 4)")
     parser.add_argument("--json", type=Path, required=True, help="where to write the record")
+    parser.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2",
+                        help="SmolLM2-135M-Instruct on chat arithmetic (default), or Gemma 3 270M on 4-shot arithmetic")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first is a warm-up)")
@@ -101,15 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     from .measure import gemm_peak_flops
     from .trl import in_fresh_process, kernels_of
 
-    from colo.smollm2 import smollm2_dir
-
-    kernels = in_fresh_process(kernels_of, smollm2_dir(), "float32")
+    kernels = in_fresh_process(kernels_of, task(args.model)[0], "float32")
     baseline = "stock-variant" if stock_update_refused(kernels) else "stock"
     started = time.time()
     sides = {}
     with tempfile.TemporaryDirectory(prefix="colo-trl-task-") as tmp:
         for side in ("colo", baseline):
-            sides[side] = in_fresh_process(run_side, side, f"{tmp}/{side}", args.steps)
+            sides[side] = in_fresh_process(run_side, side, f"{tmp}/{side}", args.steps, args.model)
             print(side, {k: round(v, 3) for k, v in sides[side].items()}, file=sys.stderr, flush=True)
     peak = gemm_peak_flops(torch.float32)
     for values in sides.values():
@@ -119,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "command": "python -m colo.bench.trl_task " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "cpu_kernels": kernels, "baseline": baseline, "sides": sides,
+        "machine": machine_info(), "model": args.model, "cpu_kernels": kernels, "baseline": baseline, "sides": sides,
         "train_and_sync_s": train_and_sync,
         "train_and_sync_vs_baseline": train_and_sync["colo"] / train_and_sync[baseline],
         "step_vs_baseline": colo["wall_s"] / base["wall_s"], "gemm_peak_flops_per_s": peak,

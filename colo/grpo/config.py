@@ -135,6 +135,8 @@ class GRPOConfig:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.structured_outputs_regex is not None:
+            check_regex(self.structured_outputs_regex)
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -280,3 +282,16 @@ def check_routing_replay(model_dir, agentic: bool) -> None:
     if agentic:
         raise NotImplementedError("routing_replay with agentic rollouts (tools, environments, rollout_func): colo does "
                                   "not carry the engine's routes across turns yet")
+
+
+def check_regex(regex) -> None:
+    """A guided-decoding regex that does not compile is the user's error, refused before any engine starts
+    (vLLM would refuse every request at the first generation)."""
+    import re
+
+    if not isinstance(regex, str) or not regex:
+        raise ValueError(f"structured_outputs_regex must be a non-empty string, got {regex!r}")
+    try:
+        re.compile(regex)
+    except re.error as e:
+        raise ValueError(f"structured_outputs_regex {regex!r} is not a regular expression: {e}") from None

@@ -325,7 +325,10 @@ def generate_or_rebuild(engine: RolloutEngine, attempt, *, step: int, rank: int,
         return attempt(), None
     except not_the_engines:
         raise
-    except Exception as e:  # noqa: BLE001 - any engine error gets one rebuild
+    except compat.request_errors() as e:  # the request's fault, not the engine's: no rebuild would help
+        raise ValueError(f"step {step}: vLLM refused the run's requests: {e} (check the sampling settings: "
+                         "temperature, top_p, top_k, max_new_tokens, structured_outputs_regex)") from e
+    except Exception as e:  # noqa: BLE001 - any other engine error gets one rebuild
         first = f"{type(e).__name__}: {e}"
         # Rebuild outside this handler: the traceback's frames hold the broken engine alive.
     logger.warning("rank %d step %d: engine raised %s; rebuilding it from the shared weights and retrying once",

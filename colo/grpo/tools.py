@@ -24,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import queue
 import re
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -259,15 +261,66 @@ def _error(name: str, text: str, **flags) -> ToolResult:
     return ToolResult(name, str({"error": text}), failed=True, **flags)
 
 
+class DaemonThreads:
+    """A pool of daemon threads running submitted calls. Unlike ThreadPoolExecutor's threads, which the
+    interpreter joins at exit, these are not waited for: a tool call that never returns cannot keep a
+    finished run's process alive. `abandon()` adds a thread for one stuck in a call past its deadline
+    (Python cannot stop a thread), so the pool keeps `size` threads free for new calls."""
+
+    def __init__(self, size: int, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._size, self._name, self._started = size, name, 0
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        while self._started < self._size:
+            self._start()
+        return future
+
+    def abandon(self) -> None:
+        self._size += 1
+
+    def shutdown(self) -> None:
+        """Idle threads end; queued calls are cancelled; a thread stuck in a call is left to the interpreter."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in range(self._started):
+            self._queue.put(None)
+
+    def _start(self) -> None:
+        self._started += 1
+        threading.Thread(target=self._work, name=f"{self._name}_{self._started}", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - the caller reads it from the future
+                future.set_exception(e)
+
+
 class ToolRunner:
-    """Runs tool calls off the engine's thread: sync tools on a pool of threads, async ones on an event
-    loop of their own, so no call blocks the engine's steps. Each call has a deadline (`timeout`
-    seconds, None: none): one past it gives an error result at once. Python cannot stop a thread, so a
-    sync tool that never returns keeps its thread; an async one is cancelled."""
+    """Runs tool calls off the engine's thread: sync tools on a pool of daemon threads, async ones on an
+    event loop of their own, so no call blocks the engine's steps, and none keeps the process alive once
+    the run is done. Each call has a deadline (`timeout` seconds, None: none): one past it gives an error
+    result at once. Python cannot stop a thread, so a sync tool that never returns keeps its thread (a
+    new one takes its place in the pool); an async one is cancelled."""
 
     def __init__(self, timeout: float | None = None, threads: int = 16):
         self.timeout = timeout
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="colo-tool")
+        self._pool = DaemonThreads(threads, "colo-tool")
         self._loop = None
 
     def submit(self, call: ToolCall, tools: dict) -> "PendingCall":
@@ -281,7 +334,7 @@ class ToolRunner:
         else:
             future = self._pool.submit(_run_sync, tool, call)
         deadline = started + self.timeout if self.timeout is not None else None
-        return PendingCall(call.name, future, started, deadline)
+        return PendingCall(call.name, future, started, deadline, self._pool.abandon)
 
     async def _run_async(self, tool, call: ToolCall):
         try:
@@ -296,7 +349,7 @@ class ToolRunner:
         return self._loop
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
@@ -313,11 +366,12 @@ class PendingCall:
     future: Future | None
     started: float
     deadline: float | None
+    abandoned: Callable | None = None   # called when the call is given up while its thread still runs it
     _result: ToolResult | None = None
 
     @classmethod
     def done(cls, result: ToolResult, started: float) -> "PendingCall":
-        return cls(result.name, None, started, None, result)
+        return cls(result.name, None, started, None, None, result)
 
     def ready(self, now: float) -> bool:
         return (self._result is not None or self.future.done()
@@ -327,7 +381,8 @@ class PendingCall:
         if self._result is None:
             seconds = time.perf_counter() - self.started
             if not self.future.done():
-                self.future.cancel()
+                if not self.future.cancel() and self.abandoned is not None:
+                    self.abandoned()  # its thread is stuck in the call: the pool starts another
                 self._result = _error(self.name, f"Tool {self.name} timed out after {timeout_s:g} s.", timed_out=True,
                                       seconds=seconds)
             else:

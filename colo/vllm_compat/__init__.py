@@ -42,11 +42,11 @@ from .layout import EngineLayout, EngineTensor, Piece, Placement, engine_layout,
 from .trainer_models import building_trainer_models, run_as_plain_modules
 from .routing import engine_routing_options, routed_experts
 from .engine import (
-    FIXED_KV_MEMORY_FRACTION, STARTUP_HEADROOM_BYTES, VLLM_DEFAULT_MEMORY_FRACTION, RequestHooks, engine_dtype,
-    engine_config_as_saved, engine_hf_config, engine_kv_caches, engine_model, engine_placement, engine_worker, external_request_id,
-    is_compiled, keep_process_groups, kv_cache_block_count, platform_device_type, quiet_chat_warmup_without_tokenizer,
-    release_engine, request_guard, request_hooks, served_dtype, startup_memory_fraction, tensor_parallel_group,
-    whole_prefill_options,
+    FIXED_KV_MEMORY_FRACTION, STARTUP_HEADROOM_BYTES, VLLM_DEFAULT_MEMORY_FRACTION, RequestHooks, engine_config_as_saved,
+    engine_dtype, engine_hf_config, engine_kv_caches, engine_model, engine_placement, engine_worker,
+    external_request_id, is_compiled, keep_process_groups, kv_cache_block_count, platform_device_type,
+    quiet_chat_warmup_without_tokenizer, release_engine, request_errors, request_guard, request_hooks, served_dtype,
+    startup_memory_fraction, tensor_parallel_group, whole_prefill_options,
 )
 from .runner_memory import sampler_buffer_bytes, uses_model_runner_v2
 from .lora_slots import (
@@ -65,7 +65,7 @@ __all__ = [
     "engine_config_as_saved", "engine_dtype", "engine_hf_config", "engine_kv_caches", "engine_model", "engine_placement", "engine_worker",
     "external_request_id", "is_compiled", "keep_process_groups", "kv_cache_block_count", "platform_device_type",
     "quiet_chat_warmup_without_tokenizer", "release_engine", "request_guard", "request_hooks", "served_dtype",
-    "startup_memory_fraction", "tensor_parallel_group", "whole_prefill_options",
+    "startup_memory_fraction", "request_errors", "tensor_parallel_group", "whole_prefill_options",
     "LORA_SLOT_RANKS", "AdapterSlice", "activate_adapter", "adapter_slices", "adapter_slot", "check_shareable_lora",
     "has_lora_slots", "lora_engine_options", "punica_wrappers", "serve_adapter_by_default",
     "sampler_buffer_bytes", "uses_model_runner_v2",

@@ -73,6 +73,14 @@ def engine_config_as_saved(llm):
                                       trust_remote_code=model_config.trust_remote_code)
 
 
+def request_errors() -> tuple[type, ...]:
+    """The exceptions vLLM raises for a request it refuses (the caller's fault: a grammar that does not
+    parse, a sampling setting out of range), as opposed to the engine failing."""
+    from vllm.exceptions import VLLMClientError
+
+    return (VLLMClientError,)
+
+
 def engine_placement(llm) -> EnginePlacement | None:
     """The EnginePlacement of an engine built by colo.engine.build_llm, else None."""
     try:

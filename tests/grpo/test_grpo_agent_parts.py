@@ -136,6 +136,33 @@ def test_tool_calls_run_off_thread_and_failures_become_results():
     assert results[4].timed_out and results[5].timed_out and "timed out after 0.3 s" in results[4].content
 
 
+HUNG_TOOL_SCRIPT = """
+import time
+from colo.grpo.tools import ToolCall, ToolRunner
+runner = ToolRunner(timeout=0.2, threads=2)
+hung = [runner.submit(ToolCall("sleep", {}), {"sleep": lambda: time.sleep(3600)}) for _ in range(3)]
+while not all(call.ready(time.perf_counter()) for call in hung):
+    time.sleep(0.01)
+assert all(call.result(0.2).timed_out for call in hung)
+after = runner.submit(ToolCall("add", {"a": 1, "b": 2}), {"add": lambda a, b: a + b})
+while not after.ready(time.perf_counter()):
+    time.sleep(0.01)
+print("RESULT", after.result(0.2).content, flush=True)
+"""
+
+
+def test_a_tool_that_never_returns_keeps_neither_the_pool_nor_the_process():
+    """Three calls sleeping for an hour on a pool of two threads: each times out, a new call still runs
+    (each stuck thread is replaced), and the process exits when its work is done, not in an hour."""
+    import subprocess
+    import sys
+
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", HUNG_TOOL_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "RESULT 3" in done.stdout, done.stderr[-2000:]
+    assert time.perf_counter() - started < 60
+
+
 def test_tool_tokens_stay_in_the_sequence_and_out_of_the_loss():
     batch = pack([[5, 6]], [[7, 8, 9, 10, 11]], loss_masks=[[1, 1, 0, 0, 1]])
     assert batch.input_ids[0].tolist() == [5, 6, 7, 8, 9, 10, 11] and batch.attention_mask.sum() == 7

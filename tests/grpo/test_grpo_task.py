@@ -320,6 +320,32 @@ def test_cli_bad_arguments_fail_fast_with_a_message(tmp_path, capsys):
     assert "already holds checkpoints" in _cli_error(capsys, ["--steps", "3", *base])
 
 
+def test_a_regex_that_does_not_compile_is_refused_before_any_engine(tmp_path, capsys):
+    base = ["--json", str(tmp_path / "log.jsonl"), "--out", str(tmp_path / "out")]
+    error = _cli_error(capsys, ["--steps", "3", "--structured-outputs-regex", "(unclosed[0-9", *base])
+    assert "structured_outputs_regex '(unclosed[0-9' is not a regular expression" in error
+
+
+def test_a_request_vllm_refuses_is_the_users_error_and_no_reason_to_rebuild_the_engine():
+    from vllm.exceptions import VLLMValidationError
+
+    from colo.grpo.rollout_engine import generate_or_rebuild
+
+    class Engine:
+        rebuilds = 0
+
+        def rebuild(self):
+            self.rebuilds += 1
+
+    def refused():
+        raise VLLMValidationError("Grammar error: unclosed bracket", parameter="structured_outputs")
+
+    engine = Engine()
+    with pytest.raises(ValueError, match="step 3: vLLM refused the run's requests: Grammar error"):
+        generate_or_rebuild(engine, refused, step=3, rank=0, timeline=None)
+    assert engine.rebuilds == 0
+
+
 def test_scheduler_refuses_an_encoder_before_starting_an_engine(tmp_path, monkeypatch):
     from transformers import BertConfig, BertForMaskedLM
 
