@@ -81,14 +81,15 @@ class AgentRollouts:
     parses the turns); tools: {name: function} every rollout may call; environment: a class, one
     instance per rollout (None: none); max_turns: the most rounds of tool calls in a rollout (TRL's
     max_tool_calling_iterations); tool_timeout: seconds a call may take (None: no limit);
-    max_new_tokens: every turn's tokens after the prompt together; max_model_len: the engine's."""
+    max_new_tokens: every turn's tokens after the prompt together; max_model_len: the engine's; workers:
+    the colo.grpo.tool_workers.ToolWorkers the sync tools run in (None: daemon threads)."""
 
     def __init__(self, engine, task, *, tools: dict, environment=None, max_turns: int, tool_timeout: float | None,
-                 max_new_tokens: int, max_model_len: int):
+                 max_new_tokens: int, max_model_len: int, workers=None):
         self.engine, self.task, self.tools, self.environment = engine, task, dict(tools), environment
         self.max_turns, self.max_new_tokens, self.max_model_len = max_turns, max_new_tokens, max_model_len
         self.tool_timeout = tool_timeout
-        self.runner = ToolRunner(tool_timeout)
+        self.runner = ToolRunner(tool_timeout, workers=workers)
         self._instances: list = []   # environment instances, reused across steps (reset before each rollout)
         self.stats = AgentStats()
 
@@ -255,7 +256,7 @@ class AgentRollouts:
                     on_group(i, [r.completion for r in group])
 
     def close(self) -> None:
-        self.runner.close()
+        self.runner.close()   # the tool workers are the scheduler's to close (training and evaluation share them)
 
 
 def _malformed(why: str):

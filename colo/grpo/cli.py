@@ -48,6 +48,7 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     overlap_threads="overlap_threads", save_model_every="save_model_every", save_dtype="save_dtype",
                     merge_lora="merge_lora", report_to="report_to", run_name="run_name",
                     max_skipped_steps="max_skipped_steps", max_turns="max_turns", tool_timeout="tool_timeout",
+                    tool_isolation="tool_isolation",
                     chat_template="chat_template", importance_sampling="importance_sampling",
                     importance_sampling_max="importance_sampling_max",
                     importance_sampling_min="importance_sampling_min",
@@ -135,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most rounds of tool calls in a rollout (TRL's max_tool_calling_iterations; default 5)")
     agent.add_argument("--tool-timeout", type=_positive_float, metavar="S",
                        help="seconds a tool call may take before its result is an error (default 30)")
+    agent.add_argument("--tool-isolation", choices=("process", "thread"), default=None,
+                       help="where sync tools run: worker processes (default; a tool that crashes or hangs ends its "
+                            "worker, not the run) or threads of the training process")
     agent.add_argument("--chat-template", metavar="NAME|FILE.jinja",
                        help="the chat template instead of the model's own: a .jinja file, or one TRL ships by name "
                             "(qwen2_5: describes tools, ChatML like SmolLM2's)")

@@ -23,6 +23,8 @@ IMPORTANCE_SAMPLING = ("off", "token_truncate", "token_mask", "sequence_truncate
 SAVE_DTYPES = ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
 
 
+TOOL_ISOLATION = ("process", "thread")
+
 @dataclass
 class GRPOConfig:
     prompts_per_step: int = 8          # over all ranks; each rank generates its share (as even as possible)
@@ -109,6 +111,11 @@ class GRPOConfig:
     # (None: no limit). max_new_tokens bounds every turn's tokens together, the tools' results included.
     max_turns: int = 5
     tool_timeout: float | None = 30.0
+    # Where sync tools run: "process" (worker processes, colo.grpo.tool_workers: a tool that crashes, hangs
+    # or exhausts its memory ends its worker, not the run; about 0.4 ms a call more than a thread) or
+    # "thread" (daemon threads of the training process, as TRL runs them). Environments and async tools
+    # run in the training process either way.
+    tool_isolation: str = "process"
     # A chat template instead of the model's own: a .jinja file, or one TRL ships by name (e.g. "qwen2_5",
     # which describes tools and is ChatML like SmolLM2's own).
     chat_template: str | None = None
@@ -191,6 +198,8 @@ class GRPOConfig:
         if self.merge_lora and not self.lora_rank:
             raise ValueError("merge_lora needs lora_rank > 0 (full fine-tuning saves the whole model already)")
         check_int(self.max_turns, "max_turns", 0)
+        if self.tool_isolation not in TOOL_ISOLATION:
+            raise ValueError(f"tool_isolation must be one of {', '.join(TOOL_ISOLATION)}, got {self.tool_isolation!r}")
         if self.tool_timeout is not None and not self.tool_timeout > 0:
             raise ValueError(f"tool_timeout must be > 0 seconds or None, got {self.tool_timeout}")
         if self.importance_sampling not in IMPORTANCE_SAMPLING:

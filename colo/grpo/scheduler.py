@@ -138,6 +138,8 @@ class GRPOScheduler:
         if self.config.routing_replay:  # every position routed by the engine, and said so
             engine_options.update(compat.engine_routing_options("cuda" if torch.cuda.is_available() else "cpu"))
         self._join_world()
+        # Tool workers before the engine: no worker process is made from one holding vLLM's threads.
+        self.tool_workers = start_tool_workers(self.tools, self.config.tool_isolation)
         resume_state = Checkpointer.find_resume_state(self.out_dir, self.config, self.world) if resume else None
         torch.manual_seed(self.config.seed + self.world.dp_rank)  # an engine's tensor-parallel ranks alike
         self.pool = Pool(self.device, capacity=pool_capacity)
@@ -199,7 +201,7 @@ class GRPOScheduler:
         if not self.tools and self.environment_factory is None:
             return None, None
         options = dict(tools={t.__name__: t for t in self.tools}, environment=self.environment_factory,
-                       max_turns=self.config.max_turns, tool_timeout=self.config.tool_timeout,
+                       max_turns=self.config.max_turns, tool_timeout=self.config.tool_timeout, workers=self.tool_workers,
                        max_new_tokens=self.config.max_new_tokens, max_model_len=self.engine.max_model_len)
         evaluation = AgentRollouts(self.engine, self.eval_task, **options) if self.eval_task is not None else None
         return AgentRollouts(self.engine, self.task, **options), evaluation
@@ -460,12 +462,25 @@ class GRPOScheduler:
         for agent in (self.agent, self.eval_agent):
             if agent is not None:
                 agent.close()
+        if self.tool_workers is not None:
+            self.tool_workers.close()
         if self.trackers is not None:
             self.trackers.close()
         self.timeline.close()
         self.engine.close()
         if self._workdir is not None:
             self._workdir.cleanup()
+
+
+def start_tool_workers(tools: list, isolation: str):
+    """The worker processes the run's sync tools run in (colo.grpo.tool_workers), or None (thread isolation,
+    no sync tools)."""
+    import inspect
+
+    from .tool_workers import ToolWorkers
+
+    synchronous = {t.__name__: t for t in tools if not inspect.iscoroutinefunction(t)}
+    return ToolWorkers(synchronous) if synchronous and isolation == "process" else None
 
 
 def global_clipped_norm(memory, optimizer, views, world, max_norm: float | None) -> float:

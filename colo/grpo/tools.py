@@ -12,6 +12,7 @@
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. A call that does not parse, an unknown
   tool, a tool that raises or one that runs past its timeout becomes an error in the tool's result
   message (as TRL writes it, `{'error': '...'}`) and is counted; the run goes on.
+- `python` (`--tool colo.grpo.tools:python`) runs model-written Python in a sandbox (colo.grpo.sandbox).
 - The next turn's tokens are the previous ones plus the template's rendering of the tool messages
   (`tool_suffix_ids`, TRL's way: the difference between two renderings of a dummy conversation), so the
   model's own tokens are never decoded and tokenized again.
@@ -50,6 +51,18 @@ def load_object(spec: str, flag: str = "--tool"):
         return load(spec, flag)
     except ValueError as e:
         raise ToolError(str(e)) from e.__cause__
+
+
+def python(code: str) -> str:
+    """Run a Python program and return what it printed (stdout and stderr). It runs alone in a sandbox: no
+    network, no other processes, no files outside its own directory, a few seconds of CPU at most.
+
+    Args:
+        code: the program's source code
+    """
+    from .sandbox import run_python
+
+    return run_python(code).text
 
 
 def tool_schema(tool) -> dict:
@@ -312,14 +325,16 @@ class DaemonThreads:
 
 
 class ToolRunner:
-    """Runs tool calls off the engine's thread: sync tools on a pool of daemon threads, async ones on an
-    event loop of their own, so no call blocks the engine's steps, and none keeps the process alive once
-    the run is done. Each call has a deadline (`timeout` seconds, None: none): one past it gives an error
-    result at once. Python cannot stop a thread, so a sync tool that never returns keeps its thread (a
-    new one takes its place in the pool); an async one is cancelled."""
+    """Runs tool calls off the engine's thread, so no call blocks the engine's steps, and none keeps the
+    process alive once the run is done: sync tools in worker processes where `workers`
+    (colo.grpo.tool_workers.ToolWorkers) runs them, else on a pool of daemon threads; async ones on an
+    event loop of their own. Each call has a deadline (`timeout` seconds, None: none): one past it gives
+    an error result at once, and its worker process is killed (and replaced), its thread abandoned
+    (Python cannot stop a thread: a new one takes its place in the pool), its coroutine cancelled."""
 
-    def __init__(self, timeout: float | None = None, threads: int = 16):
+    def __init__(self, timeout: float | None = None, threads: int = 16, workers=None):
         self.timeout = timeout
+        self.workers = workers
         self._pool = DaemonThreads(threads, "colo-tool")
         self._loop = None
 
@@ -329,11 +344,14 @@ class ToolRunner:
         tool = tools.get(call.name)
         if tool is None:
             return PendingCall.done(_error(call.name, f"Tool {call.name} not found."), started)
+        deadline = started + self.timeout if self.timeout is not None else None
         if inspect.iscoroutinefunction(tool):
             future = asyncio.run_coroutine_threadsafe(self._run_async(tool, call), self._event_loop())
-        else:
-            future = self._pool.submit(_run_sync, tool, call)
-        deadline = started + self.timeout if self.timeout is not None else None
+            return PendingCall(call.name, future, started, deadline)
+        if self.workers is not None and self.workers.runs(call.name, tool):
+            future = self.workers.submit(call.name, call.arguments)
+            return PendingCall(call.name, future, started, deadline, lambda: self.workers.kill(future))
+        future = self._pool.submit(_run_sync, tool, call)
         return PendingCall(call.name, future, started, deadline, self._pool.abandon)
 
     async def _run_async(self, tool, call: ToolCall):

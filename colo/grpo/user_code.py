@@ -7,6 +7,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+USER_MODULE_PREFIX = "colo_user_"   # the module name a FILE.py is loaded under
+
 
 def load_object(spec: str, what: str):
     """The object `spec` names; ValueError led by `what` (e.g. "reward", "--tool") otherwise."""
@@ -17,7 +19,7 @@ def load_object(spec: str, what: str):
         path = Path(where)
         if not path.is_file():
             raise ValueError(f"{what} {spec!r}: no file {path}")
-        module_name = f"colo_user_{abs(hash(str(path.resolve())))}"
+        module_name = f"{USER_MODULE_PREFIX}{abs(hash(str(path.resolve())))}"
         module_spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_name] = module  # so pickling and dataclasses in it work

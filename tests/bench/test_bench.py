@@ -40,8 +40,8 @@ def test_help_works_without_the_compiled_extension():
 @pytest.mark.parametrize("args, message", [
     (["--bogus"], "unrecognized arguments"),
     (["--sections", "pool_alloc,nope"],
-     "valid sections: pool_alloc, sleep_wake, publish, grpo_step, memory, trl, lora, logprob_memory, overlap, "
-     "agentic"),
+     "valid sections: pool_alloc, sleep_wake, publish, moe_publish, grpo_step, memory, trl, lora, logprob_memory, "
+     "overlap, agentic"),
     (["--sections", ","], "no section named"),
     (["--device", "tpu"], "invalid choice"),
     (["--plot", "out.jpg"], "ending in .png"),

@@ -15,7 +15,7 @@ from colo.grpo.loss import importance_weights
 from colo.grpo.tools import (ToolCall, ToolError, ToolRunner, check_environment, check_template_renders_tools,
                              check_tools, load_object, parse_hermes, parse_turn, set_chat_template,
                              tool_capable_template, tool_suffix_ids)
-from helpers.agentic import Counter, add, broken, slow, slow_async
+from helpers.agentic import Counter, add, broken, crash, segfault, slow, slow_async
 
 
 def no_hints(a, b):
@@ -161,6 +161,38 @@ def test_a_tool_that_never_returns_keeps_neither_the_pool_nor_the_process():
     done = subprocess.run([sys.executable, "-c", HUNG_TOOL_SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "RESULT 3" in done.stdout, done.stderr[-2000:]
     assert time.perf_counter() - started < 60
+
+
+def test_tools_in_worker_processes_survive_crashes_hangs_and_errors():
+    """--tool-isolation process: a tool that calls os._exit, one that segfaults and one that hangs past its
+    deadline each end their worker (replaced), a raising one is an error result, and the same pool then
+    runs more calls; a closure's captured value reaches the worker (cloudpickle)."""
+    from colo.grpo.tool_workers import ToolWorkers
+
+    offset = 100
+    tools = {"add": add, "crash": crash, "segfault": segfault, "hang": slow, "broken": broken,
+             "shifted": lambda x: x + offset}
+    workers = ToolWorkers(tools, size=2)
+    runner = ToolRunner(timeout=1.0, workers=workers)
+    try:
+        names = [("crash", {}), ("segfault", {}), ("hang", {"x": 1}), ("broken", {"x": 1}), ("add", {"a": 2, "b": 5}),
+                 ("shifted", {"x": 1})]
+        calls = [runner.submit(ToolCall(name, args), tools) for name, args in names]
+        while not all(c.ready(time.perf_counter()) for c in calls):
+            time.sleep(0.01)
+        results = [c.result(1.0) for c in calls]
+        again = runner.submit(ToolCall("add", {"a": 1, "b": 1}), tools)
+        while not again.ready(time.perf_counter()):
+            time.sleep(0.01)
+        last = again.result(1.0)
+    finally:
+        runner.close()
+        workers.close()
+    assert "worker process died (exit code 3)" in results[0].content
+    assert "worker process died (exit code -11)" in results[1].content
+    assert results[2].timed_out and "the tool broke" in results[3].content
+    assert results[4].content == "7" and results[5].content == "101" and last.content == "2"
+    assert workers.replaced == 3  # the crashed, the segfaulted and the killed one
 
 
 def test_tool_tokens_stay_in_the_sequence_and_out_of_the_loss():

@@ -66,3 +66,19 @@ class Counter:
 
     def get_reward(self) -> float:
         return float(self.count)
+
+
+def crash() -> int:
+    """Ends its process (as a C extension's abort would).
+    """
+    import os
+
+    os._exit(3)
+
+
+def segfault() -> int:
+    """Reads address 0.
+    """
+    import ctypes
+
+    return ctypes.string_at(0)
