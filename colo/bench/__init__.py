@@ -9,7 +9,7 @@ Nothing heavy is imported here, so `python -m colo.bench --help` stays instant.
 
 # In the order they run; the cheap pool sections first so their rows appear early.
 SECTIONS = ("pool_alloc", "sleep_wake", "publish", "moe_publish", "grpo_step", "memory", "trl", "lora", "logprob_memory",
-            "overlap", "agentic")
+            "overlap", "agentic", "tool_calls")
 # `--quick` (the README's main job: minutes on a fresh 2-core machine) leaves out what only the full run
 # needs to show; `--sections lora` (or agentic) runs it quick too.
 QUICK_SECTIONS = tuple(name for name in SECTIONS if name not in ("lora", "agentic", "moe_publish"))
@@ -29,6 +29,7 @@ ABOUT = {
     "lora": ("LoRA with colo.trl and colo.grpo against stock TRL + PEFT", 110, 620),
     "logprob_memory": ("peak memory of chunked log-probabilities against all logits at once", 30, 280),
     "overlap": ("a GRPO step training finished groups during generation against the serial step", 15, 600),
+    "tool_calls": ("a tool call in a worker process against one on a thread of the training process", 2, 5),
     "agentic": ("an agentic step (tools, an environment, two turns) with colo.trl and colo.grpo against stock TRL",
                 400, 400),
 }

@@ -41,7 +41,7 @@ def test_help_works_without_the_compiled_extension():
     (["--bogus"], "unrecognized arguments"),
     (["--sections", "pool_alloc,nope"],
      "valid sections: pool_alloc, sleep_wake, publish, moe_publish, grpo_step, memory, trl, lora, logprob_memory, "
-     "overlap, agentic"),
+     "overlap, agentic, tool_calls"),
     (["--sections", ","], "no section named"),
     (["--device", "tpu"], "invalid choice"),
     (["--plot", "out.jpg"], "ending in .png"),
