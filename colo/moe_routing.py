@@ -52,6 +52,7 @@ class RouterReplay:
         self._force = False
         self._rules: dict[int, str] = {}
         self.compared = self.differed = 0
+        self.forced = 0   # (token, MoE layer) pairs routed to the engine's experts so far
         self._handles = [module.register_forward_hook(self._hook(column, layer))
                          for column, (layer, module) in enumerate(routers)]
 
@@ -83,12 +84,13 @@ class RouterReplay:
     def _using(self, routes, force: bool):
         if routes is not None and routes.shape[-2] != len(self.layers):
             raise ValueError(f"routes hold {routes.shape[-2]} MoE layers, the trainer's model has {len(self.layers)}")
+        outer = self._routes, self._force   # a forcing inside another (a micro-batch of a step) restores it
         self._routes = None if routes is None else routes.reshape(-1, routes.shape[-2], routes.shape[-1])
         self._force = force
         try:
             yield
         finally:
-            self._routes, self._force = None, False
+            self._routes, self._force = outer
 
     def stats(self, reset: bool = True) -> dict:
         """{"router_mismatch": share of (token, MoE layer) pairs whose experts differed, "router_compared": the
@@ -120,6 +122,7 @@ class RouterReplay:
                 return None
             rule = self._rules.get(column) or self._rules.setdefault(column, _rule_of(logits, weights, indices, layer))
             chosen = torch.where(routed.unsqueeze(-1), engine, indices)
+            self.forced += int(routed.sum())
             return logits, _weights(rule, logits, chosen).to(weights.dtype), chosen
         return hook
 

@@ -89,6 +89,8 @@ class ColoVLLMGeneration(_VLLMGeneration):
         self.colo_adapter = None  # colo.lora.SharedAdapter, for a PEFT model
         self._colo_workdir = None  # where the engine's adapter slot was first loaded from (PEFT)
         self.colo_sync_reports: list[dict] = []
+        self.colo_record_routes = False   # routing replay: keep each generation's routed experts
+        self.colo_routes: list | None = None   # the last generation's, one per completion in TRL's order
         super().__init__(*args, **kwargs)
 
     def _init_vllm(self):
@@ -222,7 +224,18 @@ class ColoVLLMGeneration(_VLLMGeneration):
         if kv_cache_region(self.llm).asleep:
             wake_kv_cache(self.llm)
         try:
-            return super().generate(*args, **kwargs)
+            if not self.colo_record_routes:
+                return super().generate(*args, **kwargs)
+            from colo.vllm_compat import recording_routes
+
+            with recording_routes(self.llm) as capture:
+                result = super().generate(*args, **kwargs)
+                prompt_ids, completion_ids = result[0], result[1]
+                held = list(capture.take_all().values()) if capture is not None else []
+            if len(held) != len(completion_ids):
+                raise RuntimeError(f"colo.trl: {len(held)} routed requests for {len(completion_ids)} completions")
+            self.colo_routes = [routes[:len(p) + len(c) - 1] for routes, p, c in zip(held, prompt_ids, completion_ids)]
+            return result
         finally:
             if not self.colo_generation_round:
                 self.sleep_kv_cache()  # TRL trains next: the KV cache's memory is released until then
@@ -244,6 +257,19 @@ class ColoVLLMGeneration(_VLLMGeneration):
 
         if not kv_cache_region(self.llm).asleep:
             sleep_kv_cache(self.llm)
+
+
+def _aligned_routes(routes: list, prompt_mask: torch.Tensor, completion_columns: int) -> torch.Tensor:
+    """TRL's layout of the routes (prompts left-padded to the prompt columns, completions after): one row
+    per completion, [rows, prompt + completion columns, MoE layers, top_k], -1 where no token is."""
+    rows, prompt_columns = prompt_mask.shape
+    out = torch.full((rows, prompt_columns + completion_columns, *routes[0].shape[1:]), -1, dtype=torch.int16)
+    lengths = prompt_mask.sum(1).tolist()
+    for i, (route, length) in enumerate(zip(routes, lengths)):
+        start = prompt_columns - int(length)
+        n = min(route.shape[0], out.shape[1] - start)
+        out[i, start:start + n] = route[:n]
+    return out.to(prompt_mask.device)
 
 
 def _is_peft(model) -> bool:
@@ -330,11 +356,14 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     Extra keyword arguments: colo_pool (a colo.Pool; default: a new one on the model's device),
     colo_engine_dtype (default: choose_engine_dtype's choice, said at start and kept in
-    `colo_engine_dtype_reason`) and colo_engine_options (more vllm.LLM options, e.g.
-    {"enforce_eager": True}: TRL's config has no field for them).
+    `colo_engine_dtype_reason`), colo_engine_options (more vllm.LLM options, e.g.
+    {"enforce_eager": True}: TRL's config has no field for them) and colo_routing_replay (MoE models:
+    TRL's log-probability passes route each token to the experts the engine routed it to, as
+    colo.grpo's --routing-replay; TRL's metrics get `colo/router_mismatch`).
     """
 
-    def __init__(self, *args, colo_pool=None, colo_engine_dtype=None, colo_engine_options=None, **kwargs):
+    def __init__(self, *args, colo_pool=None, colo_engine_dtype=None, colo_engine_options=None,
+                 colo_routing_replay: bool = False, **kwargs):
         config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
         if config is None or not config.use_vllm or config.vllm_mode != "colocate":
             raise ValueError("colo.trl.GRPOTrainer is TRL's colocate mode: pass args=trl.GRPOConfig(use_vllm=True, "
@@ -354,6 +383,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         # What colo does not train is refused here, before any engine starts; whether each weight is
         # shared or copied is read from the engine once it is up (colo.share_weights).
         check_model_config(model.config)
+        self.colo_router_replay = self._colo_check_routing_replay(model, args) if colo_routing_replay else None
+        if self.colo_router_replay is not None:
+            from .vllm_compat import engine_routing_options
+
+            colo_engine_options = {**engine_routing_options(self.accelerator.device.type), **(colo_engine_options or {})}
+        self._colo_routes = None   # the routes of the rows being computed (routing replay)
         engine_dtype, fp32_masters, self.colo_engine_dtype_reason = choose_engine_dtype(
             model, args, colo_engine_dtype, self.accelerator.device)
         if self.accelerator.is_main_process:
@@ -376,6 +411,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             from .vllm_compat import run_as_plain_modules
 
             run_as_plain_modules(self.ref_model)
+        self.vllm_generation.colo_record_routes = self.colo_router_replay is not None
         self._last_loaded_step = -1  # as TRL: sync once per optimizer step, not per micro-batch
 
     def create_optimizer(self, model=None):
@@ -424,11 +460,79 @@ class GRPOTrainer(trl.GRPOTrainer):
         with self.vllm_generation.generation_round():
             return super()._generate(prompts)
 
-    def compute_loss(self, *args, **kwargs):
+
+    # -- routing replay ------------------------------------------------------------------------------
+    @staticmethod
+    def _colo_check_routing_replay(model, args):
+        from .moe_routing import RouterReplay, is_moe
+
+        if not is_moe(model):
+            raise ValueError("colo_routing_replay: the model has no MoE layers; there is no routing to replay")
+        if args.gradient_checkpointing:
+            raise NotImplementedError("colo_routing_replay with gradient_checkpointing=True (TRL's default): the "
+                                      "recomputed layers would route on their own; set gradient_checkpointing=False")
+        if args.vllm_tensor_parallel_size > 1:
+            raise NotImplementedError("colo_routing_replay with vllm_tensor_parallel_size > 1")
+        return RouterReplay.attach(model)
+
+    def _generate_and_score_completions(self, inputs):
+        self._colo_generating = self.colo_router_replay is not None
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._colo_generating = False
+        if self.colo_router_replay is not None:   # carried with the rows through TRL's split and shuffle
+            output["colo_routes"] = _aligned_routes(self.vllm_generation.colo_routes, output["prompt_mask"],
+                                                    output["completion_ids"].shape[1])
+            self.vllm_generation.colo_routes = None
+            self._metrics["train"]["colo/router_mismatch"].append(self.colo_router_replay.stats()["router_mismatch"])
+        return output
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # compute_loss enters the engine's routing for the micro-batch it gets (TRL prepares it in there);
+        # it stays in force through the backward, then ends here.
+        self._colo_step_routing = contextlib.ExitStack()
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._colo_step_routing.close()
+            self._colo_routes = None
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        routes = inputs.get("colo_routes") if self.colo_router_replay is not None else None
+        if routes is not None and getattr(self, "_colo_step_routing", None) is not None:
+            self._colo_routes = routes
+            self._colo_step_routing.enter_context(self.colo_router_replay.forcing(routes))
         # TRL trains now: a KV cache woken outside TRL's generate (a user's llm.generate, an eval
         # callback: colo's engine wakes it on demand) is released again for the training memory.
         self.vllm_generation.sleep_kv_cache()
-        return super().compute_loss(*args, **kwargs)
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           **kwargs):
+        routes = self._colo_routes
+        if routes is None and getattr(self, "_colo_generating", False) and self.vllm_generation.colo_routes:
+            # TRL's passes inside the generation step (old and reference log-probabilities): its rows are
+            # the generation's, in order.
+            prompt_mask = attention_mask[:, :input_ids.shape[1] - logits_to_keep]
+            routes = _aligned_routes(self.vllm_generation.colo_routes, prompt_mask, logits_to_keep).to(input_ids.device)
+        if routes is None or self.colo_router_replay is None:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              batch_size, **kwargs)
+        if any(value is not None for value in kwargs.values() if not isinstance(value, bool)):
+            raise NotImplementedError("colo_routing_replay with images in the batch")
+        size = batch_size or input_ids.shape[0]
+        logps, entropies, aux = [], [], []
+        for start in range(0, input_ids.shape[0], size):
+            rows = slice(start, start + size)
+            with self.colo_router_replay.forcing(routes[rows]):
+                part = super()._get_per_token_logps_and_entropies(model, input_ids[rows], attention_mask[rows],
+                                                                  logits_to_keep, None, **kwargs)
+            logps.append(part[0])
+            entropies.append(part[1])
+            aux.append(part[2])
+        return (torch.cat(logps), None if entropies[0] is None else torch.cat(entropies),
+                None if aux[0] is None else torch.stack(aux).mean())
 
     @property
     def colo_shared(self):

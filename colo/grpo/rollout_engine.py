@@ -208,6 +208,10 @@ class RolloutEngine:
         on_group(i, completions): called (on this thread, between engine steps) as soon as every
         completion of prompt i has finished, while the engine goes on decoding the others.
         trace: records how many sequences were running after each engine step (GenerationTrace)."""
+        with compat.recording_routes(self.llm):   # a MoE engine's experts, read with each finished output
+            return self._generate(prompts, sampling, on_group, trace)
+
+    def _generate(self, prompts, sampling, on_group, trace) -> list[Completion]:
         internal = self._enqueue(prompts, sampling)
         ids = [compat.external_request_id(request_id) for request_id in internal]
         index = {request_id: i for i, request_id in enumerate(ids)}

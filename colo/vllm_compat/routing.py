@@ -16,6 +16,7 @@ its engines without a prefix cache.
 """
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -48,9 +49,12 @@ class RoutedExpertsCapture:
                                           "report the experts it picks; routing replay cannot follow it")
             runner.router.set_capture_fn(partial(_write, self.buffer, column))
         self.by_request: dict[str, torch.Tensor] = {}
+        self.recording = False   # off: nothing is kept (routes nobody asked for would pile up)
 
     def record(self, scheduler_output, req_ids: list[str]) -> None:
         """After an engine step: each scheduled request's rows, at the positions it was computing."""
+        if not self.recording:
+            return
         start_of = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         start_of.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -79,9 +83,18 @@ class RoutedExpertsCapture:
             out[:n] = held[:n]
         return out
 
-    def forget(self, req_ids) -> None:
-        for req_id in req_ids:
-            self.by_request.pop(req_id, None)
+    def take_all(self) -> dict[str, torch.Tensor]:
+        """Every request's routes held, in the order the requests were made (vLLM numbers them), emptied."""
+        held, self.by_request = self.by_request, {}
+        return dict(sorted(held.items(), key=lambda item: _request_order(item[0])))
+
+
+def _request_order(req_id: str) -> tuple[int, int]:
+    """(the request's number, the sample's index) of an engine id: "N-xxxxxxxx", or "I_N-xxxxxxxx" for
+    sample I of a request with several (vllm/v1/engine/parallel_sampling.py)."""
+    index, _, rest = req_id.partition("_") if "_" in req_id.split("-")[0] else ("0", "", req_id)
+    number = rest.split("-")[0]
+    return (int(number) if number.isdigit() else -1, int(index) if index.isdigit() else 0)
 
 
 def _write(buffer: torch.Tensor, column: int, topk_ids: torch.Tensor) -> None:
@@ -96,6 +109,26 @@ def install_capture(model, vllm_config) -> RoutedExpertsCapture | None:
     if not current_platform.is_cpu() or not moe_runners(model):
         return None
     return RoutedExpertsCapture(model, vllm_config)
+
+
+@contextlib.contextmanager
+def recording_routes(llm):
+    """Inside, the engine keeps each request's routes (colo's capture; vLLM's own returns them with the
+    outputs); outside, none is kept. Yields the capture (None where there is none)."""
+    from .engine import engine_placement
+
+    placement = engine_placement(llm)
+    capture = getattr(placement, "routing", None) if placement is not None else None
+    if capture is None:
+        yield None
+        return
+    capture.by_request.clear()
+    capture.recording = True
+    try:
+        yield capture
+    finally:
+        capture.recording = False
+        capture.by_request.clear()
 
 
 def engine_routing_options(device_type: str) -> dict:

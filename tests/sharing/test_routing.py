@@ -25,20 +25,21 @@ def test_the_engine_returns_each_tokens_experts_and_the_trainer_replays_them(tin
     from vllm import SamplingParams
 
     from colo.engine import release_llm
-    from colo.vllm_compat import routed_experts
+    from colo.vllm_compat import recording_routes, routed_experts
 
     llm = build_engine(tiny_model_dir("qwen3_moe", vocab_size=1000), enable_prefix_caching=False)
     try:
         model = colo.shared_model(llm).hf_model
         prompt = list(range(5, 25))
-        (request,) = llm.enqueue([{"prompt_token_ids": prompt}],
-                                 [SamplingParams(max_tokens=12, n=2, temperature=1.0, seed=1)], use_tqdm=False)
-        finished = []
-        while llm.llm_engine.get_num_unfinished_requests():
-            finished += [out for out in llm.llm_engine.step() if out.finished]
-        (output,) = finished
+        with recording_routes(llm):
+            (request,) = llm.enqueue([{"prompt_token_ids": prompt}],
+                                     [SamplingParams(max_tokens=12, n=2, temperature=1.0, seed=1)], use_tqdm=False)
+            finished = []
+            while llm.llm_engine.get_num_unfinished_requests():
+                finished += [out for out in llm.llm_engine.step() if out.finished]
+            (output,) = finished
+            routes = routed_experts(llm, output, request)
         completions = sorted(output.outputs, key=lambda c: c.index)
-        routes = routed_experts(llm, output, request)
         replay = RouterReplay.attach(model)
         for completion, route in zip(completions, routes):
             # Every position the engine ran: the prompt and the completion but its last token; 2 MoE layers, top 2.

@@ -235,3 +235,31 @@ def test_the_engine_dtype_follows_the_device_and_the_users_explicit_choices(monk
     with pytest.raises(ValueError, match="colo_engine_dtype must be one of"):
         colo_trl.choose_engine_dtype(fp32_model, args, "int8")
     assert colo_trl.choose_engine_dtype(fp32_model.bfloat16(), args)[:2] == (torch.bfloat16, False)  # in place: last
+
+
+def test_a_moe_model_trains_with_routing_replay_and_one_copy(tmp_path, trl_model_dir):
+    """colo_routing_replay on a Qwen3-MoE: TRL's log-probability passes (the old policy's, with
+    num_iterations=2, and the loss's forward and backward) route every token to the engine's experts;
+    the syncs copy 0 bytes; a dense model and gradient checkpointing are refused before any engine."""
+    from colo.bench.trl import build_model_dir
+    from colo.trl import GRPOTrainer
+
+    moe_dir = tmp_path / "moe"
+    moe_dir.mkdir()
+    build_model_dir(moe_dir, dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                                  num_key_value_heads=1), arch="qwen3_moe")
+    args = trl_config(tmp_path, "float32", max_steps=2, gradient_checkpointing=False, num_iterations=2)
+    trainer = GRPOTrainer(model=str(moe_dir), reward_funcs=even_digits, train_dataset=dataset(), args=args,
+                          colo_routing_replay=True, colo_engine_options={"enforce_eager": True})
+    trainer.train()
+    replay = trainer.colo_router_replay
+    # 2 steps x (the loss's pass and the old policy's) x 32 rows, every prompt and completion token, 2 layers
+    assert replay.forced > 2 * 2 * 32 * 2 * 8
+    assert all(r["bytes_copied"] == 0 for r in trainer.vllm_generation.colo_sync_reports)
+    assert any("colo/router_mismatch" in h for h in trainer.state.log_history)
+    with pytest.raises(ValueError, match="no MoE layers"):
+        GRPOTrainer(model=str(trl_model_dir), reward_funcs=even_digits, train_dataset=dataset(), args=args,
+                    colo_routing_replay=True)
+    with pytest.raises(NotImplementedError, match="gradient_checkpointing"):
+        GRPOTrainer(model=str(moe_dir), reward_funcs=even_digits, train_dataset=dataset(),
+                    args=trl_config(tmp_path, "float32", gradient_checkpointing=True), colo_routing_replay=True)
