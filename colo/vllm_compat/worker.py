@@ -78,7 +78,8 @@ class EnginePlacement:
         with mode:
             yield
         model = worker.model_runner.get_model()
-        self.routing = install_capture(model, worker.vllm_config)  # before vLLM compiles the model
+        vllm_config = getattr(worker, "vllm_config", None)
+        self.routing = install_capture(model, vllm_config) if vllm_config is not None else None  # before compiling
         experts = _keep_expert_weights(model, mode)
         self.linears = [*_keep_linear_weights(model, mode), *experts]
         self.kept = {id(e.packed): e.weight for e in experts}
@@ -150,12 +151,12 @@ class _ColoWorkerMixin:
         remember_engine_config(self.vllm_config)
         return result
 
-    def execute_model(self, scheduler_output, *args, **kwargs):
+    def execute_model(self, *args, **kwargs):
         with self.colo_placement.pool.stream("infer").as_current():
-            output = super().execute_model(scheduler_output, *args, **kwargs)
-        routing = self.colo_placement.routing
-        if routing is not None:
-            routing.record(scheduler_output, self.model_runner.input_batch.req_ids)
+            output = super().execute_model(*args, **kwargs)
+        routing = getattr(self.colo_placement, "routing", None)
+        if routing is not None:   # a MoE engine's routed experts of this step, per request
+            routing.record(args[0] if args else kwargs["scheduler_output"], self.model_runner.input_batch.req_ids)
         return output
 
     def sample_tokens(self, *args, **kwargs):
