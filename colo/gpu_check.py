@@ -18,6 +18,8 @@ Each check is small, real work on the device, and says what it saw:
   zero1_math           ZeRO-1's optimizer against the unsharded master-weight optimizer, a few steps
   chunked_logprobs     chunked log-probabilities against all logits at once, values and gradients, fp32
                        and bf16, the head's gradient summed in fp32 (into the optimizer's main_grad)
+  moe_router_replay    a tiny bf16 Qwen3-MoE's routers forced to other experts (routing replay): the
+                       experts get those, the routers still a gradient
 
 --device cpu runs the same checks on the host pool, which is how the command is tested without a GPU.
 Exit status 0 when every check that applies passed, 1 otherwise; the report holds each check's
@@ -243,7 +245,44 @@ def chunked_logprobs(device: torch.device) -> dict:
     return details
 
 
-CHECKS = (pool_sleep_wake, mempool_routing, streams_and_events, overlap_handover, zero1_math, chunked_logprobs)
+def moe_router_replay(device: torch.device) -> dict:
+    """A tiny Qwen3-MoE in bf16 on the device, its routers forced to other experts than their own
+    (colo.moe_routing, what --routing-replay does in training): the experts modules get exactly those,
+    with the routers' softmax gates over them, and the routers still get a gradient."""
+    import transformers
+
+    from colo.bench.models import random_model
+    from colo.moe_routing import RouterReplay
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise Skip(f"transformers {transformers.__version__}: routing replay follows transformers 5's MoE layers")
+    model = random_model(dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=64), arch="qwen3_moe",
+                         dtype=torch.bfloat16).to(device)
+    replay = RouterReplay.attach(model)
+    used = {}
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            module.register_forward_hook(lambda m, args, out, name=name: used.__setitem__(name, args[1]))
+    ids = torch.randint(0, 512, (2, 24), device=device)
+    with torch.no_grad():
+        model(input_ids=ids)
+    own = [used[name].clone() for name in sorted(used)]
+    forced = torch.stack([(indices + 1) % 4 for indices in own], dim=1).view(2, 24, len(own), -1)
+    with replay.forcing(forced.to(torch.int16)):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for column, name in enumerate(sorted(used)):
+        if not torch.equal(used[name], forced[:, :, column].reshape(-1, forced.shape[-1]).long()):
+            raise AssertionError(f"{name}: the experts module was not given the forced experts")
+    grads = [layer.mlp.gate.weight.grad for layer in model.model.layers]
+    if any(g is None or not torch.isfinite(g).all() or g.abs().sum() == 0 for g in grads):
+        raise AssertionError("a router got no finite, non-zero gradient through the forced experts")
+    return {"forced_pairs": replay.forced, "router_mismatch": replay.stats()["router_mismatch"],
+            "rules": sorted(set(replay._rules.values()))}
+
+
+CHECKS = (pool_sleep_wake, mempool_routing, streams_and_events, overlap_handover, zero1_math, chunked_logprobs,
+          moe_router_replay)
 
 
 def run_checks(device: torch.device, checks=CHECKS) -> list[dict]:

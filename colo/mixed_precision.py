@@ -18,9 +18,14 @@ GRPO scheduler's `optimizer` and `grads` regions); None allocates them with torc
 """
 from __future__ import annotations
 
+import logging
+import math
+
 import torch
 
 from .clipping import clip_
+
+logger = logging.getLogger(__name__)
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
@@ -41,6 +46,27 @@ class MainGradientOptimizer:
                 p.main_grad = self.main_grads[i]
 
     param_scales: list[float] | None = None  # MasterWeightOptimizer(scales=...): parameter units per master unit
+    skipped_steps = 0                        # steps refused because the gradients were not finite
+    _grad_norm: float | None = None          # the norm clip_grad_norm_ (or note_grad_norm) saw since the last step
+
+    def note_grad_norm(self, norm: float) -> None:
+        """The gradient norm a caller took for these gradients (a tensor-parallel model's clip), for step()."""
+        self._grad_norm = norm
+
+    def _finite_step(self) -> bool:
+        """Whether step() may step: the gradient norm taken since the last step, or (none taken) a check of
+        the gradients themselves, is finite. A step on a NaN or inf gradient would write NaN into the
+        weights the engine serves: it is skipped (counted in skipped_steps), the weights left as they are."""
+        norm, self._grad_norm = self._grad_norm, None
+        finite = math.isfinite(norm) if norm is not None else self._gradients_finite()
+        if not finite:
+            self.skipped_steps += 1
+            logger.warning("%s: the gradients are not finite; step skipped, the weights untouched (%d so far)",
+                           type(self).__name__, self.skipped_steps)
+        return finite
+
+    def _gradients_finite(self) -> bool:
+        return bool(torch.isfinite(self.grad_flat).all())
 
     def _accumulate(self, i: int):
         main = self.main_grads[i]
@@ -120,17 +146,22 @@ class MasterWeightOptimizer(MainGradientOptimizer):
         self.grad_flat.zero_()
         for p in self.params:
             p.grad = None
+        self._grad_norm = None
 
     def clip_grad_norm_(self, max_norm: float | None) -> float:
         """The fp32 L2 norm of all main gradients, clipped to `max_norm` by colo.clipping's rule (None:
-        no clip); a norm that is not finite leaves them as they are: do not step() then."""
+        no clip); a norm that is not finite leaves them as they are, and step() then skips."""
         norm = float(torch.linalg.vector_norm(self.grad_flat, dtype=torch.float32))
         clip_([self.grad_flat], norm, max_norm)
+        self._grad_norm = norm
         return norm
 
     @torch.no_grad()
     def step(self) -> None:
-        """Step the inner optimizer on the masters, then round them into the 16-bit parameters in place."""
+        """Step the inner optimizer on the masters, then round them into the 16-bit parameters in place;
+        with gradients that are not finite, nothing (see _finite_step)."""
+        if not self._finite_step():
+            return
         self.optimizer.step()
         self._write_params()
 

@@ -212,6 +212,7 @@ class TensorParallelModel(EngineViews):
         """As MasterWeightOptimizer.clip_grad_norm_, with the whole model's norm; returns it."""
         norm = self.grad_norm(optimizer.params, optimizer.main_grads)
         clip_(optimizer.main_grads, norm, max_norm)
+        optimizer.note_grad_norm(norm)   # not finite: its step() skips
         return norm
 
     def reference(self):

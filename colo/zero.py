@@ -175,6 +175,7 @@ class ShardedMasterWeightOptimizer(MainGradientOptimizer):
         for p in self.params:
             p.grad = None
         self._reduced = False
+        self._grad_norm = None
 
     def reduce_gradients(self) -> None:
         """Average the main gradients over ranks: this rank's shard by reduce-scatter (in place),
@@ -219,8 +220,16 @@ class ShardedMasterWeightOptimizer(MainGradientOptimizer):
             dist.all_reduce(summed, group=sum_group)
             total = float(summed)
         norm = math.sqrt(total)
-        clip_([shard, tail], norm, max_norm)  # not finite: left as they are, and step() must not run
+        clip_([shard, tail], norm, max_norm)  # not finite: left as they are, and step() skips
+        self._grad_norm = norm
         return norm
+
+    def _gradients_finite(self) -> bool:
+        """Every rank's gradients finite (a collective, so that the ranks step or skip together)."""
+        finite = torch.tensor(float(torch.isfinite(self.grad_flat).all()), device=self.grad_flat.device)
+        if self.layout.world_size > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(finite)
 
     def _weighted_squares(self, weights: dict):
         """Sums of squares (fp64) of this rank's shard and of the tail, parameter i's scaled by weights[i]."""
@@ -232,8 +241,12 @@ class ShardedMasterWeightOptimizer(MainGradientOptimizer):
 
     @torch.no_grad()
     def step(self) -> None:
-        """Step this rank's shard, round it into the store and all-gather every rank's shard into it."""
+        """Step this rank's shard, round it into the store and all-gather every rank's shard into it; with
+        gradients that are not finite on any rank, nothing, on every rank (MainGradientOptimizer._finite_step)."""
         self.reduce_gradients()
+        if not self._finite_step():
+            self._reduced = False
+            return
         self.optimizer.step()
         self._publish_shard()
         self._reduced = False

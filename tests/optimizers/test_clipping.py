@@ -49,3 +49,31 @@ def test_master_weight_optimizers_report_a_non_finite_norm_and_touch_nothing(poi
         assert opt.main_grads[1].isfinite().all() and opt.main_grads[1].abs().sum() > 0  # not scaled to 0 or NaN
         assert torch.equal(opt.main_grads[0].view(-1)[3:4], torch.tensor([poison])) or math.isnan(poison)
         assert all(torch.equal(a, b) for a, b in zip(before, opt.masters))
+
+
+@pytest.mark.parametrize("clip_first", [True, False])
+@pytest.mark.parametrize("poison", [float("inf"), float("nan")])
+def test_a_step_on_gradients_that_are_not_finite_is_skipped_by_the_optimizer_itself(poison, clip_first):
+    """A library loop as the docs show it (backward, clip_grad_norm_, step) or one that never clips: with an
+    inf or NaN gradient, step() leaves the masters and the 16-bit weights (the engine's) as they were and
+    counts the skip; after zero_grad the next finite step steps. Both master-weight optimizers."""
+    from colo import MasterWeightOptimizer, ShardedMasterWeightOptimizer
+
+    for build in (lambda ps: MasterWeightOptimizer(ps, torch.optim.AdamW, lr=1e-2),
+                  lambda ps: ShardedMasterWeightOptimizer(ps, torch.optim.AdamW, lr=1e-2)):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 4).to(torch.bfloat16)) for _ in range(2)]
+        opt = build(params)
+        weights = [p.detach().clone() for p in params]
+        (params[0].float().sum() + params[1].float().square().sum()).backward()
+        opt.main_grads[1].view(-1)[5] = poison
+        if clip_first:
+            opt.clip_grad_norm_(1.0)
+        opt.step()
+        assert opt.skipped_steps == 1 and all(torch.equal(p, w) for p, w in zip(params, weights))
+        assert all(p.isfinite().all() for p in params)
+        opt.zero_grad()
+        (params[0].float().sum() + params[1].float().square().sum()).backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        assert opt.skipped_steps == 1 and not torch.equal(params[0], weights[0])
