@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="colo-trl-task-") as tmp:
         for side in ("colo", baseline):
             sides[side] = in_fresh_process(run_side, side, f"{tmp}/{side}", args.steps, args.model)
-            print(side, {k: round(v, 3) for k, v in sides[side].items()}, file=sys.stderr, flush=True)
+            print(side, {k: round(v, 3) if isinstance(v, float) else v for k, v in sides[side].items()}, file=sys.stderr,
+                  flush=True)
     peak = gemm_peak_flops(torch.float32)
     for values in sides.values():
         values["train_vs_gemm_peak"] = values["train_flops_per_s"] / peak
