@@ -31,6 +31,7 @@ import torch
 from .dtype_choice import BY_NAME
 from .errors import CheckpointError
 from .files import staged_directory
+from .peft_format import peft_adapter_state, write_adapter_files
 
 FINAL = "final"
 
@@ -125,8 +126,6 @@ def write_adapter_dir(adapter_state: dict, spec, base_dir: Path, directory: Path
                       merge: bool = False) -> Path:
     """A PEFT adapter directory from a colo adapter's full_state_dict ({module}.lora_A / .lora_B, B in
     the slot's units), with the tokenizer; merge: also `merged/`, the base with the adapter merged."""
-    from .lora import peft_adapter_state, write_adapter_files
-
     dtype = dtype or base_dtype(base_dir)
     peft = {k: v.to(dtype) for k, v in peft_adapter_state(adapter_state, spec.scaling).items()}
     with staged_directory(directory) as staging:

@@ -113,16 +113,44 @@ def resolve_model(name_or_path: str | Path, *, cache_dir: str | Path | None = No
     return _snapshot(name, "model", cache_dir, str(name_or_path))
 
 
+def load_dataset_file(path: str | Path):
+    """A `datasets.Dataset` from a JSONL/JSON, Parquet or CSV file or a save_to_disk directory."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError("reading a dataset needs the `datasets` package: pip install 'colo[tasks]'") from e
+    path = Path(path)
+    if path.is_dir():
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"{path} is not a dataset saved with save_to_disk: {e}") from e
+        if isinstance(loaded, datasets.DatasetDict):
+            if "train" not in loaded:
+                raise ValueError(f"{path} holds splits {list(loaded)}, none named 'train'; point at one split")
+            loaded = loaded["train"]
+        return loaded
+    if not path.is_file():
+        raise ValueError(f"dataset {path}: no such file or directory")
+    builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+    builder = builders.get(path.suffix.lower())
+    if builder is None:
+        raise ValueError(f"dataset {path}: unknown format {path.suffix!r}; give .jsonl, .json, .parquet, .csv "
+                         "or a save_to_disk directory")
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds for unreadable files
+        raise ValueError(f"dataset {path}: cannot read it as {builder}: {type(e).__name__}: {e}") from e
+
+
 def load_dataset_spec(spec: str | Path, *, cache_dir: str | Path | None = None):
-    """A datasets.Dataset: a local file or directory through colo.grpo.task.load_dataset_file, or
+    """A datasets.Dataset: a local file or directory through load_dataset_file, or
     ORG/NAME[@REVISION][:CONFIG][:SPLIT] (split default "train"; a split may be sliced, "train[:100]";
     ORG/NAME:X is config X's train split where the repo has a config X, else split X)
     fetched into (or, offline, found in) the hub cache and read with datasets.load_dataset from the
     snapshot (datasets infers the files, configs and splits from the hub's layout and README). A
     ValueError for a name that is neither, a missing config or split (naming the ones there), or
     files datasets cannot read."""
-    from .grpo.task import load_dataset_file
-
     name = parse_hub_name(spec, dataset=True)
     if name is None:
         return load_dataset_file(spec)

@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from . import vllm_compat as compat
-from .files import staged_directory
+from .hf_format import write_adapter_dir
+from .peft_format import PEFT_PREFIX, peft_adapter_state, write_adapter
 from .shared import EngineViews, Placed
 from .regions import WEIGHTS
 
@@ -53,7 +54,6 @@ from .regions import WEIGHTS
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_ID = 1            # vLLM's int id of the adapter colo trains
 ADAPTER_NAME = "colo"
-_PEFT_PREFIX = "base_model.model."
 
 
 @dataclass(frozen=True)
@@ -181,8 +181,6 @@ class SharedAdapter(EngineViews):
     def write_pretrained(self, directory, state: dict, *, base_dir, dtype=None, masters=None, merge: bool = False):
         """A PEFT adapter directory with the tokenizer (colo.hf_format.write_adapter_dir); merge: also
         `merged/`, the base with the adapter merged."""
-        from .hf_format import write_adapter_dir
-
         return write_adapter_dir(state, self.spec, base_dir, directory, dtype, merge=merge)
 
     def _check_served(self) -> None:
@@ -257,13 +255,13 @@ class SharedAdapter(EngineViews):
     def load_peft_state_dict(self, state: dict, masters: dict | None = None) -> None:
         """Write a PEFT-format adapter of this spec into the slot (and so into the trainer's parameters);
         `masters` ({parameter: fp32 tensor}, share_peft_adapter's) get its values in PEFT's units."""
-        expected = {f"{_PEFT_PREFIX}{n}.lora_{x}.weight" for n in self.layers for x in "AB"}
+        expected = {f"{PEFT_PREFIX}{n}.lora_{x}.weight" for n in self.layers for x in "AB"}
         if set(state) != expected:
             missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
             raise ValueError(f"not an adapter for these layers: missing {missing[:3]}, unexpected {extra[:3]}")
         with torch.no_grad():
             for name, layer in self.layers.items():
-                a, b = state[f"{_PEFT_PREFIX}{name}.lora_A.weight"], state[f"{_PEFT_PREFIX}{name}.lora_B.weight"]
+                a, b = state[f"{PEFT_PREFIX}{name}.lora_A.weight"], state[f"{PEFT_PREFIX}{name}.lora_B.weight"]
                 if tuple(a.shape) != tuple(layer.lora_a.shape) or tuple(b.shape) != tuple(layer.lora_b.shape):
                     raise ValueError(f"{name}: adapter shapes {tuple(a.shape)}/{tuple(b.shape)}, expected "
                                      f"{tuple(layer.lora_a.shape)}/{tuple(layer.lora_b.shape)}")
@@ -313,8 +311,8 @@ def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0, tp=N
     directory = Path(workdir) / "colo-adapter-slot"
     zero = {}
     for name, (out_features, in_features) in shapes.items():
-        zero[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = torch.zeros(spec.rank, in_features)
-        zero[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = torch.zeros(out_features, spec.rank)
+        zero[f"{PEFT_PREFIX}{name}.lora_A.weight"] = torch.zeros(spec.rank, in_features)
+        zero[f"{PEFT_PREFIX}{name}.lora_B.weight"] = torch.zeros(out_features, spec.rank)
     write_adapter(directory, spec, zero)
     request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(directory))
     slices = _activate(llm, spec, modules, request)
@@ -418,37 +416,6 @@ def _adapter_forward(adapter: SharedAdapter, dropout: float):
     return hook
 
 
-def peft_adapter_state(full: dict[str, torch.Tensor], scaling) -> dict[str, torch.Tensor]:
-    """A full_state_dict ({module}.lora_A / .lora_B, B in the slot's units: scaling x PEFT's) in PEFT's
-    names and units; scaling: alpha / rank, or {module: its scaling}."""
-    state = {}
-    for key in sorted(full):
-        if not key.endswith(".lora_A"):
-            continue
-        name = key[:-len(".lora_A")]
-        a, b = full[key], full[f"{name}.lora_B"]
-        scale = scaling[name] if isinstance(scaling, dict) else scaling
-        state[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = a.detach().clone()
-        state[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = (b.detach().float() / scale).to(b.dtype)
-    return state
-
-
-def write_adapter(directory, spec: LoraSpec, state: dict[str, torch.Tensor], base_model: str = "") -> Path:
-    """Write a PEFT-format adapter (adapter_config.json, adapter_model.safetensors) to `directory`,
-    whole or not at all."""
-    with staged_directory(directory) as staging:
-        write_adapter_files(staging, spec, state, base_model)
-    return Path(directory)
-
-
-def write_adapter_files(directory: Path, spec: LoraSpec, state: dict[str, torch.Tensor], base_model: str = "") -> None:
-    """The two files of a PEFT-format adapter, into an existing directory."""
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(Path(directory) / "adapter_model.safetensors"))
-    (Path(directory) / "adapter_config.json").write_text(json.dumps(spec.peft_config(base_model), indent=2))
-
-
 def read_adapter(directory) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
     """A PEFT-format LoRA adapter from `directory`: its spec and its tensors (PEFT's names)."""
     from safetensors.torch import load_file
@@ -549,8 +516,8 @@ def share_peft_adapter(peft_model, llm, workdir, adapter_name: str = "default") 
     directory = Path(workdir) / "colo-adapter-slot"
     zero = {}
     for name, module in layers.items():
-        zero[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = torch.zeros(spec.rank, module.base_layer.in_features)
-        zero[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = torch.zeros(module.base_layer.out_features, spec.rank)
+        zero[f"{PEFT_PREFIX}{name}.lora_A.weight"] = torch.zeros(spec.rank, module.base_layer.in_features)
+        zero[f"{PEFT_PREFIX}{name}.lora_B.weight"] = torch.zeros(module.base_layer.out_features, spec.rank)
     write_adapter(directory, spec, zero)
     request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(directory))
     slices = _activate(llm, spec, layers, request)

@@ -43,7 +43,7 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     lora_alpha="lora_alpha", temperature="temperature", top_p="top_p", top_k="top_k",
                     max_prompt_length="max_prompt_length", truncate_prompts="truncate_prompts",
                     mask_truncated="mask_truncated", loss_type="loss_type", epsilon="epsilon_low",
-                    epsilon_high="epsilon_high", scale_rewards="scale_rewards", beta="beta", eval_every="eval_every",
+                    epsilon_high="epsilon_high", scale_rewards="scale_rewards", beta="beta", eval_every="eval_every", eval_on_start="eval_on_start",
                     chat_template_kwargs="chat_template_kwargs", overlap="overlap",
                     overlap_threads="overlap_threads", save_model_every="save_model_every", save_dtype="save_dtype",
                     merge_lora="merge_lora", report_to="report_to", run_name="run_name",
@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     task.add_argument("--eval-dataset", metavar="PATH|ORG/NAME", help="prompts for greedy pass@1 per reward function "
                       "(as --dataset)")
     task.add_argument("--eval-every", type=_non_negative_int, metavar="N", help="evaluate every N steps (default 0: never)")
+    task.add_argument("--eval-on-start", action="store_true", default=None,
+                      help="evaluate once before the first step, the base model's pass@1 (logged as step 0)")
     task.add_argument("--chat-template-kwargs", type=_json_object, metavar="JSON",
                       help='extra arguments of the chat template, e.g. \'{"enable_thinking": false}\'')
     task.add_argument("--max-prompt-length", type=_positive_int, metavar="N",
@@ -355,7 +357,7 @@ def _check_task_flags(args, parser) -> None:
     from .task import PROMPT
 
     if not args.dataset:
-        for flag in ("reward", "reward_weights", "eval_dataset", "eval_every", "chat_template_kwargs",
+        for flag in ("reward", "reward_weights", "eval_dataset", "eval_every", "eval_on_start", "chat_template_kwargs",
                      "max_prompt_length", "tool", "environment", "chat_template"):
             if getattr(args, flag):
                 parser.error(f"--{flag.replace('_', '-')} needs --dataset (the toy task has its own prompts and reward)")
@@ -368,8 +370,9 @@ def _check_task_flags(args, parser) -> None:
         parser.error("--dataset needs at least one --reward (or an --environment with get_reward)")
     if args.reward_weights and len(args.reward_weights) != len(args.reward or ()):
         parser.error(f"--reward-weights: {len(args.reward_weights)} weights for {len(args.reward)} --reward functions")
-    if args.eval_every and not args.eval_dataset:
-        parser.error("--eval-every needs --eval-dataset")
+    for flag in ("eval_every", "eval_on_start"):
+        if getattr(args, flag) and not args.eval_dataset:
+            parser.error(f"--{flag.replace('_', '-')} needs --eval-dataset")
     for spec in args.reward or ():
         try:
             load_reward(spec)

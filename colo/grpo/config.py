@@ -43,6 +43,7 @@ class GRPOConfig:
     truncate_prompts: str | None = None
     chat_template_kwargs: dict = field(default_factory=dict)  # e.g. {"enable_thinking": False}
     eval_every: int = 0                # steps between greedy pass@1 evaluations on an eval dataset (0: none)
+    eval_on_start: bool = False        # TRL's name: evaluate once before the first step (logged as step 0)
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.99)
@@ -112,7 +113,7 @@ class GRPOConfig:
     max_turns: int = 5
     tool_timeout: float | None = 30.0
     # Where sync tools run: "process" (worker processes, colo.grpo.tool_workers: a tool that crashes, hangs
-    # or exhausts its memory ends its worker, not the run; about 0.4 ms a call more than a thread) or
+    # or exhausts its memory ends its worker, not the run; its cost per call: bench section tool_calls) or
     # "thread" (daemon threads of the training process, as TRL runs them). Environments and async tools
     # run in the training process either way.
     tool_isolation: str = "process"
@@ -189,8 +190,8 @@ class GRPOConfig:
         if self.tensor_parallel > 1 and self.beta > 0:
             raise NotImplementedError(f"tensor_parallel={self.tensor_parallel} with beta > 0 (a reference model) is "
                                       "not built yet")
-        if self.tensor_parallel > 1 and self.eval_every:
-            raise NotImplementedError("eval_every with tensor_parallel > 1 is not built yet")
+        if self.tensor_parallel > 1 and (self.eval_every or self.eval_on_start):
+            raise NotImplementedError("evaluation (eval_every, eval_on_start) with tensor_parallel > 1 is not built yet")
         if self.save_dtype is not None and str(self.save_dtype).lower() not in SAVE_DTYPES:
             raise ValueError(f"save_dtype: {self.save_dtype!r} is not a dtype colo saves in; one of bf16, fp16, fp32 "
                              "or None (the base model's own)")

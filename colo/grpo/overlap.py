@@ -38,14 +38,12 @@ from .backward import MICRO_BATCH_POSITIONS, merge_stats
 
 # Whether an overlapped step measured faster than the serial one on both workloads of
 # `python -m colo.bench --sections overlap` (the long-tail toy step and the real task), per device kind
-# (device_kind) and dtype ("fp32"/"bf16"): auto overlaps there only. A pair not listed has not been
-# measured, so auto leaves it serial. On 2-core CPUs the real task has no tail to fill (its groups end
-# with generation), so no CPU kind measured faster on it (bench/results/, AMD EPYC, 2 cores):
+# (device_kind) and dtype ("fp32"/"bf16"), and the file in bench/results that measured it: auto
+# overlaps where it did. A pair not listed has not been measured, so auto leaves it serial.
+# tests/grpo/test_grpo_overlap.py checks each decision against its file.
 MEASURED_FASTER = {
-    # toy 1.21x on an AVX2-only EPYC (cpu-overlap-full.json, 79caf42); as an AVX2 CPU (the persona on
-    # Zen 5, cpu-overlap-avx2-persona-full.json, ac786d0) toy 1.01x, real task 0.93x.
-    ("cpu-avx2", "fp32"): False,
-    ("cpu-avx512-bf16", "bf16"): False,  # Zen 5 (cpu-overlap-zen5-full.json, 28a3bc2): toy 1.05x, real task 0.97x
+    ("cpu-avx2", "fp32"): (False, "cpu-overlap-avx2-persona-full.json"),
+    ("cpu-avx512-bf16", "bf16"): (False, "cpu-overlap-zen5-full.json"),
 }
 
 
@@ -67,7 +65,7 @@ def serial_reason(config, *, device_type: str, groups: int, stop_tokens: bool = 
         return "overlap is off"
     if config.overlap == "auto":
         measured = (device_kind(device_type), config.dtype or fastest_dtype(device_type).name)
-        if not MEASURED_FASTER.get(measured, False):
+        if not MEASURED_FASTER.get(measured, (False, None))[0]:
             return (f"overlap=auto: an overlapped step has not measured faster than a serial one on this device "
                     f"kind in this dtype ({measured[0]}, {measured[1]}; colo.grpo.overlap.MEASURED_FASTER); use "
                     "overlap='on' to run it anyway")

@@ -34,6 +34,10 @@ def plot(records: list[dict], out: str | Path, title: str | None = None) -> Path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    evaluated = records
+    records = [r for r in records if "reward_mean" in r]  # the steps; an eval before the first (step 0) has none
+    if not records:
+        raise ValueError("the log holds no training step")
     steps = [r["step"] for r in records]
     agentic = "tools/rollouts_calling" in records[0]
     fig, axes = plt.subplots(3 if agentic else 2, 1, figsize=(8, 10 if agentic else 7), sharex=True)
@@ -47,8 +51,8 @@ def plot(records: list[dict], out: str | Path, title: str | None = None) -> Path
     if len(functions) > 1:
         for name in functions:
             top.plot(steps, [r.get(f"rewards/{name}/mean") for r in records], label=name, alpha=0.8)
-    for key in sorted({k for r in records for k in r if k.startswith("eval/")}):
-        points = [(r["step"], r[key]) for r in records if key in r]
+    for key in sorted({k for r in evaluated for k in r if k.startswith("eval/")}):
+        points = [(r["step"], r[key]) for r in evaluated if key in r]
         top.plot(*zip(*points), "o--", label=f"{key} (greedy pass@1)")
     top.set_ylabel("reward")
     top.legend(fontsize=8)

@@ -411,6 +411,11 @@ class GRPOScheduler:
         records = []
         bar = ProgressBar(steps, self.step, enabled=progress and self.world.is_main)
         terminate = _TerminationRequest()
+        if self.config.eval_on_start and self.eval_task is not None and self.step == 0:
+            start = {"step": 0, **self.evaluate()}  # the base model's pass@1; not a step's record
+            self.log.write(start)
+            if self.trackers is not None:
+                self.trackers.log(start)
         try:
             while self.step < steps:
                 record = self.train_step()

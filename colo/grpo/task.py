@@ -125,7 +125,7 @@ class CallableTask(Task):
 class DatasetTask(Task):
     """A dataset's prompts and reward functions with TRL's signature, through the model's tokenizer.
 
-    dataset: a `datasets.Dataset` (or anything load_dataset_file reads) with a `prompt` column.
+    dataset: a `datasets.Dataset` (or anything colo.hub.load_dataset_file reads) with a `prompt` column.
     reward_funcs: functions (or their names, colo.grpo.rewards.load_reward); reward_weights: one per
     function (default 1 each). max_prompt_length: None refuses nothing here (the scheduler checks
     prompt + completion against the model); a number refuses longer prompts, naming the row, or with
@@ -327,36 +327,6 @@ def stop_token_ids(tokenizer, chat: bool) -> list[int]:
     return sorted(set(ids))
 
 
-def load_dataset_file(path: str | Path):
-    """A `datasets.Dataset` from a JSONL/JSON, Parquet or CSV file or a save_to_disk directory."""
-    try:
-        import datasets
-    except ImportError as e:
-        raise ImportError("reading a dataset needs the `datasets` package: pip install 'colo[tasks]'") from e
-    path = Path(path)
-    if path.is_dir():
-        try:
-            loaded = datasets.load_from_disk(str(path))
-        except (FileNotFoundError, ValueError) as e:
-            raise ValueError(f"{path} is not a dataset saved with save_to_disk: {e}") from e
-        if isinstance(loaded, datasets.DatasetDict):
-            if "train" not in loaded:
-                raise ValueError(f"{path} holds splits {list(loaded)}, none named 'train'; point at one split")
-            loaded = loaded["train"]
-        return loaded
-    if not path.is_file():
-        raise ValueError(f"dataset {path}: no such file or directory")
-    builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-    builder = builders.get(path.suffix.lower())
-    if builder is None:
-        raise ValueError(f"dataset {path}: unknown format {path.suffix!r}; give .jsonl, .json, .parquet, .csv "
-                         "or a save_to_disk directory")
-    try:
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
-    except Exception as e:  # noqa: BLE001 - datasets raises many kinds for unreadable files
-        raise ValueError(f"dataset {path}: cannot read it as {builder}: {type(e).__name__}: {e}") from e
-
-
 def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
@@ -381,6 +351,8 @@ def build_tasks(config, model_dir, task, dataset, reward_funcs, reward_weights, 
         raise ValueError("eval_dataset needs a dataset task (dataset and reward_funcs)")
     if config.eval_every and eval_dataset is None:
         raise ValueError(f"eval_every={config.eval_every} needs an eval_dataset")
+    if config.eval_on_start and eval_dataset is None:
+        raise ValueError("eval_on_start needs an eval_dataset")
     agentic = bool(tools) or environment is not None
     if agentic and dataset is None:
         raise ValueError("tools and environments need a dataset task (chat prompts, through the model's tokenizer "

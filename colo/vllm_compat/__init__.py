@@ -24,7 +24,7 @@ compat.engine_model(llm)`):
 - trainer_models: trainer models of the families vLLM serves through its Transformers backend, which
   decorates transformers' own classes process-wide;
 - routing: the experts a MoE engine routed each request's tokens to (vLLM's own capture where it runs,
-  colo's worker's through the same router hook where it does not);
+  colo's worker's through the same router hook where it does not: route_capture);
 - lora_slots: LoRA adapter slots (`lora_a_stacked`/`lora_b_stacked`) the trainer's adapter is a view
   of, and a one-adapter fast path for vLLM's CPU punica wrapper;
 - runner_memory: what the model runner allocates in load_model beside the weights, so in the weights

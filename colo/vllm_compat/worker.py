@@ -31,7 +31,7 @@ import torch
 from ..placement import AllocateIn, adopt_into
 from ..regions import KV_CACHE, WEIGHTS, WEIGHTS_CHUNK_BYTES, region_for
 from ..sizes import round_up
-from .routing import install_capture
+from .route_capture import install_capture
 from .trainer_models import remember_engine_config
 from .cpu_gemm import CpuLinear, CpuPackedExperts, _keep_expert_weights, _keep_linear_weights, _LoadMode
 

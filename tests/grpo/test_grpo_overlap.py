@@ -36,11 +36,11 @@ def test_auto_overlaps_where_measured_faster_and_only_when_completions_end_apart
     kinds = ("cpu-amx", "cpu-avx512-bf16", "cpu-avx2", "cpu", "cuda")  # what device_kind returns
     assert kind in kinds and all(k in kinds and d in ("fp32", "bf16") for k, d in overlap.MEASURED_FASTER)
     auto = dict(device_type="cpu", groups=4)
-    monkeypatch.setitem(overlap.MEASURED_FASTER, (kind, dtype), False)
+    monkeypatch.setitem(overlap.MEASURED_FASTER, (kind, dtype), (False, "a.json"))
     assert f"not measured faster than a serial one on this device kind in this dtype ({kind}, {dtype};" in \
         serial_reason(GRPOConfig(), **auto)
     assert serial_reason(GRPOConfig(overlap="on"), **auto) is None
-    monkeypatch.setitem(overlap.MEASURED_FASTER, (kind, dtype), True)
+    monkeypatch.setitem(overlap.MEASURED_FASTER, (kind, dtype), (True, "a.json"))
     assert serial_reason(GRPOConfig(), **auto) is None
     # Measured in one dtype only: the other one, forced, is not covered by that measurement.
     other = "bf16" if dtype == "fp32" else "fp32"
@@ -49,6 +49,23 @@ def test_auto_overlaps_where_measured_faster_and_only_when_completions_end_apart
     assert "ignore_eos and no stop tokens" in serial_reason(GRPOConfig(ignore_eos=True), **auto)
     assert serial_reason(GRPOConfig(ignore_eos=True), **auto, stop_tokens=True) is None
     assert "(cuda, bf16;" in serial_reason(GRPOConfig(dtype="bf16"), device_type="cuda", groups=4)  # no GPU measured it
+
+
+def test_each_measured_decision_is_its_results_files():
+    """MEASURED_FASTER says "faster" exactly where its file's overlapped step beat the serial one on both
+    workloads in that dtype (ratio = serial / overlapped > 1 for some split of the threads)."""
+    import json
+    from pathlib import Path
+
+    from colo.grpo import overlap
+
+    results = Path(__file__).resolve().parents[2] / "bench" / "results"
+    for (kind, dtype), (faster, file) in overlap.MEASURED_FASTER.items():
+        rows = [r for r in json.loads((results / file).read_text())["rows"]
+                if r.get("section") == "overlap" and r.get("dtype") == dtype and r.get("ratio")]
+        workloads = {"toy": [r for r in rows if "qwen2" in r["case"]], "real": [r for r in rows if "smollm2" in r["case"]]}
+        assert all(workloads.values()), (file, dtype)
+        assert faster == all(max(r["ratio"] for r in w) > 1 for w in workloads.values()), (kind, dtype, file)
 
 
 def test_merged_stats_are_the_whole_batchs():

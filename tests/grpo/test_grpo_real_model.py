@@ -47,7 +47,7 @@ def test_real_model_on_a_dataset_stops_at_eos_and_resumes_after_a_failing_reward
     out = tmp_path / "run"
     flags = ["--steps", "2", "--model", str(smollm2_model_dir), "--dataset", str(train), "--reward", "math",
              "--reward", f"{reward_file}:flaky", "--reward-weights", "1", "0.5", "--eval-dataset", str(evaluation),
-             "--eval-every", "2", "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", str(MAX_NEW),
+             "--eval-every", "2", "--eval-on-start", "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", str(MAX_NEW),
              "--lr", "1e-5", "--dtype", "fp32", "--save-every", "1"]
     failed = run(out, *flags, env_extra={"RAISE_AFTER": "8"})  # step 1 scores its 8 completions, step 2 raises
     assert failed.returncode == 1, failed.stderr[-2000:]
@@ -58,8 +58,10 @@ def test_real_model_on_a_dataset_stops_at_eos_and_resumes_after_a_failing_reward
     resumed = run(out, "--steps", "2", "--resume")  # the user fixed the reward; same data and rewards (run.json)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == [1, 2]
-    for r in log:
+    # the base model's evaluation (step 0), once: the resumed run did not repeat it
+    assert [r["step"] for r in log] == [0, 1, 2] and "reward_mean" not in log[0]
+    assert 0 <= log[0]["eval/math"] <= 1
+    for r in log[1:]:
         assert set(r) >= {"rewards/math/mean", "rewards/math/std", "rewards/flaky/mean", "rewards/flaky/std",
                           "completion_length_mean", "clipped_ratio", "tokens_per_s", "engine_logprob_mean_abs_diff"}
         assert 0 <= r["rewards/math/mean"] <= 1 and 0 <= r["clipped_ratio"] <= 1
@@ -70,9 +72,9 @@ def test_real_model_on_a_dataset_stops_at_eos_and_resumes_after_a_failing_reward
         assert r["engine_logprob_mean_abs_diff"] < 1e-3 and r["engine_logprob_max_abs_diff"] < 1e-2, r
         assert r["publish_bytes_copied"] == 0
     # SmolLM2 answers "Answer with the number only" in a few tokens and ends its turn: EOS stops it.
-    assert min(r["completion_length_min"] for r in log) < MAX_NEW
-    assert any(r["clipped_ratio"] < 1 for r in log)
-    assert 0 <= log[1]["eval/math"] <= 1 and "eval/flaky" in log[1]
+    assert min(r["completion_length_min"] for r in log[1:]) < MAX_NEW
+    assert any(r["clipped_ratio"] < 1 for r in log[1:])
+    assert 0 <= log[2]["eval/math"] <= 1 and "eval/flaky" in log[2]
 
 
 def test_truncated_completions_left_out_of_the_loss(tmp_path):

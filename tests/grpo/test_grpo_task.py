@@ -17,7 +17,8 @@ from colo.grpo import arithmetic, cli
 from colo.grpo.config import GRPOConfig
 from colo.grpo.loss import group_advantages, grpo_loss, loss_denominators
 from colo.grpo.rewards import gsm8k_reward, load_reward, math_reward, regex_reward
-from colo.grpo.task import DatasetTask, RewardError, Scores, check_rewards, load_dataset_file
+from colo.grpo.task import DatasetTask, RewardError, Scores, check_rewards
+from colo.hub import load_dataset_file
 from colo.grpo.toy_task import ToyTask
 
 REPO = Path(__file__).resolve().parents[2]
@@ -243,6 +244,7 @@ def test_cli_refuses_bad_task_flags_up_front(smollm2_model_dir, tmp_path):
         (["--reward", "math"], "--reward needs --dataset"),
         ([*model, "--dataset", str(data), "--reward", "math", "--reward-weights", "1", "2"], "2 weights for 1"),
         ([*model, "--dataset", str(data), "--reward", "math", "--eval-every", "2"], "--eval-every needs --eval-dataset"),
+        ([*model, "--dataset", str(data), "--reward", "math", "--eval-on-start"], "--eval-on-start needs --eval-dataset"),
         ([*model, "--dataset", str(data), "--reward", "math", "--loss-type", "ppo"], "invalid choice"),
     ]:
         done = run_cli(*common, *extra)
@@ -374,6 +376,9 @@ def test_a_prompt_longer_than_the_model_is_refused_before_any_engine(smollm2_mod
     with pytest.raises(ValueError, match="eval_every=2 needs an eval_dataset"):
         GRPOScheduler(smollm2_model_dir, config=GRPOConfig(eval_every=2), dataset=tmp_path / "d.jsonl",
                       reward_funcs=["math"])
+    with pytest.raises(ValueError, match="eval_on_start needs an eval_dataset"):
+        GRPOScheduler(smollm2_model_dir, config=GRPOConfig(eval_on_start=True), dataset=tmp_path / "d.jsonl",
+                      reward_funcs=["math"])
 
 
 def test_plot_draws_a_run_log(tmp_path):
@@ -384,6 +389,7 @@ def test_plot_draws_a_run_log(tmp_path):
                 "rewards/fmt/mean": 0.5, "completion_length_mean": 10 - s, "completion_length_min": 2,
                 "completion_length_max": 12, "clipped_ratio": 0.5 / s, **({"eval/math": 0.3} if s == 2 else {})}
                for s in (1, 2, 3)]
+    records.insert(0, {"step": 0, "eval/math": 0.1, "eval_s": 1.0})  # --eval-on-start: no step's fields
     log.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 4, "rew')  # killed mid-line
     assert main([str(log), "-o", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"

@@ -125,7 +125,8 @@ def test_a_trl_script_with_a_peft_lora_config_trains_the_engines_adapter_slot(dt
     history = [h for h in resumed.state.log_history if "reward" in h]
     assert [h["step"] for h in history] == [1, 2, 3, 4]  # the checkpoint's log, then the resumed step
     assert history[-1]["sampling/sampling_logp_difference/max"] < tolerance
-    from colo.lora import LoraSpec, write_adapter
+    from colo.lora import LoraSpec
+    from colo.peft_format import write_adapter
 
     write_adapter(tmp_path / "rank8", LoraSpec(8, 16.0, tuple(TARGETS)), {})
     with pytest.raises(ValueError, match="rank 8, alpha 16.0; this trainer's is rank 4"):
