@@ -162,6 +162,29 @@ FILL = 0.8
 MICRO_BATCH_POSITIONS = 4096
 
 
+class PolicyTrainer:
+    """What a step's strategy trains with (colo.grpo.strategy): forward, loss and backward over a rollout
+    on the views' model (backward_rollout), against the reference model where there is one, sampling the
+    memory while the activations are alive: as generation's while the engine decodes or the KV cache is
+    awake (`generating` is the strategy's to set), as training's otherwise."""
+
+    def __init__(self, views, config: GRPOConfig, *, device, dp_size: int, reference, residency, phases):
+        self.views, self.config, self.device, self.dp_size = views, config, device, dp_size
+        self.reference, self.residency, self.phases = reference, residency, phases
+        self.generating = False
+
+    def backward(self, rollout: Rollout, advantages: torch.Tensor, *, after_forward=None, **totals) -> dict:
+        """backward_rollout over `rollout`; after_forward(): run too, once per micro-batch's forward."""
+        def forward_done():
+            awake = self.generating or (self.phases.on and self.phases.kv_cache_awake)
+            self.residency.sample("generate" if awake else "train")
+            if after_forward is not None:
+                after_forward()
+
+        return backward_rollout(self.views.trainer_model, rollout, advantages, self.config, device=self.device,
+                                dp_size=self.dp_size, reference=self.reference, after_forward=forward_done, **totals)
+
+
 def length_buckets(prompt_lengths: list[int], completion_lengths: list[int], most_rows: int | None,
                    most_positions: int = MICRO_BATCH_POSITIONS) -> list[list[int]]:
     """The rows (indices) of each micro-batch: longest first, a row joining the current micro-batch while

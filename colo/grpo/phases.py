@@ -3,7 +3,8 @@
     phases.to_train()      KV cache released; gradients awake and zeroed; the optimizer state (where
                            it was offloaded) coming back on the copy stream while forward and backward run
     phases.to_generate()   gradients released; the optimizer state copied out to host where it is
-                           offloaded (overlapping the work given, the publish); KV cache awake
+                           offloaded; KV cache awake. A step splits it around the publish, which
+                           overlaps the copy out: to_generate_begin(); publish; to_generate_end()
 
 Between steps a run is ready to generate. Each verb does only what is not in place already (a
 no-op when called twice), and times itself: `take_seconds()` is the step's phase_switch_s. With
@@ -41,9 +42,14 @@ class MemoryPhases:
         self.memory.start_prefetch()  # finish_prefetch() waits for it right before the optimizer steps
         self._seconds += time.perf_counter() - started
 
-    def to_generate(self, overlapping=None):
-        """Gradients asleep, optimizer state copied out where offloaded, KV cache awake; returns what
-        `overlapping()` returns, run while the optimizer state's copy out is in flight."""
+    def to_generate(self) -> None:
+        """Gradients asleep, optimizer state copied out where offloaded, KV cache awake."""
+        self.to_generate_begin()
+        self.to_generate_end()
+
+    def to_generate_begin(self) -> None:
+        """Gradients asleep; the optimizer state's copy out started where offloaded. What runs before
+        to_generate_end() (a step's publish) overlaps the copy."""
         started = time.perf_counter()
         if self.on:
             if self.memory.pool.device.type == "cuda":
@@ -52,13 +58,14 @@ class MemoryPhases:
                 self.memory.grads.sleep(offload=False)  # dead between steps
             self.memory.start_offload()
         self._seconds += time.perf_counter() - started
-        result = overlapping() if overlapping is not None else None
+
+    def to_generate_end(self) -> None:
+        """The optimizer state's copy out finished; KV cache awake (into the bytes the copy freed)."""
         started = time.perf_counter()
         self.memory.finish_offload()
         if self.on and self.engine.kv_cache_asleep:
             self.engine.wake_kv_cache()  # also forgets prefixes whose KV was lost
         self._seconds += time.perf_counter() - started
-        return result
 
     def wake_gradients_for_overlap(self) -> None:
         """Gradients awake and zeroed beside the awake KV cache: groups train while the engine generates."""

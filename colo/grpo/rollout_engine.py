@@ -320,33 +320,24 @@ class RolloutEngine:
         gc.collect()
 
 
-def generate_or_rebuild(engine: RolloutEngine, attempt, *, step: int, rank: int, timeline, not_the_engines=()):
-    """(attempt()'s result, the rebuild's seconds or None): attempt() is a generation on `engine`; on an
-    engine error the engine is rebuilt from the shared weights and attempt() runs once more. Errors of
-    the types in not_the_engines (the user's reward function, the trainer) are raised as they are,
-    without a rebuild. Two failures: EngineFailure."""
-    try:
-        return attempt(), None
-    except not_the_engines:
-        raise
-    except compat.request_errors() as e:  # the request's fault, not the engine's: no rebuild would help
-        raise ValueError(f"step {step}: vLLM refused the run's requests: {e} (check the sampling settings: "
-                         "temperature, top_p, top_k, max_new_tokens, structured_outputs_regex)") from e
-    except Exception as e:  # noqa: BLE001 - any other engine error gets one rebuild
-        first = f"{type(e).__name__}: {e}"
-        # Rebuild outside this handler: the traceback's frames hold the broken engine alive.
+def engine_error(error: BaseException, step: int) -> str:
+    """What a failed generation's error says, where rebuilding the engine may help. A request vLLM refused
+    is the run's settings, not the engine: ValueError, naming them (no rebuild would help)."""
+    if isinstance(error, compat.request_errors()):
+        raise ValueError(f"step {step}: vLLM refused the run's requests: {error} (check the sampling settings: "
+                         "temperature, top_p, top_k, max_new_tokens, structured_outputs_regex)") from error
+    return f"{type(error).__name__}: {error}"
+
+
+def rebuild_engine(engine: RolloutEngine, failure: str, *, step: int, rank: int, timeline) -> float:
+    """Rebuild `engine` from the shared weights after it raised (`failure`, engine_error's); the seconds
+    it took. EngineFailure where it cannot be rebuilt."""
     logger.warning("rank %d step %d: engine raised %s; rebuilding it from the shared weights and retrying once",
-                   rank, step, first)
+                   rank, step, failure)
     with timeline.span("engine_rebuild", step=step) as span:
         try:
             engine.rebuild()
         except Exception as e:  # noqa: BLE001 - reported as an EngineFailure, which ranks share
-            raise EngineFailure(f"step {step}: the engine raised {first} and could not be rebuilt from the "
+            raise EngineFailure(f"step {step}: the engine raised {failure} and could not be rebuilt from the "
                                 f"shared weights: {type(e).__name__}: {e}") from e
-    try:
-        return attempt(), span["seconds"]
-    except not_the_engines:
-        raise
-    except Exception as second:  # noqa: BLE001
-        raise EngineFailure(f"step {step}: generation failed twice on rank {rank}: first {first}; after rebuilding "
-                            f"the engine from the shared weights: {type(second).__name__}: {second}") from second
+    return span["seconds"]

@@ -54,7 +54,7 @@ from ..pool import Pool
 from ..regions import WEIGHTS
 from ..zero import ShardLayout
 from . import distributed
-from .backward import backward_rollout
+from .backward import PolicyTrainer
 from .batch import Rollout, rollout_of
 from .checkpoint import Checkpointer
 from .config import GRPOConfig, check_model_dir, check_routing_replay
@@ -62,7 +62,7 @@ from .metrics import (ProgressBar, Residency, StepLog, Timeline, agent_stats, ra
                       train_stats)
 from .overlap import GroupFailed, memory_refusal, serial_reason
 from .phases import MemoryPhases
-from .rollout_engine import EngineFailure, RolloutEngine, generate_or_rebuild
+from .rollout_engine import EngineFailure, RolloutEngine, engine_error, rebuild_engine
 from .strategy import Generated, OverlappedSteps, SerialSteps
 from .task import (Task, build_tasks, checked_prompts, fit_model_length, guided_options, longest_sequence,
                    sampling_options, stop_options)
@@ -230,6 +230,8 @@ class GRPOScheduler:
         self.phases = MemoryPhases(self.engine, self.memory, on=cfg.memory_phases)
         self.phases.to_generate()
         self.phases.take_seconds()  # set-up, not a step's
+        self.trainer = PolicyTrainer(self.views, cfg, device=self.device, dp_size=self.world.dp_size,
+                                     reference=self.reference, residency=self.residency, phases=self.phases)
 
     def _open_trackers(self, log_path, resume: bool) -> Trackers | None:
         """The experiment trackers config.report_to names (None: none), with the run's config."""
@@ -254,9 +256,9 @@ class GRPOScheduler:
     def _strategy(self) -> SerialSteps:
         """Serial steps, or overlapped ones where nothing refuses them (chosen once: serial_reason)."""
         if self.serial_reason is not None:
-            return SerialSteps(self.engine, self.task, self.config, self.world, self._backward, agent=self.agent)
+            return SerialSteps(self.engine, self.task, self.config, self.world, self.trainer, agent=self.agent)
         stream = self.pool.stream("train").torch_stream() if self.device.type == "cuda" else None
-        return OverlappedSteps(self.engine, self.task, self.config, self.world, self._backward, agent=self.agent,
+        return OverlappedSteps(self.engine, self.task, self.config, self.world, self.trainer, agent=self.agent,
                                phases=self.phases,
                                memory=self.memory, model_dir=self.model_dir, sequence_tokens=self.sequence_tokens,
                                device=self.device, train_stream=stream)
@@ -284,7 +286,9 @@ class GRPOScheduler:
             raise
         # The gradients sleep and the optimizer state's copy out overlaps the publish; the KV cache wakes
         # after it, so between steps the run is ready to generate (a user may checkpoint or evaluate).
-        report, publish_s = self.phases.to_generate(overlapping=lambda: self._publish(step))
+        self.phases.to_generate_begin()
+        report, publish_s = self._publish(step)
+        self.phases.to_generate_end()
         self.step = step
         record = {
             "step": step, "dtype": self.config.dtype,
@@ -322,9 +326,14 @@ class GRPOScheduler:
         with self.timeline.span("generate", step=step) as span:
             error = generated = rebuild_s = None
             try:
-                generated, rebuild_s = generate_or_rebuild(
-                    self.engine, lambda: self.strategy.generate(step, rows, prompts, sampling), step=step,
-                    rank=self.world.rank, timeline=self.timeline, not_the_engines=GroupFailed)
+                generated, failure = self._try_generate(step, rows, prompts, sampling)
+                if failure is not None:  # the engine raised: rebuilt from the shared weights, it tries once more
+                    rebuild_s = rebuild_engine(self.engine, failure, step=step, rank=self.world.rank,
+                                               timeline=self.timeline)
+                    generated, second = self._try_generate(step, rows, prompts, sampling)
+                    if second is not None:
+                        raise EngineFailure(f"step {step}: generation failed twice on rank {self.world.rank}: first "
+                                            f"{failure}; after rebuilding the engine from the shared weights: {second}")
             except EngineFailure as e:
                 error = e
             except GroupFailed as e:  # a reward function or the trainer raised: that error, as it is
@@ -337,18 +346,16 @@ class GRPOScheduler:
             self.residency.sample("generate")
         return rollout_of(rows, prompts, generated.completions, cfg.num_generations), generated, span["seconds"], rebuild_s
 
-    def _backward(self, rollout: Rollout, advantages, *, after_forward=lambda: None, **totals) -> dict:
-        """Forward, loss and backward over `rollout` (the strategy's, for a batch or one group)."""
-        def forward_done():  # activations alive: the moment to sample memory (and the overlap's catch_up)
-            # A group trained while the KV cache is awake (during generation, or the group in hand when it
-            # ends: --overlap) is counted with generation; the train phase's figures have it asleep.
-            awake = self.strategy.generating or (self.phases.on and self.phases.kv_cache_awake)
-            self.residency.sample("generate" if awake else "train")
-            after_forward()
-
-        return backward_rollout(self.views.trainer_model, rollout, advantages, self.config, device=self.device,
-                                dp_size=self.world.dp_size, reference=self.reference, after_forward=forward_done,
-                                **totals)
+    def _try_generate(self, step: int, rows, prompts, sampling) -> tuple[Generated | None, str | None]:
+        """(the strategy's generation, None), or (None, what the engine raised). Not the engine's and raised
+        as they are: a request vLLM refused (ValueError: the run's settings), and a reward function's or the
+        trainer's error (GroupFailed)."""
+        try:
+            return self.strategy.generate(step, rows, prompts, sampling), None
+        except GroupFailed:
+            raise
+        except Exception as e:  # noqa: BLE001 - the engine's; the caller rebuilds it once
+            return None, engine_error(e, step)
 
     def _update(self) -> tuple[float, bool]:
         """Gradients made global and clipped; the optimizer steps unless their norm is not finite (the

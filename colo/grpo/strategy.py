@@ -6,6 +6,9 @@ three methods either way:
     scores, reward_s = strategy.score(step, rollout, generated)
     trained = strategy.train(rollout, scores, generated)           # forward, loss, backward
 
+Both train through the trainer they are given (colo.grpo.backward.PolicyTrainer: the views' model, the
+reference, the memory sampled while activations are alive), not through the scheduler.
+
 `SerialSteps` generates the whole batch, then scores it, then trains on it. `OverlappedSteps` scores
 and trains each prompt's group as soon as its completions are done, while the engine decodes the
 others (colo.grpo.overlap); a step whose gradients do not fit beside the KV cache that moment, or that
@@ -16,7 +19,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -51,15 +53,23 @@ class Trained:
 
 
 class SerialSteps:
-    """Generate everything, then score, then train. backward(rollout, advantages, **totals) runs
-    forward, loss and backward over completions (the scheduler's, which knows the model)."""
+    """Generate everything, then score, then train: `trainer` (colo.grpo.backward.PolicyTrainer) runs
+    forward, loss and backward over the completions."""
 
     overlapped = False
 
-    def __init__(self, engine, task, config, world, backward: Callable, agent=None):
-        self.engine, self.task, self.config, self.world, self.backward = engine, task, config, world, backward
+    def __init__(self, engine, task, config, world, trainer, agent=None):
+        self.engine, self.task, self.config, self.world, self.trainer = engine, task, config, world, trainer
         self.agent = agent  # multi-turn rollouts (colo.grpo.agent), or None: one engine call, one turn
-        self.generating = False  # True while the engine decodes (memory sampled then counts as generation's)
+
+    @property
+    def generating(self) -> bool:
+        """True while the engine decodes (memory sampled then counts as generation's)."""
+        return self.trainer.generating
+
+    @generating.setter
+    def generating(self, value: bool) -> None:
+        self.trainer.generating = value
 
     def generate(self, step: int, rows, prompts, sampling) -> Generated:
         trace = GenerationTrace()
@@ -88,7 +98,8 @@ class SerialSteps:
         batch_std = scored_mean_std(scores.total, self.world)[1] if cfg.scale_rewards == "batch" else None
         advantages = group_advantages(scores.total, cfg.num_generations, scale=cfg.scale_rewards,
                                       allow_unscorable=True, batch_std=batch_std)
-        return Trained(self.backward(rollout, advantages, global_tokens=global_tokens, global_sequences=global_sequences))
+        return Trained(self.trainer.backward(rollout, advantages, global_tokens=global_tokens,
+                                             global_sequences=global_sequences))
 
     def abandon(self, generated: Generated) -> None:
         """The step failed after generation: nothing of it may run on (a no-op for serial steps)."""
@@ -106,9 +117,9 @@ class OverlappedSteps(SerialSteps):
 
     overlapped = True
 
-    def __init__(self, engine, task, config, world, backward: Callable, *, agent=None, phases, memory, model_dir,
+    def __init__(self, engine, task, config, world, trainer, *, agent=None, phases, memory, model_dir,
                  sequence_tokens: int, device: torch.device, train_stream=None):
-        super().__init__(engine, task, config, world, backward, agent)
+        super().__init__(engine, task, config, world, trainer, agent)
         self.phases, self.memory, self.model_dir = phases, memory, model_dir
         self.sequence_tokens, self.device, self.train_stream = sequence_tokens, device, train_stream
 
@@ -119,7 +130,8 @@ class OverlappedSteps(SerialSteps):
         if refusal is not None:
             return self._serially(step, rows, prompts, sampling, f"step {step} serial: {refusal}")
         self.phases.wake_gradients_for_overlap()
-        early = start_overlapped_step(self.task, step, rows, prompts, self.config, self.world.dp_size, self.backward,
+        early = start_overlapped_step(self.task, step, rows, prompts, self.config, self.world.dp_size,
+                                      self.trainer.backward,
                                       device=self.device, train_stream=self.train_stream)
         trace = GenerationTrace()
         self.generating = True

@@ -44,10 +44,9 @@ def test_memory_phases_release_gradients_before_the_copy_out_and_wake_the_kv_cac
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     memory.adopt_optimizer_state(optimizer)
-    seen = []
-    phases.to_generate(overlapping=lambda: seen.append((memory.grads.asleep, memory.optimizer_state_away,
-                                                        engine.kv_cache_asleep)))
-    assert seen == [(True, True, True)]
+    phases.to_generate_begin()  # what a step does between the two (the publish) sees:
+    assert (memory.grads.asleep, memory.optimizer_state_away, engine.kv_cache_asleep) == (True, True, True)
+    phases.to_generate_end()
     assert not engine.kv_cache_asleep and memory.optimizer_region.asleep
     with phases.optimizer_state_in_reach():
         assert not memory.optimizer_state_away
@@ -77,8 +76,9 @@ def test_training_memory_gradients_and_offloaded_optimizer_state_live_in_the_poo
 
     engine = _KvCacheOnly(pool)
     phases = MemoryPhases(engine, memory, on=True)
-    copied_out_during = phases.to_generate(overlapping=lambda: memory.optimizer_state_away)
-    assert copied_out_during  # the publish runs while the optimizer state's copy out is in flight
+    phases.to_generate_begin()
+    assert memory.optimizer_state_away  # the publish runs while the optimizer state's copy out is in flight
+    phases.to_generate_end()
     stats = pool.stats()
     assert stats["grads"]["resident_bytes"] == 0 and stats["optimizer"]["resident_bytes"] == 0
     assert not engine.kv_cache_asleep  # ready to generate

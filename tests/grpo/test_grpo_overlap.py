@@ -322,7 +322,7 @@ def test_out_of_memory_while_training_during_generation_redoes_the_step_serially
                         overlap="on", dtype="fp32")
     run = GRPOScheduler(build_toy_model(tmp_path / "model"), config=config, task=long_tail_toy_task(mean_length=16),
                         engine_options=dict(enforce_eager=True))
-    backward, failures = run.strategy.backward, []
+    backward, failures = run.trainer.backward, []
 
     def out_of_memory_once(*args, **kwargs):
         if run.strategy.generating and not failures:
@@ -330,7 +330,7 @@ def test_out_of_memory_while_training_during_generation_redoes_the_step_serially
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (a test)")
         return backward(*args, **kwargs)
 
-    run.strategy.backward = out_of_memory_once
+    run.trainer.backward = out_of_memory_once  # what the strategy trains through
     try:
         first = run.train_step()
         assert failures == [1] and first["step"] == 1

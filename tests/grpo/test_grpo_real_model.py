@@ -47,9 +47,11 @@ def test_real_model_on_a_dataset_stops_at_eos_and_resumes_after_a_failing_reward
     out = tmp_path / "run"
     flags = ["--steps", "2", "--model", str(smollm2_model_dir), "--dataset", str(train), "--reward", "math",
              "--reward", f"{reward_file}:flaky", "--reward-weights", "1", "0.5", "--eval-dataset", str(evaluation),
-             "--eval-every", "2", "--eval-on-start", "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", str(MAX_NEW),
+             "--eval-every", "2", "--eval-on-start", "--prompts-per-step", "2", "--num-generations", "4",
+             "--max-new-tokens", str(MAX_NEW),
              "--lr", "1e-5", "--dtype", "fp32", "--save-every", "1"]
-    failed = run(out, *flags, env_extra={"RAISE_AFTER": "8"})  # step 1 scores its 8 completions, step 2 raises
+    # the base model's evaluation scores the 4 eval completions, step 1 its 8; step 2 raises
+    failed = run(out, *flags, env_extra={"RAISE_AFTER": "12"})
     assert failed.returncode == 1, failed.stderr[-2000:]
     assert "reward function 'flaky' raised RuntimeError: the user's reward broke at step 2, on dataset row" in \
         failed.stderr and "(completion 0 of the " in failed.stderr, failed.stderr[-2000:]

@@ -331,21 +331,12 @@ def test_a_regex_that_does_not_compile_is_refused_before_any_engine(tmp_path, ca
 def test_a_request_vllm_refuses_is_the_users_error_and_no_reason_to_rebuild_the_engine():
     from vllm.exceptions import VLLMValidationError
 
-    from colo.grpo.rollout_engine import generate_or_rebuild
+    from colo.grpo.rollout_engine import engine_error
 
-    class Engine:
-        rebuilds = 0
-
-        def rebuild(self):
-            self.rebuilds += 1
-
-    def refused():
-        raise VLLMValidationError("Grammar error: unclosed bracket", parameter="structured_outputs")
-
-    engine = Engine()
+    refused = VLLMValidationError("Grammar error: unclosed bracket", parameter="structured_outputs")
     with pytest.raises(ValueError, match="step 3: vLLM refused the run's requests: Grammar error"):
-        generate_or_rebuild(engine, refused, step=3, rank=0, timeline=None)
-    assert engine.rebuilds == 0
+        engine_error(refused, step=3)  # raised, where an engine's own error is returned for a rebuild
+    assert engine_error(RuntimeError("engine died"), step=3) == "RuntimeError: engine died"
 
 
 def test_scheduler_refuses_an_encoder_before_starting_an_engine(tmp_path, monkeypatch):
