@@ -173,25 +173,31 @@ def test_tools_in_worker_processes_survive_crashes_hangs_and_errors():
     tools = {"add": add, "crash": crash, "segfault": segfault, "hang": slow, "broken": broken,
              "shifted": lambda x: x + offset}
     workers = ToolWorkers(tools, size=2)
-    runner = ToolRunner(timeout=1.0, workers=workers)
+    # A call's deadline counts from its submission, waiting for a worker (or a replacement's start-up)
+    # included: the calls that must not time out get a generous one, the hanging tool 1 s once both
+    # workers are up (on a loaded machine a fresh interpreter takes about a second to start).
+    patient, strict = ToolRunner(timeout=60.0, workers=workers), ToolRunner(timeout=1.0, workers=workers)
+
+    def run(runner, *calls):
+        pending = [runner.submit(ToolCall(name, args), tools) for name, args in calls]
+        while not all(c.ready(time.perf_counter()) for c in pending):
+            time.sleep(0.01)
+        return [c.result(1.0) for c in pending]
+
     try:
-        names = [("crash", {}), ("segfault", {}), ("hang", {"x": 1}), ("broken", {"x": 1}), ("add", {"a": 2, "b": 5}),
-                 ("shifted", {"x": 1})]
-        calls = [runner.submit(ToolCall(name, args), tools) for name, args in names]
-        while not all(c.ready(time.perf_counter()) for c in calls):
-            time.sleep(0.01)
-        results = [c.result(1.0) for c in calls]
-        again = runner.submit(ToolCall("add", {"a": 1, "b": 1}), tools)
-        while not again.ready(time.perf_counter()):
-            time.sleep(0.01)
-        last = again.result(1.0)
+        results = run(patient, ("crash", {}), ("segfault", {}), ("broken", {"x": 1}), ("add", {"a": 2, "b": 5}),
+                      ("shifted", {"x": 1}))
+        run(patient, ("add", {"a": 0, "b": 0}), ("add", {"a": 0, "b": 0}))  # both replacements up and idle
+        hung, = run(strict, ("hang", {"x": 1}))
+        last, = run(patient, ("add", {"a": 1, "b": 1}))
     finally:
-        runner.close()
+        patient.close()
+        strict.close()
         workers.close()
     assert "worker process died (exit code 3)" in results[0].content
     assert "worker process died (exit code -11)" in results[1].content
-    assert results[2].timed_out and "the tool broke" in results[3].content
-    assert results[4].content == "7" and results[5].content == "101" and last.content == "2"
+    assert hung.timed_out and "the tool broke" in results[2].content
+    assert results[3].content == "7" and results[4].content == "101" and last.content == "2"
     assert workers.replaced == 3  # the crashed, the segfaulted and the killed one
 
 
