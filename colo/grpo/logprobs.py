@@ -22,9 +22,12 @@ chunk products are rounded once each before the fp32 sum.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
+from ..moe_routing import replay_of
 from .loss import token_logprobs
 
 # Positions per chunk. A matmul of M rows reads the head's weight (vocab x hidden) once and does M
@@ -49,8 +52,11 @@ def has_plain_head(model) -> bool:
         ids = torch.tensor([[1, 2]], device=head.weight.device)
         was_training = model.training
         model.eval()
+        # The probe is no batch of the step: a MoE model's routing replay, forcing or measuring the step's
+        # routes, must not apply to it (forcing(None): each router's own choice).
+        replay = replay_of(model)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), replay.forcing(None) if replay is not None else contextlib.nullcontext():
                 logits = model(input_ids=ids, use_cache=False).logits
                 hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
                 known = bool(torch.equal(logits, head(hidden)))

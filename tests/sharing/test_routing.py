@@ -85,6 +85,22 @@ def test_forcing_routes_through_the_given_experts_with_the_routers_own_gates(arc
     assert replay.stats()["router_mismatch"] == 1.0  # every forced token differed from the router's choice
 
 
+def test_the_head_probe_inside_a_steps_routes_routes_on_its_own():
+    """colo.grpo asks has_plain_head the first time it computes log-probabilities, inside the step's
+    forcing (or measuring) of the engine's routes: its two-token probe is no batch of the step and must
+    route on its own, not meet the step's routes (it raised "the routes hold 32 tokens, the forward 2")."""
+    from colo.grpo.logprobs import has_plain_head
+
+    model = random_model({**TINY_CONFIG, "vocab_size": 100}, arch="qwen3_moe")
+    replay = RouterReplay.attach(model)
+    routes = torch.zeros(2, 16, 2, 2, dtype=torch.int16)
+    for context in (replay.forcing, replay.measuring):
+        model.__dict__.pop("_colo_plain_head", None)
+        with context(routes):
+            assert has_plain_head(model) is True
+            assert replay._routes is not None  # the step's routes are back for the step's own forward
+
+
 def test_a_router_whose_weights_follow_no_known_rule_is_refused():
     model = random_model({**TINY_CONFIG, "vocab_size": 100}, arch="qwen3_moe")
     replay = RouterReplay.attach(model)
