@@ -157,9 +157,13 @@ def weights_region_contents(llm) -> dict[str, int]:
 
 
 def reset_prefix_cache(llm) -> None:
-    """Forget vLLM's cached prefixes (their KV was computed with old weights, or was lost in sleep)."""
+    """Forget vLLM's cached prefixes (their KV was computed with old weights, or was lost in sleep) and
+    its cached encoder outputs (a vision-language model's image embeddings, shared across requests by
+    the image's hash, are computed with the weights of their first use)."""
     if not llm.reset_prefix_cache():
         raise RuntimeError("vLLM refused to reset its prefix cache: requests are still running in the engine")
+    if llm.llm_engine.model_config.is_multimodal_model:
+        llm.llm_engine.reset_encoder_cache()
 
 
 def sleep_kv_cache(llm) -> None:

@@ -31,6 +31,7 @@ import torch
 from .dtype_choice import BY_NAME
 from .errors import CheckpointError
 from .files import staged_directory
+from .model_classes import trainer_auto_class
 from .peft_format import peft_adapter_state, write_adapter_files
 
 FINAL = "final"
@@ -98,14 +99,14 @@ def weights_to_save(model_state: dict, masters: dict | None) -> dict:
 def write_model(state: dict, base_dir: Path, directory: Path, dtype: torch.dtype | None = None) -> Path:
     """A Hugging Face model directory of `state` (full weights, Hugging Face names) in `dtype`, with the
     config, tokenizer, chat template and generation config of `base_dir`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from .vllm_compat.trainer_models import building_trainer_models
 
     dtype = dtype or base_dtype(base_dir)
     config = AutoConfig.from_pretrained(base_dir)
-    from .vllm_compat.trainer_models import building_trainer_models
-
     with torch.device("meta"), building_trainer_models():  # no second initialised copy: the state is assigned in
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = trainer_auto_class(config).from_config(config, dtype=dtype)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = {k: v.detach().to("cpu", dtype) for k, v in state.items() if not (tied and k == "lm_head.weight")}
     result = model.load_state_dict(state, strict=False, assign=True)
@@ -138,12 +139,13 @@ def write_adapter_dir(adapter_state: dict, spec, base_dir: Path, directory: Path
 
 def merged_lora_state(base_dir: Path, adapter_state: dict, spec) -> dict:
     """The base model's weights (fp32) with W += alpha/r * B @ A for every adapted layer."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from .vllm_compat.trainer_models import building_trainer_models
 
     with building_trainer_models():
-        state = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).state_dict()
+        auto = trainer_auto_class(AutoConfig.from_pretrained(base_dir))
+        state = auto.from_pretrained(base_dir, dtype=torch.float32).state_dict()
     for name in sorted(n[:-len(".lora_A")] for n in adapter_state if n.endswith(".lora_A")):
         a = adapter_state[f"{name}.lora_A"].float()
         b = adapter_state[f"{name}.lora_B"].float()  # already scale x PEFT's B (the slot's units)
@@ -160,10 +162,18 @@ def _copy_generation_and_tokenizer(base_dir: Path, directory: Path, generation: 
     base_dir = Path(base_dir)
     if generation and (base_dir / "generation_config.json").is_file():
         shutil.copyfile(base_dir / "generation_config.json", directory / "generation_config.json")
-    if _has_tokenizer(base_dir):
+    if _has_processor(base_dir):  # a vision-language model's: its image processor and tokenizer
+        from transformers import AutoProcessor
+
+        AutoProcessor.from_pretrained(base_dir).save_pretrained(directory)
+    elif _has_tokenizer(base_dir):
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(base_dir).save_pretrained(directory)
+
+
+def _has_processor(model_dir: Path) -> bool:
+    return any((Path(model_dir) / name).is_file() for name in ("processor_config.json", "preprocessor_config.json"))
 
 
 def _has_tokenizer(model_dir: Path) -> bool:

@@ -27,12 +27,12 @@ def kv_bytes_per_token(hf_config, dtype: torch.dtype, tensor_parallel: int = 1) 
 def parameter_bytes(hf_config, dtype: torch.dtype) -> int:
     """Bytes of a model's parameters in `dtype`, counted on the meta device (nothing allocated)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from .model_classes import trainer_auto_class
     from .vllm_compat.trainer_models import building_trainer_models
 
     with torch.device("meta"), building_trainer_models():
-        model = AutoModelForCausalLM.from_config(hf_config)
+        model = trainer_auto_class(hf_config).from_config(hf_config)
     return sum(p.numel() for p in model.parameters()) * dtype.itemsize
 
 

@@ -20,9 +20,11 @@ PROBE_TOKENS = 32
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
 
 
-def probe_ids(vocab_size: int, count: int = PROBE_TOKENS) -> list[int]:
-    """Token ids spread over the vocabulary (the same ones every time)."""
-    return [(i * 7919 + 13) % vocab_size for i in range(count)]
+def probe_ids(vocab_size: int, count: int = PROBE_TOKENS, skip=()) -> list[int]:
+    """Token ids spread over the vocabulary (the same ones every time), none of `skip` (a vision-language
+    model's image placeholders, which stand for image features neither side is given here)."""
+    ids = [(i * 7919 + 13) % vocab_size for i in range(count + len(skip))]
+    return [t for t in ids if t not in set(skip)][:count]
 
 
 def engine_logprobs(llm, ids: list[int]) -> torch.Tensor:
@@ -60,7 +62,12 @@ def trainer_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
 
 def logprob_gap(hf_model, llm, ids: list[int] | None = None) -> float:
     """The mean absolute gap between the engine's and the trainer's log-probabilities of `ids`."""
-    ids = ids if ids is not None else probe_ids(hf_model.config.get_text_config().vocab_size)
+    if ids is None:
+        config = hf_model.config
+        placeholders = [getattr(config, name) for name in ("image_token_id", "image_token_index")
+                        if isinstance(getattr(config, name, None), int)]
+        count = min(PROBE_TOKENS, llm.llm_engine.model_config.max_model_len - 1)  # and one generated token
+        ids = probe_ids(config.get_text_config().vocab_size, count, skip=placeholders)
     return float((engine_logprobs(llm, ids) - trainer_logprobs(hf_model, ids)).abs().mean())
 
 
@@ -74,7 +81,7 @@ def check_shared_logprobs(hf_model, llm) -> float:
     if not gap <= tolerance:
         raise ValueError(
             f"the engine and the trainer's {type(hf_model).__name__} share every weight but compute different "
-            f"log-probabilities: mean gap {gap:.3g} over {PROBE_TOKENS - 1} tokens, beyond {tolerance:g} for "
+            f"log-probabilities: mean gap {gap:.3g} over up to {PROBE_TOKENS - 1} tokens, beyond {tolerance:g} for "
             f"{dtype} (vLLM and transformers implement this family differently, or a config field differs). "
             "Training would not be on-policy; share_weights(check_logprobs=False) skips this check")
     return gap

@@ -35,8 +35,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-WHAT_COLO_TRAINS = ("colo trains decoder-only causal language models that transformers and vLLM both implement "
-                    "(text only, dense or MoE)")
+from .model_classes import is_vision_language, trainer_auto_class, trainer_class_name  # noqa: F401
+
+WHAT_COLO_TRAINS = ("colo trains decoder-only language models that transformers and vLLM both implement "
+                    "(dense or MoE, text or vision-language)")
 
 
 @dataclass(frozen=True)
@@ -237,24 +239,19 @@ class EngineViews:
 # -- helpers the kinds share ----------------------------------------------------------------------
 
 def check_model_config(config) -> None:
-    """Refuse, naming why, a config colo cannot train, before any engine starts: a vision-language or
-    encoder-decoder model, one transformers has no causal LM class for (an encoder), or one whose
-    `architectures` disagree with its `model_type`."""
+    """Refuse, naming why, a config colo cannot train, before any engine starts: an encoder-decoder
+    model, one transformers has neither a causal LM nor an image-text-to-text class for (an encoder), or
+    one whose `architectures` disagree with its `model_type`."""
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = getattr(config, "model_type", None)
     architectures = list(getattr(config, "architectures", None) or ())
-    if getattr(config, "vision_config", None) is not None or any(a.endswith("ForConditionalGeneration")
-                                                                   for a in architectures):
-        raise NotImplementedError(f"{architectures[0] if architectures else model_type} is a vision-language or "
-                                  f"encoder-decoder model; {WHAT_COLO_TRAINS}")
     if getattr(config, "is_encoder_decoder", False):
         raise NotImplementedError(f"{model_type} is an encoder-decoder model; {WHAT_COLO_TRAINS}")
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise NotImplementedError(f"transformers has no causal LM for model_type {model_type!r} (an encoder, or not "
-                                  f"a language model); {WHAT_COLO_TRAINS}")
-    expected = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    expected = trainer_class_name(config)
+    if expected is None:
+        raise NotImplementedError(f"transformers has no causal LM or image-text-to-text model for model_type "
+                                  f"{model_type!r} (an encoder, or not a language model); {WHAT_COLO_TRAINS}")
     for arch in architectures:
         if arch == expected:
             continue
@@ -263,21 +260,19 @@ def check_model_config(config) -> None:
         if config_class is None or config_class.model_type != model_type:
             raise ValueError(f"config.architectures names {arch}, but model_type {model_type!r} is "
                              f"{expected}: the config contradicts itself")
-        if not arch.endswith(("ForCausalLM", "LMHeadModel")):
+        if not arch.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")):
             raise NotImplementedError(f"{arch} is not a causal language model (an encoder, or a model with another "
                                       f"head); {WHAT_COLO_TRAINS}")
 
 
 def meta_model(config, dtype: torch.dtype):
-    """A Hugging Face causal LM of `config` on the meta device (no memory), whose parameters are then
-    pointed at engine tensors."""
-    from transformers import AutoModelForCausalLM
-
+    """The Hugging Face model of `config` on the meta device (no memory), whose parameters are then
+    pointed at engine tensors: a causal LM, or an image-text-to-text model for a vision-language one."""
     from .vllm_compat.trainer_models import building_trainer_models
 
     check_model_config(config)
     with torch.device("meta"), building_trainer_models():
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return trainer_auto_class(config).from_config(config, dtype=dtype)
 
 
 def no_parameter_for(name: str, engine_tensor: str, shape) -> ValueError:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .images import batched_vision
 from .logprobs import completion_logprobs_chunked, full_logits_logprobs, has_plain_head
 from .task import Scores
 
@@ -25,6 +26,7 @@ class PackedBatch:
     prompt_len: int                # P
     model_tokens: torch.Tensor | None = None  # (B, C), 1 for the tokens the engine sampled (default: completion_mask)
     routes: torch.Tensor | None = None        # (B, P + C, MoE layers, top_k): the engine's experts, -1 where none
+    vision: list | None = None                # per row, a vision-language prompt's processor tensors (ImagePrompt.vision)
 
     def __post_init__(self):
         if self.model_tokens is None:
@@ -37,13 +39,20 @@ class PackedBatch:
         return PackedBatch(self.input_ids[start:stop], self.attention_mask[start:stop],
                            self.position_ids[start:stop], self.completion_ids[start:stop],
                            self.completion_mask[start:stop], self.prompt_len, self.model_tokens[start:stop],
-                           None if self.routes is None else self.routes[start:stop])
+                           None if self.routes is None else self.routes[start:stop],
+                           None if self.vision is None else self.vision[start:stop])
 
     def to(self, device) -> "PackedBatch":
         return PackedBatch(self.input_ids.to(device), self.attention_mask.to(device),
                            self.position_ids.to(device), self.completion_ids.to(device),
                            self.completion_mask.to(device), self.prompt_len, self.model_tokens.to(device),
-                           None if self.routes is None else self.routes.to(device))
+                           None if self.routes is None else self.routes.to(device),
+                           None if self.vision is None else
+                           [{key: value.to(device) for key, value in row.items()} for row in self.vision])
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The forward's keyword arguments beyond the tokens: the rows' image tensors, batched."""
+        return batched_vision(self.vision) if self.vision is not None else {}
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0,
@@ -77,8 +86,10 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0
             if len(mask) != len(completions[i]):
                 raise ValueError(f"completion {i}: {len(mask)} loss mask entries for {len(completions[i])} tokens")
             completion_mask[i, :len(mask)] = torch.tensor(mask, dtype=completion_mask.dtype)
+    vision = [getattr(p, "vision", None) for p in prompts]
     return PackedBatch(input_ids, attention_mask, position_ids, input_ids[:, prompt_len:].clone(),
-                       completion_mask, prompt_len, routes=_packed_routes(routes, prompts, input_ids.shape[1]))
+                       completion_mask, prompt_len, routes=_packed_routes(routes, prompts, input_ids.shape[1]),
+                       vision=vision if any(v is not None for v in vision) else None)
 
 
 def _packed_routes(routes: list | None, prompts: list[list[int]], width: int) -> torch.Tensor | None:
@@ -109,7 +120,10 @@ def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -> 
         with model.as_model() as hf_model:
             return completion_logprobs(hf_model, batch, temperature)
     args = (model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids, temperature)
-    return completion_logprobs_chunked(*args) if has_plain_head(model) else full_logits_logprobs(*args)
+    inputs = batch.model_inputs()
+    if has_plain_head(model):
+        return completion_logprobs_chunked(*args, model_inputs=inputs)
+    return full_logits_logprobs(*args, model_inputs=inputs)
 
 
 @dataclass

@@ -52,10 +52,13 @@ def _trainable_names(state: dict, base: Path) -> tuple[list[str], dict]:
     order for checkpoints that predate the list) and their shapes."""
     names = state.get("param_names")
     if names is None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
+        from ..model_classes import trainer_auto_class
+
+        config = AutoConfig.from_pretrained(base)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+            model = trainer_auto_class(config).from_config(config)
         names = [n for n, _ in model.named_parameters()]
     shapes = {n: state["model"][n].shape for n in names}
     return list(names), shapes

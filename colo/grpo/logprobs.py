@@ -39,8 +39,16 @@ from .loss import token_logprobs
 CHUNK_TOKENS = 256
 
 
+def trunk(model):
+    """What computes the hidden states lm_head reads: a causal LM's decoder, or a vision-language model's
+    base model (the vision tower and projector in front of its language model, which takes the images)."""
+    from ..shared import is_vision_language
+
+    return model.base_model if is_vision_language(model.config) else model.get_decoder()
+
+
 def has_plain_head(model) -> bool:
-    """Whether a causal LM's logits are exactly lm_head(decoder(...).last_hidden_state) (no soft-capping
+    """Whether a causal LM's logits are exactly lm_head(trunk(...).last_hidden_state) (no soft-capping
     as Gemma 2's, no logit scale as Granite's): read off the model itself, by a two-token forward both
     ways the first time it is asked, the answer kept on the model. Others take the straightforward way."""
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "get_decoder") or \
@@ -58,7 +66,7 @@ def has_plain_head(model) -> bool:
         try:
             with torch.no_grad(), replay.forcing(None) if replay is not None else contextlib.nullcontext():
                 logits = model(input_ids=ids, use_cache=False).logits
-                hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+                hidden = trunk(model)(input_ids=ids, use_cache=False).last_hidden_state
                 known = bool(torch.equal(logits, head(hidden)))
         finally:
             model.train(was_training)
@@ -67,24 +75,26 @@ def has_plain_head(model) -> bool:
 
 
 def full_logits_logprobs(model, input_ids, attention_mask, position_ids, completion_ids,
-                         temperature: float = 1.0) -> torch.Tensor:
-    """The straightforward way: every completion position's logits at once, (B, C) log-probabilities."""
+                         temperature: float = 1.0, model_inputs: dict | None = None) -> torch.Tensor:
+    """The straightforward way: every completion position's logits at once, (B, C) log-probabilities.
+    model_inputs: more keyword arguments of the forward (a vision-language model's image tensors)."""
     columns = completion_ids.shape[1]
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                logits_to_keep=columns + 1, use_cache=False)
+                logits_to_keep=columns + 1, use_cache=False, **(model_inputs or {}))
     # Logits at column t predict token t + 1: drop the prediction after the last token.
     return token_logprobs(out.logits[:, :-1, :], completion_ids, temperature)
 
 
 def completion_logprobs_chunked(model, input_ids, attention_mask, position_ids, completion_ids,
-                                temperature: float = 1.0, chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+                                temperature: float = 1.0, chunk_tokens: int = CHUNK_TOKENS,
+                                model_inputs: dict | None = None) -> torch.Tensor:
     """log p(completion token | everything before it), (B, C) fp32, equal to full_logits_logprobs up to
     float summation order. model: a Hugging Face causal LM with has_plain_head (tied head or not)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     rows, columns = completion_ids.shape
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                 use_cache=False).last_hidden_state
+    hidden = trunk(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False, **(model_inputs or {})).last_hidden_state
     # The C positions before each completion token predict it (the columns full_logits_logprobs keeps).
     hidden = hidden[:, -(columns + 1):-1].reshape(rows * columns, -1)
     targets = completion_ids.reshape(-1)

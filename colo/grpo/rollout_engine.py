@@ -17,9 +17,11 @@ import torch
 
 from .. import engine as colo_engine
 from .. import vllm_compat as compat
+from .images import ImagePrompt
 from ..errors import EngineFailure, OutOfMemoryError  # noqa: F401 - EngineFailure raised here, re-exported
 from ..kv_sizing import default_block_size, kv_bytes_per_token, kv_cache_blocks, parameter_bytes  # noqa: F401
 from ..lora import LoraSpec, share_adapter, slot_bytes
+from ..model_classes import is_vision_language, trainer_auto_class
 from ..shared import PublishReport  # noqa: F401 - publish()'s type
 from ..regions import KV_CACHE
 from ..weights import share_weights, shared_model
@@ -27,6 +29,21 @@ from ..weights import share_weights, shared_model
 logger = logging.getLogger(__name__)
 
 _KV_HEADROOM = 64 << 20  # room left in the pool for allocator rounding and small engine buffers
+
+
+def engine_input(prompt) -> dict:
+    """What vLLM is given for a prompt: its token ids, or a vision-language prompt's text and images
+    (colo.grpo.images.ImagePrompt), which vLLM's processor expands into the same ids."""
+    return prompt.engine_input if isinstance(prompt, ImagePrompt) else {"prompt_token_ids": prompt}
+
+
+def check_expanded_prompt(prompt, engine_ids, index: int) -> None:
+    """The engine's prompt is the trainer's: a vision-language prompt's image placeholders expanded by
+    vLLM's processor as by transformers' (they differ, e.g., in image sizes: refused, never trained on)."""
+    if isinstance(prompt, ImagePrompt) and list(engine_ids) != list(prompt):
+        raise ValueError(f"prompt {index}: vLLM's processor made {len(engine_ids)} prompt tokens of the text and "
+                         f"images, transformers' processor {len(prompt)}; the trainer would not see what the "
+                         "engine generated from (check the processor's settings in the model directory)")
 
 
 @dataclass
@@ -117,8 +134,9 @@ class RolloutEngine:
             llm_kwargs["tensor_parallel_size"] = tensor_parallel
         self.tp_size = tensor_parallel
         config = AutoConfig.from_pretrained(model_dir)
-        self.vocab_size = config.vocab_size
-        self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", 2048)
+        text = config.get_text_config()  # a vision-language model's language model (else the config itself)
+        self.vocab_size = text.vocab_size
+        self.max_model_len = max_model_len or getattr(text, "max_position_embeddings", 2048)
         # vLLM hands out KV memory in whole blocks per sequence: a 24-token sequence takes a full
         # 128-token block on CPU. Sizing by tokens alone left the toy batch 5x short of blocks here,
         # and generation crawled through preemptions.
@@ -131,9 +149,11 @@ class RolloutEngine:
         self.adapter_slot_bytes = slot_bytes(config, lora, dtype, tensor_parallel) if lora else 0
         # Model Runner V2 (a GPU's default) allocates its sampler's max_num_seqs x vocab buffers in
         # load_model, so in the weights region: not parameters, and not in the KV cache's budget.
-        self.runner_buffer_bytes = compat.sampler_buffer_bytes(config.vocab_size, max_num_seqs, pool.device.type)
+        self.runner_buffer_bytes = compat.sampler_buffer_bytes(text.vocab_size, max_num_seqs, pool.device.type)
         self.kv_cache_bytes = self._kv_budget(blocks * block * kv_bytes_per_token(config, dtype, tensor_parallel), config)
-        llm_kwargs.setdefault("skip_tokenizer_init", True)  # token ids in and out (guided decoding needs it, though)
+        # Token ids in and out; guided decoding needs the tokenizer, and so does a vision-language model's
+        # processor, which expands the images of a prompt given as text (colo.grpo.images).
+        llm_kwargs.setdefault("skip_tokenizer_init", not is_vision_language(config))
         # Every request is seeded (sampling_options): on a CPU none may be prefilled in pieces.
         for key, value in compat.whole_prefill_options(pool.device.type, max_num_seqs, sequence_tokens).items():
             llm_kwargs.setdefault(key, value)
@@ -178,10 +198,11 @@ class RolloutEngine:
             return shared_tp_model(self.llm)
         if self.alias:
             return shared_model(self.llm, self.dtype)
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig
 
         with compat.building_trainer_models():
-            own = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.trainer_dtype)
+            auto = trainer_auto_class(AutoConfig.from_pretrained(self.model_dir))
+            own = auto.from_pretrained(self.model_dir, dtype=self.trainer_dtype)
         own = own.to(self.pool.device).train()
         return share_weights(own, self.llm, alias=False)
 
@@ -222,6 +243,7 @@ class RolloutEngine:
             while self.unfinished():
                 for out in self.step():
                     i = index[out.request_id]
+                    check_expanded_prompt(prompts[i], out.prompt_token_ids, i)
                     groups[i] = self._completions(out, sampling[i]["n"], internal[i])
                     if on_group is not None:
                         on_group(i, groups[i])
@@ -255,7 +277,7 @@ class RolloutEngine:
             params.append(SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **options))
         # LLM.generate is enqueue + a loop of engine steps (vllm/entrypoints/common/offline.py,
         # _run_engine); running that loop here sees each request the step it finishes.
-        return self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+        return self.llm.enqueue([engine_input(p) for p in prompts], params, use_tqdm=False,
                                 lora_request=self.adapter.request if self.adapter else None)
 
     def step(self) -> list:

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import torch
 
+from .images import ImagePrompt, ImagePrompts, image_column, row_images
 from .rewards import reward_name
 
 PROMPT = "prompt"
 # Columns TRL passes to reward functions under their own names, never as dataset columns.
 RESERVED = ("prompt", "completion", "completion_ids", "prompts", "completions")
 # Chat end tokens of common templates; a run stops at the ones its template uses (besides EOS).
-CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<end_of_utterance>")
 
 
 class RewardError(ValueError):
@@ -90,6 +91,10 @@ class Task:
         """Tokens of the longest prompt this task can give, when known up front."""
         return None
 
+    def placeholder_token_ids(self) -> list[int]:
+        """Tokens the engine must not sample (a vision-language model's image placeholders)."""
+        return []
+
     def score(self, step: int, rows: list[int], prompt_ids: list[list[int]],
               completion_ids: list[list[int]]) -> Scores:
         raise NotImplementedError
@@ -133,11 +138,16 @@ class DatasetTask(Task):
     tools: functions the chat template describes to the model in every prompt (colo.grpo.tools);
     environment: a class whose instances' reset() may add to a rollout's prompt and whose get_reward(),
     where it has one, is one more reward function (weight 1, named after the class), as in TRL.
+    vision_model_dir: a vision-language model's directory (None: a text-only model). A dataset with an
+    `image` or `images` column (TRL's names) needs one: each row's images go into its chat prompt
+    through the model's processor (colo.grpo.images), and a step's prompts are ImagePrompts (token ids
+    with the engine's input and the processor's tensors).
     """
 
     def __init__(self, dataset, tokenizer, reward_funcs, reward_weights=None, *, seed: int = 0,
                  chat_template_kwargs: dict | None = None, max_prompt_length: int | None = None,
-                 truncate: str | None = None, name: str = "dataset", tools=(), environment=None):
+                 truncate: str | None = None, name: str = "dataset", tools=(), environment=None,
+                 vision_model_dir=None):
         from ..hub import load_dataset_spec
         from .rewards import load_reward
 
@@ -176,13 +186,40 @@ class DatasetTask(Task):
         if (self.tools or environment is not None) and not self.conversational:
             raise ValueError(f"{name}'s prompts are text: tools and environments need chat prompts ({{role, content}} "
                              "messages), which the chat template renders with the tools' descriptions")
+        self.image_column, self.vision_model_dir = image_column(columns), vision_model_dir
+        self._check_images(truncate)
+        self.image_prompts = ImagePrompts(vision_model_dir) if self.image_column is not None else None
         self.max_prompt_length, self.truncate = max_prompt_length, truncate
         self.prompt_token_ids = self._tokenize(self.template_kwargs, max_prompt_length, truncate)
         self.stop_token_ids = tuple(stop_token_ids(tokenizer, chat=self.conversational))
 
+    def _check_images(self, truncate) -> None:
+        if self.image_column is None:
+            return
+        if self.vision_model_dir is None:
+            raise ValueError(f"{self.name} has an `{self.image_column}` column but the model is text-only (its config "
+                             "has no vision tower): images need a vision-language model")
+        if not self.conversational:
+            raise ValueError(f"{self.name} has an `{self.image_column}` column but its prompts are text: images go "
+                             "into chat prompts ({role, content} messages), as in TRL")
+        if self.tools or self.environment is not None:
+            raise NotImplementedError("tools and environments with images (several turns of a vision-language model)")
+        if truncate is not None:
+            raise ValueError("truncate_prompts with images would cut image placeholders out of a prompt: raise "
+                             "max_prompt_length instead")
+
+    def _image_prompt(self, row: int) -> ImagePrompt:
+        where = self.describe_row(row)
+        if not _is_conversational(self.prompts[row]):
+            raise ValueError(f"{where}: prompt is not a list of {{role, content}} messages like row 0's")
+        images = row_images(self.columns[self.image_column][row], self.image_column, where)
+        return self.image_prompts.render(self.prompts[row], images, where, self.template_kwargs)
+
     def _tokenize(self, template_kwargs, max_prompt_length, truncate) -> list[list[int]]:
         tok = self.tokenizer
-        if self.conversational:
+        if self.image_column is not None:  # the processor's tensors are made again when a row is batched
+            ids = [list(self._image_prompt(row)) for row in range(len(self.prompts))]
+        elif self.conversational:
             if not getattr(tok, "chat_template", None):
                 raise ValueError(f"{self.name}'s prompts are messages but the tokenizer has no chat template")
             ids = []
@@ -249,7 +286,13 @@ class DatasetTask(Task):
 
     def batch(self, step, count):
         rows = self.rows(step, count)
+        if self.image_column is not None:
+            return rows, [self._image_prompt(r) for r in rows]
         return rows, [self.prompt_token_ids[r] for r in rows]
+
+    def placeholder_token_ids(self) -> list[int]:
+        """Tokens the engine must not sample (a vision-language model's image placeholders)."""
+        return self.image_prompts.placeholder_ids if self.image_prompts is not None else []
 
     def longest_prompt(self):
         return max(len(x) for x in self.prompt_token_ids)
@@ -375,7 +418,7 @@ def build_tasks(config, model_dir, task, dataset, reward_funcs, reward_weights, 
         _prepare_tool_template(config, tokenizer, model_dir, tools, environment)
     options = dict(seed=config.seed, chat_template_kwargs=config.chat_template_kwargs,
                    max_prompt_length=config.max_prompt_length, truncate=config.truncate_prompts, tools=tools,
-                   environment=environment)
+                   environment=environment, vision_model_dir=model_dir if vision_language(model_dir) else None)
     train = DatasetTask(dataset, tokenizer, reward_funcs, reward_weights, name="dataset", **options)
     evaluation = None
     if eval_dataset is not None:
@@ -383,6 +426,14 @@ def build_tasks(config, model_dir, task, dataset, reward_funcs, reward_weights, 
         evaluation = DatasetTask(eval_dataset, tokenizer, train.reward_funcs[:user], train.weights.tolist()[:user],
                                  name="eval dataset", **options)
     return train, evaluation
+
+
+def vision_language(model_dir) -> bool:
+    from transformers import AutoConfig
+
+    from ..shared import is_vision_language
+
+    return is_vision_language(AutoConfig.from_pretrained(model_dir))
 
 
 def _prepare_tool_template(config, tokenizer, model_dir, tools, environment) -> None:
@@ -407,7 +458,7 @@ def fit_model_length(config, model_dir, tasks, engine_options: dict) -> dict:
     engine's sequences for the task's longest one (not the model's whole context) where known."""
     from transformers import AutoConfig
 
-    limit = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
+    limit = getattr(AutoConfig.from_pretrained(model_dir).get_text_config(), "max_position_embeddings", None)
     limit = engine_options.get("max_model_len") or limit
     longest = 0
     for task in tasks:
@@ -444,7 +495,7 @@ def checked_prompts(config, prompts, step: int, vocab: int, max_model_len: int) 
                          f"{type(prompts).__name__} of {len(prompts) if hasattr(prompts, '__len__') else '?'}")
     checked = []
     for i, p in enumerate(prompts):
-        p = [int(t) for t in p]
+        p = p if isinstance(p, ImagePrompt) else [int(t) for t in p]
         if not p or min(p) < 0 or max(p) >= vocab:
             raise ValueError(f"prompt {i} of step {step} must be a non-empty list of token ids in [0, {vocab})")
         if len(p) + new_tokens > max_model_len:
@@ -472,8 +523,10 @@ def sampling_options(config, task: Task, step: int, share: range) -> list[dict]:
     per_step = config.prompts_per_step * config.num_generations
     top_k = dict(top_k=config.top_k) if config.top_k else {}
     stop = stop_options(task)
+    # TRL suppresses the image token in generation: a sampled placeholder would not match the image features.
+    banned = {"logit_bias": {t: -100.0 for t in task.placeholder_token_ids()}} if task.placeholder_token_ids() else {}
     return [dict(n=config.num_generations, max_tokens=config.max_new_tokens, temperature=config.temperature,
-                 top_p=config.top_p, ignore_eos=config.ignore_eos, **stop, **top_k, **guided_options(config),
+                 top_p=config.top_p, ignore_eos=config.ignore_eos, **stop, **top_k, **guided_options(config), **banned,
                  seed=(config.seed * 1_000_003 * per_step + step * per_step
                        + i * config.num_generations) % (2**63 - 1),
                  logprobs=0)

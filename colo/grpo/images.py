@@ -1,0 +1,172 @@
+"""Prompts with images (vision-language models), in TRL's conventions.
+
+A dataset with an `image` column (one image per row) or an `images` column (a list per row) of PIL
+images, file paths or bytes (a hub dataset's Image feature gives PIL images) trains a vision-language
+model: as TRL's GRPOTrainer does (trl/data_utils.py, prepare_multimodal_messages), the row's images
+go in front of the text of the first user message as `{"type": "image"}` parts, and the model's
+processor (AutoProcessor) renders the chat and expands each image into its placeholder tokens.
+
+An `ImagePrompt` is that expanded token list, what the trainer sees (so batching, lengths and checks
+stay token lists), carrying the two other forms of the same prompt:
+- `engine_input`, what vLLM is given: the rendered text and the images (`multi_modal_data`); vLLM's own
+  processor expands them, and the engine's prompt ids are checked against the trainer's once
+  (rollout_engine), so both always see the same sequence;
+- `vision`, the processor's tensors for the trainer's forward (pixel values, grid sizes, masks: the
+  model's own keyword arguments), made when the prompt is batched, not kept for the whole dataset.
+
+Image placeholder tokens are in the prompt only: the engine is kept from sampling them (TRL's
+`suppress_tokens` for the image token) and they never count in the loss.
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+
+IMAGE_COLUMNS = ("image", "images")
+
+
+class ImagePrompt(list):
+    """A prompt's token ids as the trainer sees them (image placeholders expanded), with the engine's
+    input (`engine_input`) and the processor's tensors (`vision`, batch dimension 1)."""
+
+    def __init__(self, ids, engine_input: dict, vision: dict[str, torch.Tensor]):
+        super().__init__(int(t) for t in ids)
+        self.engine_input, self.vision = engine_input, vision
+
+
+def image_column(columns) -> str | None:
+    """The dataset's image column (TRL's names), or None; both is an error."""
+    found = [c for c in IMAGE_COLUMNS if c in columns]
+    if len(found) > 1:
+        raise ValueError("the dataset has both an `image` and an `images` column; TRL's convention is one of them")
+    return found[0] if found else None
+
+
+def load_image(value, where: str):
+    """A PIL RGB image from a PIL image, a file path, raw bytes or a datasets Image dict ({bytes, path})."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, dict) and ("bytes" in value or "path" in value):
+        value = value.get("bytes") or value.get("path")
+    try:
+        if isinstance(value, Image.Image):
+            image = value
+        elif isinstance(value, (str, Path)):
+            image = Image.open(value)
+        elif isinstance(value, (bytes, bytearray)):
+            image = Image.open(io.BytesIO(value))
+        else:
+            raise ValueError(f"{where}: an image must be a PIL image, a file path or bytes, got {type(value).__name__}")
+        return image.convert("RGB")
+    except (OSError, UnidentifiedImageError) as e:
+        raise ValueError(f"{where}: cannot read the image ({e})") from None
+
+
+def row_images(value, column: str, where: str) -> list:
+    """The row's images as a list (an `image` column holds one, an `images` column a list)."""
+    values = [value] if column == "image" else list(value or [])
+    if not values:
+        raise ValueError(f"{where}: no image in the `{column}` column")
+    return [load_image(v, f"{where}, {column}") for v in values]
+
+
+def with_image_parts(messages: list[dict], count: int) -> list[dict]:
+    """TRL's rule (prepare_multimodal_messages): `count` image parts before the text of the first user
+    message whose content is text; every other text content becomes a text part. Messages that already
+    carry image parts keep them."""
+    out, placed = [], False
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            parts = [{"type": "text", "text": content}]
+            if message["role"] == "user" and not placed:
+                parts = [{"type": "image"} for _ in range(count)] + parts
+                placed = True
+            message = {**message, "content": parts}
+        out.append(message)
+    return out
+
+
+def count_image_parts(messages: list[dict]) -> int:
+    return sum(1 for m in messages if isinstance(m.get("content"), list)
+               for part in m["content"] if isinstance(part, dict) and part.get("type") == "image")
+
+
+class ImagePrompts:
+    """Renders a dataset's chat prompts with their images through the model's processor."""
+
+    def __init__(self, model_dir, processor=None):
+        if processor is None:
+            processor = load_processor(model_dir)
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.placeholder_ids = placeholder_token_ids(processor)
+
+    def render(self, messages: list[dict], images: list, where: str, template_kwargs: dict) -> ImagePrompt:
+        messages = with_image_parts(messages, len(images)) if count_image_parts(messages) == 0 else messages
+        placeholders = count_image_parts(messages)
+        if placeholders != len(images):
+            raise ValueError(f"{where}: {len(images)} images for {placeholders} image placeholders in the messages")
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  **template_kwargs)
+        inputs = self.processor(text=[text], images=[images], return_tensors="pt")
+        ids = inputs.pop("input_ids")[0].tolist()
+        inputs.pop("attention_mask", None)
+        vision = {key: value for key, value in inputs.items() if isinstance(value, torch.Tensor)}
+        return ImagePrompt(ids, {"prompt": text, "multi_modal_data": {"image": images}}, vision)
+
+
+def load_processor(model_dir):
+    """The model's AutoProcessor; a clear error where the directory has none or it has no image processor."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{model_dir}: no processor for the images ({e}); a vision-language model directory "
+                         "holds its processor's files (processor_config.json or preprocessor_config.json)") from None
+    if getattr(processor, "image_processor", None) is None or getattr(processor, "tokenizer", None) is None:
+        raise ValueError(f"{model_dir}: the processor ({type(processor).__name__}) has no image processor and "
+                         "tokenizer; a vision-language model directory holds its processor's files")
+    return processor
+
+
+def placeholder_token_ids(processor) -> list[int]:
+    """The tokens a processor puts in place of an image (the engine must not sample them)."""
+    tokenizer = processor.tokenizer
+    ids = set()
+    for name in ("image_token_id", "image_token", "boi_token", "image_start_token", "image_end_token",
+                 "fake_image_token", "global_image_tag"):
+        value = getattr(processor, name, None)
+        if isinstance(value, str):
+            value = tokenizer.convert_tokens_to_ids(value)
+        if isinstance(value, int) and value != tokenizer.unk_token_id and 0 <= value < len(tokenizer):
+            ids.add(value)
+    return sorted(ids)
+
+
+def batched_vision(visions: list) -> dict[str, torch.Tensor]:
+    """The processor tensors of several prompts as one forward's keyword arguments: each concatenated
+    along its first dimension (a batch of prompts, or of images or patches), trailing dimensions padded
+    with zeros where the prompts' differ (an Idefics3 row with fewer images: an all-zero image is the
+    processor's own padding, which the model skips)."""
+    present = [v for v in visions if v]
+    if not present:
+        return {}
+    if len(present) != len(visions):
+        raise ValueError("a batch mixes prompts with and without images")
+    out = {}
+    for key in present[0]:
+        tensors = [v[key] for v in present]
+        if tensors[0].dim() > 1 and len({t.shape[1:] for t in tensors}) > 1:
+            shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+            padded = []
+            for t in tensors:
+                grown = t.new_zeros((t.shape[0], *shape))
+                grown[(slice(None), *[slice(0, n) for n in t.shape[1:]])] = t
+                padded.append(grown)
+            tensors = padded
+        out[key] = torch.cat(tensors)
+    return out
