@@ -378,11 +378,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.use_vllm = True
         args = self.args
         model = self.accelerator.unwrap_model(self.model)
-        from .shared import check_model_config
+        from .shared import check_model_config, is_vision_language
 
         # What colo does not train is refused here, before any engine starts; whether each weight is
         # shared or copied is read from the engine once it is up (colo.share_weights).
         check_model_config(model.config)
+        if is_vision_language(model.config):  # TRL's image columns and processor path are not wired to colo's engine
+            raise NotImplementedError(f"colo.trl with a vision-language model ({type(model).__name__}): not yet; "
+                                      "colo.grpo trains them with one copy of the weights (docs/vision.md)")
         self.colo_router_replay = self._colo_check_routing_replay(model, args) if colo_routing_replay else None
         if self.colo_router_replay is not None:
             from .vllm_compat import engine_routing_options

@@ -491,7 +491,9 @@ def main(argv=None) -> int:
     else:
         from .toy_task import ToyTask
 
-        toy = ToyTask(json.loads((model_dir / "config.json").read_text()).get("vocab_size"), seed=config.seed)
+        fields = json.loads((model_dir / "config.json").read_text())
+        vocab = fields.get("vocab_size") or fields.get("text_config", {}).get("vocab_size")  # a VLM's language model
+        toy = ToyTask(vocab, seed=config.seed)
         task = dict(reward_fn=toy.rewards, prompt_fn=toy.prompts)
     scheduler = GRPOScheduler(model_dir, config=config, **task, out_dir=out, log_path=args.log,
                               trace_path=args.trace, resume=args.resume,

@@ -180,7 +180,8 @@ class DatasetTask(Task):
         # Plain lists: a datasets Column reads Arrow on every index, and rewards index them per row.
         self.prompts = list(self.dataset[PROMPT])
         self.conversational = _is_conversational(self.prompts[0])
-        self.columns = {c: list(self.dataset[c]) for c in columns if c not in RESERVED}
+        # Images are read when a row is used (undecoded here: a bad file is then an error naming its row).
+        self.columns = {c: list(undecoded_images(self.dataset, c)[c]) for c in columns if c not in RESERVED}
         self.tools, self.environment = list(tools), environment
         self.template_kwargs = dict(chat_template_kwargs or {})
         if (self.tools or environment is not None) and not self.conversational:
@@ -212,8 +213,10 @@ class DatasetTask(Task):
         where = self.describe_row(row)
         if not _is_conversational(self.prompts[row]):
             raise ValueError(f"{where}: prompt is not a list of {{role, content}} messages like row 0's")
-        images = row_images(self.columns[self.image_column][row], self.image_column, where)
-        return self.image_prompts.render(self.prompts[row], images, where, self.template_kwargs)
+        return self.image_prompts.render(self.prompts[row], self._images(row), where, self.template_kwargs)
+
+    def _images(self, row: int) -> list:
+        return row_images(self.columns[self.image_column][row], self.image_column, self.describe_row(row))
 
     def _tokenize(self, template_kwargs, max_prompt_length, truncate) -> list[list[int]]:
         tok = self.tokenizer
@@ -317,6 +320,9 @@ class DatasetTask(Task):
         else:
             completions = self.decode(completion_ids)
         columns = {name: [values[r] for r in rows] for name, values in self.columns.items()}
+        if self.image_column is not None:  # PIL images, as TRL's reward functions get them
+            columns[self.image_column] = [self._images(r) if self.image_column == "images" else self._images(r)[0]
+                                          for r in rows]
         if environments is not None:
             columns["environments"] = environments
         columns.update(extra_columns or {})
@@ -368,6 +374,20 @@ def stop_token_ids(tokenizer, chat: bool) -> list[int]:
                 if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
                     ids.append(token_id)
     return sorted(set(ids))
+
+
+def undecoded_images(dataset, column: str):
+    """The dataset, with `column` read as stored ({bytes, path}) where it is a datasets Image feature."""
+    import datasets
+
+    feature = getattr(dataset, "features", {}).get(column) if hasattr(dataset, "features") else None
+    if isinstance(feature, datasets.Image) and feature.decode:
+        return dataset.cast_column(column, datasets.Image(decode=False))
+    if isinstance(feature, datasets.Sequence) and isinstance(feature.feature, datasets.Image):
+        return dataset.cast_column(column, datasets.Sequence(datasets.Image(decode=False)))
+    if isinstance(feature, list) and feature and isinstance(feature[0], datasets.Image):
+        return dataset.cast_column(column, [datasets.Image(decode=False)])
+    return dataset
 
 
 def _as_list(x):

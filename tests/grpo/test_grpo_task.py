@@ -301,12 +301,11 @@ def test_cli_bad_arguments_fail_fast_with_a_message(tmp_path, capsys):
     assert "no such directory" in _cli_error(capsys, ["--steps", "3", "--model", str(tmp_path / "missing"), *base])
     (tmp_path / "empty").mkdir()
     assert "no config.json" in _cli_error(capsys, ["--steps", "3", "--model", str(tmp_path / "empty"), *base])
-    # What colo does not train, refused before any engine: an encoder, a vision-language checkpoint, a
+    # What colo does not train, refused before any engine: an encoder, an encoder-decoder model, a
     # config that contradicts itself.
     for name, config, said in [
             ("encoder", {"model_type": "bert", "architectures": ["BertForMaskedLM"]}, "not a causal language model"),
-            ("vlm", {"model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"]},
-             "vision-language"),
+            ("seq2seq", {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}, "encoder-decoder"),
             ("contradiction", {"model_type": "qwen2", "architectures": ["LlamaForCausalLM"]}, "contradicts itself")]:
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
