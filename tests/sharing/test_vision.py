@@ -67,7 +67,7 @@ def test_vision_language_model_is_one_copy(tmp_path_factory, build_engine, tmp_p
         assert (engine - trainer).abs().max() < 1e-4
 
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        inputs = processor(text=["User:<image>Draw.<end_of_utterance>\nAssistant: a cat"], images=[[image]],
+        inputs = processor(text=["<|im_start|>user\n<image>Draw.<|im_end|>\n<|im_start|>assistant\na cat"], images=[[image]],
                            return_tensors="pt")
         labels = inputs["input_ids"].masked_fill(inputs["input_ids"] == model.config.image_token_id, -100)
         model(**inputs, labels=labels).loss.backward()
