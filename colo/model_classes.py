@@ -33,3 +33,24 @@ def trainer_auto_class(config):
     if is_vision_language(config):
         return transformers.AutoModelForImageTextToText
     return transformers.AutoModelForCausalLM
+
+
+# Where transformers' vision-language models keep their vision tower (under the base model), and the
+# name of a projector kept inside it (Qwen2-VL's `visual.merger`), which trains with the language model.
+VISION_TOWERS = ("vision_tower", "vision_model", "visual")
+PROJECTORS_IN_TOWER = ("merger",)
+
+
+def vision_tower_parameters(model) -> list:
+    """The parameters of a vision-language model's vision tower, its projector not included (none for a
+    text model); a ValueError where a vision-language model has none of the known tower names."""
+    if not is_vision_language(model.config):
+        return []
+    for holder in (model.base_model, model):
+        for name in VISION_TOWERS:
+            tower = getattr(holder, name, None)
+            if tower is not None:
+                return [p for n, p in tower.named_parameters()
+                        if not any(part in PROJECTORS_IN_TOWER for part in n.split("."))]
+    raise ValueError(f"{type(model).__name__}: no vision tower under the names {', '.join(VISION_TOWERS)}; "
+                     "train it with the rest (train_vision=True)")

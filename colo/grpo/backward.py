@@ -50,7 +50,11 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
                 sampling.append((is_stats, float(part.completion_mask.sum())))
             parts = grpo_loss(logprobs, logprobs.detach(), advantages[start:start + micro], part.completion_mask,
                               epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high, beta=config.beta,
-                              ref_logprobs=ref, weights=weights,
+                              ref_logprobs=ref, weights=weights, loss_type=config.loss_type,
+                              importance_sampling_level=config.importance_sampling_level, delta=config.delta,
+                              bias_correction_kl=config.use_bias_correction_kl,
+                              sapo_temperature_pos=config.sapo_temperature_pos,
+                              sapo_temperature_neg=config.sapo_temperature_neg,
                               num_tokens=num_tokens[start:start + micro].to(logprobs.device) if per_row else num_tokens)
             if after_forward is not None:
                 after_forward()  # activations are alive now: the moment to sample memory

@@ -54,7 +54,10 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     importance_sampling_max="importance_sampling_max",
                     importance_sampling_min="importance_sampling_min",
                     structured_outputs_regex="structured_outputs_regex", micro_batch_size="micro_batch_size",
-                    routing_replay="routing_replay")
+                    routing_replay="routing_replay", train_vision="train_vision",
+                    importance_sampling_level="importance_sampling_level", delta="delta",
+                    use_bias_correction_kl="use_bias_correction_kl", sapo_temperature_pos="sapo_temperature_pos",
+                    sapo_temperature_neg="sapo_temperature_neg")
 
 
 def _int_at_least(minimum: int):
@@ -162,8 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=_non_negative_int, help="sample from the k likeliest tokens (0: off)")
     gen.add_argument("--mask-truncated", action="store_true", default=None,
                      help="leave completions cut by --max-new-tokens out of the loss (TRL's mask_truncated_completions)")
-    gen.add_argument("--loss-type", choices=LOSS_TYPES, help="grpo: sequence means; dapo (default): token mean over the "
-                     "batch; dr_grpo: token sum / (sequences x max new tokens)")
+    gen.add_argument("--loss-type", choices=LOSS_TYPES, help="TRL's: grpo: sequence means; dapo (default): token mean "
+                     "over the batch; dr_grpo: token sum / (sequences x max new tokens); bnpo, luspo, cispo, sapo "
+                     "(docs/grpo.md)")
+    gen.add_argument("--importance-sampling-level", choices=("token", "sequence"),
+                     help="ratios per token (default) or per sequence (GSPO), TRL's importance_sampling_level")
+    gen.add_argument("--delta", type=float, help="two-sided clipping: the unclipped ratio capped at DELTA (> 1 + "
+                     "epsilon_high; default off)")
+    gen.add_argument("--no-bias-correction-kl", dest="use_bias_correction_kl", action="store_false", default=None,
+                     help="the KL term without the ratio (TRL's use_bias_correction_kl=False)")
+    gen.add_argument("--sapo-temperature-pos", type=float, help="SAPO's temperature for positive advantages (1.0)")
+    gen.add_argument("--sapo-temperature-neg", type=float, help="SAPO's temperature for the others (1.05)")
     gen.add_argument("--epsilon", type=float, help="clip range below ratio 1 (and above, unless --epsilon-high) (0.2)")
     gen.add_argument("--epsilon-high", type=float, help="clip range above ratio 1 (DAPO's clip-higher)")
     gen.add_argument("--scale-rewards", choices=SCALES, help="divide advantages by the group's std (default), the "
@@ -199,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE models: the trainer routes each token to the experts the engine routed it to (its "
                         "gate weights from its own router); without it the step record still says how often "
                         "the two routings differ (router_mismatch)")
+    p.add_argument("--train-vision", action="store_true", default=None,
+                   help="vision-language models: train the vision tower too (frozen by default; the projector and "
+                        "the language model train)")
     p.add_argument("--tensor-parallel", type=_positive_int, default=None, metavar="N",
                    help="ranks per engine (under torchrun; each holds only its shards of the weights, views of its "
                         "engine's; default 1, or the resumed run's)")

@@ -14,7 +14,8 @@ from .trackers import check_report_to
 
 
 DTYPES = ("bf16", "fp32")
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")      # how token losses are averaged (colo.grpo.loss)
+# TRL's loss types (colo.grpo.loss: the per-token objective and how token losses are averaged).
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo")
 SCALES = ("group", "batch", "none")           # what advantages are divided by (colo.grpo.loss)
 OVERLAP_MODES = ("auto", "on", "off")         # training during generation (colo.grpo.overlap)
 # Importance sampling against the engine's log-probabilities (colo.grpo.loss; TRL's modes).
@@ -58,10 +59,18 @@ class GRPOConfig:
     # Advantages divided by the std of the group ("group", or True), of the whole batch ("batch"), or
     # not at all ("none", or False: Dr. GRPO). TRL's scale_rewards.
     scale_rewards: str = "group"
-    # How token losses are averaged (TRL's loss_type): "grpo" each sequence's mean, then the mean over
-    # sequences; "dapo" (TRL's default) the mean over every token of the batch; "dr_grpo" the sum over
-    # sequences x max_new_tokens.
+    # TRL's loss_type: the per-token objective (the clipped ratio; "cispo", "sapo") and how token losses
+    # are averaged: "grpo" each sequence's mean, then the mean over sequences; "dapo" (TRL's default) the
+    # mean over every token of the batch; "dr_grpo" the sum over sequences x max_new_tokens; the rest as
+    # colo.grpo.loss.loss_denominators says.
     loss_type: str = "dapo"
+    # TRL's names and defaults: ratios per token or per sequence ("sequence": GSPO); two-sided clipping
+    # (the unclipped ratio capped at delta, None: off); the KL term times the ratio; SAPO's temperatures.
+    importance_sampling_level: str = "token"
+    delta: float | None = None
+    use_bias_correction_kl: bool = True
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
     micro_batch_size: int | None = None  # sequences per forward/backward; None: rows of similar length, 4096 positions at most
     memory_phases: bool = True         # KV cache asleep while training, gradients asleep while generating
     # Train each prompt's group while the engine decodes the others' (colo.grpo.overlap): "on", "off",
@@ -90,6 +99,9 @@ class GRPOConfig:
     # engine routed it to when it sampled, its gate weights computed from its own router logits for
     # them. Off, the step record still says how often the two routings differ (router_mismatch).
     routing_replay: bool = False
+    # Vision-language models (colo.grpo.images): the vision tower is frozen (shared, not trained) unless
+    # train_vision; the projector and the language model train.
+    train_vision: bool = False
     # Tensor parallelism (colo.tensor_parallel): ranks per engine; each holds only its shards, views of
     # its engine's. The torchrun world is world / tensor_parallel data-parallel groups of it.
     tensor_parallel: int = 1
@@ -168,6 +180,14 @@ class GRPOConfig:
             self.overlap_threads = tuple(check_int(n, "overlap_threads") for n in self.overlap_threads)
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
+        if self.importance_sampling_level not in ("token", "sequence"):
+            raise ValueError(f"importance_sampling_level must be 'token' or 'sequence' (GSPO), got "
+                             f"{self.importance_sampling_level!r}")
+        if self.delta is not None and not self.delta > 1 + self.epsilon_high:
+            raise ValueError(f"delta (two-sided clipping) must exceed 1 + epsilon_high = {1 + self.epsilon_high}, "
+                             f"got {self.delta}")
+        if not (self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0):
+            raise ValueError("sapo_temperature_pos and sapo_temperature_neg must be positive")
         if self.max_prompt_length is not None:
             check_int(self.max_prompt_length, "max_prompt_length")
         if self.truncate_prompts not in (None, "left"):

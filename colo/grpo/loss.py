@@ -88,6 +88,12 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: float | torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
+    loss_type: str = "dapo",
+    importance_sampling_level: str = "token",
+    delta: float | None = None,
+    bias_correction_kl: bool = True,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
 ) -> LossParts:
     """The GRPO objective, negated for minimisation, as a token-level mean.
 
@@ -97,6 +103,14 @@ def grpo_loss(
     A (batch,) tensor gives each row its own denominator (loss_denominators: TRL's loss types).
     weights: importance-sampling weights multiplying the policy term, (batch, completion_len) or (batch, 1)
     (importance_weights), before the KL term is added, as TRL applies them.
+
+    The rest are TRL's settings of the same names (trl/trainer/grpo_trainer.py, `_compute_loss`), with
+    its defaults. loss_type picks the per-token objective here (the denominators are loss_denominators'):
+    the clipped ratio for grpo, bnpo, dr_grpo, dapo and luspo; `cispo` the clipped-and-detached ratio
+    times the log-probability; `sapo` a soft gate sigmoid(tau (r - 1)) 4 / tau, tau by the advantage's
+    sign. importance_sampling_level "sequence" (GSPO) takes one ratio per sequence, exp of its tokens'
+    mean log-ratio. delta: two-sided clipping (the unclipped ratio capped at delta). bias_correction_kl:
+    the KL term times the ratio, so its gradient is that of the sampled policy's KL.
     """
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
         raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
@@ -106,25 +120,40 @@ def grpo_loss(
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError("beta != 0 needs ref_logprobs (log-probabilities under the reference model)")
     mask = mask.to(logprobs.dtype)
-    ratio = torch.exp(logprobs - old_logprobs)
-    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    log_ratio = logprobs - old_logprobs
+    if importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    elif importance_sampling_level != "token":
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
+    ratio = torch.exp(log_ratio)
     adv = advantages.to(logprobs.dtype).unsqueeze(1)
-    unclipped_obj, clipped_obj = ratio * adv, clipped * adv
-    per_token = -torch.min(unclipped_obj, clipped_obj)
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    unclipped_obj, clipped_obj = ratio * adv, clipped * adv  # (the clip statistic's, whatever the objective)
+    if loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logprobs
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+    elif loss_type in LOSS_TYPES:
+        capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+        per_token = -torch.min(capped * adv, clipped_obj)
+    else:
+        raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+    per_token = per_token.expand_as(logprobs)
     if weights is not None:
         per_token = per_token * weights.to(per_token.dtype)
     kl_mean = 0.0
     if beta != 0.0:
-        delta = ref_logprobs - logprobs
-        kl = torch.exp(delta) - delta - 1.0
-        per_token = per_token + beta * kl
+        gap = ref_logprobs - logprobs
+        kl = torch.exp(gap) - gap - 1.0
+        per_token = per_token + beta * (kl * ratio if bias_correction_kl else kl)
         kl_mean = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1.0))
     if isinstance(num_tokens, torch.Tensor) and num_tokens.dim() == 1:
         loss = ((per_token * mask).sum(dim=1) / num_tokens.to(per_token).clamp(min=1.0)).sum()
     else:
         denominator = float(mask.sum()) if num_tokens is None else float(num_tokens)
         loss = (per_token * mask).sum() / max(denominator, 1.0)
-    took_clip = (clipped_obj < unclipped_obj).to(mask.dtype) * mask
+    took_clip = (clipped_obj < unclipped_obj).to(mask.dtype).expand_as(mask) * mask
     clip_fraction = float(took_clip.sum() / mask.sum().clamp(min=1.0))
     return LossParts(loss=loss, clip_fraction=clip_fraction, kl_mean=kl_mean)
 
@@ -134,15 +163,20 @@ def loss_denominators(loss_type: str, completion_mask: torch.Tensor, *, global_t
     """Each row's denominator in the loss, so that summing every row's (masked token sum / denominator)
     over micro-batches, then averaging over `ranks` data-parallel ranks, gives TRL's loss exactly:
 
-    grpo     mean over sequences of each sequence's token mean  -> |o_i| * sequences
-    dapo     token mean over the whole batch (TRL's default)     -> tokens
-    dr_grpo  token sum over sequences x max completion length    -> sequences * max_new_tokens
+    grpo, sapo   mean over sequences of each sequence's token mean  -> |o_i| * sequences
+    dapo, cispo  token mean over the whole batch (TRL's default)     -> tokens
+    bnpo         token mean of the batch: TRL's is per micro-batch, here over the whole batch as dapo's
+                 (equal where the batch is one micro-batch)            -> tokens
+    dr_grpo      token sum over sequences x max completion length    -> sequences * max_new_tokens
+    luspo        each sequence's token sum, the mean over sequences  -> sequences
     (global_*: counted over every rank; the gradient average over ranks divides by `ranks` again.)
     """
     rows = completion_mask.shape[0]
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo", "bnpo"):
         return torch.full((rows,), global_tokens / ranks)
-    if loss_type == "grpo":
+    if loss_type == "luspo":
+        return torch.full((rows,), global_sequences / ranks)
+    if loss_type in ("grpo", "sapo"):
         return completion_mask.sum(dim=1).float().clamp(min=1.0) * (global_sequences / ranks)
     if loss_type == "dr_grpo":
         return torch.full((rows,), global_sequences * max_new_tokens / ranks)

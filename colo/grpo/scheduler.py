@@ -49,6 +49,7 @@ from ..clipping import clip_
 from ..errors import ModelSaveError, NonFiniteGradients, Terminated
 from ..hf_format import FINAL, check_writable, model_step_dir
 from ..hub import resolve_model
+from ..model_classes import vision_tower_parameters
 from ..moe_routing import RouterReplay, is_moe
 from ..pool import Pool
 from ..regions import WEIGHTS
@@ -189,6 +190,9 @@ class GRPOScheduler:
         self.model = self.engine.hf_model
         if is_moe(self.model):  # the routing the engine sampled with: replayed, or compared (router_mismatch)
             RouterReplay.attach(self.model)
+        if not self.config.train_vision and not self.config.lora_spec:  # still served, from the same tensors
+            for parameter in vision_tower_parameters(self.model):
+                parameter.requires_grad_(False)
         # The KL term's reference: with an adapter the shared base itself (no copy), else a frozen copy.
         self.reference = self.views.reference() if self.config.beta > 0 else None
 

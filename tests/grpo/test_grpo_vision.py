@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 
@@ -52,10 +53,17 @@ def test_grpo_trains_a_vision_language_model_with_one_copy(idefics3_dir, tmp_pat
     rows = [{**row, "image": squares(2)} for row in image_rows(8)]
     scheduler = GRPOScheduler(idefics3_dir, config=config, dataset=datasets.Dataset.from_list(rows),
                               reward_funcs=[first_token_parity], out_dir=tmp_path / "out")
+    model = scheduler.model
+    tower = model.model.vision_model.embeddings.patch_embedding.weight
+    projector = model.model.connector.modality_projection.proj.weight
+    before = {"tower": tower.detach().clone(), "projector": projector.detach().clone()}
     try:
         records = [scheduler.train_step() for _ in range(2)]
     finally:
         scheduler.close()
+    # The vision tower is frozen by default (still the engine's tensors); the projector trains.
+    assert torch.equal(tower, before["tower"]) and not torch.equal(projector, before["projector"])
+    assert not tower.requires_grad and projector.requires_grad
     placeholders = set(scheduler.task.placeholder_token_ids())
     assert placeholders and not any(placeholders & set(ids) for ids in seen["completion_ids"])
     assert all(isinstance(image, Image.Image) for image in seen["images"])   # reward functions get the column

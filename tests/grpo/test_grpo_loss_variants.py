@@ -1,0 +1,105 @@
+"""colo.grpo's loss variants against TRL 1.16's own arithmetic on the same tensors (log-probabilities,
+old and reference log-probabilities, advantages, masks): every loss type, token- and sequence-level
+ratios (GSPO), two-sided clipping (delta) and the KL's bias correction; values and gradients equal to
+float tolerance. TRL's loss sits inside GRPOTrainer._compute_loss (a method needing a whole trainer),
+so `trl_loss` below transcribes it: trl/trainer/grpo_trainer.py, from `log_ratio = per_token_logps -
+old_per_token_logps` (line 3083) to the `luspo` branch (line 3175), one micro-batch, one process, no
+gradient accumulation, no vLLM importance-sampling ratio, no entropy mask."""
+import itertools
+
+import pytest
+import torch
+
+from colo.grpo.config import LOSS_TYPES, GRPOConfig
+from colo.grpo.loss import grpo_loss, loss_denominators
+
+
+def trl_loss(per_token_logps, old_per_token_logps, advantages, mask, ref_per_token_logps, *, beta, loss_type,
+             importance_sampling_level, delta, use_bias_correction_kl, epsilon_low, epsilon_high,
+             sapo_temperature_pos, sapo_temperature_neg, max_completion_length):
+    advantages = advantages.unsqueeze(1)
+    log_ratio = per_token_logps - old_per_token_logps
+    if importance_sampling_level == "token":
+        log_importance_weights = log_ratio
+    else:
+        log_importance_weights = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        log_importance_weights = log_importance_weights.unsqueeze(-1)
+    coef_1 = torch.exp(log_importance_weights)
+    if beta != 0.0:
+        per_token_kl = (torch.exp(ref_per_token_logps - per_token_logps)
+                        - (ref_per_token_logps - per_token_logps) - 1)
+        if use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+    if loss_type == "cispo":
+        clamped_ratios = torch.clamp(coef_1, max=epsilon_high).detach()
+        per_token_loss = -clamped_ratios * advantages * per_token_logps
+    elif loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]:
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
+        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    elif loss_type == "sapo":
+        temperatures = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
+        soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
+        per_token_loss = -soft_coef_1 * advantages
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * per_token_kl
+    if loss_type in ["grpo", "sapo"]:
+        return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
+    if loss_type in ["cispo", "dapo"]:
+        return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)   # num_items_in_batch, one process
+    if loss_type == "luspo":
+        return (per_token_loss * mask).sum(-1).mean()
+
+
+def tensors(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    rows, columns = 4, 6
+    old = -torch.rand(rows, columns, generator=g) * 3
+    new = old + 0.4 * torch.randn(rows, columns, generator=g)   # ratios well away from 1: clipping happens
+    ref = old + 0.2 * torch.randn(rows, columns, generator=g)
+    mask = torch.ones(rows, columns)
+    mask[1, 4:] = 0
+    mask[3, 2:] = 0
+    return new, old, ref, torch.tensor([1.3, -0.7, 0.2, -1.1]), mask
+
+
+SETTINGS = list(itertools.product(LOSS_TYPES, ("token", "sequence"), (None, 1.5), (True, False)))
+
+
+def test_every_trl_loss_type_is_here():
+    assert set(LOSS_TYPES) >= {"grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"}
+
+
+@pytest.mark.parametrize("loss_type,level,delta,bias_kl", SETTINGS)
+def test_the_loss_and_its_gradient_are_trls(loss_type, level, delta, bias_kl):
+    new, old, ref, advantages, mask = tensors(seed=hash((loss_type, level, delta, bias_kl)) % 1000)
+    epsilon_high = 5.0 if loss_type == "cispo" else 0.28   # CISPO's cap is a ratio, not a clip range
+    settings = dict(beta=0.04, epsilon_low=0.2, epsilon_high=epsilon_high, delta=delta)
+    theirs_in = new.clone().requires_grad_(True)
+    theirs = trl_loss(theirs_in, old, advantages, mask, ref, loss_type=loss_type, importance_sampling_level=level,
+                      use_bias_correction_kl=bias_kl, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+                      max_completion_length=8, **settings)
+    theirs.backward()
+    mine_in = new.clone().requires_grad_(True)
+    rows = float(mask.shape[0])
+    denominators = loss_denominators(loss_type, mask, global_tokens=float(mask.sum()), global_sequences=rows,
+                                     max_new_tokens=8)
+    mine = grpo_loss(mine_in, old, advantages, mask, ref_logprobs=ref, num_tokens=denominators, loss_type=loss_type,
+                     importance_sampling_level=level, bias_correction_kl=bias_kl, **settings).loss
+    mine.backward()
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mine_in.grad, theirs_in.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_variant_settings_are_refused():
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        GRPOConfig(loss_type="ppo")
+    with pytest.raises(ValueError, match="importance_sampling_level must be 'token' or 'sequence'"):
+        GRPOConfig(importance_sampling_level="batch")
+    with pytest.raises(ValueError, match="delta .* must exceed 1 \\+ epsilon_high"):
+        GRPOConfig(delta=1.1)
