@@ -15,7 +15,7 @@ from .loss import grpo_loss, importance_weights, loss_denominators
 
 def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, config: GRPOConfig, *,
                          num_tokens: float | torch.Tensor, reference=None, engine_logprobs: list | None = None,
-                         after_forward=None) -> dict:
+                         after_forward=None, old_logprobs: list | None = None, keep_logprobs: list | None = None) -> dict:
     """Add d(loss)/d(params) to the parameters' .grad; return loss, clip_fraction, kl and (when the
     engine's log-probabilities are given: at temperature 1, or with importance sampling)
     engine_logprob_max_abs_diff and _mean_abs_diff; with config.importance_sampling, the policy term
@@ -23,8 +23,11 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
 
     num_tokens: the token count the loss is averaged over (the whole batch, or its share per rank),
     or one denominator per row (loss.loss_denominators: the loss type's).
-    The old policy is the current one (one optimizer step per rollout, as TRL does by default):
-    the ratio is 1 in value but carries the policy gradient.
+    old_logprobs: per row, the trainer's log-probabilities at the weights the rollout was sampled with
+    (num_iterations > 1: its later optimizer steps clip against them); None: the old policy is the
+    current one (the first, or only, step on a rollout, as TRL by default): the ratio is 1 in value
+    but carries the policy gradient. keep_logprobs: a list each row's log-probabilities are appended to
+    (detached, on the CPU), to be the old ones of the later steps.
     """
     micro = config.micro_batch_size or len(batch)
     local_tokens = max(float(batch.completion_mask.sum()), 1.0)
@@ -48,7 +51,11 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
                 weights, is_stats = importance_weights(logprobs, sampled, part.completion_mask, config.importance_sampling,
                                                        config.importance_sampling_min, config.importance_sampling_max)
                 sampling.append((is_stats, float(part.completion_mask.sum())))
-            parts = grpo_loss(logprobs, logprobs.detach(), advantages[start:start + micro], part.completion_mask,
+            if keep_logprobs is not None:
+                keep_logprobs.extend(logprobs.detach().cpu().unbind(0))
+            old = logprobs.detach() if old_logprobs is None else padded(old_logprobs[start:start + micro],
+                                                                       logprobs.shape, logprobs.device)
+            parts = grpo_loss(logprobs, old, advantages[start:start + micro], part.completion_mask,
                               epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high, beta=config.beta,
                               ref_logprobs=ref, weights=weights, loss_type=config.loss_type,
                               importance_sampling_level=config.importance_sampling_level, delta=config.delta,
@@ -79,10 +86,12 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
 
 
 def padded(rows: list, shape, device) -> torch.Tensor:
-    """Per-row lists of numbers (None or missing: 0) as a (B, C) tensor."""
+    """Per-row lists (or 1-D tensors) of numbers (None or missing: 0) as a (B, C) tensor."""
     out = torch.zeros(shape, dtype=torch.float32)
     for i, row in enumerate(rows):
-        if row:
+        if isinstance(row, torch.Tensor):
+            out[i, :min(row.numel(), shape[1])] = row[:shape[1]].float()
+        elif row:
             values = torch.tensor([0.0 if v is None else v for v in row[:shape[1]]], dtype=torch.float32)
             out[i, :len(values)] = values
     return out.to(device)
@@ -137,6 +146,10 @@ def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: 
                                config.micro_batch_size):
         part = rollout.select(rows)
         batch = pack(part.prompts, part.completions, loss_masks=part.loss_masks, routes=part.routes)
+        # The old log-probabilities of later iterations (num_iterations > 1): kept by the first, per
+        # completion; a micro-batch packs its rows to the same width on every iteration.
+        old = None if rollout.old_logprobs is None else [rollout.old_logprobs[i] for i in rows]
+        keep = [] if config.num_iterations > 1 and old is None else None
         if config.mask_truncated:  # the tokens stay in the sequence; they only stop counting in the loss
             batch.completion_mask[torch.tensor(part.truncated, dtype=torch.bool)] = 0
         batch = batch.to(device)
@@ -151,7 +164,12 @@ def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: 
         stats = accumulate_gradients(model, batch, advantages[rows].to(device), config,
                                      num_tokens=denominators, reference=reference,
                                      engine_logprobs=part.logprobs if compare else None,
-                                     after_forward=after_forward)
+                                     after_forward=after_forward, old_logprobs=old, keep_logprobs=keep)
+        if keep is not None:
+            if rollout.kept_logprobs is None:
+                rollout.kept_logprobs = [None] * len(rollout.completions)
+            for i, values in zip(rows, keep):
+                rollout.kept_logprobs[i] = values
         positions = batch.attention_mask.numel()
         parts.append({**stats, "tokens": float(batch.completion_mask.sum()), "positions": float(positions),
                       "padded_positions": float(positions - batch.attention_mask.sum())})

@@ -141,19 +141,24 @@ class Rollout:
     environments: list | None = None
     extra: list | None = None        # a rollout_func's other fields, one dict per completion
     routes: list | None = None       # a MoE engine's experts per completion (Completion.routes), else None
+    # num_iterations > 1: per completion, the trainer's log-probabilities at the weights it was sampled
+    # with (the old policy of the later optimizer steps); kept_logprobs is where the first step puts them.
+    old_logprobs: list | None = None
+    kept_logprobs: list | None = None
 
     def part(self, start: int, stop: int) -> "Rollout":
         cut = lambda values: None if values is None else values[start:stop]  # noqa: E731
         return Rollout(self.rows[start:stop], self.prompts[start:stop], self.completions[start:stop],
                        self.logprobs[start:stop], self.truncated[start:stop], cut(self.loss_masks),
-                       cut(self.conversations), cut(self.environments), cut(self.extra), cut(self.routes))
+                       cut(self.conversations), cut(self.environments), cut(self.extra), cut(self.routes),
+                       cut(self.old_logprobs))
 
     def select(self, rows: list[int]) -> "Rollout":
         """These rows (indices), in this order."""
         pick = lambda values: None if values is None else [values[i] for i in rows]  # noqa: E731
         return Rollout(pick(self.rows), pick(self.prompts), pick(self.completions), pick(self.logprobs),
                        pick(self.truncated), pick(self.loss_masks), pick(self.conversations), pick(self.environments),
-                       pick(self.extra), pick(self.routes))
+                       pick(self.extra), pick(self.routes), pick(self.old_logprobs))
 
     def model_tokens(self) -> list[int]:
         """Each completion's tokens the model sampled (the tools' not counted)."""

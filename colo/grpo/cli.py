@@ -56,7 +56,7 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     structured_outputs_regex="structured_outputs_regex", micro_batch_size="micro_batch_size",
                     routing_replay="routing_replay", train_vision="train_vision",
                     importance_sampling_level="importance_sampling_level", delta="delta",
-                    use_bias_correction_kl="use_bias_correction_kl", sapo_temperature_pos="sapo_temperature_pos",
+                    use_bias_correction_kl="use_bias_correction_kl", num_iterations="num_iterations", sapo_temperature_pos="sapo_temperature_pos",
                     sapo_temperature_neg="sapo_temperature_neg")
 
 
@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--loss-type", choices=LOSS_TYPES, help="TRL's: grpo: sequence means; dapo (default): token mean "
                      "over the batch; dr_grpo: token sum / (sequences x max new tokens); bnpo, luspo, cispo, sapo "
                      "(docs/grpo.md)")
+    gen.add_argument("--num-iterations", type=_positive_int, metavar="MU",
+                     help="optimizer steps per rollout (TRL's num_iterations, 1); the later ones clip against the "
+                          "log-probabilities the rollout was sampled at")
     gen.add_argument("--importance-sampling-level", choices=("token", "sequence"),
                      help="ratios per token (default) or per sequence (GSPO), TRL's importance_sampling_level")
     gen.add_argument("--delta", type=float, help="two-sided clipping: the unclipped ratio capped at DELTA (> 1 + "

@@ -67,6 +67,9 @@ class GRPOConfig:
     # TRL's names and defaults: ratios per token or per sequence ("sequence": GSPO); two-sided clipping
     # (the unclipped ratio capped at delta, None: off); the KL term times the ratio; SAPO's temperatures.
     importance_sampling_level: str = "token"
+    # TRL's num_iterations (mu): optimizer steps per rollout; the later ones clip against the trainer's
+    # log-probabilities at the weights the rollout was sampled with (kept by the first).
+    num_iterations: int = 1
     delta: float | None = None
     use_bias_correction_kl: bool = True
     sapo_temperature_pos: float = 1.0
@@ -180,6 +183,10 @@ class GRPOConfig:
             self.overlap_threads = tuple(check_int(n, "overlap_threads") for n in self.overlap_threads)
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
+        check_int(self.num_iterations, "num_iterations")
+        if self.num_iterations > 1 and self.overlap == "on":
+            raise ValueError(f"num_iterations={self.num_iterations} with overlap='on': a rollout trained on several "
+                             "times is trained after its generation (overlap='auto' or 'off')")
         if self.importance_sampling_level not in ("token", "sequence"):
             raise ValueError(f"importance_sampling_level must be 'token' or 'sequence' (GSPO), got "
                              f"{self.importance_sampling_level!r}")

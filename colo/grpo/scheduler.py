@@ -285,6 +285,7 @@ class GRPOScheduler:
                 collectives = self.views.collective_count
                 trained = self.strategy.train(rollout, scores, generated)
                 norm, skipped = self._update()
+                later = self._later_iterations(rollout, trained)
         except BaseException:
             self.strategy.abandon(generated)  # the trainer's thread stops; on a GPU its stream is waited for
             raise
@@ -304,7 +305,7 @@ class GRPOScheduler:
             **(agent_stats(generated.completions, self.agent.stats, self.world) if self.agent is not None else {}),
             "train_s": train["seconds"], **train_stats(trained.stats, self.world), **trained.early,
             **({"routing_replay": self.config.routing_replay} if "router_compared" in trained.stats else {}),
-            "grad_norm": norm, "step_skipped": skipped, "skipped_steps_in_a_row": self.skipped_in_a_row,
+            "grad_norm": norm, "step_skipped": skipped, "skipped_steps_in_a_row": self.skipped_in_a_row, **later,
             "optimizer_state_bytes": self.memory.optimizer_state_bytes(),
             **({"tp_all_reduces": self.views.collective_count - collectives} if self.world.tp_size > 1 else {}),
             "publish_s": publish_s, "publish_bytes_copied": report.bytes_copied,
@@ -360,6 +361,25 @@ class GRPOScheduler:
             raise
         except Exception as e:  # noqa: BLE001 - the engine's; the caller rebuilds it once
             return None, engine_error(e, step)
+
+    def _later_iterations(self, rollout: Rollout, trained) -> dict:
+        """num_iterations > 1 (TRL's mu): more optimizer steps on the same rollout, each clipping against the
+        log-probabilities the first kept (the weights it was sampled with); the engine is published to once,
+        after the last. Returns the last iteration's loss, clip fraction and gradient norm (the record's
+        loss, clip_fraction and grad_norm are the first's)."""
+        if self.config.num_iterations == 1:
+            return {}
+        rollout.old_logprobs, rollout.kept_logprobs = rollout.kept_logprobs, None
+        skipped_any = False
+        for _ in range(self.config.num_iterations - 1):
+            self.memory.zero_grads()
+            stats = self.trainer.backward(rollout, trained.advantages, global_tokens=trained.global_tokens,
+                                          global_sequences=trained.global_sequences)
+            norm, skipped = self._update()
+            skipped_any |= skipped
+        return {"num_iterations": self.config.num_iterations, "last_iteration/loss": stats["loss"],
+                "last_iteration/clip_fraction": stats["clip_fraction"], "last_iteration/grad_norm": norm,
+                "last_iteration/step_skipped": skipped_any}
 
     def _update(self) -> tuple[float, bool]:
         """Gradients made global and clipped; the optimizer steps unless their norm is not finite (the

@@ -103,3 +103,30 @@ def test_bad_variant_settings_are_refused():
         GRPOConfig(importance_sampling_level="batch")
     with pytest.raises(ValueError, match="delta .* must exceed 1 \\+ epsilon_high"):
         GRPOConfig(delta=1.1)
+
+
+def test_num_iterations_steps_the_optimizer_mu_times_clipping_against_the_sampling_weights(tmp_path):
+    """TRL's num_iterations: each rollout trains mu optimizer steps; the later ones compare against the
+    log-probabilities the first kept (the weights the rollout was sampled with), so at a large learning
+    rate their ratios leave the clip range, while the first step's ratios are all 1."""
+    from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask, build_toy_model
+
+    task = ToyTask(512)
+    config = GRPOConfig(prompts_per_step=4, num_generations=4, ignore_eos=True, learning_rate=3e-2, save_every=0,
+                        num_iterations=3, epsilon_low=0.05, epsilon_high=0.05)
+    scheduler = GRPOScheduler(build_toy_model(tmp_path / "model"), task.rewards, task.prompts, config)
+    try:
+        records = [scheduler.train_step() for _ in range(2)]
+        optimizer = getattr(scheduler.optimizer, "optimizer", scheduler.optimizer)
+        steps = {int(state["step"]) for state in optimizer.state.values()}
+    finally:
+        scheduler.close()
+    assert steps == {6}                                   # 2 rollouts x 3 optimizer steps each
+    for record in records:
+        assert record["num_iterations"] == 3 and record["clip_fraction"] == 0.0
+        assert record["last_iteration/clip_fraction"] > 0.0
+        assert record["publish_bytes_copied"] == 0
+    # The engine sampled step 2 from the weights all three of step 1's optimizer steps made.
+    assert records[1]["engine_logprob_max_abs_diff"] < 1e-4
+    with pytest.raises(ValueError, match="num_iterations=2 with overlap='on'"):
+        GRPOConfig(num_iterations=2, overlap="on")
