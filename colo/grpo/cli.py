@@ -29,6 +29,7 @@ from pathlib import Path
 from ..checks import int_kind
 from .checkpoint import CheckpointError, checkpoint_to_resume, list_checkpoints
 from .config import DTYPES, IMPORTANCE_SAMPLING, LOSS_TYPES, OVERLAP_MODES, SCALES, GRPOConfig, check_model_dir
+from .schedules import SCHEDULES
 
 OFFLOAD_CHOICES = {"auto": None, "on": True, "off": False}
 TOY_DEFAULTS = dict(prompts_per_step=8, num_generations=8, max_new_tokens=16, ignore_eos=True,
@@ -57,7 +58,9 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     routing_replay="routing_replay", train_vision="train_vision",
                     importance_sampling_level="importance_sampling_level", delta="delta",
                     use_bias_correction_kl="use_bias_correction_kl", num_iterations="num_iterations", sapo_temperature_pos="sapo_temperature_pos",
-                    sapo_temperature_neg="sapo_temperature_neg")
+                    sapo_temperature_neg="sapo_temperature_neg", lr_scheduler_type="lr_scheduler_type",
+                    warmup_steps="warmup_steps", warmup_ratio="warmup_ratio", weight_decay="weight_decay",
+                    adam_epsilon="adam_epsilon", max_grad_norm="max_grad_norm")
 
 
 def _int_at_least(minimum: int):
@@ -168,6 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--loss-type", choices=LOSS_TYPES, help="TRL's: grpo: sequence means; dapo (default): token mean "
                      "over the batch; dr_grpo: token sum / (sequences x max new tokens); bnpo, luspo, cispo, sapo "
                      "(docs/grpo.md)")
+    opt = p.add_argument_group("optimizer (TRL's names)")
+    opt.add_argument("--lr-scheduler-type", choices=SCHEDULES, help="the learning rate after warm-up: constant "
+                     "(default), or linear / cosine to 0 at the last step")
+    opt.add_argument("--warmup-steps", type=int, metavar="N", help="linear warm-up steps (0)")
+    opt.add_argument("--warmup-ratio", type=float, metavar="R", help="warm-up as a fraction of the run's optimizer "
+                     "steps (--warmup-steps wins)")
+    opt.add_argument("--weight-decay", type=float, help="AdamW's weight decay (0)")
+    opt.add_argument("--adam-betas", type=float, nargs=2, metavar=("B1", "B2"), help="AdamW's betas (0.9 0.99)")
+    opt.add_argument("--adam-epsilon", type=float, help="AdamW's epsilon (1e-8)")
+    opt.add_argument("--max-grad-norm", type=float, help="clip the gradient norm to this (1.0); 0: no clipping")
     gen.add_argument("--num-iterations", type=_positive_int, metavar="MU",
                      help="optimizer steps per rollout (TRL's num_iterations, 1); the later ones clip against the "
                           "log-probabilities the rollout was sampled at")
@@ -342,6 +355,12 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
     values.update({field: getattr(args, flag) for flag, field in CONFIG_FLAGS.items() if getattr(args, flag) is not None})
     if args.epsilon is not None and args.epsilon_high is None:
         values["epsilon_high"] = args.epsilon  # TRL: epsilon_high defaults to epsilon
+    if args.adam_betas is not None:
+        values["adam_betas"] = tuple(args.adam_betas)
+    if args.max_grad_norm == 0:
+        values["max_grad_norm"] = None
+    # The schedule's length: every optimizer step of the run.
+    values["max_steps"] = args.steps * (values.get("num_iterations") or 1)
     try:
         config = GRPOConfig(**{**values, "offload_optimizer": OFFLOAD_CHOICES[args.offload_optimizer],
                                "lora_targets": tuple(args.lora_targets) if args.lora_targets else None, "tensor_parallel": args.tensor_parallel or 1,

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..checks import check_int
+from .schedules import SCHEDULES
 from .trackers import check_report_to
 
 
@@ -48,7 +49,15 @@ class GRPOConfig:
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.99)
-    warmup_steps: int = 0              # linear learning-rate warm-up, then constant
+    warmup_steps: int = 0              # linear learning-rate warm-up, then the schedule
+    # TRL's names: the schedule after warm-up ("constant", "linear" or "cosine" to 0 at max_steps; TRL's
+    # default is "linear", colo's "constant": a run's length is not always known up front), the warm-up
+    # as a fraction of max_steps (warmup_steps wins), AdamW's epsilon; max_steps: the run's optimizer
+    # steps (colo.grpo's CLI sets it from --steps x num_iterations).
+    lr_scheduler_type: str = "constant"
+    warmup_ratio: float = 0.0
+    max_steps: int | None = None
+    adam_epsilon: float = 1e-8
     max_grad_norm: float | None = 1.0  # None: no clipping
     # A step whose gradient norm is not finite skips its optimizer step (the weights stay as they were);
     # this many such steps in a row stop the run (colo.errors.NonFiniteGradients).
@@ -162,6 +171,20 @@ class GRPOConfig:
             check_regex(self.structured_outputs_regex)
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.lr_scheduler_type not in SCHEDULES:
+            raise ValueError(f"lr_scheduler_type must be one of {', '.join(SCHEDULES)}, got {self.lr_scheduler_type!r}")
+        if self.max_steps is not None:
+            check_int(self.max_steps, "max_steps")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if (self.lr_scheduler_type != "constant" or self.warmup_ratio) and self.max_steps is None:
+            raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r} / warmup_ratio={self.warmup_ratio} need "
+                             "max_steps (the run's optimizer steps)")
+        if not (0 <= self.adam_betas[0] < 1 and 0 <= self.adam_betas[1] < 1 and self.adam_epsilon > 0):
+            raise ValueError(f"adam_betas must be in [0, 1) and adam_epsilon > 0, got {self.adam_betas}, "
+                             f"{self.adam_epsilon}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
         if not (0 <= self.epsilon_low < 1 and self.epsilon_high >= 0):

@@ -63,6 +63,7 @@ from .metrics import (ProgressBar, Residency, StepLog, Timeline, agent_stats, ra
                       train_stats)
 from .overlap import GroupFailed, memory_refusal, serial_reason
 from .phases import MemoryPhases
+from .schedules import lr_multiplier, warmup_of
 from .rollout_engine import EngineFailure, RolloutEngine, engine_error, rebuild_engine
 from .strategy import Generated, OverlappedSteps, SerialSteps
 from .task import (Task, build_tasks, checked_prompts, fit_model_length, guided_options, longest_sequence,
@@ -227,10 +228,11 @@ class GRPOScheduler:
         # fp32 parameters: AdamW itself; bf16: a colo.MasterWeightOptimizer stepping fp32 masters in the
         # optimizer region; sharded: a colo.ShardedMasterWeightOptimizer.
         self.optimizer = self.memory.build_optimizer(torch.optim.AdamW, lr=cfg.learning_rate, betas=cfg.adam_betas,
-                                                     weight_decay=cfg.weight_decay)
-        warmup = cfg.warmup_steps
+                                                     eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+        warmup = warmup_of(cfg.warmup_steps, cfg.warmup_ratio, cfg.max_steps)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            getattr(self.optimizer, "optimizer", self.optimizer), lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
+            getattr(self.optimizer, "optimizer", self.optimizer),
+            lambda i: lr_multiplier(i, cfg.lr_scheduler_type, warmup, cfg.max_steps))
         self.phases = MemoryPhases(self.engine, self.memory, on=cfg.memory_phases)
         self.phases.to_generate()
         self.phases.take_seconds()  # set-up, not a step's

@@ -130,3 +130,49 @@ def test_num_iterations_steps_the_optimizer_mu_times_clipping_against_the_sampli
     assert records[1]["engine_logprob_max_abs_diff"] < 1e-4
     with pytest.raises(ValueError, match="num_iterations=2 with overlap='on'"):
         GRPOConfig(num_iterations=2, overlap="on")
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+def test_the_schedule_is_transformers_after_warmup(kind):
+    """After warm-up the multiplier is transformers' get_*_schedule_with_warmup's (TRL's trainers' schedules)."""
+    from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+    from transformers import get_linear_schedule_with_warmup
+
+    from colo.grpo.schedules import lr_multiplier, warmup_of
+
+    total, warmup = 20, warmup_of(0, 0.1, 20)
+    assert warmup == 2
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    if kind == "constant":
+        theirs = get_constant_schedule_with_warmup(optimizer, warmup)
+    else:
+        make = get_linear_schedule_with_warmup if kind == "linear" else get_cosine_schedule_with_warmup
+        theirs = make(optimizer, warmup, total)
+    for step in range(total):
+        expected = theirs.lr_lambdas[0](step)
+        mine = lr_multiplier(step, kind, warmup, total)
+        if step < warmup:   # colo's warm-up trains from the first step: (step + 1) / warmup, transformers' step / warmup
+            assert mine == pytest.approx((step + 1) / warmup) and expected == pytest.approx(step / warmup)
+        else:
+            assert mine == pytest.approx(expected, abs=1e-9)
+    with pytest.raises(ValueError, match="need max_steps"):
+        GRPOConfig(lr_scheduler_type="cosine")
+    with pytest.raises(ValueError, match="lr_scheduler_type must be one of"):
+        GRPOConfig(lr_scheduler_type="step", max_steps=3)
+
+
+def test_the_cli_takes_the_optimizer_and_loss_settings(tmp_path):
+    from colo.grpo.cli import _settings, build_parser, parse_args
+
+    parser = build_parser()
+    args = parse_args(parser, ["--steps", "10", "--json", str(tmp_path / "log.jsonl"), "--out", str(tmp_path / "out"),
+                               "--lr-scheduler-type", "cosine", "--warmup-ratio", "0.1", "--weight-decay", "0.01",
+                               "--adam-betas", "0.9", "0.999", "--adam-epsilon", "1e-6", "--max-grad-norm", "0",
+                               "--num-iterations", "2", "--loss-type", "sapo", "--importance-sampling-level",
+                               "sequence", "--delta", "1.5", "--no-bias-correction-kl"])
+    _, config = _settings(args, parser)
+    assert (config.lr_scheduler_type, config.warmup_ratio, config.max_steps) == ("cosine", 0.1, 20)
+    assert (config.weight_decay, config.adam_betas, config.adam_epsilon, config.max_grad_norm) == \
+        (0.01, (0.9, 0.999), 1e-6, None)
+    assert (config.num_iterations, config.loss_type, config.importance_sampling_level, config.delta,
+            config.use_bias_correction_kl) == (2, "sapo", "sequence", 1.5, False)
