@@ -60,7 +60,8 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     use_bias_correction_kl="use_bias_correction_kl", num_iterations="num_iterations", sapo_temperature_pos="sapo_temperature_pos",
                     sapo_temperature_neg="sapo_temperature_neg", lr_scheduler_type="lr_scheduler_type",
                     warmup_steps="warmup_steps", warmup_ratio="warmup_ratio", weight_decay="weight_decay",
-                    adam_epsilon="adam_epsilon", max_grad_norm="max_grad_norm")
+                    adam_epsilon="adam_epsilon", max_grad_norm="max_grad_norm", min_p="min_p",
+                    repetition_penalty="repetition_penalty", generation_kwargs="generation_kwargs")
 
 
 def _int_at_least(minimum: int):
@@ -166,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=_positive_float, help="sampling temperature (1.0)")
     gen.add_argument("--top-p", type=float, help="nucleus sampling (1.0: off)")
     gen.add_argument("--top-k", type=_non_negative_int, help="sample from the k likeliest tokens (0: off)")
+    gen.add_argument("--min-p", type=float, help="min-p sampling (TRL's min_p; default off)")
+    gen.add_argument("--repetition-penalty", type=float, help="vLLM's repetition penalty (1.0: off)")
+    gen.add_argument("--generation-kwargs", type=_json_object, metavar="JSON",
+                     help="more of vLLM's SamplingParams fields, e.g. '{\"presence_penalty\": 0.5}' (TRL's generation_kwargs)")
     gen.add_argument("--mask-truncated", action="store_true", default=None,
                      help="leave completions cut by --max-new-tokens out of the loss (TRL's mask_truncated_completions)")
     gen.add_argument("--loss-type", choices=LOSS_TYPES, help="TRL's: grpo: sequence means; dapo (default): token mean "

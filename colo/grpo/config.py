@@ -35,6 +35,11 @@ class GRPOConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                     # sample from the k likeliest tokens (0: all)
+    # TRL's names: min_p sampling (None: off), the repetition penalty (1.0: off), and more of vLLM's
+    # SamplingParams fields for every generation (generation_kwargs; colo's own fields win).
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict | None = None
     ignore_eos: bool = False           # toy task: fixed-length completions
     # Completions that hit max_new_tokens (truncated, counted in the record's clipped_ratio) are left
     # out of the loss (DAPO's overlong filtering; TRL's mask_truncated_completions).
@@ -165,6 +170,12 @@ class GRPOConfig:
             check_int(self.micro_batch_size, "micro_batch_size")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.generation_kwargs is not None:
+            check_generation_kwargs(self.generation_kwargs)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.structured_outputs_regex is not None:
@@ -327,6 +338,31 @@ def check_model_dir(model_dir, tensor_parallel: int = 1) -> None:
 
         check_shardable(config, tensor_parallel)
 
+
+
+# SamplingParams fields colo sets itself (per request, or from its own settings).
+OWN_SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stop_token_ids",
+                       "ignore_eos", "logit_bias", "min_p", "repetition_penalty", "output_kind", "structured_outputs")
+
+
+def check_generation_kwargs(kwargs: dict) -> None:
+    """generation_kwargs: names of vLLM's SamplingParams, none of the fields colo sets (a clear error,
+    naming the closest field, before any engine starts)."""
+    import difflib
+    import inspect
+
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"generation_kwargs must be a mapping of vLLM SamplingParams fields, got {kwargs!r}")
+    from vllm import SamplingParams
+
+    known = set(inspect.signature(SamplingParams).parameters) | set(getattr(SamplingParams, "__struct_fields__", ()))
+    for name in kwargs:
+        if name in OWN_SAMPLING_FIELDS:
+            raise ValueError(f"generation_kwargs[{name!r}]: colo sets {name} itself; use its own setting")
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            raise ValueError(f"generation_kwargs[{name!r}] is not a field of vLLM's SamplingParams"
+                             + (f" (did you mean {close[0]!r}?)" if close else ""))
 
 
 def check_routing_replay(model_dir, agentic: bool) -> None:

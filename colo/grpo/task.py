@@ -542,11 +542,17 @@ def sampling_options(config, task: Task, step: int, share: range) -> list[dict]:
     completions."""
     per_step = config.prompts_per_step * config.num_generations
     top_k = dict(top_k=config.top_k) if config.top_k else {}
+    extra = dict(config.generation_kwargs or {})
+    if config.min_p is not None:
+        extra["min_p"] = config.min_p
+    if config.repetition_penalty != 1.0:
+        extra["repetition_penalty"] = config.repetition_penalty
     stop = stop_options(task)
     # TRL suppresses the image token in generation: a sampled placeholder would not match the image features.
     banned = {"logit_bias": {t: -100.0 for t in task.placeholder_token_ids()}} if task.placeholder_token_ids() else {}
     return [dict(n=config.num_generations, max_tokens=config.max_new_tokens, temperature=config.temperature,
                  top_p=config.top_p, ignore_eos=config.ignore_eos, **stop, **top_k, **guided_options(config), **banned,
+                 **extra,
                  seed=(config.seed * 1_000_003 * per_step + step * per_step
                        + i * config.num_generations) % (2**63 - 1),
                  logprobs=0)

@@ -176,3 +176,18 @@ def test_the_cli_takes_the_optimizer_and_loss_settings(tmp_path):
         (0.01, (0.9, 0.999), 1e-6, None)
     assert (config.num_iterations, config.loss_type, config.importance_sampling_level, config.delta,
             config.use_bias_correction_kl) == (2, "sapo", "sequence", 1.5, False)
+
+
+def test_generation_options_reach_vllms_sampling_params():
+    from vllm import SamplingParams
+
+    from colo.grpo.task import CallableTask, sampling_options
+
+    config = GRPOConfig(min_p=0.05, repetition_penalty=1.1, generation_kwargs={"presence_penalty": 0.5})
+    options = sampling_options(config, CallableTask(lambda s, n: [[1]] * n, lambda p, c: [0.0] * len(c)), 1, range(2))
+    params = SamplingParams(**options[0])
+    assert (params.min_p, params.repetition_penalty, params.presence_penalty) == (0.05, 1.1, 0.5)
+    with pytest.raises(ValueError, match="did you mean 'presence_penalty'"):
+        GRPOConfig(generation_kwargs={"presense_penalty": 0.5})
+    with pytest.raises(ValueError, match="colo sets seed itself"):
+        GRPOConfig(generation_kwargs={"seed": 3})
