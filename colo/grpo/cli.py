@@ -186,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--adam-betas", type=float, nargs=2, metavar=("B1", "B2"), help="AdamW's betas (0.9 0.99)")
     opt.add_argument("--adam-epsilon", type=float, help="AdamW's epsilon (1e-8)")
     opt.add_argument("--max-grad-norm", type=float, help="clip the gradient norm to this (1.0); 0: no clipping")
+    opt.add_argument("--gradient-checkpointing", choices=("on", "off"),
+                     help="recompute activations in backward (default: on a GPU, off on a CPU)")
     gen.add_argument("--num-iterations", type=_positive_int, metavar="MU",
                      help="optimizer steps per rollout (TRL's num_iterations, 1); the later ones clip against the "
                           "log-probabilities the rollout was sampled at")
@@ -362,6 +364,8 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
         values["epsilon_high"] = args.epsilon  # TRL: epsilon_high defaults to epsilon
     if args.adam_betas is not None:
         values["adam_betas"] = tuple(args.adam_betas)
+    if args.gradient_checkpointing is not None:
+        values["gradient_checkpointing"] = args.gradient_checkpointing == "on"
     if args.max_grad_norm == 0:
         values["max_grad_norm"] = None
     # The schedule's length: every optimizer step of the run.

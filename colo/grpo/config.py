@@ -88,6 +88,10 @@ class GRPOConfig:
     use_bias_correction_kl: bool = True
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    # TRL's gradient_checkpointing: recompute each decoder layer's activations in backward instead of
+    # keeping them (transformers' gradient_checkpointing_enable, non-reentrant). None: on a GPU, where
+    # activations bound the completion length, off on a CPU (colo.grpo.config.checkpointing_on).
+    gradient_checkpointing: bool | None = None
     micro_batch_size: int | None = None  # sequences per forward/backward; None: rows of similar length, 4096 positions at most
     memory_phases: bool = True         # KV cache asleep while training, gradients asleep while generating
     # Train each prompt's group while the engine decodes the others' (colo.grpo.overlap): "on", "off",
@@ -363,6 +367,11 @@ def check_generation_kwargs(kwargs: dict) -> None:
             close = difflib.get_close_matches(name, sorted(known), n=1)
             raise ValueError(f"generation_kwargs[{name!r}] is not a field of vLLM's SamplingParams"
                              + (f" (did you mean {close[0]!r}?)" if close else ""))
+
+
+def checkpointing_on(config, device_type: str) -> bool:
+    """Whether a run recomputes activations in backward: as asked, else on a GPU only."""
+    return config.gradient_checkpointing if config.gradient_checkpointing is not None else device_type == "cuda"
 
 
 def check_routing_replay(model_dir, agentic: bool) -> None:

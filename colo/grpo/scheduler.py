@@ -58,7 +58,7 @@ from . import distributed
 from .backward import PolicyTrainer
 from .batch import Rollout, rollout_of
 from .checkpoint import Checkpointer
-from .config import GRPOConfig, check_model_dir, check_routing_replay
+from .config import GRPOConfig, check_model_dir, check_routing_replay, checkpointing_on
 from .metrics import (ProgressBar, Residency, StepLog, Timeline, agent_stats, rank_path, reward_stats, scored_mean_std,
                       train_stats)
 from .overlap import GroupFailed, memory_refusal, serial_reason
@@ -191,6 +191,8 @@ class GRPOScheduler:
         self.model = self.engine.hf_model
         if is_moe(self.model):  # the routing the engine sampled with: replayed, or compared (router_mismatch)
             RouterReplay.attach(self.model)
+        if checkpointing_on(self.config, self.device.type) and hasattr(self.model, "gradient_checkpointing_enable"):
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not self.config.train_vision and not self.config.lora_spec:  # still served, from the same tensors
             for parameter in vision_tower_parameters(self.model):
                 parameter.requires_grad_(False)

@@ -142,3 +142,25 @@ def test_rows_of_similar_length_train_together_with_the_same_gradient_and_less_p
     assert stats["loss"] == pytest.approx(single["loss"], abs=1e-6) and single["padded_positions"] == 0
     all_padded = 6 * (max(map(len, prompts)) + max(map(len, completions)))
     assert stats["positions"] < all_padded and stats["padded_positions"] <= (1 - FILL) * stats["positions"]
+
+
+def test_gradient_checkpointing_gives_the_same_gradient():
+    """transformers' gradient checkpointing (as colo.grpo enables it) recomputes the activations in
+    backward: the same loss and gradient, chunked head included."""
+    from colo.grpo.backward import accumulate_gradients
+
+    batch = pack([[1, 2, 3], [4, 5]], [[11, 12, 13, 14], [15]])
+    advantages = torch.tensor([1.0, -1.0])
+
+    def gradient(checkpointing: bool):
+        model = one_layer_qwen2().train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        stats = accumulate_gradients(model, batch, advantages, GRPOConfig(), num_tokens=5.0)
+        return torch.cat([p.grad.flatten() for p in model.parameters()]), stats["loss"], model
+
+    plain, plain_loss, _ = gradient(False)
+    recomputed, loss, model = gradient(True)
+    assert model.is_gradient_checkpointing and plain.abs().sum() > 0
+    assert loss == pytest.approx(plain_loss, abs=1e-7)
+    torch.testing.assert_close(recomputed, plain, atol=1e-6, rtol=1e-5)
