@@ -61,7 +61,8 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     sapo_temperature_neg="sapo_temperature_neg", lr_scheduler_type="lr_scheduler_type",
                     warmup_steps="warmup_steps", warmup_ratio="warmup_ratio", weight_decay="weight_decay",
                     adam_epsilon="adam_epsilon", max_grad_norm="max_grad_norm", min_p="min_p",
-                    repetition_penalty="repetition_penalty", generation_kwargs="generation_kwargs")
+                    repetition_penalty="repetition_penalty", generation_kwargs="generation_kwargs",
+                    log_completions="log_completions", num_completions_to_print="num_completions_to_print")
 
 
 def _int_at_least(minimum: int):
@@ -167,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=_positive_float, help="sampling temperature (1.0)")
     gen.add_argument("--top-p", type=float, help="nucleus sampling (1.0: off)")
     gen.add_argument("--top-k", type=_non_negative_int, help="sample from the k likeliest tokens (0: off)")
+    gen.add_argument("--log-completions", action="store_true", default=None,
+                     help="each step's sampled completions with their rewards and advantages to OUT/completions.jsonl "
+                          "and the trackers (TRL's log_completions)")
+    gen.add_argument("--num-completions-to-print", type=_positive_int, metavar="N",
+                     help="with --log-completions: the first N of each step (default: all)")
     gen.add_argument("--min-p", type=float, help="min-p sampling (TRL's min_p; default off)")
     gen.add_argument("--repetition-penalty", type=float, help="vLLM's repetition penalty (1.0: off)")
     gen.add_argument("--generation-kwargs", type=_json_object, metavar="JSON",

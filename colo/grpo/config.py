@@ -37,6 +37,10 @@ class GRPOConfig:
     top_k: int = 0                     # sample from the k likeliest tokens (0: all)
     # TRL's names: min_p sampling (None: off), the repetition penalty (1.0: off), and more of vLLM's
     # SamplingParams fields for every generation (generation_kwargs; colo's own fields win).
+    # TRL's log_completions: each step's sampled completions (the first num_completions_to_print; None:
+    # all of the main rank's) with their rewards and advantages, to OUT/completions.jsonl and the trackers.
+    log_completions: bool = False
+    num_completions_to_print: int | None = None
     min_p: float | None = None
     repetition_penalty: float = 1.0
     generation_kwargs: dict | None = None

@@ -63,6 +63,8 @@ from .metrics import (ProgressBar, Residency, StepLog, Timeline, agent_stats, ra
                       train_stats)
 from .overlap import GroupFailed, memory_refusal, serial_reason
 from .phases import MemoryPhases
+from .completions_log import completion_samples
+from .loss import group_advantages
 from .schedules import lr_multiplier, warmup_of
 from .rollout_engine import EngineFailure, RolloutEngine, engine_error, rebuild_engine
 from .strategy import Generated, OverlappedSteps, SerialSteps
@@ -162,6 +164,11 @@ class GRPOScheduler:
         self.log = StepLog(log_path if self.world.is_main else None,
                            resume_after_step=self.step if resume else None)
         self.trackers = self._open_trackers(log_path, resume) if self.world.is_main else None
+        # TRL's log_completions: OUT/completions.jsonl (beside the step log without an OUT).
+        where = self.out_dir or (Path(log_path).parent if log_path else None)
+        self.completions_log = StepLog(where / "completions.jsonl" if where and self.config.log_completions and
+                                       self.world.is_main else None, resume_after_step=self.step if resume else None)
+        self.last_completions: list[dict] = []   # the last step's samples (log_completions), for library users
         # True from the optimizer step until the publish: the weights are half-changed, and a failure
         # then must not checkpoint them (run() saves on the way out only when this is False).
         self._unsafe_to_save = False
@@ -290,6 +297,8 @@ class GRPOScheduler:
                 trained = self.strategy.train(rollout, scores, generated)
                 norm, skipped = self._update()
                 later = self._later_iterations(rollout, trained)
+            if self.config.log_completions:
+                self.last_completions = self._completion_samples(step, rollout, scores)
         except BaseException:
             self.strategy.abandon(generated)  # the trainer's thread stops; on a GPU its stream is waited for
             raise
@@ -365,6 +374,13 @@ class GRPOScheduler:
             raise
         except Exception as e:  # noqa: BLE001 - the engine's; the caller rebuilds it once
             return None, engine_error(e, step)
+
+    def _completion_samples(self, step: int, rollout: Rollout, scores) -> list[dict]:
+        """The step's first num_completions_to_print completions with their rewards and advantages (this
+        rank's: with scale_rewards='batch', the advantages of this rank's std)."""
+        cfg = self.config
+        advantages = group_advantages(scores.total, cfg.num_generations, scale=cfg.scale_rewards, allow_unscorable=True)
+        return completion_samples(self.task, step, rollout, scores, advantages, cfg.num_completions_to_print)
 
     def _later_iterations(self, rollout: Rollout, trained) -> dict:
         """num_iterations > 1 (TRL's mu): more optimizer steps on the same rollout, each clipping against the
@@ -455,8 +471,11 @@ class GRPOScheduler:
             while self.step < steps:
                 record = self.train_step()
                 self.log.write(record)
+                for sample in self.last_completions:
+                    self.completions_log.write(sample)
                 if self.trackers is not None:
                     self.trackers.log(record)
+                    self.trackers.log_completions(record["step"], self.last_completions)
                 if self.skipped_in_a_row >= self.config.max_skipped_steps:
                     raise NonFiniteGradients(
                         f"step {self.step}: the gradient norm was {record['grad_norm']} for {self.skipped_in_a_row} "

@@ -22,6 +22,8 @@ import json
 import os
 from pathlib import Path
 
+from .completions_log import markdown_table
+
 TRACKERS = ("tensorboard", "wandb", "trackio")
 # What to install for each: the pip extra of colo that brings the tracker's package.
 EXTRAS = {"tensorboard": "colo[tensorboard]", "wandb": "colo[wandb]", "trackio": "colo[trackio]"}
@@ -117,6 +119,7 @@ class Trackers:
             for key, value in metrics.items():
                 writer.add_scalar(key, value, global_step=step)
 
+        log.completions = lambda step, samples: writer.add_text("completions", markdown_table(samples), global_step=step)
         return log, writer.close  # close() flushes first; a second close() is a no-op
 
     @staticmethod
@@ -127,7 +130,17 @@ class Trackers:
         # in the process, and this one is ours. dir= would override WANDB_DIR, so it is passed on.
         run = wandb.init(project=os.environ.get("WANDB_PROJECT", "colo"), name=run_name, config=config,
                          dir=os.environ.get("WANDB_DIR") or str(log_dir))
-        return (lambda step, metrics: run.log(metrics, step=step)), run.finish
+        def log(step, metrics):
+            run.log(metrics, step=step)
+
+        def completions(step, samples):
+            columns = ["step", "prompt", "completion", *samples[0]["rewards"], "reward", "advantage"]
+            rows = [[s["step"], str(s["prompt"]), str(s["completion"]), *s["rewards"].values(), s["reward"],
+                     s["advantage"]] for s in samples]
+            run.log({"completions": wandb.Table(columns=columns, data=rows)}, step=step)
+
+        log.completions = completions
+        return log, run.finish
 
     @staticmethod
     def _open_trackio(run_name: str, config: dict, log_dir: Path, resumed_after: int | None):
@@ -146,6 +159,12 @@ class Trackers:
         metrics = scalars({key: value for key, value in record.items() if key != "step"})
         for log, _ in self._writers:
             log(step, metrics)
+
+    def log_completions(self, step: int, samples: list[dict]) -> None:
+        """A step's sampled completions (colo.grpo.completions_log) to the trackers that show tables."""
+        for log, _ in self._writers:
+            if samples and hasattr(log, "completions"):
+                log.completions(step, samples)
 
     def close(self) -> None:
         """Flush and finish every writer, each even if another fails; a second call does nothing."""

@@ -6,6 +6,7 @@ so `trl_loss` below transcribes it: trl/trainer/grpo_trainer.py, from `log_ratio
 old_per_token_logps` (line 3083) to the `luspo` branch (line 3175), one micro-batch, one process, no
 gradient accumulation, no vLLM importance-sampling ratio, no entropy mask."""
 import itertools
+import json
 
 import pytest
 import torch
@@ -113,14 +114,26 @@ def test_num_iterations_steps_the_optimizer_mu_times_clipping_against_the_sampli
 
     task = ToyTask(512)
     config = GRPOConfig(prompts_per_step=4, num_generations=4, ignore_eos=True, learning_rate=3e-2, save_every=0,
-                        num_iterations=3, epsilon_low=0.05, epsilon_high=0.05)
-    scheduler = GRPOScheduler(build_toy_model(tmp_path / "model"), task.rewards, task.prompts, config)
+                        num_iterations=3, epsilon_low=0.05, epsilon_high=0.05, log_completions=True,
+                        num_completions_to_print=3, report_to=["tensorboard"])
+    scheduler = GRPOScheduler(build_toy_model(tmp_path / "model"), task.rewards, task.prompts, config,
+                              out_dir=tmp_path / "out", log_path=tmp_path / "log.jsonl")
     try:
-        records = [scheduler.train_step() for _ in range(2)]
+        records = scheduler.run(2, progress=False)
         optimizer = getattr(scheduler.optimizer, "optimizer", scheduler.optimizer)
         steps = {int(state["step"]) for state in optimizer.state.values()}
     finally:
         scheduler.close()
+    # TRL's log_completions: 3 per step, with each reward and the advantage, in OUT and in TensorBoard.
+    logged = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in logged] == [1, 1, 1, 2, 2, 2]
+    assert all(isinstance(s["completion"], list) and set(s["rewards"]) == {"rewards"} and s["advantage"] is not None
+               for s in logged)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((tmp_path / "out" / "runs").iterdir())), size_guidance={"tensors": 0})
+    events.Reload()
+    assert "completions/text_summary" in events.Tags()["tensors"]
     assert steps == {6}                                   # 2 rollouts x 3 optimizer steps each
     for record in records:
         assert record["num_iterations"] == 3 and record["clip_fraction"] == 0.0
