@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from . import vllm_compat as compat
 from .hf_format import write_adapter_dir
+from .model_classes import PROJECTORS, vision_tower_parameters
 from .peft_format import PEFT_PREFIX, peft_adapter_state, write_adapter
 from .shared import EngineViews, Placed
 from .regions import WEIGHTS
@@ -94,11 +95,16 @@ class LoraSpec:
                 "base_model_name_or_path": base_model, "inference_mode": True}
 
 
+def _in_projector(name: str) -> bool:
+    """Whether a module of a vision-language model is its projector's (no adapter slot in vLLM)."""
+    return any(part in PROJECTORS for part in name.split("."))
+
+
 def slot_bytes(hf_config, spec: LoraSpec, dtype: torch.dtype, tensor_parallel: int = 1) -> int:
     """Bytes of the engine's one adapter slot for a Llama/Qwen2-shaped model (on one rank of
     `tensor_parallel`): vLLM makes A and B slices of rank `max_lora_rank` for every linear layer of
     every decoder layer, targeted or not; each rank holds its part of the split B or A."""
-    c, t = hf_config, tensor_parallel
+    c, t = hf_config.get_text_config(), tensor_parallel   # a vision-language model's language model
     rank = spec.engine_options()["max_lora_rank"]
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     q, kv = c.num_attention_heads // t * head_dim, max(1, c.num_key_value_heads // t) * head_dim
@@ -299,8 +305,11 @@ def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0, tp=N
     if tp is not None and spec.dropout:
         raise NotImplementedError("LoRA dropout with tensor parallelism: the ranks' dropout masks of an input they "
                                   "all hold would have to agree; train with dropout 0")
+    # A vision-language model's language model only: vLLM adapts no vision tower or projector layer.
+    tower = {id(p) for p in vision_tower_parameters(hf_model)} if hasattr(hf_model, "config") else set()
     modules = {name: m for name, m in hf_model.named_modules()
-               if name.rpartition(".")[2] in spec.targets and isinstance(m, torch.nn.Linear)}
+               if name.rpartition(".")[2] in spec.targets and isinstance(m, torch.nn.Linear)
+               and id(m.weight) not in tower and not _in_projector(name)}
     if not modules:
         raise ValueError(f"no linear layer of the model is named one of {list(spec.targets)}")
     if any(hasattr(m, "lora_A") for m in modules.values()):

@@ -39,6 +39,8 @@ def trainer_auto_class(config):
 # name of a projector kept inside it (Qwen2-VL's `visual.merger`), which trains with the language model.
 VISION_TOWERS = ("vision_tower", "vision_model", "visual")
 PROJECTORS_IN_TOWER = ("merger",)
+# transformers' names of the projector between the vision tower and the language model.
+PROJECTORS = ("multi_modal_projector", "connector", "merger", "mlp1", "visual_projection")
 
 
 def vision_tower_parameters(model) -> list:

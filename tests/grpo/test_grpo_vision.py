@@ -105,3 +105,31 @@ def test_bad_image_input_is_refused_before_any_engine(idefics3_dir, smollm2_mode
     with pytest.raises(ValueError, match="no-processor: .*processor"):
         build(no_processor, image_rows(2))
     assert not started
+
+
+def test_lora_adapts_the_language_model_of_a_vision_language_model(idefics3_dir, tmp_path):
+    """LoRA on a vision-language model: the adapter is the engine's slot on the language model's layers
+    (vLLM adapts no vision tower or projector layer), 0 bytes per publish, the engine generating the
+    next step from the adapter the last one trained."""
+    import datasets
+
+    from colo.grpo import GRPOConfig
+    from colo.grpo.scheduler import GRPOScheduler
+
+    def first_token_parity(completion_ids, **kwargs):
+        return [float(ids[0] % 2) if ids else 0.0 for ids in completion_ids]
+
+    rows = [{**row, "image": squares(2)} for row in image_rows(8)]
+    config = GRPOConfig(prompts_per_step=2, num_generations=4, max_new_tokens=8, learning_rate=1e-2, seed=0,
+                        lora_rank=8)
+    scheduler = GRPOScheduler(idefics3_dir, config=config, dataset=datasets.Dataset.from_list(rows),
+                              reward_funcs=[first_token_parity], out_dir=tmp_path / "out")
+    try:
+        names = [name for name, _ in scheduler.views.named_parameters()]
+        records = [scheduler.train_step() for _ in range(2)]
+    finally:
+        scheduler.close()
+    assert names and all(".text_model." in name and "lora_" in name for name in names)
+    assert records[0]["grad_norm"] > 0
+    for record in records:
+        assert record["publish_bytes_copied"] == 0 and record["engine_logprob_max_abs_diff"] < 1e-4
