@@ -88,6 +88,9 @@ class GRPOConfig:
     # TRL's num_iterations (mu): optimizer steps per rollout; the later ones clip against the trainer's
     # log-probabilities at the weights the rollout was sampled with (kept by the first).
     num_iterations: int = 1
+    # DAPO's dynamic sampling (colo.grpo.dynamic_sampling): groups whose rewards are all equal are dropped
+    # and replaced by new prompts' groups, up to this many extra generations per step (0: off).
+    dynamic_sampling: int = 0
     delta: float | None = None
     use_bias_correction_kl: bool = True
     sapo_temperature_pos: float = 1.0
@@ -226,6 +229,10 @@ class GRPOConfig:
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
         check_int(self.num_iterations, "num_iterations")
+        check_int(self.dynamic_sampling, "dynamic_sampling", 0)
+        if self.dynamic_sampling and (self.overlap == "on" or self.tensor_parallel > 1):
+            raise ValueError("dynamic_sampling generates again after scoring: it needs serial steps (overlap='auto' "
+                             "or 'off') and one engine per rank (tensor_parallel=1)")
         if self.num_iterations > 1 and self.overlap == "on":
             raise ValueError(f"num_iterations={self.num_iterations} with overlap='on': a rollout trained on several "
                              "times is trained after its generation (overlap='auto' or 'off')")

@@ -72,6 +72,8 @@ def serial_reason(config, *, device_type: str, groups: int, stop_tokens: bool = 
         if config.ignore_eos and not stop_tokens:
             return ("overlap=auto: ignore_eos and no stop tokens: every completion decodes max_new_tokens tokens, "
                     "so the groups finish together and none could train early")
+    if config.dynamic_sampling:
+        return "dynamic_sampling: groups are replaced after the whole batch is scored"
     if config.num_iterations > 1:
         return (f"num_iterations={config.num_iterations}: each rollout is trained on several times, after its "
                 "generation")

@@ -64,6 +64,7 @@ from .metrics import (ProgressBar, Residency, StepLog, Timeline, agent_stats, ra
 from .overlap import GroupFailed, memory_refusal, serial_reason
 from .phases import MemoryPhases
 from .completions_log import completion_samples
+from .dynamic_sampling import fill_with_informative_groups
 from .loss import group_advantages
 from .schedules import lr_multiplier, warmup_of
 from .rollout_engine import EngineFailure, RolloutEngine, engine_error, rebuild_engine
@@ -290,6 +291,14 @@ class GRPOScheduler:
         try:
             with self.timeline.span("reward", step=step):
                 scores, reward_s = self.strategy.score(step, rollout, generated)
+            # The record's reward statistics are the step's own generation's; dynamic sampling trains on
+            # its informative groups, topped up with new prompts' (colo.grpo.dynamic_sampling).
+            sampled, sampled_scores, filled = rollout, scores, {}
+            if self.config.dynamic_sampling:
+                with self.timeline.span("dynamic_sampling", step=step):
+                    rollout, scores, filled = fill_with_informative_groups(
+                        step, rollout, scores, task=self.task, strategy=self.strategy, config=self.config,
+                        share_size=len(rollout.rows) // self.config.num_generations)
             with self.timeline.span("train", step=step) as train:
                 self.phases.to_train(gradients_awake=generated.early is not None)
                 self.timeline.counter("resident_bytes", self.residency.resident())
@@ -314,7 +323,7 @@ class GRPOScheduler:
             "overlap": generated.early is not None,
             **({"overlap_fallback": generated.fallback} if generated.fallback else {}),
             **({"engine_rebuild_s": rebuild_s} if rebuild_s is not None else {}),
-            "reward_s": reward_s, **reward_stats(scores, rollout, self.world),
+            "reward_s": reward_s, **reward_stats(sampled_scores, sampled, self.world), **filled,
             **(agent_stats(generated.completions, self.agent.stats, self.world) if self.agent is not None else {}),
             "train_s": train["seconds"], **train_stats(trained.stats, self.world), **trained.early,
             **({"routing_replay": self.config.routing_replay} if "router_compared" in trained.stats else {}),

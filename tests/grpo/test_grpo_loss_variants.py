@@ -204,3 +204,45 @@ def test_generation_options_reach_vllms_sampling_params():
         GRPOConfig(generation_kwargs={"presense_penalty": 0.5})
     with pytest.raises(ValueError, match="colo sets seed itself"):
         GRPOConfig(generation_kwargs={"seed": 3})
+
+
+def test_dynamic_sampling_replaces_groups_that_teach_nothing(tmp_path):
+    """DAPO's dynamic sampling: a group whose rewards are all equal is dropped and new prompts' groups
+    are generated until the step has as many informative groups as prompts (or the extra generations
+    run out); the step trains on those."""
+    from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask, build_toy_model
+    from colo.grpo import dynamic_sampling
+    from colo.grpo.batch import Rollout
+    from colo.grpo.task import Scores
+
+    toy = ToyTask(512)
+
+    def reward(prompts, completions):   # a prompt whose first token is odd scores 0 whatever is sampled
+        return [float(p[0] % 2 == 0 and c[0] % 2 == 0) for p, c in zip(prompts, completions)]
+
+    trained_rollouts = []
+    config = GRPOConfig(prompts_per_step=4, num_generations=4, ignore_eos=True, learning_rate=3e-3, save_every=0,
+                        dynamic_sampling=4)
+    scheduler = GRPOScheduler(build_toy_model(tmp_path / "model"), reward, toy.prompts, config)
+    backward = scheduler.trainer.backward
+    scheduler.trainer.backward = lambda rollout, *a, **k: (trained_rollouts.append(rollout), backward(rollout, *a, **k))[1]
+    try:
+        records = [scheduler.train_step() for _ in range(3)]
+    finally:
+        scheduler.close()
+    assert sum(r["dynamic_sampling/dropped_groups"] for r in records) > 0
+    for record, rollout in zip(records, trained_rollouts):
+        generated, trained = record["dynamic_sampling/generated_groups"], record["dynamic_sampling/trained_groups"]
+        assert generated == 4 * (1 + record["dynamic_sampling/extra_generations"])
+        assert record["dynamic_sampling/dropped_groups"] == generated - trained
+        assert len(rollout.rows) == 4 * trained
+        rewards = torch.tensor(reward(rollout.prompts, rollout.completions)).view(-1, 4)
+        assert all(len(set(group.tolist())) > 1 for group in rewards)   # every trained group teaches something
+    # The pieces on their own: all-equal groups out, NaN (unscorable) left out of the comparison.
+    scores = Scores(torch.tensor([[1.0], [1.0], [0.0], [1.0], [float("nan")], [2.0]]), torch.ones(1), ("r",))
+    assert dynamic_sampling.informative_groups(scores, 2) == [1]
+    rollout = Rollout(rows=[0, 0, 1, 1, 2, 2], prompts=[[1]] * 6, completions=[[i] for i in range(6)],
+                      logprobs=[None] * 6, truncated=[False] * 6)
+    picked, picked_scores = dynamic_sampling.select_groups(rollout, scores, [1], 2)
+    assert picked.completions == [[2], [3]] and picked_scores.per_function.flatten().tolist() == [0.0, 1.0]
+    assert dynamic_sampling.concatenated([picked, picked]).completions == [[2], [3], [2], [3]]
