@@ -431,6 +431,11 @@ def _check_task_flags(args, parser) -> None:
             parser.error(f"--{flag.replace('_', '-')} needs --eval-dataset")
     for spec in args.reward or ():
         try:
+            if spec.startswith("model:"):  # its config only: the weights load once, in the run
+                from .reward_model import check_reward_model
+
+                check_reward_model(spec[len("model:"):])
+                continue
             load_reward(spec)
         except (ValueError, ImportError) as e:
             parser.error(f"--reward: {e}")

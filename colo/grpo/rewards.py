@@ -12,7 +12,9 @@ an error. A user's TRL reward functions therefore run unchanged.
 
 Names (`--reward`, `load_reward`): `FILE.py:NAME`, `package.module:NAME`, or a built-in:
 `math` (math-verify against the `solution` or `answer` column), `gsm8k` (the number after GSM8K's
-`####` in `answer`), `regex:PATTERN` (1.0 where the completion text matches PATTERN).
+`####` in `answer`), `regex:PATTERN` (1.0 where the completion text matches PATTERN);
+`model:DIR` or `model:ORG/NAME`, a reward model (colo.grpo.reward_model: a one-label sequence classifier,
+its weights asleep in the run's pool between scorings).
 """
 from __future__ import annotations
 
@@ -110,6 +112,10 @@ def load_reward(spec: str) -> RewardFunc:
         return BUILTIN[spec]
     if spec.startswith("regex:"):
         return regex_reward(spec[len("regex:"):])
+    if spec.startswith("model:"):  # a reward model (TRL: a model id in reward_funcs)
+        from .reward_model import RewardModel
+
+        return RewardModel(spec[len("model:"):])
     if ":" not in spec:
         raise ValueError(f"reward {spec!r}: expected FILE.py:NAME, module:NAME or one of "
                          f"{', '.join(sorted(BUILTIN))}, regex:PATTERN")

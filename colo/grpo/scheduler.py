@@ -65,6 +65,7 @@ from .overlap import GroupFailed, memory_refusal, serial_reason
 from .phases import MemoryPhases
 from .completions_log import completion_samples
 from .dynamic_sampling import fill_with_informative_groups
+from .reward_model import attach_reward_models
 from .loss import group_advantages
 from .schedules import lr_multiplier, warmup_of
 from .rollout_engine import EngineFailure, RolloutEngine, engine_error, rebuild_engine
@@ -154,6 +155,8 @@ class GRPOScheduler:
         self._start_engine(engine_options or {})
         self.agent, self.eval_agent = self._agents()
         self._build_training()
+        # Reward models' weights sleep in the pool between scorings (colo.grpo.reward_model).
+        attach_reward_models(getattr(self.task, "reward_funcs", ()), self.pool)
         self.serial_reason = self._overlap_refusal()  # None: each step trains finished groups while generating
         self.strategy = self._strategy()
         self.timeline = Timeline(rank_path(trace_path, self.world.rank), rank=self.world.rank, append=resume)
