@@ -384,13 +384,23 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (prompt + completion)")
     p.add_argument("--train-tokens", type=int, default=None, help="tokens per training micro-batch (default: --seq-len)")
     p.add_argument("--reserve", default="4GiB", help="memory kept free per GPU (context, NCCL, slack)")
-    p.add_argument("--config", default=None, help="a Hugging Face config.json for the model's shape")
+    p.add_argument("--config", default=None, help="a Hugging Face config.json for the model's shape (a vision-language "
+                   "model's: its text_config)")
+    p.add_argument("--image-tokens", type=int, default=0, metavar="T",
+                   help="vision-language models: image placeholder tokens per prompt (all its images; e.g. 256 per "
+                        "448x448 InternVL tile), counted as prompt tokens in --seq-len's sequences")
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="GPUs per tensor-parallel group: colo-TP (colo.grpo --tensor-parallel) beside verl with a tensor-parallel engine")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="the engine's max_num_seqs, which sizes vLLM's sampler buffers (default: vLLM's for the GPU)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = p.parse_args(argv)
+    if args.image_tokens < 0:
+        p.error("--image-tokens must be >= 0")
+    # An image's placeholders are prompt tokens to the engine (KV cache) and to the trainer (activations).
+    args.seq_len += args.image_tokens
+    if args.train_tokens is not None:
+        args.train_tokens += args.image_tokens
     plans = []
     try:
         for params in args.params:

@@ -157,3 +157,17 @@ def test_command_line_plans_tensor_parallel():
     assert data["tensor_parallel"] == 8 and [layout["layout"].split(" ")[0] for layout in data["layouts"]] == ["colo-TP", "verl"]
     refused = subprocess.run(run[:-1] + ["3"], capture_output=True, text=True)
     assert refused.returncode == 2 and "do not split into tensor-parallel groups of 3" in refused.stderr
+
+
+def test_image_tokens_count_as_prompt_tokens(capsys):
+    """A vision-language model's image placeholders are prompt tokens to the KV cache and the activations."""
+    import json
+
+    from colo.plan import main
+
+    main(["--params", "8e9", "--gpus", "8", "--seq-len", "1000", "--image-tokens", "256", "--json"])
+    with_images = json.loads(capsys.readouterr().out)
+    main(["--params", "8e9", "--gpus", "8", "--seq-len", "1256", "--json"])
+    assert with_images == json.loads(capsys.readouterr().out)
+    main(["--params", "8e9", "--gpus", "8", "--seq-len", "1000", "--json"])
+    assert with_images != json.loads(capsys.readouterr().out)
