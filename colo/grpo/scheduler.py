@@ -135,6 +135,9 @@ class GRPOScheduler:
         self.task, self.eval_task = build_tasks(self.config, self.model_dir, task, dataset, reward_funcs,
                                                 reward_weights, eval_dataset, tokenizer, prompt_fn, reward_fn,
                                                 tools=self.tools, environment=environment_factory)
+        if getattr(self.task, "image_column", None) and self.config.tensor_parallel > 1:
+            # A tensor-parallel trainer computes its log-probabilities from token ids alone.
+            raise NotImplementedError("images (a vision-language model's prompts) with tensor_parallel > 1")
         engine_options = fit_model_length(self.config, self.model_dir, (self.task, self.eval_task),
                                           dict(engine_options or {}))
         if self.config.importance_sampling != "off":  # the log-probabilities of what the engine sampled from
