@@ -251,6 +251,10 @@ class SharedAdapter(EngineViews):
         full = self.full_state_dict() if full is None else full
         return None if full is None else peft_adapter_state(full, {n: layer.scale for n, layer in self.layers.items()})
 
+    def save_beside_checkpoint(self, out_dir, *, base_model: str, full: dict | None = None) -> None:
+        """OUT/adapter: the newest adapter in PEFT's format, for PEFT and vLLM."""
+        self.save_pretrained(Path(out_dir) / "adapter", base_model=base_model, full=full)
+
     def save_pretrained(self, directory, base_model: str = "", full: dict | None = None) -> Path | None:
         """Write adapter_config.json and adapter_model.safetensors (PEFT's format; loads in PEFT and
         in vLLM with a LoRARequest). With tensor parallelism a collective (unless `full`, a

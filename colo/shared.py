@@ -230,6 +230,10 @@ class EngineViews:
     def _check_served(self) -> None:
         """Raise if the engine no longer serves these views (before anything is published)."""
 
+    def save_beside_checkpoint(self, out_dir, *, base_model: str, full: dict | None = None) -> None:
+        """Files this kind writes beside each checkpoint in `out_dir` (whole weights: none; the LoRA kind:
+        the newest adapter in PEFT's format). `full`: the full_state_dict the checkpoint holds."""
+
     def _publish_copies(self) -> dict:
         """Order the trainer's work before the engine's and copy what does not alias; returns the
         PublishReport fields it sets (aliased_bytes at least)."""

@@ -324,9 +324,7 @@ class Checkpointer:
                 if self.views.master_names() is not None:  # the masters' order, for colo.grpo.export
                     state["param_names"] = self.views.master_names()
                 path = save_checkpoint(self.out_dir, step, state, keep=self.config.keep_checkpoints)
-                if self.config.lora_spec is not None:  # the newest adapter in PEFT's format, for PEFT and vLLM
-                    self.views.save_pretrained(self.out_dir / "adapter", base_model=str(self.model_dir),
-                                               full=model_state)
+                self.views.save_beside_checkpoint(self.out_dir, base_model=str(self.model_dir), full=model_state)
         distributed.barrier(self.world)
         self.last_saved_step = step
         return path

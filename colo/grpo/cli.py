@@ -62,7 +62,8 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     warmup_steps="warmup_steps", warmup_ratio="warmup_ratio", weight_decay="weight_decay",
                     adam_epsilon="adam_epsilon", max_grad_norm="max_grad_norm", min_p="min_p",
                     repetition_penalty="repetition_penalty", generation_kwargs="generation_kwargs",
-                    log_completions="log_completions", dynamic_sampling="dynamic_sampling", num_completions_to_print="num_completions_to_print")
+                    log_completions="log_completions", dynamic_sampling="dynamic_sampling",
+                    multi_objective_aggregation="multi_objective_aggregation", num_completions_to_print="num_completions_to_print")
 
 
 def _int_at_least(minimum: int):
@@ -194,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--max-grad-norm", type=float, help="clip the gradient norm to this (1.0); 0: no clipping")
     opt.add_argument("--gradient-checkpointing", choices=("on", "off"),
                      help="recompute activations in backward (default: on a GPU, off on a CPU)")
+    gen.add_argument("--multi-objective-aggregation", choices=("sum_then_normalize", "normalize_then_sum"),
+                     help="several rewards: sum then normalize in the group (default), or normalize each in its "
+                          "group, sum, and normalize over the batch (GDPO; TRL's names)")
     gen.add_argument("--dynamic-sampling", type=_non_negative_int, metavar="N",
                      help="DAPO's dynamic sampling: replace groups whose rewards are all equal with new prompts' "
                           "groups, up to N extra generations a step (0: off)")

@@ -91,6 +91,10 @@ class GRPOConfig:
     # DAPO's dynamic sampling (colo.grpo.dynamic_sampling): groups whose rewards are all equal are dropped
     # and replaced by new prompts' groups, up to this many extra generations per step (0: off).
     dynamic_sampling: int = 0
+    # TRL's multi_objective_aggregation: "sum_then_normalize" (the weighted sum of the rewards, then the
+    # group's normalization) or "normalize_then_sum" (GDPO: each function normalized in its group, the
+    # weighted sum normalized over the whole batch; scale_rewards then does not apply).
+    multi_objective_aggregation: str = "sum_then_normalize"
     delta: float | None = None
     use_bias_correction_kl: bool = True
     sapo_temperature_pos: float = 1.0
@@ -230,6 +234,12 @@ class GRPOConfig:
             raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
         check_int(self.num_iterations, "num_iterations")
         check_int(self.dynamic_sampling, "dynamic_sampling", 0)
+        if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+            raise ValueError("multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum', got "
+                             f"{self.multi_objective_aggregation!r}")
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.overlap == "on":
+            raise ValueError("multi_objective_aggregation='normalize_then_sum' normalizes over the whole batch: "
+                             "it needs serial steps (overlap='auto' or 'off')")
         if self.dynamic_sampling and (self.overlap == "on" or self.tensor_parallel > 1):
             raise ValueError("dynamic_sampling generates again after scoring: it needs serial steps (overlap='auto' "
                              "or 'off') and one engine per rank (tensor_parallel=1)")

@@ -47,6 +47,28 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool | str =
     return torch.nan_to_num(centred.reshape(-1), nan=0.0)
 
 
+def normalized_sum(per_function: torch.Tensor, weights: torch.Tensor, group_size: int) -> torch.Tensor:
+    """TRL's multi_objective_aggregation="normalize_then_sum" (GDPO), its first half: each reward
+    function's rewards normalized within their group ((r - mean) / (std + eps), NaN left out), then
+    their weighted sum; NaN where no function scored the completion. The caller normalizes the sums
+    over the whole batch (group_advantages' scale="batch" after centring on the batch mean)."""
+    check_int(group_size, "group_size")
+    functions = per_function.shape[1]
+    grouped = per_function.view(-1, group_size, functions)
+    mean = grouped.nanmean(dim=1, keepdim=True)
+    std = nanstd(grouped, dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)
+    normalized = ((grouped - mean) / (std + ADVANTAGE_EPS)).view(-1, functions)
+    sums = (normalized * weights.to(normalized).unsqueeze(0)).nansum(dim=1)
+    sums[torch.isnan(per_function).all(dim=1)] = float("nan")
+    return sums
+
+
+def batch_advantages(rewards: torch.Tensor, mean: float, std: float) -> torch.Tensor:
+    """(r - the batch's mean) / (the batch's std + eps), 0 where r is NaN (unscorable); mean and std of
+    every rank's batch (colo.grpo.metrics.scored_mean_std)."""
+    return torch.nan_to_num((rewards - mean) / (std + ADVANTAGE_EPS), nan=0.0)
+
+
 def nanstd(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
     """The unbiased std over the non-NaN entries (TRL's nanstd); NaN where fewer than two."""
     count = (~torch.isnan(x)).sum(dim=dim, keepdim=True) if dim is not None else (~torch.isnan(x)).sum()

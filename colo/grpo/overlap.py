@@ -80,6 +80,8 @@ def serial_reason(config, *, device_type: str, groups: int, stop_tokens: bool = 
     if config.tensor_parallel > 1:
         return ("tensor parallelism: the trainer's collectives would interleave with the engine's on the same "
                 "ranks")
+    if config.multi_objective_aggregation == "normalize_then_sum":
+        return "multi_objective_aggregation='normalize_then_sum': every advantage needs the whole batch's rewards"
     if config.scale_rewards == "batch":
         return "scale_rewards='batch': every advantage needs the std of the whole batch's rewards"
     if groups < 2:

@@ -24,7 +24,7 @@ import torch
 
 from . import distributed
 from .batch import concatenated_scores, loss_tokens
-from .loss import group_advantages
+from .loss import batch_advantages, group_advantages, normalized_sum
 from .metrics import scored_mean_std
 from .overlap import GroupFailed, OverlappedStep, finish_overlap, memory_refusal, start_overlapped_step
 from .rollout_engine import GenerationTrace
@@ -98,10 +98,14 @@ class SerialSteps:
     def train(self, rollout, scores, generated: Generated) -> Trained:
         cfg = self.config
         global_tokens, global_sequences = self._batch_totals(rollout)
-        # scale_rewards="batch": the std of every rank's rewards
-        batch_std = scored_mean_std(scores.total, self.world)[1] if cfg.scale_rewards == "batch" else None
-        advantages = group_advantages(scores.total, cfg.num_generations, scale=cfg.scale_rewards,
-                                      allow_unscorable=True, batch_std=batch_std)
+        if cfg.multi_objective_aggregation == "normalize_then_sum":  # TRL's GDPO aggregation
+            sums = normalized_sum(scores.per_function, scores.weights, cfg.num_generations)
+            advantages = batch_advantages(sums, *scored_mean_std(sums, self.world))
+        else:
+            # scale_rewards="batch": the std of every rank's rewards
+            batch_std = scored_mean_std(scores.total, self.world)[1] if cfg.scale_rewards == "batch" else None
+            advantages = group_advantages(scores.total, cfg.num_generations, scale=cfg.scale_rewards,
+                                          allow_unscorable=True, batch_std=batch_std)
         return Trained(self.trainer.backward(rollout, advantages, global_tokens=global_tokens,
                                              global_sequences=global_sequences),
                        advantages=advantages, global_tokens=global_tokens, global_sequences=global_sequences)

@@ -115,7 +115,8 @@ def test_num_iterations_steps_the_optimizer_mu_times_clipping_against_the_sampli
     task = ToyTask(512)
     config = GRPOConfig(prompts_per_step=4, num_generations=4, ignore_eos=True, learning_rate=3e-2, save_every=0,
                         num_iterations=3, epsilon_low=0.05, epsilon_high=0.05, log_completions=True,
-                        num_completions_to_print=3, report_to=["tensorboard"])
+                        num_completions_to_print=3, report_to=["tensorboard"],
+                        multi_objective_aggregation="normalize_then_sum")   # (its path through a step, too)
     scheduler = GRPOScheduler(build_toy_model(tmp_path / "model"), task.rewards, task.prompts, config,
                               out_dir=tmp_path / "out", log_path=tmp_path / "log.jsonl")
     try:
@@ -246,3 +247,35 @@ def test_dynamic_sampling_replaces_groups_that_teach_nothing(tmp_path):
     picked, picked_scores = dynamic_sampling.select_groups(rollout, scores, [1], 2)
     assert picked.completions == [[2], [3]] and picked_scores.per_function.flatten().tolist() == [0.0, 1.0]
     assert dynamic_sampling.concatenated([picked, picked]).completions == [[2], [3], [2], [3]]
+
+
+def test_normalize_then_sum_is_trls_gdpo_aggregation():
+    """TRL's multi_objective_aggregation="normalize_then_sum", transcribed from trl/trainer/grpo_trainer.py
+    (the `elif self.multi_objective_aggregation == "normalize_then_sum":` branch, line 2790; one process),
+    against colo's normalized_sum + batch_advantages, unscorable completions included."""
+    from colo.grpo.loss import batch_advantages, nanstd, normalized_sum
+
+    g = torch.Generator().manual_seed(3)
+    num_generations, functions = 4, 3
+    rewards_per_func = torch.rand(12, functions, generator=g)
+    rewards_per_func[5, 1] = float("nan")               # one function could not score one completion
+    rewards_per_func[9] = float("nan")                  # no function could score this one
+    reward_weights = torch.tensor([1.0, 0.5, 2.0])
+    unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
+
+    grouped = rewards_per_func.view(-1, num_generations, functions)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = nanstd(grouped, dim=1, keepdim=True)
+    reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, functions)
+    rewards = (reward_k * reward_weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable_mask] = torch.nan
+    std_rewards = nanstd(rewards).expand_as(rewards)
+    theirs = torch.nan_to_num((rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4), nan=0.0)
+
+    sums = normalized_sum(rewards_per_func, reward_weights, num_generations)
+    scored = sums[~torch.isnan(sums)]
+    mine = batch_advantages(sums, float(scored.mean()), float(scored.std()))
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    assert mine[9] == 0.0
+    with pytest.raises(ValueError, match="multi_objective_aggregation must be"):
+        GRPOConfig(multi_objective_aggregation="sum")
