@@ -10,7 +10,7 @@ import torch
 from ..moe_routing import replay_of
 from .batch import PackedBatch, Rollout, completion_logprobs, pack
 from .config import GRPOConfig
-from .loss import grpo_loss, importance_weights, loss_denominators
+from .loss import grpo_loss, high_entropy_mask, importance_weights, loss_denominators
 
 
 def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, config: GRPOConfig, *,
@@ -40,7 +40,10 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
     for start in range(0, len(batch), micro):
         part = batch.rows(start, start + micro)
         with routing(part.routes) if routing is not None else contextlib.nullcontext():
-            logprobs = completion_logprobs(model, part, config.temperature)
+            entropies = [] if config.top_entropy_quantile < 1.0 else None
+            logprobs = completion_logprobs(model, part, config.temperature, entropies)
+            token_mask = None if entropies is None else \
+                high_entropy_mask(entropies[0], part.completion_mask, config.top_entropy_quantile)
             ref = None
             if reference is not None:
                 with torch.no_grad():
@@ -61,7 +64,7 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
                               importance_sampling_level=config.importance_sampling_level, delta=config.delta,
                               bias_correction_kl=config.use_bias_correction_kl,
                               sapo_temperature_pos=config.sapo_temperature_pos,
-                              sapo_temperature_neg=config.sapo_temperature_neg,
+                              sapo_temperature_neg=config.sapo_temperature_neg, token_mask=token_mask,
                               num_tokens=num_tokens[start:start + micro].to(logprobs.device) if per_row else num_tokens)
             if after_forward is not None:
                 after_forward()  # activations are alive now: the moment to sample memory

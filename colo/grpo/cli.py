@@ -63,7 +63,8 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     adam_epsilon="adam_epsilon", max_grad_norm="max_grad_norm", min_p="min_p",
                     repetition_penalty="repetition_penalty", generation_kwargs="generation_kwargs",
                     log_completions="log_completions", dynamic_sampling="dynamic_sampling",
-                    multi_objective_aggregation="multi_objective_aggregation", num_completions_to_print="num_completions_to_print")
+                    multi_objective_aggregation="multi_objective_aggregation",
+                    top_entropy_quantile="top_entropy_quantile", num_completions_to_print="num_completions_to_print")
 
 
 def _int_at_least(minimum: int):
@@ -198,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--multi-objective-aggregation", choices=("sum_then_normalize", "normalize_then_sum"),
                      help="several rewards: sum then normalize in the group (default), or normalize each in its "
                           "group, sum, and normalize over the batch (GDPO; TRL's names)")
+    gen.add_argument("--top-entropy-quantile", type=float, metavar="RHO",
+                     help="the policy term counts only the top RHO of tokens by entropy (TRL's; 1.0: all)")
     gen.add_argument("--dynamic-sampling", type=_non_negative_int, metavar="N",
                      help="DAPO's dynamic sampling: replace groups whose rewards are all equal with new prompts' "
                           "groups, up to N extra generations a step (0: off)")

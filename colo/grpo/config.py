@@ -95,6 +95,9 @@ class GRPOConfig:
     # group's normalization) or "normalize_then_sum" (GDPO: each function normalized in its group, the
     # weighted sum normalized over the whole batch; scale_rewards then does not apply).
     multi_objective_aggregation: str = "sum_then_normalize"
+    # TRL's top_entropy_quantile: the policy term counts only the tokens whose entropy is in the top
+    # fraction of a micro-batch's (1.0: every token); the KL term keeps them all.
+    top_entropy_quantile: float = 1.0
     delta: float | None = None
     use_bias_correction_kl: bool = True
     sapo_temperature_pos: float = 1.0
@@ -234,6 +237,8 @@ class GRPOConfig:
             raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
         check_int(self.num_iterations, "num_iterations")
         check_int(self.dynamic_sampling, "dynamic_sampling", 0)
+        if not 0 < self.top_entropy_quantile <= 1:
+            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
         if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
             raise ValueError("multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum', got "
                              f"{self.multi_objective_aggregation!r}")

@@ -75,19 +75,32 @@ def has_plain_head(model) -> bool:
 
 
 def full_logits_logprobs(model, input_ids, attention_mask, position_ids, completion_ids,
-                         temperature: float = 1.0, model_inputs: dict | None = None) -> torch.Tensor:
+                         temperature: float = 1.0, model_inputs: dict | None = None,
+                         entropies: list | None = None) -> torch.Tensor:
     """The straightforward way: every completion position's logits at once, (B, C) log-probabilities.
-    model_inputs: more keyword arguments of the forward (a vision-language model's image tensors)."""
+    model_inputs: more keyword arguments of the forward (a vision-language model's image tensors).
+    entropies: a list the (B, C) entropies of the distributions are appended to (no gradient)."""
     columns = completion_ids.shape[1]
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 logits_to_keep=columns + 1, use_cache=False, **(model_inputs or {}))
     # Logits at column t predict token t + 1: drop the prediction after the last token.
+    if entropies is not None:
+        entropies.append(token_entropies(out.logits[:, :-1, :].detach(), temperature))
     return token_logprobs(out.logits[:, :-1, :], completion_ids, temperature)
+
+
+@torch.no_grad()
+def token_entropies(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The entropy (nats) of softmax(logits / temperature) at each position, fp32, as TRL's
+    entropy_from_logits over its temperature-scaled logits."""
+    logits = logits.float() / temperature
+    log_probs = logits.log_softmax(-1)
+    return -(log_probs.exp() * log_probs).sum(-1)
 
 
 def completion_logprobs_chunked(model, input_ids, attention_mask, position_ids, completion_ids,
                                 temperature: float = 1.0, chunk_tokens: int = CHUNK_TOKENS,
-                                model_inputs: dict | None = None) -> torch.Tensor:
+                                model_inputs: dict | None = None, entropies: list | None = None) -> torch.Tensor:
     """log p(completion token | everything before it), (B, C) fp32, equal to full_logits_logprobs up to
     float summation order. model: a Hugging Face causal LM with has_plain_head (tied head or not)."""
     if chunk_tokens < 1:
@@ -99,7 +112,12 @@ def completion_logprobs_chunked(model, input_ids, attention_mask, position_ids, 
     hidden = hidden[:, -(columns + 1):-1].reshape(rows * columns, -1)
     targets = completion_ids.reshape(-1)
     head = model.get_output_embeddings()
-    return ChunkedHead.apply(hidden, head.weight, head.bias, targets, temperature, chunk_tokens).view(rows, columns)
+    chunks = [] if entropies is not None else None
+    out = ChunkedHead.apply(hidden, head.weight, head.bias, targets, temperature, chunk_tokens, chunks)
+    out = out.view(rows, columns)
+    if entropies is not None:
+        entropies.append(torch.cat(chunks).view(rows, columns))
+    return out
 
 
 class ChunkedHead(torch.autograd.Function):
@@ -109,10 +127,16 @@ class ChunkedHead(torch.autograd.Function):
     has one, else in its dtype (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_tokens: int):
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_tokens: int, entropies=None):
+        """entropies: a list each chunk's entropies are appended to (top_entropy_quantile), or None."""
+        pieces = []
         with torch.no_grad():
-            out = torch.cat([token_logprobs(F.linear(h, weight, bias), t, temperature)
-                             for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))])
+            for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens)):
+                logits = F.linear(h, weight, bias)
+                pieces.append(token_logprobs(logits, t, temperature))
+                if entropies is not None:
+                    entropies.append(token_entropies(logits, temperature))
+            out = torch.cat(pieces)
         ctx.save_for_backward(hidden, targets)
         # The parameters themselves (not saved copies): their main_grad attribute is read in backward.
         ctx.weight, ctx.bias, ctx.temperature, ctx.chunk_tokens = weight, bias, temperature, chunk_tokens
@@ -139,7 +163,7 @@ class ChunkedHead(torch.autograd.Function):
                 bias_sum += grad_logits.float().sum(0)
         grad_weight = weight_sum if want_weight and main is None else None
         grad_bias = bias_sum.to(bias.dtype) if want_bias else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 @torch.no_grad()

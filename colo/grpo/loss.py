@@ -116,6 +116,7 @@ def grpo_loss(
     bias_correction_kl: bool = True,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    token_mask: torch.Tensor | None = None,
 ) -> LossParts:
     """The GRPO objective, negated for minimisation, as a token-level mean.
 
@@ -132,7 +133,9 @@ def grpo_loss(
     times the log-probability; `sapo` a soft gate sigmoid(tau (r - 1)) 4 / tau, tau by the advantage's
     sign. importance_sampling_level "sequence" (GSPO) takes one ratio per sequence, exp of its tokens'
     mean log-ratio. delta: two-sided clipping (the unclipped ratio capped at delta). bias_correction_kl:
-    the KL term times the ratio, so its gradient is that of the sampled policy's KL.
+    the KL term times the ratio, so its gradient is that of the sampled policy's KL. token_mask: the
+    tokens whose policy term counts (high_entropy_mask: top_entropy_quantile); the KL term and the
+    denominators keep every token of `mask`, as in TRL.
     """
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
         raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
@@ -162,6 +165,8 @@ def grpo_loss(
     else:
         raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
     per_token = per_token.expand_as(logprobs)
+    if token_mask is not None:
+        per_token = per_token * token_mask.to(per_token.dtype)
     if weights is not None:
         per_token = per_token * weights.to(per_token.dtype)
     kl_mean = 0.0
@@ -178,6 +183,16 @@ def grpo_loss(
     took_clip = (clipped_obj < unclipped_obj).to(mask.dtype).expand_as(mask) * mask
     clip_fraction = float(took_clip.sum() / mask.sum().clamp(min=1.0))
     return LossParts(loss=loss, clip_fraction=clip_fraction, kl_mean=kl_mean)
+
+
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """TRL's get_high_entropy_mask: the tokens (of `mask`) whose entropy is at least the (1 - quantile)
+    quantile of the entropies of `mask`'s tokens; all False where `mask` has none."""
+    counted = entropies[mask.bool()].float()
+    if counted.numel() == 0:
+        return torch.zeros_like(entropies, dtype=torch.bool)
+    threshold = torch.quantile(counted, 1.0 - quantile)
+    return ((entropies * mask.float()) >= threshold) & mask.bool()
 
 
 def loss_denominators(loss_type: str, completion_mask: torch.Tensor, *, global_tokens: float,

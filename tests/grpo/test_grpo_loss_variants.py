@@ -17,7 +17,7 @@ from colo.grpo.loss import grpo_loss, loss_denominators
 
 def trl_loss(per_token_logps, old_per_token_logps, advantages, mask, ref_per_token_logps, *, beta, loss_type,
              importance_sampling_level, delta, use_bias_correction_kl, epsilon_low, epsilon_high,
-             sapo_temperature_pos, sapo_temperature_neg, max_completion_length):
+             sapo_temperature_pos, sapo_temperature_neg, max_completion_length, entropy_mask=None):
     advantages = advantages.unsqueeze(1)
     log_ratio = per_token_logps - old_per_token_logps
     if importance_sampling_level == "token":
@@ -43,6 +43,8 @@ def trl_loss(per_token_logps, old_per_token_logps, advantages, mask, ref_per_tok
         temperatures = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
         soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
         per_token_loss = -soft_coef_1 * advantages
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl
     if loss_type in ["grpo", "sapo"]:
@@ -279,3 +281,50 @@ def test_normalize_then_sum_is_trls_gdpo_aggregation():
     assert mine[9] == 0.0
     with pytest.raises(ValueError, match="multi_objective_aggregation must be"):
         GRPOConfig(multi_objective_aggregation="sum")
+
+
+def test_top_entropy_quantile_keeps_trls_tokens():
+    """TRL's top_entropy_quantile: its get_high_entropy_mask (trl/trainer/grpo_trainer.py, one process:
+    the gathered entropies are this batch's) against colo's high_entropy_mask; the entropies colo's
+    chunked and straightforward log-probability paths give against TRL's entropy_from_logits; and the
+    loss with the mask against TRL's (the policy term masked, the KL term not)."""
+    from trl.trainer.utils import entropy_from_logits
+
+    from colo.grpo.batch import pack
+    from colo.grpo.logprobs import completion_logprobs_chunked, full_logits_logprobs
+    from colo.grpo.loss import high_entropy_mask
+    from helpers.models import one_layer_qwen2
+
+    def trl_mask(entropies, mask, threshold):
+        local = entropies[mask.bool()].float()
+        entropy_threshold = torch.quantile(local, threshold)
+        masked_entropies = entropies * mask.float()
+        return masked_entropies >= entropy_threshold
+
+    model = one_layer_qwen2()
+    batch = pack([[1, 2, 3], [4, 5]], [[11, 12, 13, 14], [15, 16]])
+    args = (model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids, 0.7)
+    chunked, full = [], []
+    completion_logprobs_chunked(*args, chunk_tokens=3, entropies=chunked)
+    full_logits_logprobs(*args, entropies=full)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   position_ids=batch.position_ids).logits[:, -5:-1].detach() / 0.7
+    torch.testing.assert_close(chunked[0], entropy_from_logits(logits), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(full[0], chunked[0], rtol=1e-5, atol=1e-5)
+    mask = batch.completion_mask
+    for quantile in (0.2, 0.5, 0.8):
+        mine = high_entropy_mask(chunked[0], mask, quantile)
+        assert torch.equal(mine, trl_mask(chunked[0], mask, 1 - quantile) & mask.bool())
+    assert 0 < int(high_entropy_mask(chunked[0], mask, 0.5).sum()) < int(mask.sum())
+
+    new, old, ref, advantages, mask = tensors(seed=7)
+    entropy_mask = torch.rand(new.shape, generator=torch.Generator().manual_seed(1)) > 0.5
+    theirs_in, mine_in = new.clone().requires_grad_(True), new.clone().requires_grad_(True)
+    common = dict(beta=0.04, epsilon_low=0.2, epsilon_high=0.28, delta=None)
+    trl_loss(theirs_in, old, advantages, mask, ref, loss_type="dapo", importance_sampling_level="token",
+             use_bias_correction_kl=True, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+             max_completion_length=8, entropy_mask=entropy_mask, **common).backward()
+    grpo_loss(mine_in, old, advantages, mask, ref_logprobs=ref, token_mask=entropy_mask, **common).loss.backward()
+    torch.testing.assert_close(mine_in.grad, theirs_in.grad, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="top_entropy_quantile must be in"):
+        GRPOConfig(top_entropy_quantile=0.0)
