@@ -34,7 +34,8 @@ from .schedules import SCHEDULES
 OFFLOAD_CHOICES = {"auto": None, "on": True, "off": False}
 TOY_DEFAULTS = dict(prompts_per_step=8, num_generations=8, max_new_tokens=16, ignore_eos=True,
                     learning_rate=3e-3, temperature=1.0)
-# A real model on a user's dataset: TRL's GRPOConfig defaults (max_completion_length 256, lr 1e-6).
+# A real model on a user's dataset: TRL 1.16's GRPOConfig defaults (lr 1e-6, 8 generations), but 256 new
+# tokens (TRL's max_completion_length is 512): half the generation of a first run on a CPU.
 DATASET_DEFAULTS = dict(prompts_per_step=8, num_generations=8, max_new_tokens=256, ignore_eos=False,
                         learning_rate=1e-6, temperature=1.0)
 # Flags that fill GRPOConfig fields of the same meaning: flag dest -> field.
@@ -166,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = p.add_argument_group("generation and loss (defaults: the toy's, or TRL's with --dataset)")
     gen.add_argument("--prompts-per-step", type=_positive_int, metavar="P", help="prompts per step over all ranks (8)")
     gen.add_argument("--num-generations", type=_positive_int, metavar="G", help="completions per prompt, the GRPO group (8)")
-    gen.add_argument("--max-new-tokens", type=_positive_int, metavar="T", help="longest completion (16; 256 with --dataset)")
+    gen.add_argument("--max-new-tokens", type=_positive_int, metavar="T", help="longest completion (16; 256 with --dataset; TRL's max_completion_length, whose default is 512)")
     gen.add_argument("--temperature", type=_positive_float, help="sampling temperature (1.0)")
     gen.add_argument("--top-p", type=float, help="nucleus sampling (1.0: off)")
     gen.add_argument("--top-k", type=_non_negative_int, help="sample from the k likeliest tokens (0: off)")
