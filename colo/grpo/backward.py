@@ -136,6 +136,25 @@ def engine_mismatch(trainer_logprobs: torch.Tensor, mask: torch.Tensor, engine_l
     return worst, total, count
 
 
+@torch.no_grad()
+def rollout_logprobs(model, rollout: Rollout, config: GRPOConfig, *, device) -> list[torch.Tensor]:
+    """Each completion's log-probabilities under the model as it is (no gradient; the micro-batches of
+    backward_rollout, so each row has the width it will be trained at): the old policy of a rollout
+    trained over several optimizer steps (steps_per_generation)."""
+    kept: list = [None] * len(rollout.completions)
+    for rows in length_buckets([len(p) for p in rollout.prompts], [len(c) for c in rollout.completions],
+                               config.micro_batch_size):
+        part = rollout.select(rows)
+        batch = pack(part.prompts, part.completions, loss_masks=part.loss_masks, routes=part.routes).to(device)
+        replay = replay_of(model) if batch.routes is not None else None
+        routing = (replay.forcing if config.routing_replay else replay.measuring) if replay is not None else None
+        with routing(batch.routes) if routing is not None else contextlib.nullcontext():
+            logprobs = completion_logprobs(model, batch, config.temperature).cpu()
+        for i, row in zip(rows, logprobs.unbind(0)):
+            kept[i] = row
+    return kept
+
+
 def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: GRPOConfig, *, device,
                      dp_size: int, global_tokens: float, global_sequences: float, reference=None,
                      after_forward=None) -> dict:
@@ -197,6 +216,11 @@ class PolicyTrainer:
         self.views, self.config, self.device, self.dp_size = views, config, device, dp_size
         self.reference, self.residency, self.phases = reference, residency, phases
         self.generating = False
+
+    def old_logprobs(self, rollout: Rollout) -> list[torch.Tensor]:
+        """rollout_logprobs of the views' model (in the mode it trains in, as TRL computes them): the policy
+        the rollout was sampled from, before any update."""
+        return rollout_logprobs(self.views.trainer_model, rollout, self.config, device=self.device)
 
     def backward(self, rollout: Rollout, advantages: torch.Tensor, *, after_forward=None, **totals) -> dict:
         """backward_rollout over `rollout`; after_forward(): run too, once per micro-batch's forward."""

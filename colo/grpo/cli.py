@@ -58,7 +58,8 @@ CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_ge
                     structured_outputs_regex="structured_outputs_regex", micro_batch_size="micro_batch_size",
                     routing_replay="routing_replay", train_vision="train_vision",
                     importance_sampling_level="importance_sampling_level", delta="delta",
-                    use_bias_correction_kl="use_bias_correction_kl", num_iterations="num_iterations", sapo_temperature_pos="sapo_temperature_pos",
+                    use_bias_correction_kl="use_bias_correction_kl", num_iterations="num_iterations",
+                    steps_per_generation="steps_per_generation", sapo_temperature_pos="sapo_temperature_pos",
                     sapo_temperature_neg="sapo_temperature_neg", lr_scheduler_type="lr_scheduler_type",
                     warmup_steps="warmup_steps", warmup_ratio="warmup_ratio", weight_decay="weight_decay",
                     adam_epsilon="adam_epsilon", max_grad_norm="max_grad_norm", min_p="min_p",
@@ -205,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dynamic-sampling", type=_non_negative_int, metavar="N",
                      help="DAPO's dynamic sampling: replace groups whose rewards are all equal with new prompts' "
                           "groups, up to N extra generations a step (0: off)")
+    gen.add_argument("--steps-per-generation", type=_positive_int, metavar="S",
+                     help="optimizer steps per rollout, each on a slice of its groups (TRL's steps_per_generation, 1)")
     gen.add_argument("--num-iterations", type=_positive_int, metavar="MU",
                      help="optimizer steps per rollout (TRL's num_iterations, 1); the later ones clip against the "
                           "log-probabilities the rollout was sampled at")
@@ -386,7 +389,7 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
     if args.max_grad_norm == 0:
         values["max_grad_norm"] = None
     # The schedule's length: every optimizer step of the run.
-    values["max_steps"] = args.steps * (values.get("num_iterations") or 1)
+    values["max_steps"] = args.steps * (values.get("num_iterations") or 1) * (values.get("steps_per_generation") or 1)
     try:
         config = GRPOConfig(**{**values, "offload_optimizer": OFFLOAD_CHOICES[args.offload_optimizer],
                                "lora_targets": tuple(args.lora_targets) if args.lora_targets else None, "tensor_parallel": args.tensor_parallel or 1,

@@ -88,6 +88,9 @@ class GRPOConfig:
     # TRL's num_iterations (mu): optimizer steps per rollout; the later ones clip against the trainer's
     # log-probabilities at the weights the rollout was sampled with (kept by the first).
     num_iterations: int = 1
+    # TRL's steps_per_generation: one rollout (prompts_per_step prompts) trained as this many slices of
+    # its groups, an optimizer step each; every rank's share needs at least that many groups.
+    steps_per_generation: int = 1
     # DAPO's dynamic sampling (colo.grpo.dynamic_sampling): groups whose rewards are all equal are dropped
     # and replaced by new prompts' groups, up to this many extra generations per step (0: off).
     dynamic_sampling: int = 0
@@ -236,6 +239,15 @@ class GRPOConfig:
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
         check_int(self.num_iterations, "num_iterations")
+        check_int(self.steps_per_generation, "steps_per_generation")
+        if self.steps_per_generation > self.prompts_per_step:
+            raise ValueError(f"steps_per_generation={self.steps_per_generation} slices a rollout of "
+                             f"{self.prompts_per_step} prompts' groups: at most prompts_per_step")
+        if self.steps_per_generation > 1 and self.dynamic_sampling:
+            raise NotImplementedError("steps_per_generation with dynamic_sampling (a step's groups vary in number)")
+        if self.steps_per_generation > 1 and self.overlap == "on":
+            raise ValueError(f"steps_per_generation={self.steps_per_generation} with overlap='on': the slices train "
+                             "after the whole rollout is generated (overlap='auto' or 'off')")
         check_int(self.dynamic_sampling, "dynamic_sampling", 0)
         if not 0 < self.top_entropy_quantile <= 1:
             raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")

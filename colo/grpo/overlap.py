@@ -74,6 +74,8 @@ def serial_reason(config, *, device_type: str, groups: int, stop_tokens: bool = 
                     "so the groups finish together and none could train early")
     if config.dynamic_sampling:
         return "dynamic_sampling: groups are replaced after the whole batch is scored"
+    if config.steps_per_generation > 1:
+        return f"steps_per_generation={config.steps_per_generation}: the rollout trains in slices after its generation"
     if config.num_iterations > 1:
         return (f"num_iterations={config.num_iterations}: each rollout is trained on several times, after its "
                 "generation")

@@ -230,6 +230,11 @@ class GRPOScheduler:
     def _build_training(self) -> None:
         """Gradients, optimizer state and the optimizer, with exact budgets in the pool."""
         cfg = self.config
+        # Every rank takes as many optimizer steps: each share must hold a group per slice.
+        smallest = len(distributed.rank_share(cfg.prompts_per_step, self.world, rank=self.world.dp_size - 1))
+        if cfg.steps_per_generation > smallest:
+            raise ValueError(f"steps_per_generation={cfg.steps_per_generation}: a data-parallel rank's share of "
+                             f"{cfg.prompts_per_step} prompts is {smallest} groups, one per slice at least")
         params = self.views.parameters()
         # The training memory gets its budgets beside the weights while the KV cache sleeps (they
         # time-share the pool); the run then starts ready to generate.
@@ -309,9 +314,12 @@ class GRPOScheduler:
                 self.phases.to_train(gradients_awake=generated.early is not None)
                 self.timeline.counter("resident_bytes", self.residency.resident())
                 collectives = self.views.collective_count
-                trained = self.strategy.train(rollout, scores, generated)
-                norm, skipped = self._update()
-                later = self._later_iterations(rollout, trained)
+                if self.config.steps_per_generation > 1:
+                    trained, norm, skipped, later = self._train_in_slices(rollout, scores)
+                else:
+                    trained = self.strategy.train(rollout, scores, generated)
+                    norm, skipped = self._update()
+                    later = self._later_iterations(rollout, trained)
             if self.config.log_completions:
                 self.last_completions = self._completion_samples(step, rollout, scores)
         except BaseException:
@@ -396,6 +404,33 @@ class GRPOScheduler:
         cfg = self.config
         advantages = group_advantages(scores.total, cfg.num_generations, scale=cfg.scale_rewards, allow_unscorable=True)
         return completion_samples(self.task, step, rollout, scores, advantages, cfg.num_completions_to_print)
+
+    def _train_in_slices(self, rollout: Rollout, scores):
+        """steps_per_generation > 1 (TRL's): the rollout's groups in that many slices, an optimizer step on
+        each, num_iterations times over; every step clips against the log-probabilities of the weights
+        the rollout was sampled with (computed once, before the first update), each slice's loss over its
+        own tokens. Returns the first step's (trained, grad norm, skipped) and the last's record fields."""
+        cfg = self.config
+        advantages = self.strategy.advantages(scores)
+        rollout.old_logprobs = self.trainer.old_logprobs(rollout)
+        groups = len(rollout.rows) // cfg.num_generations
+        cuts = [round(k * groups / cfg.steps_per_generation) * cfg.num_generations
+                for k in range(cfg.steps_per_generation + 1)]
+        first = last = None
+        skipped_any = False
+        for iteration in range(cfg.num_iterations):
+            for start, stop in zip(cuts, cuts[1:]):
+                if first is not None:
+                    self.memory.zero_grads()
+                trained = self.strategy.train(rollout.part(start, stop), None, None, advantages[start:stop])
+                norm, skipped = self._update()
+                skipped_any |= skipped
+                first = first or (trained, norm, skipped)
+                last = (trained, norm)
+        steps = cfg.steps_per_generation * cfg.num_iterations
+        return (*first, {"optimizer_steps": steps, "last_iteration/loss": last[0].stats["loss"],
+                         "last_iteration/clip_fraction": last[0].stats["clip_fraction"],
+                         "last_iteration/grad_norm": last[1], "last_iteration/step_skipped": skipped_any})
 
     def _later_iterations(self, rollout: Rollout, trained) -> dict:
         """num_iterations > 1 (TRL's mu): more optimizer steps on the same rollout, each clipping against the

@@ -95,17 +95,23 @@ class SerialSteps:
         scores = self.task.score(step, rollout.rows, rollout.prompts, rollout.completions, **rollout.reward_inputs())
         return scores, time.perf_counter() - started
 
-    def train(self, rollout, scores, generated: Generated) -> Trained:
+    def advantages(self, scores) -> torch.Tensor:
+        """Each completion's advantage (a collective with scale_rewards='batch' or normalize_then_sum)."""
         cfg = self.config
-        global_tokens, global_sequences = self._batch_totals(rollout)
         if cfg.multi_objective_aggregation == "normalize_then_sum":  # TRL's GDPO aggregation
             sums = normalized_sum(scores.per_function, scores.weights, cfg.num_generations)
-            advantages = batch_advantages(sums, *scored_mean_std(sums, self.world))
-        else:
-            # scale_rewards="batch": the std of every rank's rewards
-            batch_std = scored_mean_std(scores.total, self.world)[1] if cfg.scale_rewards == "batch" else None
-            advantages = group_advantages(scores.total, cfg.num_generations, scale=cfg.scale_rewards,
-                                          allow_unscorable=True, batch_std=batch_std)
+            return batch_advantages(sums, *scored_mean_std(sums, self.world))
+        # scale_rewards="batch": the std of every rank's rewards
+        batch_std = scored_mean_std(scores.total, self.world)[1] if cfg.scale_rewards == "batch" else None
+        return group_advantages(scores.total, cfg.num_generations, scale=cfg.scale_rewards,
+                                allow_unscorable=True, batch_std=batch_std)
+
+    def train(self, rollout, scores, generated: Generated, advantages: torch.Tensor | None = None) -> Trained:
+        """Forward, loss and backward over `rollout` (advantages: given, e.g. a slice of a larger
+        rollout's, or computed from `scores`)."""
+        global_tokens, global_sequences = self._batch_totals(rollout)
+        if advantages is None:
+            advantages = self.advantages(scores)
         return Trained(self.trainer.backward(rollout, advantages, global_tokens=global_tokens,
                                              global_sequences=global_sequences),
                        advantages=advantages, global_tokens=global_tokens, global_sequences=global_sequences)

@@ -328,3 +328,28 @@ def test_top_entropy_quantile_keeps_trls_tokens():
     torch.testing.assert_close(mine_in.grad, theirs_in.grad, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="top_entropy_quantile must be in"):
         GRPOConfig(top_entropy_quantile=0.0)
+
+
+def test_steps_per_generation_slices_a_rollout_over_optimizer_steps(tmp_path):
+    """TRL's steps_per_generation: a rollout of 4 prompts' groups trains in 2 slices, an optimizer step
+    each (x num_iterations 2: 4 steps per rollout); every step compares against the log-probabilities of
+    the weights the rollout was sampled with, so the later ones clip at a large learning rate."""
+    from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask, build_toy_model
+
+    task = ToyTask(512)
+    config = GRPOConfig(prompts_per_step=4, num_generations=4, ignore_eos=True, learning_rate=3e-2, save_every=0,
+                        steps_per_generation=2, num_iterations=2, epsilon_low=0.05, epsilon_high=0.05)
+    scheduler = GRPOScheduler(build_toy_model(tmp_path / "model"), task.rewards, task.prompts, config)
+    try:
+        records = [scheduler.train_step() for _ in range(2)]
+        optimizer = getattr(scheduler.optimizer, "optimizer", scheduler.optimizer)
+        steps = {int(state["step"]) for state in optimizer.state.values()}
+    finally:
+        scheduler.close()
+    assert steps == {8}
+    for record in records:
+        assert record["optimizer_steps"] == 4 and record["clip_fraction"] == 0.0
+        assert record["last_iteration/clip_fraction"] > 0.0
+    assert records[1]["engine_logprob_max_abs_diff"] < 1e-4
+    with pytest.raises(ValueError, match="at most prompts_per_step"):
+        GRPOConfig(prompts_per_step=2, steps_per_generation=3)
