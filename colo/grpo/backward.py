@@ -15,7 +15,7 @@ from .loss import grpo_loss, high_entropy_mask, importance_weights, loss_denomin
 
 def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, config: GRPOConfig, *,
                          num_tokens: float | torch.Tensor, reference=None, engine_logprobs: list | None = None,
-                         after_forward=None, old_logprobs: list | None = None, keep_logprobs: list | None = None) -> dict:
+                         after_forward=None, old_logprobs: list | None = None) -> dict:
     """Add d(loss)/d(params) to the parameters' .grad; return loss, clip_fraction, kl and (when the
     engine's log-probabilities are given: at temperature 1, or with importance sampling)
     engine_logprob_max_abs_diff and _mean_abs_diff; with config.importance_sampling, the policy term
@@ -24,10 +24,9 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
     num_tokens: the token count the loss is averaged over (the whole batch, or its share per rank),
     or one denominator per row (loss.loss_denominators: the loss type's).
     old_logprobs: per row, the trainer's log-probabilities at the weights the rollout was sampled with
-    (num_iterations > 1: its later optimizer steps clip against them); None: the old policy is the
-    current one (the first, or only, step on a rollout, as TRL by default): the ratio is 1 in value
-    but carries the policy gradient. keep_logprobs: a list each row's log-probabilities are appended to
-    (detached, on the CPU), to be the old ones of the later steps.
+    (several optimizer steps on a rollout clip against them: rollout_logprobs); None: the old policy is
+    the current one (one step per rollout, TRL's default): the ratio is 1 in value but carries the
+    policy gradient.
     """
     micro = config.micro_batch_size or len(batch)
     local_tokens = max(float(batch.completion_mask.sum()), 1.0)
@@ -54,8 +53,6 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
                 weights, is_stats = importance_weights(logprobs, sampled, part.completion_mask, config.importance_sampling,
                                                        config.importance_sampling_min, config.importance_sampling_max)
                 sampling.append((is_stats, float(part.completion_mask.sum())))
-            if keep_logprobs is not None:
-                keep_logprobs.extend(logprobs.detach().cpu().unbind(0))
             old = logprobs.detach() if old_logprobs is None else padded(old_logprobs[start:start + micro],
                                                                        logprobs.shape, logprobs.device)
             parts = grpo_loss(logprobs, old, advantages[start:start + micro], part.completion_mask,
@@ -168,10 +165,7 @@ def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: 
                                config.micro_batch_size):
         part = rollout.select(rows)
         batch = pack(part.prompts, part.completions, loss_masks=part.loss_masks, routes=part.routes)
-        # The old log-probabilities of later iterations (num_iterations > 1): kept by the first, per
-        # completion; a micro-batch packs its rows to the same width on every iteration.
         old = None if rollout.old_logprobs is None else [rollout.old_logprobs[i] for i in rows]
-        keep = [] if config.num_iterations > 1 and old is None else None
         if config.mask_truncated:  # the tokens stay in the sequence; they only stop counting in the loss
             batch.completion_mask[torch.tensor(part.truncated, dtype=torch.bool)] = 0
         batch = batch.to(device)
@@ -186,12 +180,7 @@ def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: 
         stats = accumulate_gradients(model, batch, advantages[rows].to(device), config,
                                      num_tokens=denominators, reference=reference,
                                      engine_logprobs=part.logprobs if compare else None,
-                                     after_forward=after_forward, old_logprobs=old, keep_logprobs=keep)
-        if keep is not None:
-            if rollout.kept_logprobs is None:
-                rollout.kept_logprobs = [None] * len(rollout.completions)
-            for i, values in zip(rows, keep):
-                rollout.kept_logprobs[i] = values
+                                     after_forward=after_forward, old_logprobs=old)
         positions = batch.attention_mask.numel()
         parts.append({**stats, "tokens": float(batch.completion_mask.sum()), "positions": float(positions),
                       "padded_positions": float(positions - batch.attention_mask.sum())})

@@ -143,10 +143,9 @@ class Rollout:
     environments: list | None = None
     extra: list | None = None        # a rollout_func's other fields, one dict per completion
     routes: list | None = None       # a MoE engine's experts per completion (Completion.routes), else None
-    # num_iterations > 1: per completion, the trainer's log-probabilities at the weights it was sampled
-    # with (the old policy of the later optimizer steps); kept_logprobs is where the first step puts them.
+    # Several optimizer steps on a rollout (steps_per_generation, num_iterations): per completion, the
+    # trainer's log-probabilities at the weights it was sampled with, which every step clips against.
     old_logprobs: list | None = None
-    kept_logprobs: list | None = None
 
     def part(self, start: int, stop: int) -> "Rollout":
         cut = lambda values: None if values is None else values[start:stop]  # noqa: E731

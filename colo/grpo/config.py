@@ -86,7 +86,7 @@ class GRPOConfig:
     # (the unclipped ratio capped at delta, None: off); the KL term times the ratio; SAPO's temperatures.
     importance_sampling_level: str = "token"
     # TRL's num_iterations (mu): optimizer steps per rollout; the later ones clip against the trainer's
-    # log-probabilities at the weights the rollout was sampled with (kept by the first).
+    # log-probabilities at the weights the rollout was sampled with (a forward without gradients first, as TRL).
     num_iterations: int = 1
     # TRL's steps_per_generation: one rollout (prompts_per_step prompts) trained as this many slices of
     # its groups, an optimizer step each; every rank's share needs at least that many groups.

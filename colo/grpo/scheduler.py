@@ -314,12 +314,7 @@ class GRPOScheduler:
                 self.phases.to_train(gradients_awake=generated.early is not None)
                 self.timeline.counter("resident_bytes", self.residency.resident())
                 collectives = self.views.collective_count
-                if self.config.steps_per_generation > 1:
-                    trained, norm, skipped, later = self._train_in_slices(rollout, scores)
-                else:
-                    trained = self.strategy.train(rollout, scores, generated)
-                    norm, skipped = self._update()
-                    later = self._later_iterations(rollout, trained)
+                trained, norm, skipped, later = self._train(rollout, scores, generated)
             if self.config.log_completions:
                 self.last_completions = self._completion_samples(step, rollout, scores)
         except BaseException:
@@ -405,11 +400,21 @@ class GRPOScheduler:
         advantages = group_advantages(scores.total, cfg.num_generations, scale=cfg.scale_rewards, allow_unscorable=True)
         return completion_samples(self.task, step, rollout, scores, advantages, cfg.num_completions_to_print)
 
+    def _train(self, rollout: Rollout, scores, generated):
+        """The step's optimizer steps on its rollout: (the first's Trained, its gradient norm, whether it was
+        skipped, the last's record fields). One by default; TRL's steps_per_generation x num_iterations
+        otherwise (_train_in_slices)."""
+        if self.config.steps_per_generation == 1 and self.config.num_iterations == 1:
+            trained = self.strategy.train(rollout, scores, generated)
+            return (trained, *self._update(), {})
+        return self._train_in_slices(rollout, scores)
+
     def _train_in_slices(self, rollout: Rollout, scores):
-        """steps_per_generation > 1 (TRL's): the rollout's groups in that many slices, an optimizer step on
-        each, num_iterations times over; every step clips against the log-probabilities of the weights
-        the rollout was sampled with (computed once, before the first update), each slice's loss over its
-        own tokens. Returns the first step's (trained, grad norm, skipped) and the last's record fields."""
+        """The rollout's groups in steps_per_generation slices, an optimizer step on each, num_iterations
+        times over (serial steps only); every step clips against the log-probabilities of the weights the
+        rollout was sampled with (a forward without gradients before the first update, as TRL computes its
+        old_per_token_logps), each slice's loss over its own tokens; the engine is published to once, after
+        the last. Returns the first step's (trained, grad norm, skipped) and the last's record fields."""
         cfg = self.config
         advantages = self.strategy.advantages(scores)
         rollout.old_logprobs = self.trainer.old_logprobs(rollout)
@@ -431,25 +436,6 @@ class GRPOScheduler:
         return (*first, {"optimizer_steps": steps, "last_iteration/loss": last[0].stats["loss"],
                          "last_iteration/clip_fraction": last[0].stats["clip_fraction"],
                          "last_iteration/grad_norm": last[1], "last_iteration/step_skipped": skipped_any})
-
-    def _later_iterations(self, rollout: Rollout, trained) -> dict:
-        """num_iterations > 1 (TRL's mu): more optimizer steps on the same rollout, each clipping against the
-        log-probabilities the first kept (the weights it was sampled with); the engine is published to once,
-        after the last. Returns the last iteration's loss, clip fraction and gradient norm (the record's
-        loss, clip_fraction and grad_norm are the first's)."""
-        if self.config.num_iterations == 1:
-            return {}
-        rollout.old_logprobs, rollout.kept_logprobs = rollout.kept_logprobs, None
-        skipped_any = False
-        for _ in range(self.config.num_iterations - 1):
-            self.memory.zero_grads()
-            stats = self.trainer.backward(rollout, trained.advantages, global_tokens=trained.global_tokens,
-                                          global_sequences=trained.global_sequences)
-            norm, skipped = self._update()
-            skipped_any |= skipped
-        return {"num_iterations": self.config.num_iterations, "last_iteration/loss": stats["loss"],
-                "last_iteration/clip_fraction": stats["clip_fraction"], "last_iteration/grad_norm": norm,
-                "last_iteration/step_skipped": skipped_any}
 
     def _update(self) -> tuple[float, bool]:
         """Gradients made global and clipped; the optimizer steps unless their norm is not finite (the

@@ -50,10 +50,6 @@ class Trained:
     for an overlapped step, the trainer's seconds while the engine decoded and the groups trained then."""
     stats: dict
     early: dict = field(default_factory=dict)
-    # What a later optimizer step on the same rollout trains with (num_iterations > 1; serial steps).
-    advantages: torch.Tensor | None = None
-    global_tokens: float = 0.0
-    global_sequences: float = 0.0
 
 
 class SerialSteps:
@@ -113,8 +109,7 @@ class SerialSteps:
         if advantages is None:
             advantages = self.advantages(scores)
         return Trained(self.trainer.backward(rollout, advantages, global_tokens=global_tokens,
-                                             global_sequences=global_sequences),
-                       advantages=advantages, global_tokens=global_tokens, global_sequences=global_sequences)
+                                             global_sequences=global_sequences))
 
     def abandon(self, generated: Generated) -> None:
         """The step failed after generation: nothing of it may run on (a no-op for serial steps)."""

@@ -139,7 +139,7 @@ def test_num_iterations_steps_the_optimizer_mu_times_clipping_against_the_sampli
     assert "completions/text_summary" in events.Tags()["tensors"]
     assert steps == {6}                                   # 2 rollouts x 3 optimizer steps each
     for record in records:
-        assert record["num_iterations"] == 3 and record["clip_fraction"] == 0.0
+        assert record["optimizer_steps"] == 3 and record["clip_fraction"] == 0.0
         assert record["last_iteration/clip_fraction"] > 0.0
         assert record["publish_bytes_copied"] == 0
     # The engine sampled step 2 from the weights all three of step 1's optimizer steps made.
