@@ -62,6 +62,8 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
                               bias_correction_kl=config.use_bias_correction_kl,
                               sapo_temperature_pos=config.sapo_temperature_pos,
                               sapo_temperature_neg=config.sapo_temperature_neg, token_mask=token_mask,
+                              vespo=(config.vespo_k_pos, config.vespo_lambda_pos, config.vespo_k_neg,
+                                     config.vespo_lambda_neg),
                               num_tokens=num_tokens[start:start + micro].to(logprobs.device) if per_row else num_tokens)
             if after_forward is not None:
                 after_forward()  # activations are alive now: the moment to sample memory

@@ -16,7 +16,7 @@ from .trackers import check_report_to
 
 DTYPES = ("bf16", "fp32")
 # TRL's loss types (colo.grpo.loss: the per-token objective and how token losses are averaged).
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo", "vespo")
 SCALES = ("group", "batch", "none")           # what advantages are divided by (colo.grpo.loss)
 OVERLAP_MODES = ("auto", "on", "off")         # training during generation (colo.grpo.overlap)
 # Importance sampling against the engine's log-probabilities (colo.grpo.loss; TRL's modes).
@@ -105,6 +105,10 @@ class GRPOConfig:
     use_bias_correction_kl: bool = True
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0               # VESPO's gamma weights (TRL's names and defaults)
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     # TRL's gradient_checkpointing: recompute each decoder layer's activations in backward instead of
     # keeping them (transformers' gradient_checkpointing_enable, non-reentrant). None: on a GPU, where
     # activations bound the completion length, off on a CPU (colo.grpo.config.checkpointing_on).

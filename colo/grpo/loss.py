@@ -8,6 +8,7 @@ completions are not down-weighted relative to short ones.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,7 @@ def grpo_loss(
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
     token_mask: torch.Tensor | None = None,
+    vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
 ) -> LossParts:
     """The GRPO objective, negated for minimisation, as a token-level mean.
 
@@ -135,7 +137,9 @@ def grpo_loss(
     mean log-ratio. delta: two-sided clipping (the unclipped ratio capped at delta). bias_correction_kl:
     the KL term times the ratio, so its gradient is that of the sampled policy's KL. token_mask: the
     tokens whose policy term counts (high_entropy_mask: top_entropy_quantile); the KL term and the
-    denominators keep every token of `mask`, as in TRL.
+    denominators keep every token of `mask`, as in TRL. `vespo`: its (k_pos, lambda_pos, k_neg,
+    lambda_neg); VESPO weighs each sequence's log-probability gradient by gamma_weights, which take the
+    importance-sampling `weights` into the sequence's ratio instead of multiplying the loss by them.
     """
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
         raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
@@ -156,6 +160,11 @@ def grpo_loss(
     unclipped_obj, clipped_obj = ratio * adv, clipped * adv  # (the clip statistic's, whatever the objective)
     if loss_type == "cispo":
         per_token = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logprobs
+    elif loss_type == "vespo":
+        phi = gamma_weights(advantages.to(logprobs.dtype).unsqueeze(1), logprobs - old_logprobs, mask, weights,
+                            *vespo)
+        per_token = -phi * adv * logprobs
+        weights = None   # in phi already
     elif loss_type == "sapo":
         tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)
         per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
@@ -185,6 +194,24 @@ def grpo_loss(
     return LossParts(loss=loss, clip_fraction=clip_fraction, kl_mean=kl_mean)
 
 
+@torch.no_grad()
+def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
+                  importance_weights: torch.Tensor | None, k_pos: float, lambda_pos: float, k_neg: float,
+                  lambda_neg: float) -> torch.Tensor:
+    """VESPO's phi(w) = e^lambda w^k e^(-lambda w) of each sequence's ratio w (the sum of its tokens'
+    log-ratios, and of the importance-sampling weights' logs where given), k and lambda by the
+    advantage's sign; (B, 1), no gradient (TRL's get_gamma_weights)."""
+    lower = math.log(1e-8)
+    log_w = torch.sum(torch.clamp(log_ratio, -20.0, 20.0) * mask, dim=-1, keepdim=True)
+    if importance_weights is not None:
+        log_w = log_w + torch.sum(torch.clamp(torch.log(importance_weights), lower, 20.0), dim=-1, keepdim=True)
+    log_w = torch.clamp(log_w, lower, 20.0)
+    nonnegative = advantages >= 0
+    k = torch.where(nonnegative, k_pos, k_neg)
+    lam = torch.where(nonnegative, lambda_pos, lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
     """TRL's get_high_entropy_mask: the tokens (of `mask`) whose entropy is at least the (1 - quantile)
     quantile of the entropies of `mask`'s tokens; all False where `mask` has none."""
@@ -201,7 +228,7 @@ def loss_denominators(loss_type: str, completion_mask: torch.Tensor, *, global_t
     over micro-batches, then averaging over `ranks` data-parallel ranks, gives TRL's loss exactly:
 
     grpo, sapo   mean over sequences of each sequence's token mean  -> |o_i| * sequences
-    dapo, cispo  token mean over the whole batch (TRL's default)     -> tokens
+    dapo, cispo, vespo  token mean over the whole batch (dapo: TRL's default) -> tokens
     bnpo         token mean of the batch: TRL's is per micro-batch, here over the whole batch as dapo's
                  (equal where the batch is one micro-batch)            -> tokens
     dr_grpo      token sum over sequences x max completion length    -> sequences * max_new_tokens
@@ -209,7 +236,7 @@ def loss_denominators(loss_type: str, completion_mask: torch.Tensor, *, global_t
     (global_*: counted over every rank; the gradient average over ranks divides by `ranks` again.)
     """
     rows = completion_mask.shape[0]
-    if loss_type in ("dapo", "cispo", "bnpo"):
+    if loss_type in ("dapo", "cispo", "bnpo", "vespo"):
         return torch.full((rows,), global_tokens / ranks)
     if loss_type == "luspo":
         return torch.full((rows,), global_sequences / ranks)

@@ -43,6 +43,9 @@ def trl_loss(per_token_logps, old_per_token_logps, advantages, mask, ref_per_tok
         temperatures = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
         soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
         per_token_loss = -soft_coef_1 * advantages
+    elif loss_type == "vespo":
+        phi_seq = trl_gamma_weights(advantages, log_ratio, mask, None, 2.0, 3.0, 3.0, 2.0)
+        per_token_loss = -phi_seq * advantages * per_token_logps
     if entropy_mask is not None:
         per_token_loss = per_token_loss * entropy_mask
     if beta != 0.0:
@@ -53,10 +56,31 @@ def trl_loss(per_token_logps, old_per_token_logps, advantages, mask, ref_per_tok
         return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
-    if loss_type in ["cispo", "dapo"]:
+    if loss_type in ["cispo", "dapo", "vespo"]:
         return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)   # num_items_in_batch, one process
     if loss_type == "luspo":
         return (per_token_loss * mask).sum(-1).mean()
+
+
+@torch.no_grad()
+def trl_gamma_weights(advantages, log_ratio_per_token, mask, importance_sampling_ratio, k_pos, lambda_pos, k_neg,
+                      lambda_neg):
+    """GRPOTrainer.get_gamma_weights (trl/trainer/grpo_trainer.py, VESPO's weights), transcribed."""
+    import math
+
+    lower_clamp = math.log(1e-8)
+    log_ratio_clamped = torch.clamp(log_ratio_per_token, -20.0, 20.0)
+    seq_log_ratio = torch.sum(log_ratio_clamped * mask, dim=-1, keepdim=True)
+    if importance_sampling_ratio is not None:
+        log_is_ratio = torch.clamp(torch.log(importance_sampling_ratio), lower_clamp, 20.0)
+        seq_log_ratio += torch.sum(log_is_ratio, dim=-1, keepdim=True)
+    log_w_seq = torch.clamp(seq_log_ratio, lower_clamp, 20.0)
+    w_seq = torch.exp(log_w_seq)
+    is_nonneg_adv = advantages >= 0
+    k_seq = torch.where(is_nonneg_adv, k_pos, k_neg)
+    lambda_seq = torch.where(is_nonneg_adv, lambda_pos, lambda_neg).clamp(min=1e-4)
+    log_phi = lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq
+    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def tensors(seed: int):
@@ -75,7 +99,7 @@ SETTINGS = list(itertools.product(LOSS_TYPES, ("token", "sequence"), (None, 1.5)
 
 
 def test_every_trl_loss_type_is_here():
-    assert set(LOSS_TYPES) >= {"grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"}
+    assert set(LOSS_TYPES) >= {"grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"}
 
 
 @pytest.mark.parametrize("loss_type,level,delta,bias_kl", SETTINGS)
@@ -353,3 +377,15 @@ def test_steps_per_generation_slices_a_rollout_over_optimizer_steps(tmp_path):
     assert records[1]["engine_logprob_max_abs_diff"] < 1e-4
     with pytest.raises(ValueError, match="at most prompts_per_step"):
         GRPOConfig(prompts_per_step=2, steps_per_generation=3)
+
+
+def test_vespo_takes_the_importance_sampling_weights_into_its_gamma_weights():
+    from colo.grpo.loss import gamma_weights
+
+    new, old, _, advantages, mask = tensors(seed=11)
+    weights = torch.rand(new.shape, generator=torch.Generator().manual_seed(2)) + 0.5
+    for is_weights in (weights, weights[:, :1], None):
+        mine = gamma_weights(advantages.unsqueeze(1), new - old, mask, is_weights, 2.0, 3.0, 3.0, 2.0)
+        theirs = trl_gamma_weights(advantages.unsqueeze(1), new - old, mask, is_weights, 2.0, 3.0, 3.0, 2.0)
+        torch.testing.assert_close(mine, theirs)
+        assert mine.shape == (4, 1) and bool((mine > 0).any())
