@@ -21,6 +21,7 @@ SIGTERM after a checkpointed step (continue with --resume).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -39,34 +40,23 @@ TOY_DEFAULTS = dict(prompts_per_step=8, num_generations=8, max_new_tokens=16, ig
 DATASET_DEFAULTS = dict(prompts_per_step=8, num_generations=8, max_new_tokens=256, ignore_eos=False,
                         learning_rate=1e-6, temperature=1.0)
 # Flags that fill GRPOConfig fields of the same meaning: flag dest -> field.
-CONFIG_FLAGS = dict(prompts_per_step="prompts_per_step", num_generations="num_generations",
-                    max_new_tokens="max_new_tokens", lr="learning_rate", seed="seed", save_every="save_every",
-                    keep_checkpoints="keep_checkpoints", shard_optimizer="shard_optimizer", lora_rank="lora_rank",
-                    lora_alpha="lora_alpha", temperature="temperature", top_p="top_p", top_k="top_k",
-                    max_prompt_length="max_prompt_length", truncate_prompts="truncate_prompts",
-                    mask_truncated="mask_truncated", loss_type="loss_type", epsilon="epsilon_low",
-                    epsilon_high="epsilon_high", scale_rewards="scale_rewards", beta="beta", eval_every="eval_every",
-                    eval_on_start="eval_on_start",
-                    chat_template_kwargs="chat_template_kwargs", overlap="overlap",
-                    overlap_threads="overlap_threads", save_model_every="save_model_every", save_dtype="save_dtype",
-                    merge_lora="merge_lora", report_to="report_to", run_name="run_name",
-                    max_skipped_steps="max_skipped_steps", max_turns="max_turns", tool_timeout="tool_timeout",
-                    tool_isolation="tool_isolation",
-                    chat_template="chat_template", importance_sampling="importance_sampling",
-                    importance_sampling_max="importance_sampling_max",
-                    importance_sampling_min="importance_sampling_min",
-                    structured_outputs_regex="structured_outputs_regex", micro_batch_size="micro_batch_size",
-                    routing_replay="routing_replay", train_vision="train_vision",
-                    importance_sampling_level="importance_sampling_level", delta="delta",
-                    use_bias_correction_kl="use_bias_correction_kl", num_iterations="num_iterations",
-                    steps_per_generation="steps_per_generation", sapo_temperature_pos="sapo_temperature_pos",
-                    sapo_temperature_neg="sapo_temperature_neg", lr_scheduler_type="lr_scheduler_type",
-                    warmup_steps="warmup_steps", warmup_ratio="warmup_ratio", weight_decay="weight_decay",
-                    adam_epsilon="adam_epsilon", max_grad_norm="max_grad_norm", min_p="min_p",
-                    repetition_penalty="repetition_penalty", generation_kwargs="generation_kwargs",
-                    log_completions="log_completions", dynamic_sampling="dynamic_sampling",
-                    multi_objective_aggregation="multi_objective_aggregation",
-                    top_entropy_quantile="top_entropy_quantile", num_completions_to_print="num_completions_to_print")
+# A flag sets the config field of its own name (--max-new-tokens: max_new_tokens), except these renames
+# and the flags whose values _settings converts itself (their values are not the field's type).
+FLAG_RENAMES = {"lr": "learning_rate", "epsilon": "epsilon_low"}
+CONVERTED_FLAGS = ("adam_betas", "dtype", "gradient_checkpointing", "lora_targets", "offload_optimizer",
+                   "tensor_parallel", "max_grad_norm")
+
+
+def config_values(args) -> dict:
+    """{config field: value} of every flag given on the command line (or in --config FILE.yaml) that
+    names a GRPOConfig field, CONVERTED_FLAGS aside."""
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    values = {}
+    for dest, value in vars(args).items():
+        field = FLAG_RENAMES.get(dest, dest)
+        if value is not None and field in fields and dest not in CONVERTED_FLAGS:
+            values[field] = value
+    return values
 
 
 def _int_at_least(minimum: int):
@@ -379,15 +369,15 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
     if list_checkpoints(out):
         parser.error(f"{out} already holds checkpoints of a run; pass --resume to continue it or choose another --out")
     values = dict(DATASET_DEFAULTS if args.dataset else TOY_DEFAULTS)
-    values.update({field: getattr(args, flag) for flag, field in CONFIG_FLAGS.items() if getattr(args, flag) is not None})
+    values.update(config_values(args))
     if args.epsilon is not None and args.epsilon_high is None:
         values["epsilon_high"] = args.epsilon  # TRL: epsilon_high defaults to epsilon
     if args.adam_betas is not None:
         values["adam_betas"] = tuple(args.adam_betas)
     if args.gradient_checkpointing is not None:
         values["gradient_checkpointing"] = args.gradient_checkpointing == "on"
-    if args.max_grad_norm == 0:
-        values["max_grad_norm"] = None
+    if args.max_grad_norm is not None:
+        values["max_grad_norm"] = args.max_grad_norm or None   # 0: no clipping
     # The schedule's length: every optimizer step of the run.
     values["max_steps"] = args.steps * (values.get("num_iterations") or 1) * (values.get("steps_per_generation") or 1)
     try:
