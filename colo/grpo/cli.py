@@ -422,6 +422,8 @@ def _check_task_flags(args, parser) -> None:
     if not args.model:
         parser.error("--dataset needs --model (a Hugging Face model directory with its tokenizer)")
     tools, environment = load_agent_flags(args, parser)
+    # What was loaded here is what the run uses (user code is imported once).
+    args.loaded = {"tools": tools, "environment": environment, "rewards": []}
     rewarding = environment is not None and callable(getattr(environment, "get_reward", None))
     if not args.reward and not rewarding:
         parser.error("--dataset needs at least one --reward (or an --environment with get_reward)")
@@ -436,8 +438,9 @@ def _check_task_flags(args, parser) -> None:
                 from .reward_model import check_reward_model
 
                 check_reward_model(spec[len("model:"):])
+                args.loaded["rewards"].append(spec)
                 continue
-            load_reward(spec)
+            args.loaded["rewards"].append(load_reward(spec))
         except (ValueError, ImportError) as e:
             parser.error(f"--reward: {e}")
     for flag in ("dataset", "eval_dataset"):
@@ -546,9 +549,12 @@ def main(argv=None) -> int:
     if args.dataset:
         from .tools import load_object
 
-        task = dict(dataset=args.dataset, reward_funcs=args.reward, reward_weights=args.reward_weights,
-                    eval_dataset=args.eval_dataset, tools=[load_object(spec) for spec in args.tool or ()],
-                    environment_factory=load_object(args.environment, "--environment") if args.environment else None)
+        loaded = getattr(args, "loaded", None)   # by _check_task_flags (a new run); a resumed one loads here
+        if loaded is None:
+            loaded = {"rewards": args.reward, "tools": [load_object(spec) for spec in args.tool or ()],
+                      "environment": load_object(args.environment, "--environment") if args.environment else None}
+        task = dict(dataset=args.dataset, reward_funcs=loaded["rewards"], reward_weights=args.reward_weights,
+                    eval_dataset=args.eval_dataset, tools=loaded["tools"], environment_factory=loaded["environment"])
     else:
         from .toy_task import ToyTask
 
