@@ -43,6 +43,10 @@ DATASET_DEFAULTS = dict(prompts_per_step=8, num_generations=8, max_new_tokens=25
 # A flag sets the config field of its own name (--max-new-tokens: max_new_tokens), except these renames
 # and the flags whose values _settings converts itself (their values are not the field's type).
 FLAG_RENAMES = {"lr": "learning_rate", "epsilon": "epsilon_low"}
+# GRPOConfig fields no flag sets, and why (tests/grpo/test_grpo_loss_variants.py checks every other has one).
+LIBRARY_ONLY = {"ignore_eos": "the toy preset's (its completions run to max_new_tokens)",
+                "max_steps": "set from --steps (x --steps-per-generation x --num-iterations)",
+                "memory_phases": "a switch for comparisons (the bench's), always on in a run"}
 CONVERTED_FLAGS = ("adam_betas", "dtype", "gradient_checkpointing", "lora_targets", "offload_optimizer",
                    "tensor_parallel", "max_grad_norm")
 
@@ -209,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the KL term without the ratio (TRL's use_bias_correction_kl=False)")
     gen.add_argument("--sapo-temperature-pos", type=float, help="SAPO's temperature for positive advantages (1.0)")
     gen.add_argument("--sapo-temperature-neg", type=float, help="SAPO's temperature for the others (1.05)")
+    for name, default in (("k-pos", 2.0), ("lambda-pos", 3.0), ("k-neg", 3.0), ("lambda-neg", 2.0)):
+        gen.add_argument(f"--vespo-{name}", type=float, help=f"VESPO's gamma weights ({default})")
     gen.add_argument("--epsilon", type=float, help="clip range below ratio 1 (and above, unless --epsilon-high) (0.2)")
     gen.add_argument("--epsilon-high", type=float, help="clip range above ratio 1 (DAPO's clip-higher)")
     gen.add_argument("--scale-rewards", choices=SCALES, help="divide advantages by the group's std (default), the "

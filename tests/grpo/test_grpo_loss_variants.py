@@ -389,3 +389,19 @@ def test_vespo_takes_the_importance_sampling_weights_into_its_gamma_weights():
         theirs = trl_gamma_weights(advantages.unsqueeze(1), new - old, mask, is_weights, 2.0, 3.0, 3.0, 2.0)
         torch.testing.assert_close(mine, theirs)
         assert mine.shape == (4, 1) and bool((mine > 0).any())
+
+
+def test_every_setting_has_its_flag_and_every_flag_its_line_in_the_docs():
+    """A GRPOConfig field is set by the flag of its name (or FLAG_RENAMES'), unless LIBRARY_ONLY says why
+    not; every flag appears in docs/grpo.md."""
+    import dataclasses
+    from pathlib import Path
+
+    from colo.grpo.cli import FLAG_RENAMES, LIBRARY_ONLY, build_parser
+
+    flags = {o: a.dest for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
+    settable = {FLAG_RENAMES.get(dest, dest) for dest in flags.values()}
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert fields - settable == set(LIBRARY_ONLY)
+    docs = (Path(__file__).parents[2] / "docs" / "grpo.md").read_text()
+    assert [flag for flag in flags if flag != "--help" and f"`{flag}" not in docs] == []
