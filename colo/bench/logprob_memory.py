@@ -20,6 +20,10 @@ nothing). On a GPU it is torch.cuda.max_memory_allocated over memory_allocated b
 forward. Each row also gives the bytes autograd saved for backward during the forward (each storage
 once, parameters not counted), and both sides' seconds (colo_s: chunked, with its recomputation;
 noisy on a shared machine).
+
+The full run adds a row for gradient checkpointing (colo.grpo --gradient-checkpointing): one 2048-token
+completion through an 8-layer model of that width, with transformers' checkpointing against without:
+the activations autograd keeps, the peak, and the recomputation's time.
 """
 from __future__ import annotations
 
@@ -35,6 +39,9 @@ MODEL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_at
              num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True)
 PROMPT_TOKENS = 64
 FULL_BATCH, QUICK_BATCH = (8, 512), (4, 256)  # sequences, completion tokens
+# The gradient-checkpointing row (colo.grpo --gradient-checkpointing): one 2k-token completion through a
+# deeper model of the same width, where the decoder's activations, not the logits, dominate.
+CHECKPOINTING_LAYERS, CHECKPOINTING_TOKENS = 8, 2048
 VARIANTS = ("chunked", "straightforward")
 FULL_VARIANTS = VARIANTS + ("head_outside",)
 
@@ -50,8 +57,11 @@ def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
     variants = VARIANTS if quick else FULL_VARIANTS
 
     def measure(device: str) -> list[dict]:
-        return [measure_vocab(vocab, sequences, tokens, device, variants)
+        rows = [measure_vocab(vocab, sequences, tokens, device, variants)
                 for vocab in progress(VOCABS, f"{device} vocab")]
+        if not quick:  # (the quick bench keeps to its minutes)
+            rows.append(measure_checkpointing(CHECKPOINTING_LAYERS, CHECKPOINTING_TOKENS, device))
+        return rows
 
     return rows_per_device(SECTION, "peak memory of log-probabilities", devices, unavailable_reason, measure)
 
@@ -85,8 +95,28 @@ def measure_vocab(vocab: int, sequences: int, tokens: int, device: str = "cpu", 
     return {**row, "note": note}
 
 
-def child(vocab: int, sequences: int, tokens: int, variant: str, device: str) -> dict:
-    spec = json.dumps(dict(vocab=vocab, sequences=sequences, tokens=tokens, variant=variant, device=device))
+def measure_checkpointing(layers: int, tokens: int, device: str = "cpu", vocab: int = VOCABS[0]) -> dict:
+    """One completion of `tokens` tokens through a `layers`-layer model, with transformers' gradient
+    checkpointing (as colo.grpo --gradient-checkpointing on enables it) against without: the bytes autograd
+    keeps for backward (exact), the peak, and the time the recomputation costs."""
+    plain, checkpointed = (child(vocab, 1, tokens, variant, device, layers) for variant in ("chunked", "checkpointed"))
+    return {
+        "section": SECTION, "case": f"gradient checkpointing: {layers} layers, 1 x {tokens} tokens, {plain['dtype']}",
+        "device": device, "colo_s": checkpointed["seconds"], "baseline": "without gradient checkpointing",
+        "baseline_s": plain["seconds"], "ratio": ratio(plain["seconds"], checkpointed["seconds"]),
+        "saved_for_backward_bytes": checkpointed["saved_bytes"],
+        "baseline_saved_for_backward_bytes": plain["saved_bytes"],
+        "peak_bytes": checkpointed["peak_bytes"], "baseline_peak_bytes": plain["peak_bytes"],
+        "memory_ratio": plain["peak_bytes"] / max(checkpointed["peak_bytes"], 1), "params": plain["params"],
+        "logprob_sum_abs_diff": abs(plain["logprob_sum"] - checkpointed["logprob_sum"]),
+        "note": ("colo = with gradient checkpointing (chunked log-probabilities either way); saved_for_backward_bytes: "
+                 "the activations autograd keeps; ratio = baseline_s / colo_s (< 1: the recomputation's cost)"),
+    }
+
+
+def child(vocab: int, sequences: int, tokens: int, variant: str, device: str, layers: int | None = None) -> dict:
+    spec = json.dumps(dict(vocab=vocab, sequences=sequences, tokens=tokens, variant=variant, device=device,
+                           layers=layers))
     done = subprocess.run([sys.executable, "-m", __name__, spec], capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{variant}, vocab {vocab}: exit {done.returncode}: {done.stderr.strip()[-1500:]}")
@@ -114,7 +144,7 @@ def _settle_and_mark_cpu() -> int:
     return _status_kib("VmRSS") * 1024
 
 
-def measure_child(vocab: int, sequences: int, tokens: int, variant: str, device: str) -> dict:
+def measure_child(vocab: int, sequences: int, tokens: int, variant: str, device: str, layers: int | None = None) -> dict:
     import time
 
     import torch
@@ -127,9 +157,13 @@ def measure_child(vocab: int, sequences: int, tokens: int, variant: str, device:
     from .models import random_model
 
     dtype = fastest_dtype(device).dtype
-    model = random_model({**MODEL, "vocab_size": vocab}, arch="llama", dtype=dtype).to(device)
-    fn = {"chunked": completion_logprobs_chunked, "straightforward": full_logits_logprobs,
-          "head_outside": head_outside_chunks}[variant]
+    shape = {**MODEL, "vocab_size": vocab, **({"num_hidden_layers": layers} if layers else {}),
+             **({"max_position_embeddings": PROMPT_TOKENS + tokens + 16} if tokens > 900 else {})}
+    model = random_model(shape, arch="llama", dtype=dtype).to(device).train()
+    if variant == "checkpointed":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    fn = {"chunked": completion_logprobs_chunked, "checkpointed": completion_logprobs_chunked,
+          "straightforward": full_logits_logprobs, "head_outside": head_outside_chunks}[variant]
     g = torch.Generator().manual_seed(0)
 
     def batch(rows, prompt, completion):

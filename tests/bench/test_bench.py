@@ -413,3 +413,12 @@ def test_gil_shares_see_which_thread_holds_the_gil():
     assert held.missing == "", held.missing
     assert held.shares["spinner"] > 0.6 and held.shares.get("MainThread", 0.0) < 0.2
     assert held.shares["any"] >= held.shares["spinner"]
+
+
+def test_gradient_checkpointing_row_keeps_fewer_activations():
+    from colo.bench import logprob_memory
+
+    row = logprob_memory.measure_checkpointing(layers=3, tokens=64, device="cpu", vocab=512)
+    assert row["section"] == "logprob_memory" and row["case"].startswith("gradient checkpointing: 3 layers")
+    assert 0 < row["saved_for_backward_bytes"] < row["baseline_saved_for_backward_bytes"]
+    assert row["logprob_sum_abs_diff"] < 1e-3   # the same log-probabilities
