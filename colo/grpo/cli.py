@@ -303,6 +303,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     first = argparse.ArgumentParser(add_help=False)
     first.add_argument("--config")
     args = first.parse_known_args(argv)[0]
+    _refuse_unknown_flags(parser, argv)
     if not args.config:
         return parser.parse_args(argv)
     import yaml
@@ -320,7 +321,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
         if dest == "json":
             dest = "log"
         if dest not in known:
-            parser.error(f"--config: {args.config}: unknown setting {key!r}")
+            parser.error(f"--config: {args.config}: unknown setting {key!r}{_closest(dest, parser, yaml=True)}")
         action = known[dest]
         if action.type is not None and value is not None and not isinstance(value, (list, dict, bool)):
             try:
@@ -335,6 +336,28 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
             action.required = False
     parser.set_defaults(**defaults)
     return parser.parse_args(argv)
+
+
+def _closest(name: str, parser, yaml: bool = False) -> str:
+    """' (did you mean X?)' for the setting closest to `name` (a flag, or a renamed flag's config field:
+    learning_rate -> --lr), or ''."""
+    import difflib
+
+    dests = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"}
+    shown = {**{dest: (dest if yaml else flag) for dest, flag in dests.items()},
+             **{field: (flag if yaml else f"--{flag}") for flag, field in FLAG_RENAMES.items()}}
+    key = name.replace("-", "_")
+    close = difflib.get_close_matches(key, sorted(shown), n=1, cutoff=0.6)
+    return f" (did you mean {shown[close[0]]}?)" if close else ""
+
+
+def _refuse_unknown_flags(parser, argv) -> None:
+    """An unknown --flag is an error naming the closest setting (argparse says only 'unrecognized')."""
+    flags = {o[2:] for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    for word in sys.argv[1:] if argv is None else argv:
+        name = word[2:].split("=", 1)[0] if word.startswith("--") else None
+        if name and name not in flags and not any(f.startswith(name) for f in flags):  # argparse takes prefixes
+            parser.error(f"unrecognized flag --{name}{_closest(name, parser)}")
 
 
 def _settings(args, parser) -> tuple[Path, GRPOConfig]:

@@ -405,3 +405,18 @@ def test_every_setting_has_its_flag_and_every_flag_its_line_in_the_docs():
     assert fields - settable == set(LIBRARY_ONLY)
     docs = (Path(__file__).parents[2] / "docs" / "grpo.md").read_text()
     assert [flag for flag in flags if flag != "--help" and f"`{flag}" not in docs] == []
+
+
+def test_an_unknown_flag_or_yaml_key_names_the_closest_setting(tmp_path, capsys):
+    from colo.grpo.cli import build_parser, parse_args
+
+    base = ["--steps", "1", "--json", str(tmp_path / "log.jsonl"), "--out", str(tmp_path / "out")]
+    for argv, said in ((["--lerning-rate", "1e-5"], "unrecognized flag --lerning-rate (did you mean --lr?)"),
+                       (["--max-new-token-count", "3"], "did you mean --max-new-tokens?")):
+        with pytest.raises(SystemExit):
+            parse_args(build_parser(), [*base, *argv])
+        assert said in capsys.readouterr().err
+    (tmp_path / "run.yaml").write_text("learning_rate: 1e-5\nnum_iteration: 2\n")
+    with pytest.raises(SystemExit):
+        parse_args(build_parser(), [*base, "--config", str(tmp_path / "run.yaml")])
+    assert "unknown setting 'learning_rate' (did you mean lr?)" in capsys.readouterr().err
