@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sections", type=parse_sections, metavar="A,B",
                         help=f"comma-separated sections to run (default: all of {','.join(SECTIONS)}; with --quick "
                              f"{','.join(QUICK_SECTIONS)})")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="where the results (results.json), the plot (results.png) and vLLM's and torch's logs "
+                             "(logs.txt) go (default: --json's directory, else bench-out/<UTC date-time>); --json and "
+                             "--plot name other paths")
+    parser.add_argument("--show-logs", action="store_true",
+                        help="print vLLM's and torch's logs and every row's details here instead of into the logs file")
     parser.add_argument("--device", choices=DEVICE_CHOICES, default="all",
                         help="which device rows to run; 'all' (default) runs CPU and adds CUDA rows, or notes why "
                              "CUDA could not run")
@@ -63,9 +69,18 @@ def main(argv: list[str] | None = None) -> int:
     from . import runner  # imported after parsing so that --help never touches torch or colo._C
 
     sections = args.sections or list(QUICK_SECTIONS if args.quick else SECTIONS)
-    result, failed = runner.run(sections, args.quick, args.device, argv, json_path=args.json)
-    if args.json:
-        print(f"[colo.bench] wrote {args.json}", file=sys.stderr)
+    if args.out is None and args.json is not None:
+        args.out = args.json.parent   # the logs beside the results asked for
+    if args.out is None:
+        from datetime import datetime, timezone
+
+        args.out = Path("bench-out") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    args.json = args.json or args.out / "results.json"
+    args.plot = args.plot or args.out / "results.png"
+    logs = None if args.show_logs else args.out / "logs.txt"
+    result, failed = runner.run(sections, args.quick, args.device, argv, json_path=args.json, logs=logs)
+    print("\n" + runner.summary_table(result["rows"]))
+    print(f"\nresults: {args.json}" + (f"\nlogs: {logs}" if logs is not None else ""))
     if args.plot:
         import json
 
@@ -79,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001
             print(f"[colo.bench] could not write the plot {args.plot}: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
-        print(f"[colo.bench] wrote {args.plot}", file=sys.stderr)
+        print(f"plot: {args.plot}")
     if failed:
         print("[colo.bench] at least one section failed; see the rows whose note starts with 'failed:'",
               file=sys.stderr)

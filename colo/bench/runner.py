@@ -28,11 +28,13 @@ def devices_for(choice: str) -> tuple[str, ...]:
     return ("cpu", "cuda") if choice == "all" else (choice,)
 
 
-def make_progress(section: str):
+def make_progress(section: str, stream=None):
     """The `progress(iterable, desc)` callable handed to sections: a tqdm bar on a terminal; elsewhere
-    (a log file, CI) a line on stderr as each item starts, so a long section still shows it is alive."""
-    if not sys.stderr.isatty():
-        return lambda iterable, desc="", **kw: _progress_lines(section, iterable, desc)
+    (a log file, CI) a line on `stream` (default stderr) as each item starts, so a long section still
+    shows it is alive."""
+    stream = stream or sys.stderr
+    if not stream.isatty():
+        return lambda iterable, desc="", **kw: _progress_lines(section, iterable, desc, stream)
     try:
         from tqdm import tqdm
     except ImportError:  # a bar is a convenience, never a reason to fail
@@ -40,18 +42,18 @@ def make_progress(section: str):
 
     def progress(iterable, desc="", **kw):
         # disable=None: a bar on a terminal only; in a log file it would be a wall of carriage returns.
-        return tqdm(iterable, desc=f"{section}: {desc}", leave=False, file=sys.stderr, dynamic_ncols=True,
+        return tqdm(iterable, desc=f"{section}: {desc}", leave=False, file=stream, dynamic_ncols=True,
                     disable=None, **kw)
 
     return progress
 
 
-def _progress_lines(section: str, iterable, desc: str):
+def _progress_lines(section: str, iterable, desc: str, stream):
     items = list(iterable)
     started = time.perf_counter()
     for i, item in enumerate(items):
         print(f"[colo.bench]   {section}: {desc} {i + 1}/{len(items)} ({time.perf_counter() - started:.0f} s in)",
-              file=sys.stderr, flush=True)
+              file=stream, flush=True)
         yield item
 
 
@@ -127,11 +129,27 @@ _COLUMNS = (("section", 10), ("case", 38), ("device", 6), ("colo", 10), ("baseli
             ("ratio", 8))
 
 
-def header() -> str:
-    return " ".join(f"{title:<{width}}" for title, width in _COLUMNS) + " details"
+def header(details: bool = True) -> str:
+    return " ".join(f"{title:<{width}}" for title, width in _COLUMNS) + (" details" if details else "")
 
 
-def format_row(row: dict) -> str:
+def summary_table(rows: list[dict]) -> str:
+    """One line per row, section, what, colo, baseline, ratio: the end of a run, on one screen."""
+    def cut(text, width):
+        text = str(text or "")
+        return text if len(text) <= width else text[:width - 1] + "…"
+
+    lines = [f"{'section':<14} {'what':<40} {'colo':>9} {'baseline':<28} {'':>9} {'ratio':>7}"]
+    for row in rows:
+        ratio = row.get("ratio")
+        lines.append(f"{cut(row.get('section'), 14):<14} {cut(row.get('case'), 40):<40} "
+                     f"{format_seconds(row.get('colo_s')):>9} {cut(row.get('baseline'), 28):<28} "
+                     f"{format_seconds(row.get('baseline_s')):>9} "
+                     f"{(f'{ratio:.2f}x' if isinstance(ratio, (int, float)) and math.isfinite(ratio) else '-'):>7}")
+    return "\n".join(lines)
+
+
+def format_row(row: dict, details: bool = True) -> str:
     ratio = row.get("ratio")
     cells = (
         row.get("section", ""), row.get("case", ""), row.get("device", ""),
@@ -139,6 +157,8 @@ def format_row(row: dict) -> str:
         f"{ratio:.2f}x" if isinstance(ratio, (int, float)) and math.isfinite(ratio) else "-",
     )
     text = " ".join(f"{str(cell):<{width}}" for cell, (_, width) in zip(cells, _COLUMNS))
+    if not details:
+        return text + (f" ({row['note'][:80]})" if str(row.get("note", "")).startswith("failed") else "")
     details = [f"{k}={format_value(k, v)}" for k, v in row.items() if k not in STANDARD_KEYS]
     if row.get("note"):
         details.append(f"note: {row['note']}")
@@ -176,9 +196,43 @@ def colo_build_info() -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+class LogsToFile:
+    """While active, this process's stdout and stderr (file descriptors 1 and 2: vLLM's and torch's logs,
+    C++ warnings, and child processes') go to `path`; `terminal` is the original stderr, for the run's own
+    lines. `path` None: nothing is redirected (--show-logs)."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.terminal = sys.stderr
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.terminal = os.fdopen(os.dup(2), "w", buffering=1)
+
+    def __enter__(self):
+        if self.path is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            self._saved = (os.dup(1), os.dup(2))
+            log = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            os.close(log)
+        return self
+
+    def __exit__(self, *exc):
+        if self.path is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, saved in zip((1, 2), self._saved):
+                os.dup2(saved, fd)
+                os.close(saved)
+        return False
+
+
 def run(sections: list[str], quick: bool, device: str, argv: list[str], json_path: Path | None = None,
-        out=sys.stdout) -> tuple[dict, bool]:
-    """Run `sections` in order; returns (result, any_section_failed)."""
+        out=sys.stdout, logs: Path | None = None) -> tuple[dict, bool]:
+    """Run `sections` in order; returns (result, any_section_failed). logs: where the sections' own
+    output goes (None: to the terminal); each row is printed as it is measured, details in the JSON."""
     from colo.engine import quiet_vllm_logs
 
     quiet_vllm_logs()  # stdout carries only the table
@@ -199,21 +253,26 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
     print(f"# {describe(info)}", file=out)
     print(f"# {'quick' if quick else 'full'} run, device(s): {device}; ratio = baseline / colo (>1: colo faster)",
           file=out)
-    print(header(), file=out, flush=True)
+    if logs is not None:
+        print(f"# vLLM's and torch's logs go to {logs} (--show-logs prints them here)", file=out)
+    print(header(details=logs is None), file=out, flush=True)
     failed = False
     started = time.perf_counter()
+    redirect = LogsToFile(logs)
     for number, name in enumerate(sections, 1):
         about, quick_s, full_s = ABOUT.get(name, ("", None, None))
         took = quick_s if quick else full_s
         print(f"[colo.bench] {number}/{len(sections)} {name}: {about}" + (f" (about {_rough(took)} on 2 CPU cores)"
-              if took else ""), file=sys.stderr, flush=True)
+              if took else ""), file=redirect.terminal, flush=True)
         t0 = time.perf_counter()
-        rows, section_failed = run_section(name, quick, devices_for(device))
+        with redirect:
+            # (its per-item progress lines go where its logs go)
+            rows, section_failed = run_section(name, quick, devices_for(device))
         failed |= section_failed
         result["section_seconds"][name] = round(time.perf_counter() - t0, 3)
         result["rows"].extend(rows)
         for row in rows:
-            print(format_row(row), file=out, flush=True)
+            print(format_row(row, details=logs is None), file=out, flush=True)
         if json_path is not None:
             write_json(result, json_path)  # after every section, so a crash later keeps what was measured
     result["total_seconds"] = round(time.perf_counter() - started, 3)

@@ -422,3 +422,19 @@ def test_gradient_checkpointing_row_keeps_fewer_activations():
     assert row["section"] == "logprob_memory" and row["case"].startswith("gradient checkpointing: 3 layers")
     assert 0 < row["saved_for_backward_bytes"] < row["baseline_saved_for_backward_bytes"]
     assert row["logprob_sum_abs_diff"] < 1e-3   # the same log-probabilities
+
+
+def test_the_main_job_prints_a_short_table_and_writes_results_plot_and_logs(tmp_path):
+    """By default the rows go to the screen without their details, the sections' own logs (vLLM's, torch's)
+    to OUT/logs.txt, and the end is a table then where the JSON, the plot and the logs are."""
+    out = tmp_path / "run"
+    done = bench("--quick", "--sections", "pool_alloc", "--device", "cpu", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "results.json").is_file() and (out / "logs.txt").is_file()
+    assert (out / "results.png").read_bytes()[:8] == PNG_MAGIC
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    table = done.stdout[done.stdout.index("section        what"):]
+    assert all(row["case"][:30] in table for row in rows)
+    assert f"results: {out / 'results.json'}" in done.stdout and f"logs: {out / 'logs.txt'}" in done.stdout
+    assert "=" not in done.stdout.split("section        what")[0].split("\n", 3)[-1]  # no key=value details
+    assert len(done.stdout.splitlines()) < 20
