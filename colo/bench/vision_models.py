@@ -39,11 +39,12 @@ def tiny_idefics3(directory: Path, *, tokenizer_dir: Path | None = None, hidden_
     # The processor adds its image tokens to the tokenizer.
     processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4,
                                   chat_template=CHAT_TEMPLATE)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=hidden_size,
                 intermediate_size=2 * hidden_size, num_hidden_layers=layers, num_attention_heads=hidden_size // 64,
                 num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=True,
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id)
+                pad_token_id=pad)
     trained = None
     if language_model is not None:
         from transformers import AutoModelForCausalLM
@@ -54,7 +55,7 @@ def tiny_idefics3(directory: Path, *, tokenizer_dir: Path | None = None, hidden_
                   image_size=IMAGE_SIZE, patch_size=14)
     config = Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
                             image_token_id=processor.image_token_id, tie_word_embeddings=True,
-                            pad_token_id=tokenizer.pad_token_id)
+                            pad_token_id=pad)
     config.architectures = ["Idefics3ForConditionalGeneration"]
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config)

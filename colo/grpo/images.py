@@ -137,13 +137,17 @@ def placeholder_token_ids(processor) -> list[int]:
     """The tokens a processor puts in place of an image (the engine must not sample them)."""
     tokenizer = processor.tokenizer
     ids = set()
-    for name in ("image_token_id", "image_token", "boi_token", "image_start_token", "image_end_token",
-                 "fake_image_token", "global_image_tag"):
-        value = getattr(processor, name, None)
-        if isinstance(value, str):
-            value = tokenizer.convert_tokens_to_ids(value)
-        if isinstance(value, int) and value != tokenizer.unk_token_id and 0 <= value < len(tokenizer):
-            ids.add(value)
+    # The names transformers' processors and multimodal tokenizers give them (Idefics3's fake token and
+    # global tag, Gemma 3's begin/end of image, Qwen-VL's vision start/end and pads).
+    names = ("image_token_id", "image_token", "video_token", "boi_token", "eoi_token", "image_start_token",
+             "image_end_token", "vision_start_token", "vision_end_token", "fake_image_token", "global_image_tag")
+    for holder in (processor, tokenizer):
+        for name in names:
+            value = getattr(holder, name, None) if not (holder is tokenizer and name.endswith("_id")) else None
+            if isinstance(value, str):
+                value = tokenizer.convert_tokens_to_ids(value)
+            if isinstance(value, int) and value != tokenizer.unk_token_id and 0 <= value < len(tokenizer):
+                ids.add(value)
     return sorted(ids)
 
 
