@@ -141,6 +141,8 @@ def summary_table(rows: list[dict]) -> str:
 
     lines = [f"{'section':<14} {'what':<40} {'colo':>9} {'baseline':<28} {'':>9} {'ratio':>7}"]
     for row in rows:
+        if row.get("device") == "cuda" and row.get("colo_s") is None:
+            continue  # a device that did not run (its row in the JSON says why)
         ratio = row.get("ratio")
         lines.append(f"{cut(row.get('section'), 14):<14} {cut(row.get('case'), 40):<40} "
                      f"{format_seconds(row.get('colo_s')):>9} {cut(row.get('baseline'), 28):<28} "
