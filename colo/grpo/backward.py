@@ -31,14 +31,13 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
     micro = config.micro_batch_size or len(batch)
     local_tokens = max(float(batch.completion_mask.sum()), 1.0)
     replay = replay_of(model) if batch.routes is not None else None
-    routing = (replay.forcing if config.routing_replay else replay.measuring) if replay is not None else None
     loss = clip = kl = mismatch = 0.0
     gap_sum = gap_count = 0.0
     sampling = []  # importance sampling's statistics of each micro-batch, with its loss tokens
     per_row = isinstance(num_tokens, torch.Tensor) and num_tokens.dim() == 1
     for start in range(0, len(batch), micro):
         part = batch.rows(start, start + micro)
-        with routing(part.routes) if routing is not None else contextlib.nullcontext():
+        with engine_routes(model, part.routes, config):
             entropies = [] if config.top_entropy_quantile < 1.0 else None
             logprobs = completion_logprobs(model, part, config.temperature, entropies)
             token_mask = None if entropies is None else \
@@ -135,6 +134,15 @@ def engine_mismatch(trainer_logprobs: torch.Tensor, mask: torch.Tensor, engine_l
     return worst, total, count
 
 
+def engine_routes(model, routes, config: GRPOConfig):
+    """Where a MoE batch carries the engine's routes: the trainer's routers forced to them
+    (routing_replay) or compared with them; otherwise nothing."""
+    replay = replay_of(model) if routes is not None else None
+    if replay is None:
+        return contextlib.nullcontext()
+    return (replay.forcing if config.routing_replay else replay.measuring)(routes)
+
+
 @torch.no_grad()
 def rollout_logprobs(model, rollout: Rollout, config: GRPOConfig, *, device) -> list[torch.Tensor]:
     """Each completion's log-probabilities under the model as it is (no gradient; the micro-batches of
@@ -145,9 +153,7 @@ def rollout_logprobs(model, rollout: Rollout, config: GRPOConfig, *, device) -> 
                                config.micro_batch_size):
         part = rollout.select(rows)
         batch = pack(part.prompts, part.completions, loss_masks=part.loss_masks, routes=part.routes).to(device)
-        replay = replay_of(model) if batch.routes is not None else None
-        routing = (replay.forcing if config.routing_replay else replay.measuring) if replay is not None else None
-        with routing(batch.routes) if routing is not None else contextlib.nullcontext():
+        with engine_routes(model, batch.routes, config):
             logprobs = completion_logprobs(model, batch, config.temperature).cpu()
         for i, row in zip(rows, logprobs.unbind(0)):
             kept[i] = row

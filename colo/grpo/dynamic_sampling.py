@@ -55,7 +55,8 @@ def fill_with_informative_groups(step: int, rollout: Rollout, scores: Scores, *,
     size = config.num_generations
     generated = len(rollout.rows) // size
     kept = informative_groups(scores, size)
-    rollouts, all_scores = [select_groups(rollout, scores, kept, size)[0]], [select_groups(rollout, scores, kept, size)[1]]
+    picked, picked_scores = select_groups(rollout, scores, kept, size)
+    rollouts, all_scores = [picked], [picked_scores]
     have, extra = len(kept), 0
     while have < share_size and extra < config.dynamic_sampling:
         extra += 1

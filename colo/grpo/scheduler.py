@@ -66,7 +66,6 @@ from .phases import MemoryPhases
 from .completions_log import completion_samples
 from .dynamic_sampling import fill_with_informative_groups
 from .reward_model import attach_reward_models
-from .loss import group_advantages
 from .schedules import lr_multiplier, warmup_of
 from .rollout_engine import EngineFailure, RolloutEngine, engine_error, rebuild_engine
 from .strategy import Generated, OverlappedSteps, SerialSteps
@@ -394,11 +393,10 @@ class GRPOScheduler:
             return None, engine_error(e, step)
 
     def _completion_samples(self, step: int, rollout: Rollout, scores) -> list[dict]:
-        """The step's first num_completions_to_print completions with their rewards and advantages (this
-        rank's: with scale_rewards='batch', the advantages of this rank's std)."""
-        cfg = self.config
-        advantages = group_advantages(scores.total, cfg.num_generations, scale=cfg.scale_rewards, allow_unscorable=True)
-        return completion_samples(self.task, step, rollout, scores, advantages, cfg.num_completions_to_print)
+        """The step's first num_completions_to_print completions with their rewards and the advantages the
+        step trained with (the strategy's: a collective with scale_rewards='batch', on every rank alike)."""
+        advantages = self.strategy.advantages(scores)
+        return completion_samples(self.task, step, rollout, scores, advantages, self.config.num_completions_to_print)
 
     def _train(self, rollout: Rollout, scores, generated):
         """The step's optimizer steps on its rollout: (the first's Trained, its gradient norm, whether it was
