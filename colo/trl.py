@@ -35,11 +35,15 @@ is served base + adapter. TRL's optimizer steps fp32 masters of the adapter in P
 checkpoints and `save_model` save in PEFT's format. A sync is the adapter's publish(): 0 bytes, no
 merge, no load_weights, no adapter reload. Supported: LoRA (rslora, dropout, any init) on the linear
 layers of the base, one adapter (and TRL's frozen "ref" copy for beta > 0 with a pretrained one).
-Refused with a NotImplementedError before the engine starts: DoRA, bias, lora_bias, modules_to_save,
-rank/alpha patterns, trainable tokens, layers_to_transform, targets other than nn.Linear (embeddings,
+Refused with a NotImplementedError before the engine starts: an adapter on a vision-language model,
+DoRA, bias, lora_bias, modules_to_save, rank/alpha patterns, trainable tokens, layers_to_transform, targets other than nn.Linear (embeddings,
 Conv1D, quantized layers, target_parameters), several adapters, tensor parallelism. On a CPU, vLLM
 runs a LoRA engine eager (its CPU platform turns compilation off when LoRA is enabled); colo gives its
 punica wrapper a one-adapter fast path (colo.vllm_compat), without which LoRA doubled a generate.
+
+A vision-language model trains through TRL's image columns and processor; the engine gets each image
+prompt as the chat template wrote it and expands its images itself (colo.trl_vision: TRL's own path
+sends the processor's expanded ids, which vLLM expands again).
 
 The copy path is used, and reported by `trainer.colo_shared`, where a parameter cannot alias: an
 fp32 engine for a 16-bit trainer (`colo_engine_dtype=`), or tensor-parallel shards. Supported:
@@ -56,6 +60,8 @@ import os
 import warnings
 
 import torch
+
+from .trl_vision import EnginePrompts, unexpanded_prompt_ids
 
 TESTED_TRL_VERSION = "1.16.0"
 logger = logging.getLogger(__name__)
@@ -91,6 +97,7 @@ class ColoVLLMGeneration(_VLLMGeneration):
         self.colo_sync_reports: list[dict] = []
         self.colo_record_routes = False   # routing replay: keep each generation's routed experts
         self.colo_routes: list | None = None   # the last generation's, one per completion in TRL's order
+        self.colo_engine_prompts = EnginePrompts()  # image prompts as the engine gets them (colo.trl_vision)
         super().__init__(*args, **kwargs)
 
     def _init_vllm(self):
@@ -169,7 +176,7 @@ class ColoVLLMGeneration(_VLLMGeneration):
         accelerator = self.accelerator
         pool = self.colo_pool if self.colo_pool is not None else colo.Pool(device)
         config = model.config
-        max_model_len = self.max_model_length or getattr(config, "max_position_embeddings", 2048)
+        max_model_len = self.max_model_length or getattr(config.get_text_config(), "max_position_embeddings", 2048)
         block = default_block_size(pool.device)
         # The KV cache holds the whole generation batch at full length (and vLLM's null block: one block
         # short, a sequence was preempted every generation, 2x its time at 0.4M parameters) where that
@@ -218,27 +225,40 @@ class ColoVLLMGeneration(_VLLMGeneration):
             report = self.colo_adapter.publish()
         self.colo_sync_reports.append({**report, "reshared_bytes": reshared})
 
-    def generate(self, *args, **kwargs):
+    def generate(self, prompts, images=None, *args, **kwargs):
         from colo.engine import kv_cache_region, wake_kv_cache
 
         if kv_cache_region(self.llm).asleep:
             wake_kv_cache(self.llm)
         try:
-            if not self.colo_record_routes:
-                return super().generate(*args, **kwargs)
-            from colo.vllm_compat import recording_routes
-
-            with recording_routes(self.llm) as capture:
-                result = super().generate(*args, **kwargs)
-                prompt_ids, completion_ids = result[0], result[1]
-                held = list(capture.take_all().values()) if capture is not None else []
-            if len(held) != len(completion_ids):
-                raise RuntimeError(f"colo.trl: {len(held)} routed requests for {len(completion_ids)} completions")
-            self.colo_routes = [routes[:len(p) + len(c) - 1] for routes, p, c in zip(held, prompt_ids, completion_ids)]
-            return result
+            if images is None:
+                return self._generate_recording_routes(prompts, images, *args, **kwargs)
+            # The engine expands the images of the template's prompt itself (colo.trl_vision).
+            sent = [self.colo_engine_prompts.for_engine(p) for p in prompts]
+            result = self._generate_recording_routes(sent, images, *args, **kwargs)
+            EnginePrompts.check(prompts, result[0], images)
+            return (list(prompts), *result[1:])
         finally:
             if not self.colo_generation_round:
-                self.sleep_kv_cache()  # TRL trains next: the KV cache's memory is released until then
+                self._end_generation()
+
+    def _generate_recording_routes(self, prompts, images, *args, **kwargs):
+        if not self.colo_record_routes:
+            return super().generate(prompts, images, *args, **kwargs)
+        from colo.vllm_compat import recording_routes
+
+        with recording_routes(self.llm) as capture:
+            result = super().generate(prompts, images, *args, **kwargs)
+            prompt_ids, completion_ids = result[0], result[1]
+            held = list(capture.take_all().values()) if capture is not None else []
+        if len(held) != len(completion_ids):
+            raise RuntimeError(f"colo.trl: {len(held)} routed requests for {len(completion_ids)} completions")
+        self.colo_routes = [routes[:len(p) + len(c) - 1] for routes, p, c in zip(held, prompt_ids, completion_ids)]
+        return result
+
+    def _end_generation(self) -> None:
+        self.colo_engine_prompts.clear()
+        self.sleep_kv_cache()  # TRL trains next: the KV cache's memory is released until then
 
     @contextlib.contextmanager
     def generation_round(self):
@@ -249,7 +269,7 @@ class ColoVLLMGeneration(_VLLMGeneration):
             yield
         finally:
             self.colo_generation_round = False
-            self.sleep_kv_cache()
+            self._end_generation()
 
     def sleep_kv_cache(self) -> None:
         """Release the KV cache's memory if it is awake (the next request wakes it again)."""
@@ -383,9 +403,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         # What colo does not train is refused here, before any engine starts; whether each weight is
         # shared or copied is read from the engine once it is up (colo.share_weights).
         check_model_config(model.config)
-        if is_vision_language(model.config):  # TRL's image columns and processor path are not wired to colo's engine
-            raise NotImplementedError(f"colo.trl with a vision-language model ({type(model).__name__}): not yet; "
-                                      "colo.grpo trains them with one copy of the weights (docs/vision.md)")
+        if is_vision_language(model.config) and _is_peft(model):
+            raise NotImplementedError(f"colo.trl with a PEFT adapter on a vision-language model "
+                                      f"({model.config.model_type}): not yet; colo.grpo "
+                                      "--lora-rank trains one (docs/vision.md)")
         self.colo_router_replay = self._colo_check_routing_replay(model, args) if colo_routing_replay else None
         if self.colo_router_replay is not None:
             from .vllm_compat import engine_routing_options
@@ -456,6 +477,16 @@ class GRPOTrainer(trl.GRPOTrainer):
         super()._save(output_dir, state_dict=state_dict)
         if masters and self.args.should_save and self.vllm_generation.colo_adapter is None:
             _say_fp32_in_config(output_dir or self.args.output_dir)
+
+    def _tokenize_prompts(self, prompts: list):
+        prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
+        if images is not None:
+            tools = ([self._env_tools[name] for name in self._batch_environments]
+                     if self.environment_factories is not None else [self.tools] * len(prompts))
+            self.vllm_generation.colo_engine_prompts.add(prompt_ids, unexpanded_prompt_ids(
+                self.processing_class, prompts, tools_per_prompt=tools, chat_template=self.chat_template,
+                chat_template_kwargs=self.chat_template_kwargs))
+        return prompt_ids, images, multimodal_fields
 
     def _generate(self, prompts):
         # TRL's tool loop calls generate() once per turn: the KV cache stays awake for the whole round,

@@ -175,3 +175,12 @@ def smollm2_model_dir():
     from colo.smollm2 import smollm2_dir
 
     return smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def idefics3_dir(tmp_path_factory):
+    """A tiny random Idefics3 (SmolVLM's architecture) with SmolLM2's tokenizer and its processor
+    (colo.bench.vision_models): 56x56 images, 4 image tokens each."""
+    from colo.bench.vision_models import tiny_idefics3
+
+    return tiny_idefics3(tmp_path_factory.mktemp("idefics3"))

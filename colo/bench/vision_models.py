@@ -34,6 +34,9 @@ def tiny_idefics3(directory: Path, *, tokenizer_dir: Path | None = None, hidden_
     from ..smollm2 import smollm2_dir
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or smollm2_dir())
+    # SmolVLM's tokenizer has <global-img> as one token; written as text pieces, vLLM's processor does not
+    # recognise a prompt the processor already expanded and expands its image again.
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<global-img>"]})
     image_processor = Idefics3ImageProcessorPil(size={"longest_edge": IMAGE_SIZE},
                                                 max_image_size={"longest_edge": IMAGE_SIZE}, do_image_splitting=False)
     # The processor adds its image tokens to the tokenizer.

@@ -11,13 +11,6 @@ import torch
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def idefics3_dir(tmp_path_factory):
-    from colo.bench.vision_models import tiny_idefics3
-
-    return tiny_idefics3(tmp_path_factory.mktemp("idefics3"))
-
-
 def squares(count: int):
     from PIL import Image, ImageDraw
 

@@ -44,13 +44,11 @@ def image_prompt_logprobs(llm, model, processor, image, seed: int = 0):
     return engine, trainer.float()
 
 
-def test_vision_language_model_is_one_copy(tmp_path_factory, build_engine, tmp_path):
+def test_vision_language_model_is_one_copy(idefics3_dir, build_engine, tmp_path):
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from colo.bench.vision_models import tiny_idefics3
-
-    path = tiny_idefics3(tmp_path_factory.mktemp("idefics3"))
+    path = idefics3_dir
     processor = AutoProcessor.from_pretrained(path)
     image = Image.fromarray((np.random.RandomState(0).rand(64, 64, 3) * 255).astype("uint8"))
     llm = build_engine(path, skip_tokenizer_init=False)

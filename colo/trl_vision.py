@@ -1,0 +1,66 @@
+"""Image prompts in colo.trl: the engine gets each prompt as the chat template wrote it, and expands its
+images itself.
+
+TRL tokenizes an image prompt with the model's processor, which expands every image placeholder into the
+image's tokens, and sends those ids with the images to vLLM. vLLM (0.32) expands the placeholders of a
+token prompt again, so the engine would generate from another prompt than the one the trainer trains on
+(on the tiny Idefics3, a 20-token prompt became 26 tokens, and the sampled tokens' log-probabilities
+differed from the trainer's by up to 0.2 before any update). colo.trl sends the engine the template's
+ids before expansion (the tokenizer's, not the processor's) and checks that the engine's expansion is
+the trainer's prompt, token for token.
+"""
+from __future__ import annotations
+
+
+def unexpanded_prompt_ids(processing_class, prompts: list, *, tools_per_prompt: list, chat_template,
+                          chat_template_kwargs: dict) -> list[list[int]]:
+    """The token ids of each conversational prompt as its chat template writes it (one placeholder per
+    image), rendered as TRL's _tokenize_prompts renders it, tokenized without the processor."""
+    from trl.data_utils import prepare_multimodal_messages
+
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    ids = []
+    for prompt, tools in zip(prompts, tools_per_prompt, strict=True):
+        text = processing_class.apply_chat_template(
+            conversation=[prepare_multimodal_messages(prompt)], tools=tools or None, chat_template=chat_template,
+            add_generation_prompt=True, tokenize=False, **chat_template_kwargs)
+        text = text[0] if isinstance(text, list) else text
+        ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids
+
+
+class EnginePrompts:
+    """The unexpanded ids the engine gets for each expanded prompt of the current generation round.
+
+    A later turn of TRL's tool loop sends an earlier prompt followed by its completion and the tool's
+    reply: the prompt's expanded ids are then a prefix, replaced by its unexpanded ids."""
+
+    def __init__(self):
+        self.by_expanded: dict[tuple[int, ...], list[int]] = {}
+
+    def add(self, expanded: list[list[int]], unexpanded: list[list[int]]) -> None:
+        for long, short in zip(expanded, unexpanded, strict=True):
+            self.by_expanded[tuple(long)] = list(short)
+
+    def clear(self) -> None:
+        self.by_expanded.clear()
+
+    def for_engine(self, prompt: list[int]) -> list[int]:
+        key = tuple(prompt)
+        if key in self.by_expanded:
+            return self.by_expanded[key]
+        for expanded, short in self.by_expanded.items():
+            if key[:len(expanded)] == expanded:
+                return short + list(prompt[len(expanded):])
+        return list(prompt)
+
+    @staticmethod
+    def check(trained: list[list[int]], served: list[list[int]], images: list) -> None:
+        """The engine's prompt (after its expansion of the images) must be the trainer's, row by row."""
+        for row, (ours, theirs, row_images) in enumerate(zip(trained, served, images, strict=True)):
+            if row_images and list(ours) != list(theirs):
+                raise ValueError(
+                    f"colo.trl: prompt {row} ({len(row_images)} image(s)): the engine expanded its images into "
+                    f"{len(theirs)} prompt tokens, the processor into {len(ours)}; the engine would generate "
+                    "from another prompt than the one trained on. The chat template's image placeholder and "
+                    "vLLM's for this model must agree (its processor files, e.g. image_seq_len, as vLLM reads them)")

@@ -1,0 +1,111 @@
+"""colo.trl on a vision-language model: TRL's image column and processor path, on colo's engine with one
+copy of the weights; and stock TRL (colocate) on the same tiny model and batch.
+
+vLLM 0.32 expands the image placeholders of a token prompt again, so stock TRL's engine generates from
+another prompt than the one it trains on; colo.trl sends the template's ids (colo.trl_vision), and the
+engine's log-probabilities of what it sampled equal the trainer's.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+trl = pytest.importorskip("trl", reason="colo.trl's tests need the trl extra: pip install -e '.[cpu,test]'")
+
+
+def squares(count: int):
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (56, 56), "white")
+    draw = ImageDraw.Draw(image)
+    for k in range(count):
+        draw.rectangle([4 + 12 * k, 20, 12 + 12 * k, 30], fill="black")
+    return image
+
+
+def run(side: str, model_dir, tmp_path):
+    """Two TRL steps on 16 image rows; what the reward function saw and the trainer."""
+    import datasets
+
+    trainer_class = trl.GRPOTrainer
+    if side == "colo":
+        from colo.trl import GRPOTrainer as trainer_class
+    rows = [{"prompt": [{"role": "user", "content": "How many squares?"}], "image": squares(i % 4 + 1)}
+            for i in range(16)]
+    seen = []
+
+    def first_token_parity(prompts, completion_ids, image, **kwargs):
+        seen.extend(i.tobytes() for i in image)
+        return [float(ids[0] % 2) if ids else 0.0 for ids in completion_ids]
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path / side), per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=8, max_steps=2, logging_steps=1, report_to="none", learning_rate=1e-2,
+                          vllm_max_model_length=128, save_strategy="no", use_cpu=True, bf16=False, seed=0,
+                          use_vllm=True, vllm_mode="colocate")
+    trainer = trainer_class(model=str(model_dir), reward_funcs=first_token_parity,
+                            train_dataset=datasets.Dataset.from_list(rows), args=args)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    if side == "colo":
+        from colo.vllm_compat import engine_model
+
+        engine = engine_model(trainer.vllm_generation.llm)
+        real_load_weights = engine.load_weights
+        trainer.colo_test_loads = []
+        engine.load_weights = lambda *a, **k: trainer.colo_test_loads.append(1) or real_load_weights(*a, **k)
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "reward" in h]
+    changed = {name for name, p in model.named_parameters() if not torch.equal(before[name], p)}
+    return trainer, history, seen, changed
+
+
+def test_trls_vision_language_path_runs_on_colos_engine_with_one_copy(idefics3_dir, tmp_path):
+    stock, stock_history, stock_seen, _ = run("stock", idefics3_dir, tmp_path)
+    del stock
+    trainer, history, seen, changed = run("colo", idefics3_dir, tmp_path)
+
+    # The same rows, images and metrics reach TRL's reward function and logs on both.
+    assert seen == stock_seen and len(seen) == 8
+    assert len(history) == len(stock_history) == 2 and set(history[0]) == set(stock_history[0])
+    # One copy: every parameter (vision tower, projector, language model) is a view of the engine's, and
+    # no sync copied a byte. Only a share again goes through vLLM's loader: at the first sync where
+    # torch.distributed was initialized before (here by the stock run), as colo.trl's docstring says.
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    assert trainer.colo_shared.aliased_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    reports = trainer.vllm_generation.colo_sync_reports
+    assert len(reports) == 2 and all(r["bytes_copied"] == 0 for r in reports) and reports[1]["reshared_bytes"] == 0
+    assert len(trainer.colo_test_loads) == (reports[0]["reshared_bytes"] > 0)
+    # The engine generated from the prompt the trainer trains on, under the weights step 1 published.
+    assert max(h["sampling/sampling_logp_difference/max"] for h in history) < 1e-4
+    assert any(".vision_model." in name for name in changed) and any(".connector." in name for name in changed)
+
+
+def test_an_engine_prompt_other_than_the_trainers_is_refused():
+    from colo.trl_vision import EnginePrompts
+
+    prompts = EnginePrompts()
+    prompts.add([[1, 9, 9, 9, 2]], [[1, 9, 2]])
+    assert prompts.for_engine([1, 9, 9, 9, 2]) == [1, 9, 2]
+    assert prompts.for_engine([1, 9, 9, 9, 2, 7, 8]) == [1, 9, 2, 7, 8]   # a later turn of the tool loop
+    assert prompts.for_engine([5, 6]) == [5, 6]
+    EnginePrompts.check([[1, 9, 9, 2]], [[1, 9, 9, 2]], [["image"]])
+    EnginePrompts.check([[1, 9, 2]], [[1, 9, 9, 9, 2]], [None])            # no image: nothing expanded
+    with pytest.raises(ValueError, match="prompt 0 .1 image.s..: the engine expanded its images into 5"):
+        EnginePrompts.check([[1, 9, 9, 2]], [[1, 9, 9, 9, 2]], [["image"]])
+
+
+def test_a_peft_adapter_on_a_vision_language_model_is_refused_before_the_engine(idefics3_dir, tmp_path):
+    import datasets
+    from peft import LoraConfig
+
+    from colo.trl import GRPOTrainer
+
+    rows = [{"prompt": [{"role": "user", "content": "How many squares?"}], "image": squares(1)}] * 4
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=8, report_to="none", use_cpu=True, bf16=False,
+                          use_vllm=True, vllm_mode="colocate")
+    with pytest.raises(NotImplementedError, match="PEFT adapter on a vision-language model .idefics3"):
+        GRPOTrainer(model=str(idefics3_dir), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                    train_dataset=datasets.Dataset.from_list(rows), args=args,
+                    peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
