@@ -126,3 +126,35 @@ def test_lora_adapts_the_language_model_of_a_vision_language_model(idefics3_dir,
     assert records[0]["grad_norm"] > 0
     for record in records:
         assert record["publish_bytes_copied"] == 0 and record["engine_logprob_max_abs_diff"] < 1e-4
+
+
+def test_zero1_on_two_ranks_trains_a_vision_language_model_with_one_copy(idefics3_dir, tmp_path):
+    """--shard-optimizer under torchrun on an image dataset: each rank's engine serves the weights the
+    all-gather wrote into it (0 bytes per publish, the engine's log-probabilities at step 2 the trainer's
+    within bf16 rounding), and OUT/final is the image-text-to-text model with its processor."""
+    import json
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from helpers.grpo_runs import records, torchrun
+
+    images = tmp_path / "images"
+    images.mkdir()
+    rows = []
+    for i, row in enumerate(image_rows(8)):
+        row["image"].save(images / f"{i}.png")
+        rows.append({**row, "image": str(images / f"{i}.png")})
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "parity.py").write_text("def parity(completion_ids, **kwargs):\n"
+                                        "    return [float(ids[0] % 2) if ids else 0.0 for ids in completion_ids]\n")
+    out = tmp_path / "out"
+    torchrun(out, 2, "--model", str(idefics3_dir), "--dataset", str(tmp_path / "train.jsonl"),
+             "--reward", f"{tmp_path / 'parity.py'}:parity", "--steps", "2", "--prompts-per-step", "2",
+             "--num-generations", "4", "--max-new-tokens", "8", "--lr", "1e-2", "--shard-optimizer", "--dtype", "bf16")
+    log = records(out)
+    assert [r["step"] for r in log] == [1, 2] and log[0]["grad_norm"] > 0
+    assert all(r["publish_bytes_copied"] == 0 for r in log)
+    assert log[1]["engine_logprob_max_abs_diff"] < 5e-2   # bf16 weights: the trained ones, not the initial
+    model = AutoModelForImageTextToText.from_pretrained(out / "final")
+    assert type(model).__name__ == "Idefics3ForConditionalGeneration"
+    assert AutoProcessor.from_pretrained(out / "final").image_token_id == model.config.image_token_id
