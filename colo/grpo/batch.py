@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .images import batched_vision
+from .images import batched_vision, vision_at_columns
 from .logprobs import completion_logprobs_chunked, full_logits_logprobs, has_plain_head
 from .task import Scores
 
@@ -86,7 +86,8 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0
             if len(mask) != len(completions[i]):
                 raise ValueError(f"completion {i}: {len(mask)} loss mask entries for {len(completions[i])} tokens")
             completion_mask[i, :len(mask)] = torch.tensor(mask, dtype=completion_mask.dtype)
-    vision = [getattr(p, "vision", None) for p in prompts]
+    vision = [None if getattr(p, "vision", None) is None else
+              vision_at_columns(p.vision, len(p), prompt_len, input_ids.shape[1]) for p in prompts]
     return PackedBatch(input_ids, attention_mask, position_ids, input_ids[:, prompt_len:].clone(),
                        completion_mask, prompt_len, routes=_packed_routes(routes, prompts, input_ids.shape[1]),
                        vision=vision if any(v is not None for v in vision) else None)

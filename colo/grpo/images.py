@@ -151,6 +151,23 @@ def placeholder_token_ids(processor) -> list[int]:
     return sorted(ids)
 
 
+# Processor outputs with one entry per prompt token: which tokens are an image's (Qwen2-VL's family
+# computes its 3-D rotary positions from them, Gemma 3 attends both ways among them).
+PER_TOKEN_FIELDS = ("token_type_ids", "mm_token_type_ids")
+
+
+def vision_at_columns(vision: dict, prompt_tokens: int, prompt_columns: int, width: int) -> dict:
+    """A row's processor tensors with its per-token fields laid out as the packed row is: the prompt
+    left-padded to `prompt_columns`, the completion after it (0: text) up to `width`."""
+    out = dict(vision)
+    for key in PER_TOKEN_FIELDS:
+        if key in vision:
+            row = vision[key].new_zeros((1, width))
+            row[0, prompt_columns - prompt_tokens:prompt_columns] = vision[key].reshape(-1)
+            out[key] = row
+    return out
+
+
 def batched_vision(visions: list) -> dict[str, torch.Tensor]:
     """The processor tensors of several prompts as one forward's keyword arguments: each concatenated
     along its first dimension (a batch of prompts, or of images or patches), trailing dimensions padded

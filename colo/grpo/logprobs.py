@@ -47,6 +47,16 @@ def trunk(model):
     return model.base_model if is_vision_language(model.config) else model.get_decoder()
 
 
+def own_positions(model, position_ids, model_inputs: dict | None):
+    """The position ids the forward gets: None where the model places the tokens itself. Qwen2-VL's
+    family (M-RoPE) computes 3-D rotary positions from the image grids and the processor's
+    mm_token_type_ids (left padding read from the attention mask), as vLLM does; 1-D ids counted per
+    token would flatten each image's grid and shift the text after it."""
+    if model_inputs and "mm_token_type_ids" in model_inputs and hasattr(trunk(model), "get_rope_index"):
+        return None
+    return position_ids
+
+
 def has_plain_head(model) -> bool:
     """Whether a causal LM's logits are exactly lm_head(trunk(...).last_hidden_state) (no soft-capping
     as Gemma 2's, no logit scale as Granite's): read off the model itself, by a two-token forward both
@@ -81,6 +91,7 @@ def full_logits_logprobs(model, input_ids, attention_mask, position_ids, complet
     model_inputs: more keyword arguments of the forward (a vision-language model's image tensors).
     entropies: a list the (B, C) entropies of the distributions are appended to (no gradient)."""
     columns = completion_ids.shape[1]
+    position_ids = own_positions(model, position_ids, model_inputs)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 logits_to_keep=columns + 1, use_cache=False, **(model_inputs or {}))
     # Logits at column t predict token t + 1: drop the prediction after the last token.
@@ -106,6 +117,7 @@ def completion_logprobs_chunked(model, input_ids, attention_mask, position_ids, 
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     rows, columns = completion_ids.shape
+    position_ids = own_positions(model, position_ids, model_inputs)
     hidden = trunk(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False, **(model_inputs or {})).last_hidden_state
     # The C positions before each completion token predict it (the columns full_logits_logprobs keeps).
