@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from ..checks import check_int
 from .schedules import SCHEDULES
+from .settings import (json_object, non_negative_int, positive_float, positive_int, save_dtype_name, setting,
+                       thread_pair)
 from .trackers import check_report_to
 
 
@@ -29,161 +31,259 @@ TOOL_ISOLATION = ("process", "thread")
 
 @dataclass
 class GRPOConfig:
-    prompts_per_step: int = 8          # over all ranks; each rank generates its share (as even as possible)
-    num_generations: int = 8           # completions per prompt (the GRPO group size)
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0                     # sample from the k likeliest tokens (0: all)
-    # TRL's names: min_p sampling (None: off), the repetition penalty (1.0: off), and more of vLLM's
-    # SamplingParams fields for every generation (generation_kwargs; colo's own fields win).
-    # TRL's log_completions: each step's sampled completions (the first num_completions_to_print; None:
-    # all of the main rank's) with their rewards and advantages, to OUT/completions.jsonl and the trackers.
-    log_completions: bool = False
-    num_completions_to_print: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    generation_kwargs: dict | None = None
-    ignore_eos: bool = False           # toy task: fixed-length completions
-    # Completions that hit max_new_tokens (truncated, counted in the record's clipped_ratio) are left
-    # out of the loss (DAPO's overlong filtering; TRL's mask_truncated_completions).
-    mask_truncated: bool = False
-    # Prompts longer than this many tokens: refused, naming the row, or with truncate_prompts="left"
+    # -- generation ----------------------------------------------------------------------------------
+    prompts_per_step: int = setting(8, "prompts per step over all ranks; each rank generates its share (as even as "
+                                    "possible)", group="generation", type=positive_int, metavar="P")
+    num_generations: int = setting(8, "completions per prompt, the GRPO group", group="generation",
+                                   type=positive_int, metavar="G", trl="num_generations")
+    max_new_tokens: int = setting(
+        16, "longest completion (with tools: every turn's tokens together, the tools' results included)",
+        group="generation", type=positive_int, metavar="T", aliases=("--max-completion-length",),
+        presets={"dataset": 256}, trl="max_completion_length",
+        not_trls_default="TRL's is 512; colo halves a first CPU run's generation")
+    temperature: float = setting(1.0, "sampling temperature", group="generation", type=positive_float,
+                                 trl="temperature")
+    top_p: float = setting(1.0, "nucleus sampling (1.0: off)", group="generation", type=float, trl="top_p")
+    top_k: int = setting(0, "sample from the k likeliest tokens (0: all)", group="generation",
+                         type=non_negative_int, trl="top_k")
+    min_p: float | None = setting(None, "min-p sampling (off)", group="generation", type=float, trl="min_p")
+    repetition_penalty: float = setting(1.0, "vLLM's repetition penalty (1.0: off)", group="generation", type=float,
+                                        trl="repetition_penalty")
+    generation_kwargs: dict | None = setting(
+        None, "more of vLLM's SamplingParams fields for every generation, e.g. '{\"presence_penalty\": 0.5}' "
+        "(colo's own fields win)", group="generation", type=json_object, metavar="JSON", trl="generation_kwargs")
+    ignore_eos: bool = setting(False, "completions run to max_new_tokens", group="generation", cli=False,
+                               presets={"toy": True})
+    log_completions: bool = setting(
+        False, "each step's sampled completions with their rewards and advantages to OUT/completions.jsonl and "
+        "the trackers (a TensorBoard text, a wandb Table)", group="generation", action="store_true",
+        trl="log_completions")
+    num_completions_to_print: int | None = setting(
+        None, "with --log-completions: the first N of each step (default: all of the main rank's)",
+        group="generation", type=positive_int, metavar="N", trl="num_completions_to_print")
+    dynamic_sampling: int = setting(
+        0, "DAPO's dynamic sampling: a group whose rewards are all equal is dropped and new prompts' groups are "
+        "generated until the step has as many informative groups as prompts, up to N extra generations (the "
+        "step then trains on the informative groups it has); the record adds dynamic_sampling/generated_groups, "
+        "dropped_groups, trained_groups, extra_generations (colo.grpo.dynamic_sampling); serial steps",
+        group="generation", type=non_negative_int, metavar="N")
+    # -- the task (a user's dataset) -------------------------------------------------------------------
+    # Prompts longer than max_prompt_length tokens: refused, naming the row, or with truncate_prompts="left"
     # cut to their last max_prompt_length tokens. None: only prompt + completion must fit the model.
-    max_prompt_length: int | None = None
-    truncate_prompts: str | None = None
-    chat_template_kwargs: dict = field(default_factory=dict)  # e.g. {"enable_thinking": False}
-    eval_every: int = 0                # steps between greedy pass@1 evaluations on an eval dataset (0: none)
-    eval_on_start: bool = False        # TRL's name: evaluate once before the first step (logged as step 0)
-    learning_rate: float = 1e-3
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.99)
-    warmup_steps: int = 0              # linear learning-rate warm-up, then the schedule
-    # TRL's names: the schedule after warm-up ("constant", "linear" or "cosine" to 0 at max_steps; TRL's
-    # default is "linear", colo's "constant": a run's length is not always known up front), the warm-up
-    # as a fraction of max_steps (warmup_steps wins), AdamW's epsilon; max_steps: the run's optimizer
-    # steps (colo.grpo's CLI sets it from --steps x num_iterations).
-    lr_scheduler_type: str = "constant"
-    warmup_ratio: float = 0.0
-    max_steps: int | None = None
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float | None = 1.0  # None: no clipping
+    max_prompt_length: int | None = setting(
+        None, "refuse longer prompts, naming the row (or cut them with --truncate-prompts left)", group="task",
+        type=positive_int, metavar="N")
+    truncate_prompts: str | None = setting(None, "keep the last --max-prompt-length tokens of a longer prompt",
+                                           group="task", choices=("left",))
+    chat_template_kwargs: dict = setting(
+        help="extra arguments of the chat template, e.g. '{\"enable_thinking\": false}'", group="task",
+        default_factory=dict, type=json_object, metavar="JSON", trl="chat_template_kwargs", default_text="-")
+    eval_every: int = setting(0, "greedy pass@1 on --eval-dataset every N steps (0: never)", group="task",
+                              type=non_negative_int, metavar="N", trl="eval_steps",
+                              not_trls_default="colo evaluates only when asked")
+    eval_on_start: bool = setting(False, "evaluate once before the first step, the base model's pass@1 (logged as "
+                                  "step 0)", group="task", action="store_true", trl="eval_on_start")
+    # -- the loss and its variants ------------------------------------------------------------------
+    loss_type: str = setting(
+        "dapo", "grpo (sequence means), dapo (token mean over the batch), dr_grpo (token sum / (sequences x max new "
+        "tokens)), bnpo (token mean; TRL's is per micro-batch, colo's over the whole batch), luspo (sequence sums, "
+        "their mean), cispo (the ratio capped at --epsilon-high and detached, times the log-probability), sapo (a "
+        "soft gate instead of the clip), vespo (each sequence's gradient weighed by a gamma function of its ratio); "
+        "colo.grpo.loss", group="loss", choices=LOSS_TYPES, trl="loss_type")
+    importance_sampling_level: str = setting(
+        "token", "ratios per token, or per sequence (GSPO: one ratio per sequence, exp of its mean token log-ratio)",
+        group="loss", choices=("token", "sequence"), trl="importance_sampling_level")
+    num_iterations: int = setting(
+        1, "optimizer steps per rollout (mu); the later ones clip against the log-probabilities the rollout was "
+        "sampled at (a forward without gradients first, as TRL)", group="loss", type=positive_int, metavar="MU",
+        trl="num_iterations")
+    steps_per_generation: int = setting(
+        1, "one rollout trained as this many slices of its groups, an optimizer step each (every rank's share "
+        "needs at least that many groups)", group="loss", type=positive_int, metavar="S",
+        trl="steps_per_generation", default_text="1", not_trls_default="TRL's None means gradient_accumulation_steps")
+    multi_objective_aggregation: str = setting(
+        "sum_then_normalize", "several rewards: the weighted sum, then the group's normalization; or "
+        "normalize_then_sum (GDPO: each function normalized in its group, the weighted sum normalized over the "
+        "whole batch, every rank's; --scale-rewards then does not apply)", group="loss",
+        choices=("sum_then_normalize", "normalize_then_sum"), trl="multi_objective_aggregation")
+    top_entropy_quantile: float = setting(
+        1.0, "the policy term counts only the tokens whose entropy is in the top RHO of a micro-batch's (the KL "
+        "term keeps them all; TRL takes the quantile over its micro-batch gathered across processes, colo over "
+        "each rank's)", group="loss", type=float, metavar="RHO", trl="top_entropy_quantile")
+    epsilon_low: float = setting(0.2, "clip range below ratio 1 (and above, unless --epsilon-high)", group="loss",
+                                 type=float, flag="--epsilon", trl="epsilon")
+    epsilon_high: float | None = setting(None, "clip range above ratio 1 (DAPO's clip-higher; None: epsilon's)",
+                                         group="loss", type=float, trl="epsilon_high", default_text="`--epsilon`")
+    delta: float | None = setting(None, "two-sided clipping: the unclipped ratio capped at DELTA (> 1 + epsilon_high)",
+                                  group="loss", type=float, trl="delta")
+    beta: float = setting(0.0, "KL-to-reference weight (0: none). With LoRA the reference is the shared base, free; "
+                          "with full fine-tuning a frozen second copy of the weights (colo.plan shows its bytes)",
+                          group="loss", type=float, trl="beta")
+    use_bias_correction_kl: bool = setting(True, "the KL term without the ratio", group="loss",
+                                           action="store_false", flag="--no-bias-correction-kl",
+                                           trl="use_bias_correction_kl", default_text="the correction on")
+    # Advantages divided by the std of the group ("group", or True), of the whole batch ("batch"), or
+    # not at all ("none", or False: Dr. GRPO).
+    scale_rewards: str = setting("group", "divide advantages by the group's std, the batch's, or not at all "
+                                 "(none: Dr. GRPO)", group="loss", choices=SCALES, trl="scale_rewards")
+    mask_truncated: bool = setting(False, "leave completions cut by --max-new-tokens out of the loss (DAPO's overlong "
+                                   "filtering; counted in the record's clipped_ratio)", group="loss",
+                                   action="store_true", aliases=("--mask-truncated-completions",),
+                                   trl="mask_truncated_completions")
+    sapo_temperature_pos: float = setting(1.0, "SAPO's temperature for positive advantages", group="loss", type=float,
+                                          trl="sapo_temperature_pos")
+    sapo_temperature_neg: float = setting(1.05, "SAPO's temperature for the others", group="loss", type=float,
+                                          trl="sapo_temperature_neg")
+    vespo_k_pos: float = setting(2.0, "VESPO's gamma weights: k for positive advantages", group="loss", type=float,
+                                 trl="vespo_k_pos")
+    vespo_lambda_pos: float = setting(3.0, "VESPO's lambda for positive advantages", group="loss", type=float,
+                                      trl="vespo_lambda_pos")
+    vespo_k_neg: float = setting(3.0, "VESPO's k for the others", group="loss", type=float, trl="vespo_k_neg")
+    vespo_lambda_neg: float = setting(2.0, "VESPO's lambda for the others", group="loss", type=float,
+                                      trl="vespo_lambda_neg")
+    # Importance sampling against the engine's log-probabilities: a mode of IMPORTANCE_SAMPLING, and the
+    # ratio's cap and floor (None: none).
+    importance_sampling: str = setting(
+        "off", "correct for the engine's log-probabilities: off, token_truncate, token_mask, sequence_truncate or "
+        "sequence_mask", group="loss", choices=IMPORTANCE_SAMPLING, trl="vllm_importance_sampling_mode",
+        not_trls_default="TRL's correction is on (sequence_mask): it corrects for an engine serving other numbers "
+        "than the trainer computes (a bf16 copy under an fp32 trainer); colo's engine serves the trainer's own "
+        "weights, the gap is rounding (engine_logprob_max_abs_diff in every record)")
+    importance_sampling_max: float | None = setting(3.0, "the importance-sampling ratio's cap", group="loss",
+                                                    type=float, metavar="C", trl="vllm_importance_sampling_clip_max")
+    importance_sampling_min: float | None = setting(None, "the importance-sampling ratio's floor", group="loss",
+                                                    type=float, metavar="C", trl="vllm_importance_sampling_clip_min")
+    # -- optimizer ------------------------------------------------------------------------------------
+    learning_rate: float = setting(
+        1e-3, "AdamW's learning rate", group="optimizer", type=float, flag="--lr", aliases=("--learning-rate",),
+        presets={"toy": 3e-3, "dataset": 1e-6}, trl="learning_rate",
+        default_text="1e-3 (the library's); 3e-3 (toy); 1e-6 with `--dataset`")
+    lr_scheduler_type: str = setting(
+        "constant", "the learning rate after warm-up: constant, or linear / cosine to 0 at the run's last optimizer "
+        "step (--steps x --steps-per-generation x --num-iterations; transformers' schedules)", group="optimizer",
+        choices=SCHEDULES, trl="lr_scheduler_type",
+        not_trls_default="TRL's is linear; colo keeps the rate a run started with unless asked")
+    warmup_steps: int = setting(0, "linear warm-up steps, from lr/N at the first step (transformers' starts at 0)",
+                                group="optimizer", type=non_negative_int, metavar="N", trl="warmup_steps")
+    warmup_ratio: float = setting(0.0, "warm-up as a fraction of the run's optimizer steps (--warmup-steps wins)",
+                                  group="optimizer", type=float, metavar="R")
+    weight_decay: float = setting(0.0, "AdamW's weight decay", group="optimizer", type=float, trl="weight_decay")
+    adam_betas: tuple[float, float] = setting(
+        (0.9, 0.99), "AdamW's betas", group="optimizer", type=float, nargs=2, metavar=("B1", "B2"), from_flag=tuple,
+        trl="adam_beta1, adam_beta2", not_trls_default="TRL's beta2 is 0.999; colo's toy runs were tuned at 0.99")
+    adam_epsilon: float = setting(1e-8, "AdamW's epsilon", group="optimizer", type=float, trl="adam_epsilon")
+    max_grad_norm: float | None = setting(1.0, "clip the gradient norm to this (0: no clipping)", group="optimizer",
+                                          type=float, from_flag=lambda value: value or None, trl="max_grad_norm")
     # A step whose gradient norm is not finite skips its optimizer step (the weights stay as they were);
     # this many such steps in a row stop the run (colo.errors.NonFiniteGradients).
-    max_skipped_steps: int = 3
-    epsilon_low: float = 0.2           # PPO clip range below and above ratio 1
-    epsilon_high: float = 0.2
-    beta: float = 0.0                  # KL-to-reference weight; > 0 keeps a frozen reference copy
-    # Advantages divided by the std of the group ("group", or True), of the whole batch ("batch"), or
-    # not at all ("none", or False: Dr. GRPO). TRL's scale_rewards.
-    scale_rewards: str = "group"
-    # TRL's loss_type: the per-token objective (the clipped ratio; "cispo", "sapo") and how token losses
-    # are averaged: "grpo" each sequence's mean, then the mean over sequences; "dapo" (TRL's default) the
-    # mean over every token of the batch; "dr_grpo" the sum over sequences x max_new_tokens; the rest as
-    # colo.grpo.loss.loss_denominators says.
-    loss_type: str = "dapo"
-    # TRL's names and defaults: ratios per token or per sequence ("sequence": GSPO); two-sided clipping
-    # (the unclipped ratio capped at delta, None: off); the KL term times the ratio; SAPO's temperatures.
-    importance_sampling_level: str = "token"
-    # TRL's num_iterations (mu): optimizer steps per rollout; the later ones clip against the trainer's
-    # log-probabilities at the weights the rollout was sampled with (a forward without gradients first, as TRL).
-    num_iterations: int = 1
-    # TRL's steps_per_generation: one rollout (prompts_per_step prompts) trained as this many slices of
-    # its groups, an optimizer step each; every rank's share needs at least that many groups.
-    steps_per_generation: int = 1
-    # DAPO's dynamic sampling (colo.grpo.dynamic_sampling): groups whose rewards are all equal are dropped
-    # and replaced by new prompts' groups, up to this many extra generations per step (0: off).
-    dynamic_sampling: int = 0
-    # TRL's multi_objective_aggregation: "sum_then_normalize" (the weighted sum of the rewards, then the
-    # group's normalization) or "normalize_then_sum" (GDPO: each function normalized in its group, the
-    # weighted sum normalized over the whole batch; scale_rewards then does not apply).
-    multi_objective_aggregation: str = "sum_then_normalize"
-    # TRL's top_entropy_quantile: the policy term counts only the tokens whose entropy is in the top
-    # fraction of a micro-batch's (1.0: every token); the KL term keeps them all.
-    top_entropy_quantile: float = 1.0
-    delta: float | None = None
-    use_bias_correction_kl: bool = True
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0               # VESPO's gamma weights (TRL's names and defaults)
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    # TRL's gradient_checkpointing: recompute each decoder layer's activations in backward instead of
-    # keeping them (transformers' gradient_checkpointing_enable, non-reentrant). None: on a GPU, where
-    # activations bound the completion length, off on a CPU (colo.grpo.config.checkpointing_on).
-    gradient_checkpointing: bool | None = None
-    micro_batch_size: int | None = None  # sequences per forward/backward; None: rows of similar length, 4096 positions at most
+    max_skipped_steps: int = setting(
+        3, "a step whose gradient norm is inf or NaN skips its update (counted in the step record); N such steps "
+        "in a row stop the run, the last checkpoint intact", group="optimizer", type=positive_int, metavar="N")
+    # The schedule's length in optimizer steps (colo.grpo's CLI sets it from --steps).
+    max_steps: int | None = None
+    # -- memory, precision, parallelism -----------------------------------------------------------------
+    # None: on a GPU, where activations bound the completion length, off on a CPU (checkpointing_on).
+    gradient_checkpointing: bool | None = setting(
+        None, "recompute each decoder layer's activations in backward (transformers' non-reentrant checkpointing): "
+        "the same gradient, less activation memory for more compute (bench/results/"
+        "cpu-gradient-checkpointing-avx2.json)", group="memory", choices=("on", "off"),
+        from_flag=lambda value: value == "on", trl="gradient_checkpointing", default_text="on a GPU, off on a CPU",
+        not_trls_default="TRL's is on; at colo.grpo's CPU sizes memory is not what binds")
+    micro_batch_size: int | None = setting(
+        None, "sequences per forward and backward (their gradients add up to the step's): bounds the activations' "
+        "memory", group="memory", type=positive_int, metavar="N",
+        default_text="rows of similar length together, 4096 positions at most")
     memory_phases: bool = True         # KV cache asleep while training, gradients asleep while generating
-    # Train each prompt's group while the engine decodes the others' (colo.grpo.overlap): "on", "off",
-    # or "auto" (on where it measured faster on this device kind). Exactly on-policy either way.
-    overlap: str = "auto"
-    # CPU: the engine's and the trainer's threads while both have work during an overlapped step (the
-    # groups left when generation ends train with every thread). None: half the cores each (overlap.cpu_split).
-    overlap_threads: tuple[int, int] | None = None
+    # Train each prompt's group while the engine decodes the others' (colo.grpo.overlap). Exactly
+    # on-policy either way.
+    overlap: str = setting("auto", "train each prompt's group while the engine still decodes the others, exactly "
+                           "on-policy (auto: where it measured faster on this device kind; the step record says "
+                           "why a step ran serially)", group="memory", choices=OVERLAP_MODES)
+    overlap_threads: tuple[int, int] | None = setting(
+        None, "CPU: the engine's and the trainer's threads while both have work in an overlapped step (the groups "
+        "left when generation ends train with every thread)", group="memory", type=thread_pair, metavar="E,T",
+        default_text="half the cores each")
     # Optimizer state to host memory while generating. None: only where the pool cannot hold it beside
     # the engine's weights and KV cache (TrainingMemory.must_offload); otherwise the copies would cost
     # time for nothing (on a host pool the "host copy" is even the same RAM).
-    offload_optimizer: bool | None = None
-    # The dtype of the weights the engine serves and the trainer shares: "bf16" (fp32 master weights
-    # and AdamW moments with the optimizer, fp32 gradient accumulation) or "fp32". None: the one that
-    # makes a whole step fastest on this device (resolve_dtype), decided when the run starts.
-    dtype: str | None = None
-    # ZeRO-1: each rank keeps 1/world of the fp32 master weights and AdamW moments; gradients are
-    # reduce-scattered to their shard and the updated weights all-gathered into the engine's weights.
-    shard_optimizer: bool = False
-    # LoRA (colo.lora): > 0 trains an adapter of this rank on the frozen base instead of every weight;
-    # the adapter is the engine's adapter slot (vLLM's native LoRA), the base the engine's weights.
-    lora_rank: int = 0
-    lora_alpha: float = 8.0            # PEFT's lora_alpha (scaling alpha / rank)
-    lora_targets: tuple[str, ...] | None = None  # the linear layers adapted; None: colo.lora's default (all)
-    # Routing replay (colo.moe_routing), MoE models only: the trainer routes each token to the experts the
-    # engine routed it to when it sampled, its gate weights computed from its own router logits for
-    # them. Off, the step record still says how often the two routings differ (router_mismatch).
-    routing_replay: bool = False
-    # Vision-language models (colo.grpo.images): the vision tower is frozen (shared, not trained) unless
-    # train_vision; the projector and the language model train.
-    train_vision: bool = False
+    offload_optimizer: bool | None = setting(
+        None, "optimizer state to host memory while generating (auto: only where the pool cannot hold it beside "
+        "the engine's weights and KV cache)", group="memory", choices=("auto", "on", "off"),
+        from_flag={"auto": None, "on": True, "off": False}.get, default_text="`auto`")
+    # None: the dtype that makes a whole step fastest on this device (resolve_dtype), decided at start.
+    dtype: str | None = setting(
+        None, "weights the engine serves and the trainer shares: bf16 (fp32 master weights and AdamW moments with "
+        "the optimizer, fp32 gradient accumulation) or fp32; auto: the one that makes a whole step fastest here "
+        "(bf16 where the device computes in bf16 natively: GPUs since Ampere, CPUs with AVX512_BF16 or AMX; fp32 "
+        "elsewhere)", group="memory", choices=("auto", *DTYPES),
+        from_flag=lambda value: None if value == "auto" else value, default_text="`auto`")
+    shard_optimizer: bool = setting(
+        False, "ZeRO-1: each rank keeps 1/world of the fp32 master weights and AdamW moments; gradients are "
+        "reduce-scattered to their shard and the updated weights all-gathered straight into every rank's engine "
+        "weights", group="memory", action="store_true")
     # Tensor parallelism (colo.tensor_parallel): ranks per engine; each holds only its shards, views of
     # its engine's. The torchrun world is world / tensor_parallel data-parallel groups of it.
-    tensor_parallel: int = 1
-    save_every: int = 10               # checkpoint period in steps (0: only at the end)
-    # The model in Hugging Face format (colo.grpo.export): OUT/final at the end of every run, and
-    # OUT/model-step-N every save_model_every steps (0: only the final one); in save_dtype (None: the
-    # base model's own); with LoRA the PEFT adapter, and merge_lora adds the merged model.
-    save_model_every: int = 0
-    save_dtype: str | None = None
-    merge_lora: bool = False
-    # Experiment trackers that get every step record with the run's config (colo.grpo.trackers; TRL's
-    # report_to names: "tensorboard", "wandb", "trackio", "all", "none"), under run_name (None: the
-    # out_dir's name).
-    report_to: tuple[str, ...] = ()
-    run_name: str | None = None
-    keep_checkpoints: int = 2          # newest ones kept (0: all)
-    seed: int = 0
-    # Agentic rollouts (colo.grpo.agent; the scheduler's tools= and environment_factory=): the most rounds
-    # of tool calls in a rollout (TRL's max_tool_calling_iterations) and the seconds a tool call may take
-    # (None: no limit). max_new_tokens bounds every turn's tokens together, the tools' results included.
-    max_turns: int = 5
-    tool_timeout: float | None = 30.0
-    # Where sync tools run: "process" (worker processes, colo.grpo.tool_workers: a tool that crashes, hangs
-    # or exhausts its memory ends its worker, not the run; its cost per call: bench section tool_calls) or
-    # "thread" (daemon threads of the training process, as TRL runs them). Environments and async tools
-    # run in the training process either way.
-    tool_isolation: str = "process"
-    # A chat template instead of the model's own: a .jinja file, or one TRL ships by name (e.g. "qwen2_5",
-    # which describes tools and is ChatML like SmolLM2's own).
-    chat_template: str | None = None
-    # Importance sampling against the engine's log-probabilities (TRL's vllm_importance_sampling_*): a
-    # mode of IMPORTANCE_SAMPLING, and the ratio's cap and floor (None: none; TRL's defaults 3.0, None).
-    importance_sampling: str = "off"
-    importance_sampling_max: float | None = 3.0
-    importance_sampling_min: float | None = None
-    # Guided decoding: every turn's text must match this regular expression (TRL's
-    # vllm_structured_outputs_regex; e.g. to make a small model write well-formed tool calls in a test).
-    structured_outputs_regex: str | None = None
+    tensor_parallel: int = setting(1, "ranks per engine (under torchrun; each holds only its shards of the weights, "
+                                   "views of its engine's)", group="memory", type=positive_int, metavar="N",
+                                   default_text="1, or the resumed run's")
+    lora_rank: int = setting(
+        0, "train a LoRA adapter of rank R on the frozen base instead of every weight (0: full fine-tuning); the "
+        "adapter is the engine's LoRA slot, so nothing is copied per step, and OUT/adapter holds it in PEFT's "
+        "format", group="memory", type=non_negative_int, metavar="R")
+    lora_alpha: float = setting(8.0, "LoRA alpha (scaling A/R, as PEFT)", group="memory", type=float, metavar="A")
+    lora_targets: tuple[str, ...] | None = setting(
+        None, "the linear layers the adapter adapts", group="memory", nargs="+", metavar="NAME", from_flag=tuple,
+        default_text="every linear of the blocks")
+    # MoE models only (colo.moe_routing). Off, the step record still says how often the two routings differ.
+    routing_replay: bool = setting(
+        False, "MoE models: the trainer routes each token to the experts the engine routed it to (its gate weights "
+        "from its own router); without it the step record still says how often the two routings differ "
+        "(router_mismatch)", group="memory", action="store_true")
+    train_vision: bool = setting(False, "vision-language models: train the vision tower too (frozen by default; the "
+                                 "projector and the language model train)", group="memory", action="store_true")
+    seed: int = setting(0, "seeds the toy model, prompts and sampling", group="generation", type=non_negative_int,
+                        trl="seed", not_trls_default="TRL's is 42")
+    # -- checkpoints, the trained model, trackers --------------------------------------------------------
+    save_every: int = setting(10, "checkpoint period in steps (0: only at the end)", group="saving",
+                              type=non_negative_int, metavar="N")
+    keep_checkpoints: int = setting(2, "newest checkpoints kept (0: all)", group="saving", type=non_negative_int,
+                                    metavar="K")
+    # The model in Hugging Face format (colo.grpo.export): OUT/final at the end of every run.
+    save_model_every: int = setting(0, "also write OUT/model-step-N every N steps (0: only OUT/final)",
+                                    group="saving", type=non_negative_int, metavar="N")
+    save_dtype: str | None = setting(
+        None, "bf16, fp16 or fp32 for the saved model; full fine-tuning saves the fp32 master weights rounded to it",
+        group="saving", type=save_dtype_name, metavar="DTYPE", default_text="the base model's own")
+    merge_lora: bool = setting(False, "with --lora-rank: OUT/final/merged, the base with the adapter merged in, "
+                               "beside the PEFT adapter", group="saving", action="store_true")
+    report_to: tuple[str, ...] = setting(
+        (), "send every step record and the run's config to tensorboard (OUT/runs/RUN_NAME), wandb, trackio, all "
+        "(every one installed) or none; repeatable", group="saving", action="extend", nargs="+",
+        metavar="TRACKER", trl="report_to", default_text="`none`")
+    run_name: str | None = setting(None, "the run's name in the trackers", group="saving", metavar="NAME",
+                                   trl="run_name", default_text="OUT's name")
+    # -- agentic rollouts (colo.grpo.agent) -------------------------------------------------------------
+    max_turns: int = setting(5, "most rounds of tool calls in a rollout", group="agent", type=non_negative_int,
+                             metavar="N", aliases=("--max-tool-calling-iterations",),
+                             trl="max_tool_calling_iterations", not_trls_default="TRL's None: no limit")
+    tool_timeout: float | None = setting(30.0, "seconds a tool call may take before its result is an error",
+                                         group="agent", type=positive_float, metavar="S")
+    # Environments and async tools run in the training process either way.
+    tool_isolation: str = setting(
+        "process", "where sync tools run: worker processes (a tool that crashes, hangs or exhausts its memory ends "
+        "its worker, not the run) or threads of the training process (as TRL runs them)", group="agent",
+        choices=TOOL_ISOLATION)
+    chat_template: str | None = setting(
+        None, "the chat template instead of the model's own: a .jinja file, or one TRL ships by name (qwen2_5: "
+        "describes tools, ChatML like SmolLM2's)", group="agent", metavar="NAME|FILE.jinja",
+        default_text="the model's own")
+    structured_outputs_regex: str | None = setting(
+        None, "guided decoding: every turn matches REGEX", group="agent", metavar="REGEX",
+        aliases=("--vllm-structured-outputs-regex",), trl="vllm_structured_outputs_regex")
 
     def __post_init__(self):
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon_low  # TRL's: the clip range above 1 is the one below unless set
         self.adam_betas = tuple(self.adam_betas)
         for name in ("prompts_per_step", "num_generations", "max_new_tokens"):
             check_int(getattr(self, name), name)

@@ -391,20 +391,46 @@ def test_vespo_takes_the_importance_sampling_weights_into_its_gamma_weights():
         assert mine.shape == (4, 1) and bool((mine > 0).any())
 
 
-def test_every_setting_has_its_flag_and_every_flag_its_line_in_the_docs():
-    """A GRPOConfig field is set by the flag of its name (or FLAG_RENAMES'), unless LIBRARY_ONLY says why
-    not; every flag appears in docs/grpo.md."""
+def test_every_setting_is_defined_once_with_its_flag_and_its_line_in_the_docs():
+    """A GRPOConfig field is a setting with its flag (colo.grpo.settings), unless LIBRARY_ONLY says why not;
+    docs/grpo.md's table is the one the settings make; every other flag has its line there."""
     import dataclasses
     from pathlib import Path
 
-    from colo.grpo.cli import FLAG_RENAMES, LIBRARY_ONLY, build_parser
+    from colo.grpo.cli import LIBRARY_ONLY, build_parser
+    from colo.grpo.settings import flagged
+    from colo.grpo.settings_docs import TABLE_BEGIN, TABLE_END, docs_table
 
-    flags = {o: a.dest for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
-    settable = {FLAG_RENAMES.get(dest, dest) for dest in flags.values()}
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
-    assert fields - settable == set(LIBRARY_ONLY)
+    assert fields - set(flagged(GRPOConfig)) == set(LIBRARY_ONLY)
     docs = (Path(__file__).parents[2] / "docs" / "grpo.md").read_text()
+    table = docs[docs.index(TABLE_BEGIN) + len(TABLE_BEGIN):docs.index(TABLE_END)].strip()
+    assert table == docs_table(GRPOConfig).strip(), "docs/grpo.md: run python -m colo.grpo.settings_docs --write"
+    flags = {o: a.dest for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
     assert [flag for flag in flags if flag != "--help" and f"`{flag}" not in docs] == []
+
+
+def test_settings_trl_has_take_trls_name_and_default_or_say_why_not():
+    """Each setting's TRL name is a field of TRL's GRPOConfig, and colo's default (a user's dataset's) is
+    TRL's unless the setting says why not."""
+    import dataclasses
+
+    from colo.grpo.settings import field_default, settings
+
+    trl = pytest.importorskip("trl")
+    theirs = {f.name: f for f in dataclasses.fields(trl.GRPOConfig)}
+    for name, about in settings(GRPOConfig).items():
+        if about.trl is None:
+            continue
+        names = [n.strip() for n in about.trl.split(",")]
+        assert all(n in theirs for n in names), (name, about.trl)
+        ours = about.presets.get("dataset", field_default(GRPOConfig, name))
+        trls = tuple(theirs[n].default for n in names) if len(names) > 1 else theirs[names[0]].default
+        if about.not_trls_default:
+            assert ours != trls, f"{name}: the default is TRL's now; drop not_trls_default"
+        else:
+            # an empty tuple or dict where TRL's None or "none" says the same
+            assert ours == trls or (ours in ((), {}) and trls in (None, "none")), (name, ours, trls)
 
 
 def test_an_unknown_flag_or_yaml_key_names_the_closest_setting(tmp_path, capsys):
@@ -416,7 +442,14 @@ def test_an_unknown_flag_or_yaml_key_names_the_closest_setting(tmp_path, capsys)
         with pytest.raises(SystemExit):
             parse_args(build_parser(), [*base, *argv])
         assert said in capsys.readouterr().err
-    (tmp_path / "run.yaml").write_text("learning_rate: 1e-5\nnum_iteration: 2\n")
+    (tmp_path / "run.yaml").write_text("learning_rate: 1e-5\nnum_iteration: 2\n")   # TRL's name is a key
     with pytest.raises(SystemExit):
         parse_args(build_parser(), [*base, "--config", str(tmp_path / "run.yaml")])
-    assert "unknown setting 'learning_rate' (did you mean lr?)" in capsys.readouterr().err
+    assert "unknown setting 'num_iteration' (did you mean num_iterations?)" in capsys.readouterr().err
+    (tmp_path / "run.yaml").write_text("learning_rate: 1e-5\nmax_completion_length: 7\ngradient_checkpointing: on\n"
+                                       "no_bias_correction_kl: true\n")
+    args = parse_args(build_parser(), [*base, "--config", str(tmp_path / "run.yaml")])
+    from colo.grpo.settings import values_from_flags
+
+    assert values_from_flags(args, GRPOConfig) == {"learning_rate": 1e-5, "max_new_tokens": 7,
+                                                   "gradient_checkpointing": True, "use_bias_correction_kl": False}

@@ -19,7 +19,7 @@ from helpers.grpo_runs import ENV, REPO, grpo_command, records, run_grpo, torchr
 
 pytestmark = pytest.mark.slow
 
-LR = 3e-3  # the toy run's --lr (colo.grpo.cli.TOY_DEFAULTS)
+LR = 3e-3  # the toy run's --lr (the toy preset of GRPOConfig.learning_rate)
 COMMON = ("--save-every", "1", "--keep-checkpoints", "0", "--dtype", "fp32")
 
 
