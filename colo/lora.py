@@ -200,24 +200,6 @@ class SharedAdapter(EngineViews):
         nbytes = sum(p.nbytes for p in self.parameters())
         return dict(aliased_bytes=nbytes, adapter_bytes=nbytes)
 
-    def reshare(self) -> int:
-        """Put moved parameters back into the slot (their current values, then views again); returns
-        the bytes written. For a model that accelerate moved to "cpu:N" (torch copies for that)."""
-        written = 0
-        views = self._views()
-        with torch.no_grad():
-            for placed, view in zip(self.layout.values(), views):
-                p = placed.param
-                if p.data_ptr() != self._addresses[id(p)]:
-                    view.copy_(p.data)
-                    p.data = view
-                    written += view.nbytes
-        return written
-
-    def _views(self) -> list[torch.Tensor]:
-        by_name = {s.hf_module: s for s in compat.adapter_slices(self.llm, self.slot, self.spec.rank)}
-        return [t for name in self.layers for t in (by_name[name].lora_a, by_name[name].lora_b)]
-
     @contextlib.contextmanager
     def disabled(self):
         """The trainer's model without the adapter (the base, e.g. as a KL reference) inside the block."""

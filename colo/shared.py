@@ -95,12 +95,13 @@ class EngineViews:
         self.publish_count = 0
         self._repack = list(repack)
         self.layout: dict[str, Placed] = {}
-        self._addresses: dict[int, int] = {}     # id(parameter) -> its data_ptr when watched
+        self._storage: dict[int, torch.Tensor] = {}   # id(parameter) -> its storage when watched
 
     def watch(self, layout: dict[str, Placed]) -> None:
-        """Take `layout` as this view's parameters, and remember where their storage is now."""
+        """Take `layout` as this view's parameters, and remember their storage now (the engine's tensors,
+        or the trainer's own where a parameter is copied)."""
         self.layout = dict(layout)
-        self._addresses = {id(p.param): p.param.data_ptr() for p in self.layout.values()}
+        self._storage = {id(p.param): p.param.data for p in self.layout.values()}
 
     # -- the contract: the same for every kind -----------------------------------------------------
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -118,7 +119,22 @@ class EngineViews:
     def moved_parameters(self) -> list[str]:
         """Names of the parameters given new storage since they were shared: the engine no longer sees them."""
         return [name for name, placed in self.layout.items()
-                if placed.param.data_ptr() != self._addresses[id(placed.param)]]
+                if placed.param.data_ptr() != self._storage[id(placed.param)].data_ptr()]
+
+    @torch.no_grad()
+    def reshare(self) -> int:
+        """Put the parameters given new storage since they were shared (moved_parameters: accelerate's
+        .to("cpu:N") copies every one) back into the storage they were shared in, with their current
+        values, so the engine sees them again; returns the bytes written."""
+        written, done = 0, set()
+        for placed in self.layout.values():
+            param, home = placed.param, self._storage[id(placed.param)]
+            if id(param) not in done and param.data_ptr() != home.data_ptr():
+                home.copy_(param.data)
+                param.data = home
+                written += home.nbytes
+            done.add(id(param))
+        return written
 
     def publish(self) -> PublishReport:
         """Make the engine serve what the optimizer wrote: what cannot alias is copied (the kind's

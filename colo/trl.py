@@ -90,9 +90,9 @@ class ColoVLLMGeneration(_VLLMGeneration):
         self.colo_pool, self.colo_engine_dtype, self.colo_fp32_masters = pool, engine_dtype, fp32_masters
         self.colo_engine_options = dict(engine_options or {})  # more vllm.LLM options (e.g. enforce_eager)
         self.colo_masters: dict = {}  # parameter -> its fp32 values, for TRL's optimizer (fp32_masters)
-        self.colo_shared = None
+        self.colo_shared = None   # colo.SharedWeights: the engine's weights as the model's (with PEFT, its base)
+        self.colo_views = None    # what TRL trains, a colo.shared.EngineViews: the weights, or PEFT's adapter
         self.colo_generation_round = False  # inside GRPOTrainer._generate: several turns, one KV cache
-        self.colo_adapter = None  # colo.lora.SharedAdapter, for a PEFT model
         self._colo_workdir = None  # where the engine's adapter slot was first loaded from (PEFT)
         self.colo_sync_reports: list[dict] = []
         self.colo_record_routes = False   # routing replay: keep each generation's routed experts
@@ -162,7 +162,8 @@ class ColoVLLMGeneration(_VLLMGeneration):
             from colo.lora import share_peft_adapter
 
             self._colo_workdir = tempfile.TemporaryDirectory(prefix="colo-trl-")
-            self.colo_adapter, self.colo_masters = share_peft_adapter(model, self.llm, self._colo_workdir.name)
+            adapter, self.colo_masters = share_peft_adapter(model, self.llm, self._colo_workdir.name)
+        self.colo_views = adapter if lora is not None else self.colo_shared
         self._llm_weights_sleeping = False
         sleep_kv_cache(self.llm)  # training comes first in TRL's loop only after a generation
         accelerator.wait_for_everyone()
@@ -209,20 +210,10 @@ class ColoVLLMGeneration(_VLLMGeneration):
         If the trainer's parameters were given new storage since they were shared, they are shared
         again first (one copy, reported as `reshared_bytes`): accelerate's prepare() moves the model
         with .to(accelerator.device), and under torch.distributed on a CPU that device is "cpu:N",
-        for which torch copies every parameter although nothing moves."""
-        import colo
-
-        reshared = 0
-        model = self.accelerator.unwrap_model(self.model)
-        if self.colo_shared.moved_parameters():
-            with _base_model(model) as base:
-                self.colo_shared = colo.share_weights(base, self.llm)
-            reshared = self.colo_shared.shared_once_bytes
-        if self.colo_adapter is None:
-            report = self.colo_shared.publish()
-        else:  # the base is frozen: only the adapter changed, and the engine reads it in its slot
-            reshared += self.colo_adapter.reshare() if self.colo_adapter.moved_parameters() else 0
-            report = self.colo_adapter.publish()
+        for which torch copies every parameter although nothing moves. With PEFT only the adapter is
+        published (the base is frozen, and the engine reads the adapter in its slot)."""
+        reshared = sum(views.reshare() for views in {id(v): v for v in (self.colo_shared, self.colo_views)}.values())
+        report = self.colo_views.publish()
         self.colo_sync_reports.append({**report, "reshared_bytes": reshared})
 
     def generate(self, prompts, images=None, *args, **kwargs):
@@ -442,22 +433,23 @@ class GRPOTrainer(trl.GRPOTrainer):
         """TRL's optimizer, as TRL builds it; with a bf16 engine for an fp32 model, stepping the
         model's fp32 values (masters) and rounding them into the shared bf16 weights."""
         optimizer = super().create_optimizer(model)
-        masters, adapter = self.vllm_generation.colo_masters, self.vllm_generation.colo_adapter
+        masters = self.vllm_generation.colo_masters
         if masters and self.colo_fp32_masters is None:
             from .optimizer_masters import FP32Masters
 
-            scales = adapter.scales() if adapter is not None else None  # the slot holds alpha/r x PEFT's B
-            self.colo_fp32_masters = FP32Masters(optimizer, masters, scales=scales)
+            # (an adapter's slot holds alpha/r x PEFT's B: its scales)
+            self.colo_fp32_masters = FP32Masters(optimizer, masters, scales=self.vllm_generation.colo_views.scales())
         return optimizer
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # transformers resumes a PEFT model with PEFT's load_adapter, which recasts a bf16 adapter into
         # new fp32 Parameters: that would cut the trainer's adapter off the engine's slot. Write the
         # checkpoint's adapter into the slot (and the masters) instead.
-        adapter = self.vllm_generation.colo_adapter
-        if adapter is None:
+        if not _is_peft(self.accelerator.unwrap_model(self.model)):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         from .lora import read_adapter
+
+        adapter = self.vllm_generation.colo_views
 
         spec, state = read_adapter(resume_from_checkpoint)
         if (spec.rank, spec.alpha) != (adapter.spec.rank, adapter.spec.alpha):
@@ -475,7 +467,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 if param in masters:
                     state_dict[name] = masters[param].detach()
         super()._save(output_dir, state_dict=state_dict)
-        if masters and self.args.should_save and self.vllm_generation.colo_adapter is None:
+        if masters and self.args.should_save and not _is_peft(self.accelerator.unwrap_model(self.model)):
             _say_fp32_in_config(output_dir or self.args.output_dir)
 
     def _tokenize_prompts(self, prompts: list):

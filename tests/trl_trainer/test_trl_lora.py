@@ -43,7 +43,7 @@ def test_a_trl_script_with_a_peft_lora_config_trains_the_engines_adapter_slot(dt
                           args=config, colo_engine_dtype=dtype,
                           peft_config=LoraConfig(r=4, lora_alpha=16, target_modules=TARGETS, task_type="CAUSAL_LM"))
     generation = trainer.vllm_generation
-    llm, adapter = generation.llm, generation.colo_adapter
+    llm, adapter = generation.llm, generation.colo_views
     model = trainer.accelerator.unwrap_model(trainer.model)
     engine_dtype = getattr(torch, dtype)
     # One copy: the base is the engine's weights, the adapter the engine's slot (rank 4 in vLLM's rank-8 slots).
