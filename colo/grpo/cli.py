@@ -273,12 +273,12 @@ def load_agent_flags(args, parser):
     """--tool and --environment loaded and checked (type hints, docstrings, reset), and the chat template
     checked to describe them, before any engine starts; (tools, environment class or None)."""
     from .tools import ToolError, check_environment, check_template_renders_tools, check_tools, environment_tools
-    from .tools import load_object, set_chat_template, tool_capable_template
+    from .tools import load_tool_object, set_chat_template, tool_capable_template
 
     try:
-        tools = [load_object(spec, "--tool") for spec in args.tool or ()]
+        tools = [load_tool_object(spec, "--tool") for spec in args.tool or ()]
         check_tools(tools)
-        environment = load_object(args.environment, "--environment") if args.environment else None
+        environment = load_tool_object(args.environment, "--environment") if args.environment else None
         if environment is not None:
             check_environment(environment)
         described = [*tools, *([getattr(environment, n) for n in environment_tools(environment)] if environment else [])]
@@ -359,12 +359,12 @@ def main(argv=None) -> int:
     from .scheduler import GRPOScheduler
 
     if args.dataset:
-        from .tools import load_object
+        from .tools import load_tool_object
 
         loaded = getattr(args, "loaded", None)   # by _check_task_flags (a new run); a resumed one loads here
         if loaded is None:
-            loaded = {"rewards": args.reward, "tools": [load_object(spec) for spec in args.tool or ()],
-                      "environment": load_object(args.environment, "--environment") if args.environment else None}
+            loaded = {"rewards": args.reward, "tools": [load_tool_object(spec) for spec in args.tool or ()],
+                      "environment": load_tool_object(args.environment, "--environment") if args.environment else None}
         task = dict(dataset=args.dataset, reward_funcs=loaded["rewards"], reward_weights=args.reward_weights,
                     eval_dataset=args.eval_dataset, tools=loaded["tools"], environment_factory=loaded["environment"])
     else:

@@ -310,7 +310,7 @@ class GRPOScheduler:
                         step, rollout, scores, task=self.task, strategy=self.strategy, config=self.config,
                         share_size=len(rollout.rows) // self.config.num_generations)
             with self.timeline.span("train", step=step) as train:
-                self.phases.to_train(gradients_awake=generated.early is not None)
+                self.phases.to_train(gradients_awake=generated.overlapped is not None)
                 self.timeline.counter("resident_bytes", self.residency.resident())
                 collectives = self.views.collective_count
                 trained, norm, skipped, later = self._train(rollout, scores, generated)
@@ -328,12 +328,12 @@ class GRPOScheduler:
         record = {
             "step": step, "dtype": self.config.dtype,
             "generate_s": generate_s, "generate_tail_s": generated.tail_s, "engine_step_s_median": generated.engine_step_s,
-            "overlap": generated.early is not None,
+            "overlap": generated.overlapped is not None,
             **({"overlap_fallback": generated.fallback} if generated.fallback else {}),
             **({"engine_rebuild_s": rebuild_s} if rebuild_s is not None else {}),
             "reward_s": reward_s, **reward_stats(sampled_scores, sampled, self.world), **filled,
             **(agent_stats(generated.completions, self.agent.stats, self.world) if self.agent is not None else {}),
-            "train_s": train["seconds"], **train_stats(trained.stats, self.world), **trained.early,
+            "train_s": train["seconds"], **train_stats(trained.stats, self.world), **trained.during_generation,
             **({"routing_replay": self.config.routing_replay} if "router_compared" in trained.stats else {}),
             "grad_norm": norm, "step_skipped": skipped, "skipped_steps_in_a_row": self.skipped_in_a_row, **later,
             "optimizer_state_bytes": self.memory.optimizer_state_bytes(),

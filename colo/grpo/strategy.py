@@ -38,7 +38,7 @@ class Generated:
     step that scored and trained groups while generating (None: serial), the tail's seconds (fewer than
     a quarter of the sequences still decoding), and why an overlapped run generated this step serially."""
     completions: list
-    early: OverlappedStep | None = None
+    overlapped: OverlappedStep | None = None
     tail_s: float = 0.0
     fallback: str | None = None
     engine_step_s: float = 0.0   # the median engine step's seconds (colo.grpo.rollout_engine.GenerationTrace)
@@ -49,7 +49,7 @@ class Trained:
     """What forward, loss and backward over a rollout report (colo.grpo.backward.merge_stats), and,
     for an overlapped step, the trainer's seconds while the engine decoded and the groups trained then."""
     stats: dict
-    early: dict = field(default_factory=dict)
+    during_generation: dict = field(default_factory=dict)   # overlap_train_s, groups_trained_early
 
 
 class SerialSteps:
@@ -140,16 +140,16 @@ class OverlappedSteps(SerialSteps):
         if refusal is not None:
             return self._serially(step, rows, prompts, sampling, f"step {step} serial: {refusal}")
         self.phases.wake_gradients_for_overlap()
-        early = start_overlapped_step(self.task, step, rows, prompts, self.config, self.world.dp_size,
+        overlapped = start_overlapped_step(self.task, step, rows, prompts, self.config, self.world.dp_size,
                                       self.trainer.backward,
                                       device=self.device, train_stream=self.train_stream)
         trace = GenerationTrace()
         self.generating = True
         try:
-            completions = self._rollouts(rows, prompts, sampling, trace=trace, on_group=early.on_group)
+            completions = self._rollouts(rows, prompts, sampling, trace=trace, on_group=overlapped.on_group)
         except BaseException as e:
             # The groups trained so far are void: a retry (or the serial try below) starts from zeroed gradients.
-            early.abandon()
+            overlapped.abandon()
             self.phases.drop_gradients()
             cause = e.__cause__ if isinstance(e, GroupFailed) else e
             if not isinstance(cause, (MemoryError, torch.OutOfMemoryError)):
@@ -160,26 +160,26 @@ class OverlappedSteps(SerialSteps):
                                   f"{str(cause)[:200]}); step {step} redone serially", warn=True)
         finally:
             self.generating = False
-        early.generation_done()  # the engine's thread gets its cores back; the groups left train in train()
-        return Generated(completions, early=early, tail_s=trace.tail_s, engine_step_s=trace.median_step_s)
+        overlapped.generation_done()  # the engine's thread gets its cores back; the groups left train in train()
+        return Generated(completions, overlapped=overlapped, tail_s=trace.tail_s, engine_step_s=trace.median_step_s)
 
     def score(self, step: int, rollout, generated: Generated):
-        if generated.early is None:
+        if generated.overlapped is None:
             return super().score(step, rollout, generated)
-        return concatenated_scores(generated.early.scores), generated.early.reward_s  # scored as they finished
+        return concatenated_scores(generated.overlapped.scores), generated.overlapped.reward_s  # scored as they finished
 
     def train(self, rollout, scores, generated: Generated) -> Trained:
-        if generated.early is None:
+        if generated.overlapped is None:
             return super().train(rollout, scores, generated)
         global_tokens, _ = self._batch_totals(rollout)
-        stats, early = finish_overlap(generated.early, self.memory, self.config.loss_type, self.world.dp_size,
+        stats, during = finish_overlap(generated.overlapped, self.memory, self.config.loss_type, self.world.dp_size,
                                       global_tokens)
-        return Trained(stats, {"overlap_train_s": early.seconds_during_generation,
-                               "groups_trained_early": early.trained_during_generation})
+        return Trained(stats, {"overlap_train_s": during.seconds_during_generation,
+                               "groups_trained_early": during.trained_during_generation})
 
     def abandon(self, generated: Generated) -> None:
-        if generated.early is not None:  # the trainer's thread stops; on a GPU its stream is waited for
-            generated.early.abandon()
+        if generated.overlapped is not None:  # the trainer's thread stops; on a GPU its stream is waited for
+            generated.overlapped.abandon()
 
     def _serially(self, step, rows, prompts, sampling, why: str, warn: bool = False) -> Generated:
         if warn:

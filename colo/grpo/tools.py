@@ -3,7 +3,7 @@
 
 - A tool is a plain Python function, sync or async, with type hints and a Google-style docstring: its
   JSON schema is transformers' `get_json_schema`, given to the chat template as `tools=`. `--tool
-  FILE.py:NAME` or `module:NAME` names one (`load_object`).
+  FILE.py:NAME` or `module:NAME` names one (`load_tool_object`).
 - An environment is a class: one instance per rollout, `reset(**row)` before the rollout (None, or a
   string appended to the last user message), its public methods the rollout's tools, and an optional
   `get_reward()` scoring the finished episode (a reward of weight 1 named after the class).
@@ -43,12 +43,12 @@ class ToolError(ValueError):
 
 # -- finding and checking --------------------------------------------------------------------------
 
-def load_object(spec: str, flag: str = "--tool"):
+def load_tool_object(spec: str, flag: str = "--tool"):
     """The object `spec` names: `path/to/file.py:NAME` or `package.module:NAME`; ToolError otherwise."""
-    from .user_code import load_object as load
+    from .user_code import load_object
 
     try:
-        return load(spec, flag)
+        return load_object(spec, flag)
     except ValueError as e:
         raise ToolError(str(e)) from e.__cause__
 

@@ -13,7 +13,7 @@ import torch
 from colo.grpo.batch import pack
 from colo.grpo.loss import importance_weights
 from colo.grpo.tools import (ToolCall, ToolError, ToolRunner, check_environment, check_template_renders_tools,
-                             check_tools, load_object, parse_hermes, parse_turn, set_chat_template,
+                             check_tools, load_tool_object, parse_hermes, parse_turn, set_chat_template,
                              tool_capable_template, tool_suffix_ids)
 from helpers.agentic import Counter, add, broken, crash, segfault, slow, slow_async
 
@@ -63,11 +63,11 @@ def test_bad_tools_environments_and_templates_are_refused_by_name(tmp_path, smol
     with pytest.raises(ToolError, match="environment NoReset has no reset"):
         check_environment(NoReset)
     with pytest.raises(ToolError, match="no file"):
-        load_object(str(tmp_path / "missing.py") + ":add")
+        load_tool_object(str(tmp_path / "missing.py") + ":add")
     (tmp_path / "mine.py").write_text("def other(): pass\n")
     with pytest.raises(ToolError, match="has no 'add'"):
-        load_object(f"{tmp_path / 'mine.py'}:add")
-    assert load_object("colo.grpo.rewards:load_reward").__name__ == "load_reward"
+        load_tool_object(f"{tmp_path / 'mine.py'}:add")
+    assert load_tool_object("colo.grpo.rewards:load_reward").__name__ == "load_reward"
     from transformers import AutoTokenizer
 
     own = AutoTokenizer.from_pretrained(smollm2_model_dir)  # SmolLM2's own template has no tools
