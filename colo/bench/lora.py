@@ -22,8 +22,8 @@ from pathlib import Path
 
 from .baselines import UPDATABLE_VARIANT, stock_update_refused
 from .measure import ratio, rows_per_device
-from .trl import (BATCH, SIZES, WARMUP, _unavailable_reason, build_model_dir, in_fresh_process, kernels_of,
-                  phase_medians, run_colo_grpo, run_trl, stock_refusal)
+from .trl import (BATCH, SIZES, WARMUP, _unavailable_reason, build_model_dir, grpo_and_kernels, in_fresh_process,
+                  measured_sides, phase_medians)
 
 SECTION = "lora"
 LORA = dict(r=8, lora_alpha=16, task_type="CAUSAL_LM",
@@ -36,15 +36,9 @@ def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[
     with tempfile.TemporaryDirectory(prefix="colo-lora-") as tmp:
         tmp = Path(tmp)
         params = build_model_dir(tmp / "model", SIZES[name])
-        refused = stock_refusal(tmp / "model", tmp / "stock-probe", LORA)
+        sides, refused = measured_sides(tmp / "model", tmp, WARMUP + steps, rounds, progress, name, LORA)
         baseline = "variant" if refused else "stock"
-        sides = {"colo": [], baseline: []}
-        for i in progress(range(rounds), name):
-            for side in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
-                sides[side].append(in_fresh_process(run_trl, side, tmp / "model", tmp / f"{side}{i}",
-                                                    WARMUP + steps, LORA))
-        grpo = in_fresh_process(run_colo_grpo, tmp / "model", steps, LORA)
-        kernels = in_fresh_process(kernels_of, tmp / "model")
+        grpo, kernels = in_fresh_process(grpo_and_kernels, tmp / "model", steps, LORA)
     merged = {side: {key: [v for run in runs for v in run[key]] for key in ("step_s", "sync_s", "phases")}
               for side, runs in sides.items()}
     colo, base = merged["colo"], merged[baseline]

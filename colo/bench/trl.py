@@ -273,13 +273,31 @@ def _stdout_to_stderr() -> None:
     os.dup2(2, 1)
 
 
-def stock_refusal(model_dir: Path, out: Path, lora: dict | None = None) -> str:
-    """Run stock TRL for one step; '' when it trains, else what it raised."""
+def measured_sides(model_dir: Path, tmp: Path, steps: int, rounds: int, progress, name: str,
+                   lora: dict | None = None, colo_variant: bool = False) -> tuple[dict, str]:
+    """{side: its run_trl results} over `rounds` alternating rounds of fresh processes, and what stock TRL
+    raised ('' where it trains). Stock TRL's first measured run is also the probe of whether it runs
+    here: where it raises, the baseline is the variant ("variant"), and with colo_variant colo.trl runs
+    on the variant's kernels too ("colo-variant")."""
     try:
-        in_fresh_process(run_trl, "stock", model_dir, out, 1, lora)
+        stock_first, refused = in_fresh_process(run_trl, "stock", model_dir, tmp / "stock0", steps, lora), ""
     except Exception as e:  # noqa: BLE001 - the error is the finding
-        return f"{type(e).__name__}: {e}"
-    return ""
+        stock_first, refused = None, f"{type(e).__name__}: {e}"
+    baseline = "variant" if refused else "stock"
+    others = ["colo", *(["colo-variant"] if refused and colo_variant else [])]
+    sides = {side: [] for side in (*others, baseline)}
+    for i in progress(range(rounds), name):
+        for side in ([baseline, *others] if i % 2 == 0 else [*others, baseline]):
+            if i == 0 and side == "stock":
+                sides[side].append(stock_first)   # its probe run, the first of this round
+                continue
+            sides[side].append(in_fresh_process(run_trl, side, model_dir, tmp / f"{side}{i}", steps, lora))
+    return sides, refused
+
+
+def grpo_and_kernels(model_dir: Path, steps: int, lora: dict | None = None, trl_task: bool = False) -> tuple:
+    """run_colo_grpo's result and the CPU kernels vLLM picks here (kernels_of), in one process."""
+    return run_colo_grpo(model_dir, steps, lora, trl_task), kernels_of(model_dir)
 
 
 def weight_bytes(model, llm) -> int:
@@ -337,15 +355,11 @@ def measure_size(name: str, quick: bool, progress, device: str = "cpu", rounds: 
             params = real_model_params(tmp / "model")
         else:
             params = build_model_dir(tmp / "model", SIZES[name])
-        refused = stock_refusal(tmp / "model", tmp / "stock-probe")
-        baseline = "variant" if refused else "stock"
         same_kernels = not quick if same_kernels is None else same_kernels
-        sides = {"colo": [], baseline: [], **({"colo-variant": []} if refused and same_kernels else {})}
-        for i in progress(range(rounds), name):
-            for side in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
-                sides[side].append(in_fresh_process(run_trl, side, tmp / "model", tmp / f"{side}{i}", WARMUP + steps))
-        grpo = in_fresh_process(run_colo_grpo, tmp / "model", steps, None, real)
-        kernels = in_fresh_process(kernels_of, tmp / "model")
+        sides, refused = measured_sides(tmp / "model", tmp, WARMUP + steps, rounds, progress, name,
+                                        colo_variant=same_kernels)
+        baseline = "variant" if refused else "stock"
+        grpo, kernels = in_fresh_process(grpo_and_kernels, tmp / "model", steps, None, real)
     merged = {side: {key: [v for run in runs for v in run[key]] for key in ("step_s", "sync_s", "phases")}
               for side, runs in sides.items()}
     breakdown = {side: phase_medians(values["phases"]) for side, values in merged.items()}
