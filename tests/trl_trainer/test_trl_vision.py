@@ -69,13 +69,13 @@ def test_trls_vision_language_path_runs_on_colos_engine_with_one_copy(idefics3_d
     assert seen == stock_seen and len(seen) == 8
     assert len(history) == len(stock_history) == 2 and set(history[0]) == set(stock_history[0])
     # One copy: every parameter (vision tower, projector, language model) is a view of the engine's, and
-    # no sync copied a byte. Only a share again goes through vLLM's loader: at the first sync where
-    # torch.distributed was initialized before (here by the stock run), as colo.trl's docstring says.
+    # no sync copied a byte or went through vLLM's loader (where torch.distributed was initialized before,
+    # here by the stock run, the first sync puts the parameters accelerate moved back in place: reshared_bytes).
     model = trainer.accelerator.unwrap_model(trainer.model)
     assert trainer.colo_shared.aliased_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
     reports = trainer.vllm_generation.colo_sync_reports
     assert len(reports) == 2 and all(r["bytes_copied"] == 0 for r in reports) and reports[1]["reshared_bytes"] == 0
-    assert len(trainer.colo_test_loads) == (reports[0]["reshared_bytes"] > 0)
+    assert trainer.colo_test_loads == []
     # The engine generated from the prompt the trainer trains on, under the weights step 1 published.
     assert max(h["sampling/sampling_logp_difference/max"] for h in history) < 1e-4
     assert any(".vision_model." in name for name in changed) and any(".connector." in name for name in changed)
