@@ -60,6 +60,17 @@ def run(side: str, model_dir, tmp_path):
     return trainer, history, seen, changed
 
 
+@pytest.fixture
+def own_rendezvous_port(monkeypatch):
+    """Stock TRL's colocate engine leaves RANK/WORLD_SIZE in the environment, so the next TRL config in
+    this process makes accelerate start a process group, at MASTER_PORT or 29500: the other pytest
+    worker may hold that port."""
+    from conftest import free_port
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+
+
+@pytest.mark.usefixtures("own_rendezvous_port")
 def test_trls_vision_language_path_runs_on_colos_engine_with_one_copy(idefics3_dir, tmp_path):
     stock, stock_history, stock_seen, _ = run("stock", idefics3_dir, tmp_path)
     del stock
@@ -95,6 +106,7 @@ def test_an_engine_prompt_other_than_the_trainers_is_refused():
         EnginePrompts.check([[1, 9, 9, 2]], [[1, 9, 9, 9, 2]], [["image"]])
 
 
+@pytest.mark.usefixtures("own_rendezvous_port")
 def test_a_peft_adapter_on_a_vision_language_model_is_refused_before_the_engine(idefics3_dir, tmp_path):
     import datasets
     from peft import LoraConfig
