@@ -244,6 +244,7 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
         "python_executable": sys.executable,
         "cwd": os.getcwd(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": source_commit(),
         "quick": quick,
         "device": device,
         "sections": list(sections),
@@ -281,6 +282,22 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
     if json_path is not None:
         write_json(result, json_path)
     return result, failed
+
+
+def source_commit() -> str | None:
+    """The git commit of colo's source (with "+changes" when the work tree differs from it), or None
+    outside a git checkout: what a results file was measured with."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+changes" if dirty else "")
 
 
 __all__ = ["SECTIONS", "run", "run_section", "load_section", "write_json", "format_row", "devices_for"]
