@@ -154,7 +154,7 @@ def test_zero1_on_two_ranks_trains_a_vision_language_model_with_one_copy(idefics
     log = records(out)
     assert [r["step"] for r in log] == [1, 2] and log[0]["grad_norm"] > 0
     assert all(r["publish_bytes_copied"] == 0 for r in log)
-    assert log[1]["engine_logprob_max_abs_diff"] < 5e-2   # bf16 weights: the trained ones, not the initial
+    assert log[1]["engine_logprob_max_abs_diff"] < 0.1   # bf16 weights, as the text ZeRO-1 tests bound them
     model = AutoModelForImageTextToText.from_pretrained(out / "final")
     assert type(model).__name__ == "Idefics3ForConditionalGeneration"
     assert AutoProcessor.from_pretrained(out / "final").image_token_id == model.config.image_token_id
