@@ -36,8 +36,9 @@ checkpoints and `save_model` save in PEFT's format. A sync is the adapter's publ
 merge, no load_weights, no adapter reload. Supported: LoRA (rslora, dropout, any init) on the linear
 layers of the base, one adapter (and TRL's frozen "ref" copy for beta > 0 with a pretrained one).
 Refused with a NotImplementedError before the engine starts: an adapter on a vision-language model,
-DoRA, bias, lora_bias, modules_to_save, rank/alpha patterns, trainable tokens, layers_to_transform, targets other than nn.Linear (embeddings,
-Conv1D, quantized layers, target_parameters), several adapters, tensor parallelism. On a CPU, vLLM
+DoRA, bias, lora_bias, modules_to_save, rank/alpha patterns, trainable tokens, layers_to_transform,
+targets other than nn.Linear (embeddings, Conv1D, quantized layers, target_parameters), several
+adapters, tensor parallelism. On a CPU, vLLM
 runs a LoRA engine eager (its CPU platform turns compilation off when LoRA is enabled); colo gives its
 punica wrapper a one-adapter fast path (colo.vllm_compat), without which LoRA doubled a generate.
 
@@ -207,12 +208,13 @@ class ColoVLLMGeneration(_VLLMGeneration):
         """TRL's weight sync: the engine already reads the trainer's weights; publish() orders the
         streams, refreshes CPU kernel copies and resets the prefix cache.
 
-        If the trainer's parameters were given new storage since they were shared, they are shared
-        again first (one copy, reported as `reshared_bytes`): accelerate's prepare() moves the model
-        with .to(accelerator.device), and under torch.distributed on a CPU that device is "cpu:N",
-        for which torch copies every parameter although nothing moves. With PEFT only the adapter is
-        published (the base is frozen, and the engine reads the adapter in its slot)."""
-        reshared = sum(views.reshare() for views in {id(v): v for v in (self.colo_shared, self.colo_views)}.values())
+        If the trainer's parameters were given new storage since they were shared, they are put back
+        into the engine's tensors first (one copy, reported as `reshared_bytes`): accelerate's prepare()
+        moves the model with .to(accelerator.device), and under torch.distributed on a CPU that device
+        is "cpu:N", for which torch copies every parameter although nothing moves. What is published is
+        what TRL trains (colo_views: with PEFT the adapter, in the engine's slot; the base is frozen)."""
+        shared = [self.colo_shared] + ([self.colo_views] if self.colo_views is not self.colo_shared else [])
+        reshared = sum(views.reshare() for views in shared)
         report = self.colo_views.publish()
         self.colo_sync_reports.append({**report, "reshared_bytes": reshared})
 

@@ -21,7 +21,6 @@ SIGTERM after a checkpointed step (continue with --resume).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys

@@ -7,7 +7,7 @@ awake during generation leave of the pool; the training memory asleep then lends
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..checks import check_int
 from .schedules import SCHEDULES
