@@ -8,17 +8,9 @@ import shutil
 import pytest
 import torch
 
+from helpers.images import squares
+
 pytestmark = pytest.mark.slow
-
-
-def squares(count: int):
-    from PIL import Image, ImageDraw
-
-    image = Image.new("RGB", (56, 56), "white")
-    draw = ImageDraw.Draw(image)
-    for k in range(count):
-        draw.rectangle([4 + 12 * k, 20, 12 + 12 * k, 30], fill="black")
-    return image
 
 
 def image_rows(n: int) -> list[dict]:

@@ -12,16 +12,7 @@ import torch
 
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl", reason="colo.trl's tests need the trl extra: pip install -e '.[cpu,test]'")
-
-
-def squares(count: int):
-    from PIL import Image, ImageDraw
-
-    image = Image.new("RGB", (56, 56), "white")
-    draw = ImageDraw.Draw(image)
-    for k in range(count):
-        draw.rectangle([4 + 12 * k, 20, 12 + 12 * k, 30], fill="black")
-    return image
+from helpers.images import squares  # noqa: E402 - after the trl check
 
 
 def run(side: str, model_dir, tmp_path):
