@@ -65,7 +65,8 @@ class GRPOConfig:
         0, "DAPO's dynamic sampling: a group whose rewards are all equal is dropped and new prompts' groups are "
         "generated until the step has as many informative groups as prompts, up to N extra generations (the "
         "step then trains on the informative groups it has); the record adds dynamic_sampling/generated_groups, "
-        "dropped_groups, trained_groups, extra_generations (colo.grpo.dynamic_sampling); serial steps",
+        "dropped_groups, trained_groups, extra_generations (colo.grpo.dynamic_sampling); overlapped steps train "
+        "the informative groups as they finish and while the replacements generate; not with tensor parallelism",
         group="generation", type=non_negative_int, metavar="N")
     # -- the task (a user's dataset) -------------------------------------------------------------------
     # Prompts longer than max_prompt_length tokens: refused, naming the row, or with truncate_prompts="left"
@@ -361,9 +362,9 @@ class GRPOConfig:
         if self.multi_objective_aggregation == "normalize_then_sum" and self.overlap == "on":
             raise ValueError("multi_objective_aggregation='normalize_then_sum' normalizes over the whole batch: "
                              "it needs serial steps (overlap='auto' or 'off')")
-        if self.dynamic_sampling and (self.overlap == "on" or self.tensor_parallel > 1):
-            raise ValueError("dynamic_sampling generates again after scoring: it needs serial steps (overlap='auto' "
-                             "or 'off') and one engine per rank (tensor_parallel=1)")
+        if self.dynamic_sampling and self.tensor_parallel > 1:
+            raise ValueError("dynamic_sampling: each rank generates its own replacement prompts, so it needs one "
+                             "engine per rank (tensor_parallel=1)")
         if self.num_iterations > 1 and self.overlap == "on":
             raise ValueError(f"num_iterations={self.num_iterations} with overlap='on': a rollout trained on several "
                              "times is trained after its generation (overlap='auto' or 'off')")

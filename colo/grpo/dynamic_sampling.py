@@ -2,38 +2,49 @@
 nothing (with a token-mean loss its tokens only dilute the others'), so it is dropped, and groups of
 new prompts are generated and scored until the step has as many informative groups as prompts, or
 `dynamic_sampling` extra generations have been spent. The step then trains on the informative groups
-it has (fewer where the extra generations ran out). Serial steps only (the groups train after the
-batch is complete), one engine per rank (each rank fills its own share).
+it has (fewer where the extra generations ran out; the step's own groups where none is informative,
+so that only the KL term trains). One engine per rank: each rank fills its own share.
+
+Serial steps pick the groups after each generation (fill_with_informative_groups). Overlapped ones
+(colo.grpo.overlap) train each informative group as soon as it finishes and generate the replacement
+prompts while the groups picked so far train (replace_while_training); both pick the same groups:
+the first informative ones in prompt order.
 
 New prompts come from the task as the prompts of a step no run reaches (step + k x EXTRA_STEPS, the
-k-th extra generation), so they are the same on a resumed run and differ from every real step's.
+k-th extra generation), each rank its share as for a real step, so they are the same on a resumed run
+and differ from every real step's.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
-from .batch import Rollout, rollout_of
+from . import distributed
+from .batch import Rollout, concatenated_scores, rollout_of
 from .task import Scores, sampling_options
 
 EXTRA_STEPS = 1_000_003
 
 
+def informative(scores: Scores) -> bool:
+    """Whether one group's scored rewards are not all equal (NaN: unscorable, left out of the comparison)."""
+    scored = scores.total[~torch.isnan(scores.total)]
+    return scored.numel() > 1 and bool((scored != scored[0]).any())
+
+
 def informative_groups(scores: Scores, group_size: int) -> list[int]:
-    """The groups whose scored rewards are not all equal (NaN: unscorable, left out of the comparison)."""
-    groups = scores.total.view(-1, group_size)
-    kept = []
-    for g, rewards in enumerate(groups):
-        scored = rewards[~torch.isnan(rewards)]
-        if scored.numel() > 1 and bool((scored != scored[0]).any()):
-            kept.append(g)
-    return kept
+    """The groups (of `group_size` completions each) whose scored rewards are not all equal."""
+    groups = len(scores.total) // group_size
+    return [g for g in range(groups) if informative(select_groups(None, scores, [g], group_size)[1])]
 
 
-def select_groups(rollout: Rollout, scores: Scores, groups: list[int], group_size: int) -> tuple[Rollout, Scores]:
+def select_groups(rollout: Rollout | None, scores: Scores, groups: list[int],
+                  group_size: int) -> tuple[Rollout | None, Scores]:
     rows = [g * group_size + i for g in groups for i in range(group_size)]
-    return rollout.select(rows), Scores(scores.per_function[rows], scores.weights, scores.names)
+    picked = rollout.select(rows) if rollout is not None else None
+    return picked, Scores(scores.per_function[rows], scores.weights, scores.names)
 
 
 def concatenated(rollouts: list[Rollout]) -> Rollout:
@@ -48,37 +59,71 @@ def concatenated(rollouts: list[Rollout]) -> Rollout:
     return Rollout(**values)
 
 
-def fill_with_informative_groups(step: int, rollout: Rollout, scores: Scores, *, task, strategy, config,
-                                 share_size: int) -> tuple[Rollout, Scores, dict]:
-    """The step's rollout and scores with its uninformative groups dropped and replaced; and the
-    record's counts (dynamic_sampling/generated_groups, dropped_groups, trained_groups, extra_generations)."""
+def extra_prompts(step: int, extra: int, *, task, config, world) -> tuple[list, list, list[dict]]:
+    """(rows, prompts, sampling options) of this rank's share of the step's `extra`-th extra generation."""
+    extra_step = step + extra * EXTRA_STEPS
+    rows, prompts = task.batch(extra_step, config.prompts_per_step)
+    share = distributed.rank_share(config.prompts_per_step, world)
+    return (rows[share.start:share.stop], prompts[share.start:share.stop],
+            sampling_options(config, task, extra_step, share))
+
+
+def counts(generated: int, trained: int, extra: int) -> dict:
+    """The record's dynamic-sampling fields (groups generated, dropped, trained; extra generations)."""
+    return {"dynamic_sampling/generated_groups": generated, "dynamic_sampling/dropped_groups": generated - trained,
+            "dynamic_sampling/trained_groups": trained, "dynamic_sampling/extra_generations": extra}
+
+
+def fill_with_informative_groups(step: int, rollout: Rollout, scores: Scores, *, task, config, world,
+                                 generate: Callable, score: Callable) -> tuple[Rollout, Scores, dict]:
+    """Serial steps: the step's rollout and scores with its uninformative groups dropped and replaced,
+    and the record's counts. generate(rows, prompts, sampling) -> the engine's completions;
+    score(rollout) -> its Scores."""
     size = config.num_generations
-    generated = len(rollout.rows) // size
+    share_size = len(rollout.rows) // size
+    generated = share_size
     kept = informative_groups(scores, size)
     picked, picked_scores = select_groups(rollout, scores, kept, size)
     rollouts, all_scores = [picked], [picked_scores]
     have, extra = len(kept), 0
     while have < share_size and extra < config.dynamic_sampling:
         extra += 1
-        extra_step = step + extra * EXTRA_STEPS
-        rows, prompts = task.batch(extra_step, share_size)
-        sampling = sampling_options(config, task, extra_step, range(share_size))
-        completions = strategy.generate(extra_step, rows, prompts, sampling).completions
-        more = rollout_of(rows, prompts, completions, size)
-        more_scores, _ = strategy.score(step, more, None)
-        generated += share_size
+        rows, prompts, sampling = extra_prompts(step, extra, task=task, config=config, world=world)
+        more = rollout_of(rows, prompts, generate(rows, prompts, sampling), size)
+        more_scores = score(more)
+        generated += len(prompts)
         useful = informative_groups(more_scores, size)[:share_size - have]
         picked, picked_scores = select_groups(more, more_scores, useful, size)
         rollouts.append(picked)
         all_scores.append(picked_scores)
         have += len(useful)
-    if have == 0:  # nothing informative at all: the step's own groups (advantage 0: only a KL term trains)
-        return rollout, scores, {"dynamic_sampling/generated_groups": generated,
-                                 "dynamic_sampling/dropped_groups": generated, "dynamic_sampling/trained_groups": 0,
-                                 "dynamic_sampling/extra_generations": extra}
-    merged = concatenated(rollouts)
-    merged_scores = Scores(torch.cat([s.per_function for s in all_scores]), scores.weights, scores.names)
-    return merged, merged_scores, {"dynamic_sampling/generated_groups": generated,
-                                   "dynamic_sampling/dropped_groups": generated - have,
-                                   "dynamic_sampling/trained_groups": have,
-                                   "dynamic_sampling/extra_generations": extra}
+    if have == 0:
+        return rollout, scores, counts(generated, 0, extra)
+    return concatenated(rollouts), concatenated_scores(all_scores), counts(generated, have, extra)
+
+
+def replace_while_training(step: int, overlapped, *, task, config, world, rollouts: Callable) -> None:
+    """Overlapped steps, after the step's own generation (its informative groups picked as they
+    finished, colo.grpo.overlap.OverlappedStep with keep=informative): generate the replacement prompts
+    while those train, each round picking at most the groups still missing. rollouts(rows, prompts,
+    sampling, on_group=) generates."""
+    share_size = overlapped.rounds[0].size
+    extra = 0
+    while len(overlapped.picked()) < share_size and extra < config.dynamic_sampling:
+        extra += 1
+        rows, prompts, sampling = extra_prompts(step, extra, task=task, config=config, world=world)
+        rollouts(rows, prompts, sampling,
+                 on_group=overlapped.round(rows, prompts, quota=share_size - len(overlapped.picked())))
+    if not overlapped.picked():
+        for index in range(share_size):
+            overlapped.train(index)
+
+
+def overlapped_result(overlapped) -> tuple[Rollout, Scores, dict]:
+    """What an overlapped step with dynamic sampling trained on (its groups, in the order picked), their
+    scores, and the record's counts."""
+    picked = overlapped.picked()
+    trained = picked or range(overlapped.rounds[0].size)
+    return (concatenated([overlapped.works[i][0] for i in trained]),  # a work: (the group's Rollout, advantages)
+            concatenated_scores([overlapped.scores[i] for i in trained]),
+            counts(sum(r.size for r in overlapped.rounds), len(picked), len(overlapped.rounds) - 1))

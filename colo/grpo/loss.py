@@ -222,6 +222,17 @@ def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: flo
     return ((entropies * mask.float()) >= threshold) & mask.bool()
 
 
+# The loss types whose denominator is the batch's token count; every other one's is proportional to
+# its number of sequences (loss_denominators).
+TOKEN_MEAN_LOSSES = ("dapo", "cispo", "bnpo", "vespo")
+
+
+def batch_total(loss_type: str, global_tokens: float, global_sequences: float) -> float:
+    """The batch count `loss_type`'s denominators are proportional to: a loss summed with that count
+    set to `ranks` (denominators of 1 token or 1 sequence) is the true one times ranks / this."""
+    return global_tokens if loss_type in TOKEN_MEAN_LOSSES else global_sequences
+
+
 def loss_denominators(loss_type: str, completion_mask: torch.Tensor, *, global_tokens: float,
                       global_sequences: float, max_new_tokens: int, ranks: int = 1) -> torch.Tensor:
     """Each row's denominator in the loss, so that summing every row's (masked token sum / denominator)
@@ -236,7 +247,7 @@ def loss_denominators(loss_type: str, completion_mask: torch.Tensor, *, global_t
     (global_*: counted over every rank; the gradient average over ranks divides by `ranks` again.)
     """
     rows = completion_mask.shape[0]
-    if loss_type in ("dapo", "cispo", "bnpo", "vespo"):
+    if loss_type in TOKEN_MEAN_LOSSES:
         return torch.full((rows,), global_tokens / ranks)
     if loss_type == "luspo":
         return torch.full((rows,), global_sequences / ranks)

@@ -7,10 +7,12 @@ The weights the engine samples with never change within a step: gradients only a
 decodes, and the optimizer step and the publish wait for the last group. The step is the serial
 one up to the order of float summation:
 
-- loss denominators known before generation (the number of sequences: loss types grpo, dr_grpo)
-  are used as they are; the token count of the whole batch (dapo, TRL's default) is not known until
-  the last completion ends, so each group's loss is summed with denominator 1 and the accumulated
-  gradients (and the loss) are divided by it once it is known;
+- the loss's denominator (the batch's token count, or its number of sequences) is not known until the
+  last group has finished (dynamic sampling replaces the groups that teach nothing): each group's loss
+  is summed with a denominator of one token or one sequence, and the accumulated gradients (and the
+  loss) are divided by the count once it is known;
+- with dynamic sampling (colo.grpo.dynamic_sampling), a group whose rewards are all equal does not
+  train, and the replacement prompts' groups generate while the groups picked so far train;
 - the batch's reward std (scale_rewards="batch") and tensor parallelism (the trainer's collectives
   would interleave with the engine's on the same ranks) run serially, with a line saying why.
 
@@ -32,7 +34,7 @@ import torch
 
 from ..dtype_choice import fastest_dtype
 from .batch import rollout_of
-from .loss import group_advantages
+from .loss import batch_total, group_advantages
 from .backward import MICRO_BATCH_POSITIONS, merge_stats
 
 
@@ -72,8 +74,6 @@ def serial_reason(config, *, device_type: str, groups: int, stop_tokens: bool = 
         if config.ignore_eos and not stop_tokens:
             return ("overlap=auto: ignore_eos and no stop tokens: every completion decodes max_new_tokens tokens, "
                     "so the groups finish together and none could train early")
-    if config.dynamic_sampling:
-        return "dynamic_sampling: groups are replaced after the whole batch is scored"
     if config.steps_per_generation > 1:
         return f"steps_per_generation={config.steps_per_generation}: the rollout trains in slices after its generation"
     if config.num_iterations > 1:
@@ -244,28 +244,82 @@ class GroupFailed(Exception):
     and the engine, which did nothing wrong, is not rebuilt."""
 
 
-class OverlappedStep:
-    """One step's early training. on_group(i, completions) runs on the engine's thread as each prompt's
-    group finishes: `score(i, completions)` returns (Scores, work) there (rewards are the user's code,
-    run in order as in a serial step), and `train(i, work)` runs on the trainer's thread."""
+class RoundPicks:
+    """Which groups of one round of generation train, whatever order they finish in: the first `quota`
+    groups that `keep` accepts, in prompt order (as a serial step picks them). A finished group is
+    handed on as soon as no group before it that is unfinished or kept could take its place."""
 
-    def __init__(self, score: Callable, train: Callable, prompts: int, **trainer_options):
-        self.score = score
-        self.scores: list = [None] * prompts
+    def __init__(self, first: int, size: int, quota: int):
+        self.first, self.size, self.quota = first, size, quota
+        self.kept: dict[int, bool] = {}   # finished groups' index -> kept
+        self.picked: list[int] = []   # in prompt order
+
+    def finished(self, index: int, kept: bool) -> list[int]:
+        """The groups (indices over all rounds) now sure to train, in prompt order."""
+        self.kept[index] = kept
+        now, ahead = [], 0   # ahead: groups before this one that are kept or may still be
+        for i in range(self.first, self.first + self.size):
+            if ahead >= self.quota:
+                break
+            if self.kept.get(i, True):
+                if i in self.kept and i not in self.picked:
+                    now.append(i)
+                ahead += 1
+        self.picked = sorted(self.picked + now)
+        return now
+
+
+class OverlappedStep:
+    """One step's early training, over one or more rounds of generation (the step's own prompts, then
+    dynamic sampling's replacement prompts). A round's on_group(i, completions) runs on the engine's
+    thread as its i-th prompt's group finishes: `score(rows, prompts, completions)` returns (Scores,
+    work) there (rewards are the user's code, run in order as in a serial step), and each group the
+    round picks (RoundPicks, `keep(scores)`) runs `train(index, work)` on the trainer's thread; index
+    counts groups over every round."""
+
+    def __init__(self, score: Callable, train: Callable, *, keep: Callable | None = None, **trainer_options):
+        self.score, self.keep = score, keep or (lambda scores: True)
+        self.scores: dict = {}   # group index -> its Scores
+        self.works: dict = {}    # group index -> what train() takes
+        self.rounds: list[RoundPicks] = []
         self.reward_s = 0.0
         self.trainer = GroupTrainer(train, **trainer_options)
 
-    def on_group(self, index: int, completions) -> None:
+    def round(self, rows, prompts, quota: int | None = None) -> Callable:
+        """The on_group callback of a round of generation of these prompts (quota: at most that many of
+        its groups train; all by default)."""
+        picks = RoundPicks(sum(r.size for r in self.rounds), len(prompts), len(prompts) if quota is None else quota)
+        self.rounds.append(picks)
+
+        def on_group(i: int, completions) -> None:
+            self._finished(picks, i, rows[i:i + 1], prompts[i:i + 1], completions)
+        return on_group
+
+    def _finished(self, picks: RoundPicks, i: int, rows, prompts, completions) -> None:
+        index = picks.first + i
         started = time.perf_counter()
         try:
-            self.scores[index], work = self.score(index, completions)
+            self.scores[index], self.works[index] = self.score(rows, prompts, completions)
         except Exception as e:
             raise GroupFailed(f"group {index}: {type(e).__name__}: {e}") from e
         self.reward_s += time.perf_counter() - started
+        for picked in picks.finished(index, self.keep(self.scores[index])):
+            self.train(picked)
+
+    def train(self, index: int) -> None:
+        """Hand group `index` (scored) to the trainer."""
         try:
-            self.trainer.submit(index, work)
+            self.trainer.submit(index, self.works[index])
         except Exception as e:
             raise GroupFailed(f"training group {index}: {type(e).__name__}: {e}") from e
+
+    def picked(self) -> list[int]:
+        """The groups picked to train, over every round, in order."""
+        return [i for r in self.rounds for i in r.picked]
+
+    def first_round_scores(self) -> list:
+        """The Scores of the step's own prompts' groups, in prompt order."""
+        return [self.scores[i] for i in range(self.rounds[0].size)]
 
     def generation_done(self) -> None:
         self.trainer.generation_done()
@@ -277,28 +331,28 @@ class OverlappedStep:
         self.trainer.abandon()
 
 
-def start_overlapped_step(task, step: int, rows, prompts, config, dp_size: int, backward: Callable, *,
+def start_overlapped_step(task, step: int, config, dp_size: int, backward: Callable, *, keep: Callable | None = None,
                           device: torch.device, train_stream=None) -> OverlappedStep:
-    """Each prompt's group scored by `task` and trained, backward(group, advantages, global_tokens=,
-    global_sequences=, after_forward=), as soon as it finishes (the gradients must be awake and zeroed);
-    backward calls after_forward() between each micro-batch's forward and backward."""
+    """Each round's groups scored by `task` and the ones picked trained, backward(group, advantages,
+    global_tokens=, global_sequences=, after_forward=), as soon as they finish (the gradients must be
+    awake and zeroed); backward calls after_forward() between each micro-batch's forward and backward.
+    How many tokens and sequences the step trains on is known when its last group has finished: each
+    group's loss is summed with denominators of one token or sequence per rank, and finish_overlap
+    divides by the batch's count."""
     n = config.num_generations
 
-    def score(i, completions):
-        group = rollout_of(rows[i:i + 1], prompts[i:i + 1], completions, n)
+    def score(rows, prompts, completions):
+        group = rollout_of(rows, prompts, completions, n)
         scores = task.score(step, group.rows, group.prompts, group.completions, **group.reward_inputs())
         return scores, (group, group_advantages(scores.total, n, scale=config.scale_rewards, allow_unscorable=True))
 
-    # Denominators known now (sequences) are used as they are; dapo's token count of the whole batch
-    # is not: each group's loss is a plain sum (denominator 1), divided once the count is known.
-    totals = dict(global_tokens=float(dp_size), global_sequences=float(config.prompts_per_step * n))
-
     def train(i, work):
         group, advantages = work
-        return backward(group, advantages, after_forward=overlapped.trainer.catch_up, **totals)
+        return backward(group, advantages, after_forward=overlapped.trainer.catch_up,
+                        global_tokens=float(dp_size), global_sequences=float(dp_size))
 
     engine_threads, trainer_threads = config.overlap_threads or cpu_split(torch.get_num_threads())
-    overlapped = OverlappedStep(score, train, len(prompts), device=device, engine_threads=engine_threads,
+    overlapped = OverlappedStep(score, train, keep=keep, device=device, engine_threads=engine_threads,
                                 trainer_threads=trainer_threads, stream=train_stream)
     return overlapped
 
@@ -308,16 +362,14 @@ def cpu_split(cores: int) -> tuple[int, int]:
     return max(1, cores - cores // 2), max(1, cores // 2)
 
 
-def finish_overlap(overlapped: OverlappedStep, memory, loss_type: str, ranks: int,
-                   global_tokens: float) -> tuple[dict, EarlyTraining]:
-    """Wait for the last groups; return the batch's statistics and what trained early. With dapo
-    (groups' losses summed with denominator 1) divide the accumulated gradients and the loss by the
-    batch's share of tokens now."""
+def finish_overlap(overlapped: OverlappedStep, memory, loss_type: str, ranks: int, global_tokens: float,
+                   global_sequences: float) -> tuple[dict, EarlyTraining]:
+    """Wait for the last groups; return the batch's statistics and what trained early, the accumulated
+    gradients and the loss divided by the batch's share of the count the loss type divides by."""
     early = overlapped.join()
     stats = merge_stats([early.results[i] for i in sorted(early.results)])
-    if loss_type == "dapo":
-        scale = ranks / max(global_tokens, 1.0)
-        for flat in memory.flat_grads.values():
-            flat.mul_(scale)
-        stats["loss"] *= scale
+    scale = ranks / max(batch_total(loss_type, global_tokens, global_sequences), 1.0)
+    for flat in memory.flat_grads.values():
+        flat.mul_(scale)
+    stats["loss"] *= scale
     return stats, early

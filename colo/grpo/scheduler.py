@@ -64,7 +64,6 @@ from .metrics import (ProgressBar, Residency, StepLog, Timeline, agent_stats, ra
 from .overlap import GroupFailed, memory_refusal, serial_reason
 from .phases import MemoryPhases
 from .completions_log import completion_samples
-from .dynamic_sampling import fill_with_informative_groups
 from .reward_model import attach_reward_models
 from .schedules import lr_multiplier, warmup_of
 from .rollout_engine import EngineFailure, RolloutEngine, engine_error, rebuild_engine
@@ -306,9 +305,7 @@ class GRPOScheduler:
             sampled, sampled_scores, filled = rollout, scores, {}
             if self.config.dynamic_sampling:
                 with self.timeline.span("dynamic_sampling", step=step):
-                    rollout, scores, filled = fill_with_informative_groups(
-                        step, rollout, scores, task=self.task, strategy=self.strategy, config=self.config,
-                        share_size=len(rollout.rows) // self.config.num_generations)
+                    rollout, scores, filled = self.strategy.informative(step, rollout, scores, generated)
             with self.timeline.span("train", step=step) as train:
                 self.phases.to_train(gradients_awake=generated.overlapped is not None)
                 self.timeline.counter("resident_bytes", self.residency.resident())

@@ -4,6 +4,7 @@ three methods either way:
 
     generated = strategy.generate(step, rows, prompts, sampling)   # one try (the scheduler retries)
     scores, reward_s = strategy.score(step, rollout, generated)
+    rollout, scores, counts = strategy.informative(step, rollout, scores, generated)  # dynamic_sampling only
     trained = strategy.train(rollout, scores, generated)           # forward, loss, backward
 
 Both train through the trainer they are given (colo.grpo.backward.PolicyTrainer: the views' model, the
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import distributed
+from . import distributed, dynamic_sampling
 from .batch import concatenated_scores, loss_tokens
 from .loss import batch_advantages, group_advantages, normalized_sum
 from .metrics import scored_mean_std
@@ -91,6 +92,16 @@ class SerialSteps:
         scores = self.task.score(step, rollout.rows, rollout.prompts, rollout.completions, **rollout.reward_inputs())
         return scores, time.perf_counter() - started
 
+    def informative(self, step: int, rollout, scores, generated: Generated):
+        """Dynamic sampling: (the rollout the step trains on, its scores, the record's counts); the
+        groups whose rewards are all equal replaced by new prompts' (colo.grpo.dynamic_sampling)."""
+        def generate(rows, prompts, sampling):
+            return SerialSteps.generate(self, step, rows, prompts, sampling).completions
+
+        return dynamic_sampling.fill_with_informative_groups(
+            step, rollout, scores, task=self.task, config=self.config, world=self.world, generate=generate,
+            score=lambda more: SerialSteps.score(self, step, more, None)[0])
+
     def advantages(self, scores) -> torch.Tensor:
         """Each completion's advantage (a collective with scale_rewards='batch' or normalize_then_sum)."""
         cfg = self.config
@@ -140,13 +151,17 @@ class OverlappedSteps(SerialSteps):
         if refusal is not None:
             return self._serially(step, rows, prompts, sampling, f"step {step} serial: {refusal}")
         self.phases.wake_gradients_for_overlap()
-        overlapped = start_overlapped_step(self.task, step, rows, prompts, self.config, self.world.dp_size,
-                                      self.trainer.backward,
-                                      device=self.device, train_stream=self.train_stream)
+        overlapped = start_overlapped_step(self.task, step, self.config, self.world.dp_size, self.trainer.backward,
+                                           keep=dynamic_sampling.informative if self.config.dynamic_sampling else None,
+                                           device=self.device, train_stream=self.train_stream)
         trace = GenerationTrace()
         self.generating = True
         try:
-            completions = self._rollouts(rows, prompts, sampling, trace=trace, on_group=overlapped.on_group)
+            completions = self._rollouts(rows, prompts, sampling, trace=trace,
+                                         on_group=overlapped.round(rows, prompts))
+            if self.config.dynamic_sampling:  # the replacement prompts generate while the picked groups train
+                dynamic_sampling.replace_while_training(step, overlapped, task=self.task, config=self.config,
+                                                        world=self.world, rollouts=self._rollouts)
         except BaseException as e:
             # The groups trained so far are void: a retry (or the serial try below) starts from zeroed gradients.
             overlapped.abandon()
@@ -166,14 +181,19 @@ class OverlappedSteps(SerialSteps):
     def score(self, step: int, rollout, generated: Generated):
         if generated.overlapped is None:
             return super().score(step, rollout, generated)
-        return concatenated_scores(generated.overlapped.scores), generated.overlapped.reward_s  # scored as they finished
+        # scored as they finished
+        return concatenated_scores(generated.overlapped.first_round_scores()), generated.overlapped.reward_s
+
+    def informative(self, step: int, rollout, scores, generated: Generated):
+        if generated.overlapped is None:
+            return super().informative(step, rollout, scores, generated)
+        return dynamic_sampling.overlapped_result(generated.overlapped)  # picked as they finished
 
     def train(self, rollout, scores, generated: Generated) -> Trained:
         if generated.overlapped is None:
             return super().train(rollout, scores, generated)
-        global_tokens, _ = self._batch_totals(rollout)
         stats, during = finish_overlap(generated.overlapped, self.memory, self.config.loss_type, self.world.dp_size,
-                                      global_tokens)
+                                       *self._batch_totals(rollout))
         return Trained(stats, {"overlap_train_s": during.seconds_during_generation,
                                "groups_trained_early": during.trained_during_generation})
 

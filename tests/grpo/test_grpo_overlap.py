@@ -100,17 +100,18 @@ def test_group_trainer_runs_groups_on_its_thread_and_hands_back_the_first_error(
     assert torch.get_num_threads() == before  # the engine's thread got its cores back
 
     one_each = dict(device=torch.device("cpu"), engine_threads=1, trainer_threads=1)
-    failing = OverlappedStep(lambda i, c: (None, c), work, 3, **one_each)
-    failing.on_group(0, "bad")
+    failing = OverlappedStep(lambda rows, prompts, c: (None, c), work, **one_each)
+    on_group = failing.round([0, 1, 2], [[1], [2], [3]])
+    on_group(0, "bad")
     failing.trainer._thread.join()
     with pytest.raises(GroupFailed, match="training group 1: ValueError: group 0 is bad"):
-        failing.on_group(1, 5)  # the engine's loop stops at the next group
+        on_group(1, 5)  # the engine's loop stops at the next group
     with pytest.raises(ValueError, match="group 0 is bad"):
         failing.join()
 
-    scoring_fails = OverlappedStep(lambda i, c: 1 / 0, work, 1, **one_each)
+    scoring_fails = OverlappedStep(lambda rows, prompts, c: 1 / 0, work, **one_each)
     with pytest.raises(GroupFailed) as raised:
-        scoring_fails.on_group(0, [])
+        scoring_fails.round([0], [[1]])(0, [])
     assert isinstance(raised.value.__cause__, ZeroDivisionError)
     scoring_fails.abandon()
 
@@ -342,3 +343,109 @@ def test_out_of_memory_while_training_during_generation_redoes_the_step_serially
         assert second["overlap"] is True and "overlap_fallback" not in second
     finally:
         run.close()
+
+
+def test_round_picks_pick_the_first_kept_groups_in_prompt_order_whatever_order_they_finish_in():
+    """A round's groups finishing in any order hand on, each as soon as it is sure, exactly the first
+    `quota` kept groups in prompt order (what a serial step picks), and none twice."""
+    import random
+
+    from colo.grpo.overlap import RoundPicks
+
+    rng = random.Random(0)
+    for _ in range(200):
+        size, first = rng.randint(1, 8), rng.randint(0, 5)
+        kept = {first + i: rng.random() < 0.5 for i in range(size)}
+        quota = rng.randint(0, size)
+        picks, handed = RoundPicks(first, size, quota), []
+        order = list(kept)
+        rng.shuffle(order)
+        for done, index in enumerate(order, 1):
+            now = picks.finished(index, kept[index])
+            # Only finished groups, and only once every group before them is finished or dropped.
+            assert all(i in order[:done] for i in now)
+            handed += now
+        assert len(set(handed)) == len(handed)
+        assert sorted(handed) == [i for i in sorted(kept) if kept[i]][:quota] == picks.picked
+
+
+def test_unit_denominators_scaled_by_the_batch_count_are_every_loss_types_own():
+    """An overlapped step sums each group's loss with denominators of one token or one sequence per
+    rank and divides by the batch's count at the end (colo.grpo.loss.batch_total): for every loss type
+    that equals the denominators the serial step uses."""
+    from colo.grpo.loss import LOSS_TYPES, batch_total, loss_denominators
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    tokens, sequences, ranks = 17.0, 6.0, 2
+    for loss_type in LOSS_TYPES:
+        real = loss_denominators(loss_type, mask, global_tokens=tokens, global_sequences=sequences,
+                                 max_new_tokens=3, ranks=ranks)
+        unit = loss_denominators(loss_type, mask, global_tokens=float(ranks), global_sequences=float(ranks),
+                                 max_new_tokens=3, ranks=ranks)
+        scale = ranks / batch_total(loss_type, tokens, sequences)
+        torch.testing.assert_close(1 / real, scale / unit, msg=loss_type)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_overlapped_trains_the_groups_the_serial_step_trains(tmp_path):
+    """Dynamic sampling with overlap: the informative groups train as they finish and the replacement
+    prompts generate while they do; the step picks the groups a serial step picks (the first
+    informative ones in prompt order), with the same counts, loss and gradients up to float summation
+    order. One engine: the serial and the overlapped strategy take turns at step 1 (learning rate 0,
+    so the weights stay those both sample with)."""
+    from colo.grpo import GRPOScheduler, build_toy_model
+    from colo.grpo.strategy import SerialSteps
+    from colo.grpo.toy_task import long_tail_toy_task
+
+    task = long_tail_toy_task(mean_length=16)
+    rewards = task.reward_fn
+    # A prompt whose first token is odd scores 0 whatever is sampled: its group teaches nothing.
+    task.reward_fn = lambda prompts, completions: [r * (p[0] % 2 == 0) for p, r in
+                                                    zip(prompts, rewards(prompts, completions))]
+    config = GRPOConfig(prompts_per_step=6, num_generations=4, max_new_tokens=48,
+                        max_grad_norm=None, save_every=0, memory_phases=False, overlap="on", dtype="fp32",
+                        loss_type="grpo", dynamic_sampling=3)
+    run = GRPOScheduler(build_toy_model(tmp_path / "model"), config=config, task=task,
+                        engine_options=dict(enforce_eager=True))
+    overlapped_steps = run.strategy
+    trained = {}   # overlapped or not -> the (prompt, completion) pairs backward took
+    backward = run.trainer.backward
+
+    def watched(rollout, *args, **kwargs):
+        pairs = [(tuple(p), tuple(c)) for p, c in zip(rollout.prompts, rollout.completions)]
+        trained.setdefault(run.strategy is overlapped_steps, []).extend(pairs)
+        return backward(rollout, *args, **kwargs)
+
+    run.trainer.backward = watched
+    run.lr_scheduler.base_lrs = [0.0 for _ in run.lr_scheduler.base_lrs]  # every step's lr: 0 x the schedule's
+    for group in run.lr_scheduler.optimizer.param_groups:
+        group["lr"] = 0.0
+    runs = {}
+    try:
+        assert run.serial_reason is None
+        for name, strategy, micro in (("serial", SerialSteps(run.engine, run.task, config, run.world, run.trainer), None),
+                                      ("serial, groups as micro-batches", None, 4),
+                                      ("overlapped", overlapped_steps, None)):
+            run.strategy = strategy or run.strategy
+            config.micro_batch_size = micro
+            run.step = 0
+            record = run.train_step()
+            runs[name] = dict(record=record, grads={n: p.grad.detach().clone() for n, p in run.model.named_parameters()})
+    finally:
+        run.close()
+    serial, reordered, overlapped = runs["serial"], runs["serial, groups as micro-batches"], runs["overlapped"]
+    assert serial["record"]["dynamic_sampling/extra_generations"] >= 1   # groups were replaced
+    assert 0 < serial["record"]["dynamic_sampling/trained_groups"]
+    for key in ("generated_groups", "dropped_groups", "trained_groups", "extra_generations"):
+        assert overlapped["record"][f"dynamic_sampling/{key}"] == serial["record"][f"dynamic_sampling/{key}"], key
+    assert overlapped["record"]["overlap"] and overlapped["record"]["groups_trained_early"] >= 1
+    # The same completions trained (the serial strategy's two passes each trained them).
+    assert len(trained[True]) == 4 * serial["record"]["dynamic_sampling/trained_groups"]
+    assert sorted(trained[True]) == sorted(trained[False][:len(trained[True])]) == sorted(trained[False][len(trained[True]):])
+    assert overlapped["record"]["reward_mean"] == serial["record"]["reward_mean"]
+    eps = torch.finfo(torch.float32).eps
+    for n, g in serial["grads"].items():   # as in test_an_overlapped_step_is_the_serial_step
+        order_noise = (reordered["grads"][n] - g).abs().max()
+        assert (overlapped["grads"][n] - g).abs().max() <= 4 * order_noise + 8 * eps * g.abs().max(), n
+    assert overlapped["record"]["loss"] == pytest.approx(serial["record"]["loss"], rel=1e-5, abs=1e-7)
+    assert overlapped["record"]["grad_norm"] == pytest.approx(serial["record"]["grad_norm"], rel=1e-5)
