@@ -130,12 +130,14 @@ class SharedAdapter(EngineViews):
 
     request: the vllm LoRARequest to generate with; slot: the engine's slot index; layers: {Hugging
     Face module name: its adapter}; tp: this rank's colo.tensor_parallel.TensorParallelModel, with tensor
-    parallelism (the forward, the gradient norm and gathering go through its group)."""
+    parallelism (the forward, the gradient norm and gathering go through its group); base: the views
+    of the frozen base model (tp, or the engine's colo.share_weights)."""
 
     def __init__(self, spec: LoraSpec, llm, hf_model, request, slot: int, *, tp=None):
         super().__init__(llm, hf_model, shared_by="colo.lora.share_adapter", group=tp.group if tp else None,
                          rank=tp.rank if tp else 0)
         self.spec, self.request, self.slot, self.tp = spec, request, slot, tp
+        self.base = tp if tp is not None else getattr(llm, "colo_shared_weights", None)
         self.layers: dict[str, _Layer] = {}
         self.enabled = True
 
@@ -214,7 +216,7 @@ class SharedAdapter(EngineViews):
         return _WithoutAdapter(model, self)
 
     @contextlib.contextmanager
-    def unregistered(self):
+    def _unregistered(self):
         """The layers without their lora_A/lora_B parameters inside the block (so colo.share_weights
         sees the base model only, when a rebuilt engine takes the base weights over)."""
         for layer in self.layers.values():
@@ -264,7 +266,9 @@ class SharedAdapter(EngineViews):
                     masters[layer.lora_b].copy_(b)
 
     def rebind(self, llm) -> None:
-        """Point the same parameters (an optimizer holds them) at a new engine's slot, with their values."""
+        # The base model alone is the base views' (colo.share_weights checks its parameters and its forward).
+        with self._unregistered(), self.disabled():
+            self.base.rebind(llm)
         values = [p.detach().clone() for p in self.parameters()]
         fresh = _activate(llm, self.spec, {n: layer.module for n, layer in self.layers.items()}, self.request)
         with torch.no_grad():
@@ -274,6 +278,9 @@ class SharedAdapter(EngineViews):
                 p.copy_(v)
         self.llm, self.slot = llm, compat.adapter_slot(llm, ADAPTER_ID)
         self.watch_layers()
+
+    def _detach_kind(self) -> None:
+        self.base.detach()
 
 
 def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0, tp=None) -> SharedAdapter:

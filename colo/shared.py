@@ -12,6 +12,8 @@ holds one `EngineViews` and never asks which kind it is:
     views.load_full_state_dict(state)   whole tensors into this rank's views, every name and shape checked first
     views.trainer_model                 what forward runs on (colo.grpo.batch.completion_logprobs takes it)
     views.grad_norm(params, grads)      the whole model's gradient norm (shards summed, replicas once)
+    views.detach(); views.rebind(llm)   a broken engine replaced: the same parameters (an optimizer holds
+                                        them) with their values, then views of the new engine's tensors
 
 As in RMM's resources, these public methods are written once, here; a kind implements only the hooks
 where it differs (`_publish_copies`, `_check_served`, `grad_norm`, ...). Its state is declared here
@@ -242,7 +244,25 @@ class EngineViews:
 
         return write_model(weights_to_save(state, masters), base_dir, directory, dtype)
 
+    @torch.no_grad()
+    def detach(self) -> None:
+        """Before a broken engine is released: the parameters get private copies of their values and
+        these views let go of the engine, so its tensors and KV cache can be freed; rebind() then makes
+        the same parameters views of a new engine's tensors."""
+        for param in {id(p.param): p.param for p in self.layout.values()}.values():
+            param.data = param.data.clone()
+        self.llm, self._repack, self._storage = None, [], {}
+        self._detach_kind()
+
+    def rebind(self, llm) -> None:
+        """The same parameters (an optimizer holds them), with the values they have, now views of `llm`'s
+        tensors (an engine built with placeholder weights after detach())."""
+        raise NotImplementedError(f"{type(self).__name__} views cannot move to a new engine")
+
     # -- hooks of the kinds ------------------------------------------------------------------------
+    def _detach_kind(self) -> None:
+        """What else of the engine this kind holds, dropped (detach())."""
+
     def _check_served(self) -> None:
         """Raise if the engine no longer serves these views (before anything is published)."""
 

@@ -79,19 +79,31 @@ class SharedWeights(EngineViews):
     publish() copies each time (0 when all alias); packed_bytes: CPU weight bytes publish() repacks
     into vLLM's kernel layouts; shared_once_bytes: bytes share_weights copied from the trainer into the
     engine; copied: the trainer parameters publish() copies (the copy path), with why; superseded: a
-    later share_weights on the same engine took the weights over."""
+    later share_weights on the same engine took the weights over; alias: False where the trainer keeps
+    its own tensors (share_weights' alias=False)."""
 
     def __init__(self, hf_model, llm, pool, *, copies: "_CopyPlan", loads: "_LoaderLoads", aliased_bytes: int,
-                 copy_bytes: int, packed_bytes: int, shared_once_bytes: int, repack, copied: dict[str, str]):
+                 copy_bytes: int, packed_bytes: int, shared_once_bytes: int, repack, copied: dict[str, str],
+                 alias: bool = True):
         super().__init__(llm, hf_model, shared_by="colo.share_weights", repack=repack)
         self.pool = pool
         self.aliased_bytes, self.copy_bytes = aliased_bytes, copy_bytes
         self.packed_bytes, self.shared_once_bytes = packed_bytes, shared_once_bytes
-        self.copied = copied
+        self.copied, self.alias = copied, alias
         self.superseded = False
         self._copies, self._loads = copies, loads  # what publish() copies, planned once
         # Every name, a tied head's too: a checkpoint of the whole model holds both, as state_dict() does.
         self.watch({name: Placed(p, tuple(p.shape)) for name, p in hf_model.named_parameters(remove_duplicate=False)})
+
+    def rebind(self, llm) -> None:
+        fresh = share_weights(self.hf_model, llm, alias=self.alias)  # the values written in, then views
+        publish_count = self.publish_count
+        vars(self).update(vars(fresh))
+        self.publish_count = publish_count
+        llm.colo_shared_weights = self
+
+    def _detach_kind(self) -> None:
+        self._copies = self._loads = None  # they hold the engine's tensors
 
     def _check_served(self) -> None:
         if self.superseded:
@@ -169,7 +181,8 @@ def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes:
         loads=_LoaderLoads(engine.model, hf_model, loaded),
         aliased_bytes=sum(s.param.nbytes for s in sources if s.alias),
         copy_bytes=sum(dst.nbytes for dst, _ in copies) + sum(s.param.nbytes for s in loaded), copied=copied,
-        packed_bytes=sum(linear.packed_bytes for linear in repack), shared_once_bytes=once, repack=repack)
+        packed_bytes=sum(linear.packed_bytes for linear in repack), shared_once_bytes=once, repack=repack,
+        alias=alias)
     previous = getattr(llm, "colo_shared_weights", None)
     if previous is not None:
         previous.superseded = True

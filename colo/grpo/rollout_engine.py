@@ -312,14 +312,12 @@ class RolloutEngine:
             raise EngineFailure("a tensor-parallel engine is not rebuilt after a failure; resume from the last "
                                 "checkpoint")
         region = self.kv_region
-        # The trainer's parameters are views of the old engine's tensors. Give them a private copy
-        # for the moment, so the old tensors die with the old engine and the new one can take their
-        # place in the weights region; sharing then writes the trainer's values into it.
-        with torch.no_grad():
-            for p in self.hf_model.parameters():
-                p.data = p.data.clone()
+        # The trainer's parameters are views of the old engine's tensors: they take private copies of their
+        # values for the moment, so the old tensors die with the old engine and the new one can take their
+        # place in the weights region; rebind() then writes the values into the new engine's tensors.
+        self.views.detach()
         colo_engine.release_llm(self.llm)
-        self.llm = self.shared = None
+        self.llm = None
         gc.collect()  # the old engine's KV cache returns to the region before the new one asks for it
         if region.stats()["allocated_bytes"]:
             raise EngineFailure("the broken engine could not be freed (its KV cache is still allocated), "
@@ -328,12 +326,7 @@ class RolloutEngine:
             region.wake()
         # "dummy" fills the new engine with placeholder weights instead of reading the checkpoint.
         self.llm = self._build(load_format="dummy")
-        if self.adapter is None:
-            self.shared = self._share(self.hf_model)
-            return
-        with self.adapter.unregistered():
-            self.shared = self._share(self.hf_model)
-        self.adapter.rebind(self.llm)  # the same parameters (the optimizer's), now in the new engine's slot
+        self.views.rebind(self.llm)  # the same parameters (the optimizer's), now the new engine's tensors
 
     def close(self) -> None:
         if self.llm is not None:

@@ -70,22 +70,48 @@ def test_lora_run_trains_the_adapter_in_the_engine_slot_and_resumes_exactly(tmp_
                                atol=0, rtol=0)
 
 
-def test_lora_with_a_kl_reference_uses_the_shared_base(tmp_path):
-    """beta > 0: the reference is the frozen base (the adapter switched off), not a copy of the model."""
+def test_lora_with_a_kl_reference_uses_the_shared_base_and_survives_an_engine_rebuild(tmp_path, monkeypatch):
+    """beta > 0: the reference is the frozen base (the adapter switched off), not a copy of the model.
+    An engine that raises at step 2 is rebuilt from placeholder weights: the optimizer's own adapter
+    parameters, with their trained values, are the new engine's slot (the engine's log-probabilities
+    agree with the trainer's) and the base is its weights (views.detach / views.rebind)."""
     from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask, build_toy_model
+    from colo.grpo.rollout_engine import RolloutEngine
 
     model_dir = build_toy_model(tmp_path / "model")
     task = ToyTask(512)
     config = GRPOConfig(prompts_per_step=4, num_generations=4, ignore_eos=True, learning_rate=3e-2, save_every=0,
                         beta=0.1, lora_rank=4, dtype="fp32")
     run = GRPOScheduler(model_dir, task.rewards, task.prompts, config)
+    real_generate, calls = RolloutEngine.generate, []
+
+    def fails_at_step_2(self, *args, **kwargs):
+        calls.append(run.step + 1)
+        if calls == [1, 2]:
+            raise RuntimeError("injected engine fault")
+        return real_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(RolloutEngine, "generate", fails_at_step_2)
     try:
         assert not isinstance(run.reference, torch.nn.Module)
-        records = [run.train_step() for _ in range(3)]
+        records = [run.train_step()]
+        adapter, trained = run.views, [p.detach().clone() for p in run.views.parameters()]
+        old_engine = run.engine.llm
+        records += [run.train_step() for _ in range(2)]
+        assert run.engine.llm is not old_engine and records[1]["engine_rebuild_s"] > 0
+        assert run.views is adapter and run.engine.views is adapter   # the same views, the same parameters
+        owned = {id(p) for p in run.optimizer.params}   # colo.MasterWeightOptimizer's (the adapter's scales)
+        assert all(id(p) in owned for p in adapter.parameters())
+        assert not adapter.moved_parameters() and adapter.llm is run.engine.llm
+        base_weight = run.model.get_input_embeddings().weight
+        assert base_weight.data_ptr() == run.engine.shared.layout["model.embed_tokens.weight"].param.data_ptr()
+        assert not any(torch.equal(a, b) for a, b in zip(trained, adapter.parameters()))  # it trained on
     finally:
         run.close()
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # B starts at zero: policy == base
     assert records[-1]["kl"] > 1e-6
+    # The rebuilt engine samples with the trainer's adapter and base: its log-probabilities agree.
+    assert records[1]["engine_logprob_max_abs_diff"] < 1e-3 and records[2]["engine_logprob_max_abs_diff"] < 1e-3
 
 
 @pytest.mark.parametrize("kwargs, message", [
