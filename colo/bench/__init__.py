@@ -10,6 +10,9 @@ Nothing heavy is imported here, so `python -m colo.bench --help` stays instant.
 # In the order they run; the cheap pool sections first so their rows appear early.
 SECTIONS = ("pool_alloc", "sleep_wake", "publish", "moe_publish", "grpo_step", "memory", "trl", "lora", "logprob_memory",
             "overlap", "agentic", "tool_calls")
+# The module of each section whose name is also a module of colo's library (colo.trl, colo.lora,
+# colo.grpo.overlap): every other section's module is its name.
+SECTION_MODULES = {"trl": "trl_colocate", "lora": "lora_colocate", "overlap": "overlap_step"}
 # `--quick` (the README's main job: minutes on a fresh 2-core machine) leaves out what only the full run
 # needs to show; `--sections lora` (or agentic) runs it quick too.
 QUICK_SECTIONS = tuple(name for name in SECTIONS if name not in ("lora", "agentic", "moe_publish"))
@@ -36,4 +39,4 @@ ABOUT = {
 
 DEVICE_CHOICES = ("cpu", "cuda", "all")
 
-__all__ = ["SECTIONS", "QUICK_SECTIONS", "ABOUT", "DEVICE_CHOICES"]
+__all__ = ["SECTIONS", "SECTION_MODULES", "QUICK_SECTIONS", "ABOUT", "DEVICE_CHOICES"]

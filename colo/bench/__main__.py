@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         import json
 
-        from . import plot
+        from . import results_plot as plot
 
         try:
             # Plot from the file when there is one, so a plot is always of exactly what was recorded.

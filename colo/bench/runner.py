@@ -18,7 +18,7 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import ABOUT, SECTIONS
+from . import ABOUT, SECTION_MODULES, SECTIONS
 from .machine import describe, machine_info
 
 STANDARD_KEYS = ("section", "case", "device", "colo_s", "baseline", "baseline_s", "ratio", "note")
@@ -59,7 +59,7 @@ def _progress_lines(section: str, iterable, desc: str, stream):
 
 def load_section(name: str):
     """(module, '') or (None, why it cannot run)."""
-    module_name = f"{__package__}.{name}"
+    module_name = f"{__package__}.{SECTION_MODULES.get(name, name)}"
     try:
         return importlib.import_module(module_name), ""
     except ModuleNotFoundError as e:

@@ -7,7 +7,7 @@ x 8 completions a step, at most 32 new tokens, lr 1e-5, `bf16=False`, one micro-
 gemma3`: Gemma 3 270M (a base model, no chat template) on the same problems as 4-shot plain text, at
 most 8 new tokens, scored by the first number it writes (colo.grpo.arithmetic.first_number), lr 5e-6,
 `vllm_max_model_length` 256 (its own 32768 tokens of 18 layers would not fit the KV cache on 24 GiB).
-Each side runs in a fresh process, in turn; the phases are colo.bench.trl.PhaseClock's (the same
+Each side runs in a fresh process, in turn; the phases are colo.bench.trl_colocate.PhaseClock's (the same
 wrappers on both sides). Stock TRL runs on its F.linear variant where stock vLLM cannot take new weights
 (colo.bench.baselines.UPDATABLE_VARIANT). A record, not a test: minutes per side.
 """
@@ -45,7 +45,7 @@ def run_side(side: str, out: str, steps: int, model: str = "smollm2") -> dict:
 
     from colo.vllm_compat.forced_kernels import forced_cpu_gemm
 
-    from .trl import PhaseClock, phase_medians
+    from .trl_colocate import PhaseClock, phase_medians
 
     model_dir, rows, reward, settings = task(model)
     args = trl.GRPOConfig(output_dir=out, per_device_train_batch_size=64, num_generations=8, max_steps=steps,
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from .baselines import stock_update_refused
     from .machine import machine_info
     from .measure import gemm_peak_flops
-    from .trl import in_fresh_process, kernels_of
+    from .trl_colocate import in_fresh_process, kernels_of
 
     kernels = in_fresh_process(kernels_of, task(args.model)[0], "float32")
     baseline = "stock-variant" if stock_update_refused(kernels) else "stock"

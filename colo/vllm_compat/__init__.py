@@ -41,7 +41,7 @@ from .load_trace import Strided, checkpoint_tensors
 from .layout import EngineLayout, EngineTensor, Piece, Placement, engine_layout, lora_base_name, solve_view
 from .trainer_models import building_trainer_models, run_as_plain_modules
 from .routing import engine_routing_options, recording_routes, routed_experts
-from .engine import (
+from .engine_access import (
     FIXED_KV_MEMORY_FRACTION, STARTUP_HEADROOM_BYTES, VLLM_DEFAULT_MEMORY_FRACTION, RequestHooks, engine_config_as_saved,
     engine_dtype, engine_hf_config, engine_kv_caches, engine_model, engine_placement, engine_worker,
     external_request_id, is_compiled, keep_process_groups, kv_cache_block_count, platform_device_type,

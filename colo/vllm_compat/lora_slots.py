@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import engine_model, engine_worker, request_hooks
+from .engine_access import engine_model, engine_worker, request_hooks
 from .layout import _is_lora_wrapper
 
 

@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 
-from .engine import engine_placement
+from .engine_access import engine_placement
 
 
 @contextlib.contextmanager

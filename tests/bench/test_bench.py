@@ -94,9 +94,9 @@ def test_cuda_rows_say_why_they_did_not_run():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the CUDA rows run instead")
-    from colo.bench import grpo_step, logprob_memory, lora, memory, overlap, pool_alloc, publish, sleep_wake, trl
-
-    for section in (pool_alloc, sleep_wake, publish, grpo_step, memory, trl, lora, logprob_memory, overlap):
+    for name in ("pool_alloc", "sleep_wake", "publish", "grpo_step", "memory", "trl", "lora", "logprob_memory", "overlap"):
+        section, why = runner.load_section(name)
+        assert section is not None, why
         rows = section.run(quick=True, progress=lambda it, desc="": it, devices=("cuda",))
         assert len(rows) == 1 and rows[0]["device"] == "cuda"
         assert rows[0]["note"].startswith("CUDA case not run")
@@ -141,7 +141,7 @@ def test_rows_of_sections_without_a_devices_argument_are_filtered(monkeypatch):
 
 
 def test_plot_survives_missing_and_partial_sections(tmp_path):
-    from colo.bench import plot
+    from colo.bench import results_plot as plot
 
     result = {"rows": [
         {"section": "publish", "case": "(section)", "note": "section not available"},
@@ -259,7 +259,7 @@ def test_memory_rows_count_bytes_per_parameter_in_each_phase():
 @pytest.mark.slow
 def test_trl_rows_compare_colo_trl_and_colo_grpo_with_stock_trl():
     pytest.importorskip("trl", reason="the trl section needs the trl extra")
-    from colo.bench import trl
+    from colo.bench import trl_colocate as trl
     from colo.bench.baselines import UPDATABLE_VARIANT
 
     rows = trl.measure_size("qwen2-trl-0.4M", quick=True, progress=lambda it, desc="": it, device="cpu", rounds=1,
@@ -281,7 +281,7 @@ def test_trl_rows_compare_colo_trl_and_colo_grpo_with_stock_trl():
 @pytest.mark.slow
 def test_lora_rows_compare_colo_with_stock_trl_and_peft():
     pytest.importorskip("peft", reason="the lora section needs the trl extra (TRL and PEFT)")
-    from colo.bench import lora
+    from colo.bench import lora_colocate as lora
     from colo.bench.baselines import UPDATABLE_VARIANT
 
     rows = lora.measure_size("qwen2-trl-0.4M", quick=True, progress=lambda it, desc="": it, device="cpu")
@@ -330,7 +330,7 @@ def test_logprob_memory_row_chunked_holds_less_than_all_logits_at_once():
 def test_overlap_real_workload_is_smollm2_on_the_arithmetic_chat_dataset(smollm2_model_dir, tmp_path):
     import json
 
-    from colo.bench import overlap
+    from colo.bench import overlap_step as overlap
 
     model_dir, params, lengths, task = overlap.prepare(overlap.REAL, tmp_path)
     assert model_dir == smollm2_model_dir and "EOS" in lengths
@@ -342,7 +342,7 @@ def test_overlap_real_workload_is_smollm2_on_the_arithmetic_chat_dataset(smollm2
 
 @pytest.mark.slow
 def test_overlap_row_compares_the_overlapped_step_with_the_serial_one():
-    from colo.bench import overlap
+    from colo.bench import overlap_step as overlap
     from colo.grpo.overlap import cpu_split
 
     workload = dict(overlap.QUICK, steps=1)

@@ -19,7 +19,7 @@ from helpers.logprobs import trainer_logprobs
 
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl", reason="colo.trl's tests need the trl extra: pip install -e '.[cpu,test]'")
-from colo.bench.trl import SIZES, build_model_dir, even_digits, prompts  # noqa: E402 - after the trl check
+from colo.bench.trl_colocate import SIZES, build_model_dir, even_digits, prompts  # noqa: E402 - after the trl check
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +241,7 @@ def test_a_moe_model_trains_with_routing_replay_and_one_copy(tmp_path, trl_model
     """colo_routing_replay on a Qwen3-MoE: TRL's log-probability passes (the old policy's, with
     num_iterations=2, and the loss's forward and backward) route every token to the engine's experts;
     the syncs copy 0 bytes; a dense model and gradient checkpointing are refused before any engine."""
-    from colo.bench.trl import build_model_dir
+    from colo.bench.trl_colocate import build_model_dir
     from colo.trl import GRPOTrainer
 
     moe_dir = tmp_path / "moe"

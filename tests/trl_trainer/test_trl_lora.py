@@ -15,7 +15,7 @@ from helpers.logprobs import trainer_logprobs
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl", reason="colo.trl's tests need the trl extra: pip install -e '.[cpu,test]'")
 peft = pytest.importorskip("peft", reason="colo.trl's LoRA tests need PEFT: pip install -e '.[cpu,test]'")
-from colo.bench.trl import SIZES, build_model_dir, even_digits, prompts  # noqa: E402 - after the checks
+from colo.bench.trl_colocate import SIZES, build_model_dir, even_digits, prompts  # noqa: E402 - after the checks
 from test_trl import trl_config  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -167,10 +167,10 @@ def write_plot(result: dict, path) -> None:
 
 
 if __name__ == "__main__":
-    # Re-plot a results file: python -m colo.bench.plot RESULTS.json OUT.png
+    # Re-plot a results file: python -m colo.bench.results_plot RESULTS.json OUT.png
     import json
     import sys
 
     if len(sys.argv) != 3 or not sys.argv[2].endswith(".png"):
-        sys.exit("usage: python -m colo.bench.plot RESULTS.json OUT.png")
+        sys.exit("usage: python -m colo.bench.results_plot RESULTS.json OUT.png")
     write_plot(json.loads(Path(sys.argv[1]).read_text()), sys.argv[2])

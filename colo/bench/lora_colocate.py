@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .baselines import UPDATABLE_VARIANT, stock_update_refused
 from .measure import ratio, rows_per_device
-from .trl import (BATCH, SIZES, WARMUP, _unavailable_reason, build_model_dir, grpo_and_kernels, in_fresh_process,
+from .trl_colocate import (BATCH, SIZES, WARMUP, _unavailable_reason, build_model_dir, grpo_and_kernels, in_fresh_process,
                   measured_sides, phase_medians)
 
 SECTION = "lora"
