@@ -178,6 +178,23 @@ def smollm2_model_dir():
 
 
 @pytest.fixture(scope="session")
+def smollm2_two_layers_dir(smollm2_model_dir, tmp_path_factory):
+    """SmolLM2-135M-Instruct cut to its first two decoder layers: its own tokenizer, chat template, EOS,
+    vocabulary and embeddings, for the tests where those matter and what the model writes does not
+    (guided decoding writes it): an engine compiles, and a step trains, in a fraction of the whole
+    model's time."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_model_dir, dtype=torch.float32)
+    model.model.layers = model.model.layers[:2]
+    model.config.num_hidden_layers = 2
+    directory = tmp_path_factory.mktemp("smollm2-two-layers")
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(smollm2_model_dir).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
 def idefics3_dir(tmp_path_factory):
     """A tiny random Idefics3 (SmolVLM's architecture) with SmolLM2's tokenizer and its processor
     (colo.bench.vision_models): 56x56 images, 4 image tokens each."""

@@ -4,9 +4,10 @@ sync copies 0 bytes, and the KV cache stays awake across the turns of one genera
 cache keeps the earlier turns) and sleeps for training. The same script runs with stock TRL (on the
 F.linear variant where stock vLLM cannot take weights) and logs the same tool counts.
 
-SmolLM2-135M-Instruct with TRL's Qwen2.5 template (tool-capable, ChatML like SmolLM2's own); guided
-decoding makes the 135M model write one well-formed call per turn, so both sides call the same number of
-tools."""
+SmolLM2-135M-Instruct's first two layers (its tokenizer, vocabulary and EOS; the smollm2_two_layers_dir
+fixture) with TRL's Qwen2.5 template (tool-capable, ChatML like SmolLM2's own); guided decoding makes the
+model write one well-formed call per turn, so both sides call the same number of tools. (Two layers: stock
+TRL's engine compiles the model, which takes minutes for all 30 on 2 cores.)"""
 from __future__ import annotations
 
 import json
@@ -135,9 +136,9 @@ def _run(side, model_dir, tmp_path, mode="tools"):
     return json.loads((out / "result.json").read_text())
 
 
-def test_trls_tool_loop_and_environments_run_on_colos_engine_as_on_stock_trl(tmp_path, smollm2_model_dir):
-    colo = _run("colo", smollm2_model_dir, tmp_path)
-    stock = _run("stock", smollm2_model_dir, tmp_path)
+def test_trls_tool_loop_and_environments_run_on_colos_engine_as_on_stock_trl(tmp_path, smollm2_two_layers_dir):
+    colo = _run("colo", smollm2_two_layers_dir, tmp_path)
+    stock = _run("stock", smollm2_two_layers_dir, tmp_path)
     # TRL's loop ran on both: one call per completion in its first turn (max_tool_calling_iterations=1).
     for side in (colo, stock):
         assert side["calls"] <= 4 and side["logged"]["tools/call_frequency"] == pytest.approx(1.0)
@@ -149,8 +150,9 @@ def test_trls_tool_loop_and_environments_run_on_colos_engine_as_on_stock_trl(tmp
     assert colo["syncs"] and all(s["bytes_copied"] == 0 for s in colo["syncs"])
 
 
-def test_a_trl_rollout_func_generates_on_colos_engine_and_its_fields_reach_the_rewards(tmp_path, smollm2_model_dir):
-    result = _run("colo", smollm2_model_dir, tmp_path, mode="rollout_func")
+def test_a_trl_rollout_func_generates_on_colos_engine_and_its_fields_reach_the_rewards(tmp_path,
+                                                                                       smollm2_two_layers_dir):
+    result = _run("colo", smollm2_two_layers_dir, tmp_path, mode="rollout_func")
     assert result["logged"]["rewards/judged/mean"] == 7.0  # the function's own field reached the reward
     assert result["logged"]["completions/max_length"] <= 8  # env_mask: the environment's tokens are not counted
     assert result["syncs"] and all(s["bytes_copied"] == 0 for s in result["syncs"]) and result["asleep_after"]
