@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,15 +23,23 @@ def grpo_command(out: Path, *extra: str) -> list[str]:
 def run_grpo(out: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
     done = subprocess.run(grpo_command(out, *extra), capture_output=True, text=True, timeout=timeout,
                           cwd=REPO, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure_report(done.stderr)
     return done
+
+
+def failure_report(stderr: str) -> str:
+    """What a failed run wrote: each distinct error line first (a rank's own, which torchrun's report
+    after it pushes out of a short tail), then the tail."""
+    errors = dict.fromkeys(line for line in stderr.splitlines()
+                           if re.search(r"Error|Traceback|terminate called|not initialized|Signal|signal", line))
+    return "error lines:\n" + "\n".join(errors)[-4000:] + "\n...\n" + stderr[-3000:]
 
 
 def torchrun(out: Path, ranks: int, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port()),
            "-m", "colo.grpo", *grpo_command(out, *extra)[3:]]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=420, cwd=REPO, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure_report(done.stderr)
     return done
 
 
