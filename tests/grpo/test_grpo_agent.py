@@ -1,6 +1,7 @@
-"""Agentic rollouts through the shared engine (colo.grpo.agent) on a real model: SmolLM2-135M-Instruct with
-TRL's Qwen2.5 template (tool-capable, ChatML like SmolLM2's own), scripted tools, and guided decoding
-where a test needs the 135M model to write a well-formed call. What is trained on is the engine's tokens
+"""Agentic rollouts through the shared engine (colo.grpo.agent) on a real tokenizer: SmolLM2-135M-Instruct's
+first two layers (its vocabulary, EOS and embeddings; the smollm2_two_layers_dir fixture) with TRL's
+Qwen2.5 template (tool-capable, ChatML like SmolLM2's own), scripted tools, and guided decoding writing
+the calls. What is trained on is the engine's tokens
 turn by turn with the tools' results between them, masked out of the loss; the earlier turns come from
 vLLM's prefix cache; tools that fail or hang are results, not crashes; environments reset per rollout."""
 from __future__ import annotations
@@ -17,7 +18,7 @@ from colo.grpo.agent import AgentRollouts
 from colo.grpo.tools import tool_suffix_ids
 from helpers.agentic import Counter, add, broken, slow
 
-pytestmark = pytest.mark.slow  # engines on a real model
+pytestmark = pytest.mark.slow  # engines
 
 CALL = r'<tool_call>\n\{{"name": "{name}", "arguments": \{{"{arg}": [1-9][0-9]{{0,3}}{more}\}}\}}\n</tool_call>'
 ADD_CALL = CALL.format(name="add", arg="a", more=r', "b": [1-9][0-9]{0,3}')
@@ -35,16 +36,16 @@ def _correct(completions, answer, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def engine_and_tokenizer(smollm2_model_dir):
+def engine_and_tokenizer(smollm2_two_layers_dir):
     import colo
     from transformers import AutoTokenizer
 
     from colo.grpo.rollout_engine import RolloutEngine
     from colo.grpo.tools import set_chat_template, tool_capable_template
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_two_layers_dir)
     set_chat_template(tokenizer, tool_capable_template("qwen2_5"))
-    engine = RolloutEngine(smollm2_model_dir, colo.Pool("cpu"), seed=0, max_num_seqs=8, sequence_tokens=640,
+    engine = RolloutEngine(smollm2_two_layers_dir, colo.Pool("cpu"), seed=0, max_num_seqs=8, sequence_tokens=640,
                            max_model_len=1024, enforce_eager=True, skip_tokenizer_init=False)
     yield engine, tokenizer
     engine.close()
@@ -145,7 +146,7 @@ def test_an_environment_per_rollout_its_reset_its_tools_and_its_reward(engine_an
 
 
 def test_a_run_with_tools_and_an_environment_trains_overlapped_and_a_failing_reset_stops_it_with_the_checkpoint(
-        tmp_path, smollm2_model_dir):
+        tmp_path, smollm2_two_layers_dir):
     from colo.grpo import GRPOConfig, GRPOScheduler
 
     class FailsOnSecondStep(Counter):
@@ -161,7 +162,7 @@ def test_a_run_with_tools_and_an_environment_trains_overlapped_and_a_failing_res
     config = GRPOConfig(prompts_per_step=2, num_generations=2, max_new_tokens=160, learning_rate=1e-5, max_turns=1,
                         chat_template="qwen2_5", structured_outputs_regex=either + "|The answer is [0-9]+\\.",
                         save_every=1, overlap="on", dtype="fp32", seed=1)
-    run = GRPOScheduler(smollm2_model_dir, config=config, dataset=_dataset(), reward_funcs=[_correct], tools=[add],
+    run = GRPOScheduler(smollm2_two_layers_dir, config=config, dataset=_dataset(), reward_funcs=[_correct], tools=[add],
                         environment_factory=FailsOnSecondStep, out_dir=tmp_path / "out",
                         engine_options=dict(enforce_eager=True))
     records = []
@@ -180,7 +181,7 @@ def test_a_run_with_tools_and_an_environment_trains_overlapped_and_a_failing_res
     assert sorted(p.name for p in (tmp_path / "out").glob("step-*.pt")) == ["step-000001.pt"]
 
 
-def test_rollout_func_generates_with_the_engine_and_its_fields_reach_the_rewards(smollm2_model_dir):
+def test_rollout_func_generates_with_the_engine_and_its_fields_reach_the_rewards(smollm2_two_layers_dir):
     from colo.grpo import GRPOConfig, GRPOScheduler
 
     seen = {}
@@ -204,7 +205,7 @@ def test_rollout_func_generates_with_the_engine_and_its_fields_reach_the_rewards
 
     config = GRPOConfig(prompts_per_step=2, num_generations=2, max_new_tokens=16, learning_rate=1e-5, save_every=0,
                         dtype="fp32")
-    run = GRPOScheduler(smollm2_model_dir, config=config, dataset=_dataset(), reward_funcs=[uses_judge],
+    run = GRPOScheduler(smollm2_two_layers_dir, config=config, dataset=_dataset(), reward_funcs=[uses_judge],
                         rollout_func=rollout, engine_options=dict(enforce_eager=True))
     try:
         record = run.train_step()
