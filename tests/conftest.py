@@ -15,8 +15,10 @@ that several of them share, beyond the few here, are in tests/helpers/.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
+from pathlib import Path
 
 # Under pytest-xdist (the README's `pytest -n 2`) each worker gets one thread, and what it starts
 # (torchrun ranks, bench subprocesses) inherits that: two workers of two threads each on two cores
@@ -64,12 +66,28 @@ def pytest_report_header(config):
             f"{torch.backends.cpu.get_cpu_capability()}"]
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`-n 2`, which picks --dist load), each test file goes whole to one worker, the
+    longest files first (below; xdist's own reordering, by number of tests, off): a file's module
+    fixtures (a reference run, an engine) are built once, and the workers finish together rather than
+    one idling while the other runs a long file's last tests."""
+    if getattr(config.option, "dist", None) == "load":
+        config.option.dist = "loadfile"
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
-    """The files holding slow tests first, each file's tests together and in their order: under
-    pytest-xdist the workers then start on the long tests and share the short ones at the end, rather
-    than one finishing a long test alone while the other idles; module fixtures stay shared."""
+    """The files whose tests take longest first (tests/file_seconds.json, measured; a slow file not
+    measured yet counts a minute), each file's tests together and in their order."""
+    measured = json.loads((Path(__file__).parent / "file_seconds.json").read_text())["seconds"]
+    root = Path(__file__).resolve().parents[1]
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+
+    def seconds(item) -> float:
+        name = item.path.resolve().relative_to(root).as_posix()
+        return measured.get(name, 60.0 if item.path in slow_files else 0.0)
+
+    items.sort(key=lambda item: -seconds(item))
 
 
 def pytest_sessionstart(session):
