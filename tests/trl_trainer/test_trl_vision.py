@@ -52,16 +52,25 @@ def run(side: str, model_dir, tmp_path):
 
 
 @pytest.fixture
-def own_rendezvous_port(monkeypatch):
-    """Stock TRL's colocate engine leaves RANK/WORLD_SIZE in the environment, so the next TRL config in
-    this process makes accelerate start a process group, at MASTER_PORT or 29500: the other pytest
-    worker may hold that port."""
+def stock_trl_in_this_process(monkeypatch):
+    """Stock TRL's colocate engine leaves RANK/LOCAL_RANK/WORLD_SIZE in the environment, so the next TRL
+    config in this process makes accelerate start a process group (at MASTER_PORT or 29500, which the
+    other pytest worker may hold: a free port here) and place the model on "cpu:N". Afterwards the
+    environment and accelerate's state are as they were, for the tests this worker runs next."""
+    import os
+
+    from accelerate.state import AcceleratorState
     from conftest import free_port
 
+    saved = dict(os.environ)
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
-@pytest.mark.usefixtures("own_rendezvous_port")
+@pytest.mark.usefixtures("stock_trl_in_this_process")
 def test_trls_vision_language_path_runs_on_colos_engine_with_one_copy(idefics3_dir, tmp_path):
     stock, stock_history, stock_seen, _ = run("stock", idefics3_dir, tmp_path)
     del stock
@@ -97,7 +106,7 @@ def test_an_engine_prompt_other_than_the_trainers_is_refused():
         EnginePrompts.check([[1, 9, 9, 2]], [[1, 9, 9, 9, 2]], [["image"]])
 
 
-@pytest.mark.usefixtures("own_rendezvous_port")
+@pytest.mark.usefixtures("stock_trl_in_this_process")
 def test_a_peft_adapter_on_a_vision_language_model_is_refused_before_the_engine(idefics3_dir, tmp_path):
     import datasets
     from peft import LoraConfig
