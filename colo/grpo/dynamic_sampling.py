@@ -28,23 +28,24 @@ from .task import Scores, sampling_options
 EXTRA_STEPS = 1_000_003
 
 
-def informative(scores: Scores) -> bool:
-    """Whether one group's scored rewards are not all equal (NaN: unscorable, left out of the comparison)."""
-    scored = scores.total[~torch.isnan(scores.total)]
+def _not_all_equal(rewards: torch.Tensor) -> bool:
+    scored = rewards[~torch.isnan(rewards)]   # NaN: unscorable, left out of the comparison
     return scored.numel() > 1 and bool((scored != scored[0]).any())
+
+
+def informative(scores: Scores) -> bool:
+    """Whether one group's scored rewards are not all equal."""
+    return _not_all_equal(scores.total)
 
 
 def informative_groups(scores: Scores, group_size: int) -> list[int]:
     """The groups (of `group_size` completions each) whose scored rewards are not all equal."""
-    groups = len(scores.total) // group_size
-    return [g for g in range(groups) if informative(select_groups(None, scores, [g], group_size)[1])]
+    return [g for g, rewards in enumerate(scores.total.view(-1, group_size)) if _not_all_equal(rewards)]
 
 
-def select_groups(rollout: Rollout | None, scores: Scores, groups: list[int],
-                  group_size: int) -> tuple[Rollout | None, Scores]:
+def select_groups(rollout: Rollout, scores: Scores, groups: list[int], group_size: int) -> tuple[Rollout, Scores]:
     rows = [g * group_size + i for g in groups for i in range(group_size)]
-    picked = rollout.select(rows) if rollout is not None else None
-    return picked, Scores(scores.per_function[rows], scores.weights, scores.names)
+    return rollout.select(rows), Scores(scores.per_function[rows], scores.weights, scores.names)
 
 
 def concatenated(rollouts: list[Rollout]) -> Rollout:
