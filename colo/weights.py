@@ -82,25 +82,25 @@ class SharedWeights(EngineViews):
     later share_weights on the same engine took the weights over; alias: False where the trainer keeps
     its own tensors (share_weights' alias=False)."""
 
-    def __init__(self, hf_model, llm, pool, *, copies: "_CopyPlan", loads: "_LoaderLoads", aliased_bytes: int,
-                 copy_bytes: int, packed_bytes: int, shared_once_bytes: int, repack, copied: dict[str, str],
-                 alias: bool = True):
-        super().__init__(llm, hf_model, shared_by="colo.share_weights", repack=repack)
-        self.pool = pool
+    def __init__(self, hf_model, llm, pool, *, alias: bool = True, **engine_state):
+        super().__init__(llm, hf_model, shared_by="colo.share_weights")
+        self.alias = alias
+        self._bind(llm, pool, **engine_state)
+
+    def _bind(self, llm, pool, *, copies: "_CopyPlan", loads: "_LoaderLoads", aliased_bytes: int, copy_bytes: int,
+              packed_bytes: int, shared_once_bytes: int, repack, copied: dict[str, str]) -> None:
+        """What these views hold of `llm` (share_weights' plan for it): set once, and again by rebind."""
+        self.llm, self.pool = llm, pool
         self.aliased_bytes, self.copy_bytes = aliased_bytes, copy_bytes
         self.packed_bytes, self.shared_once_bytes = packed_bytes, shared_once_bytes
-        self.copied, self.alias = copied, alias
-        self.superseded = False
-        self._copies, self._loads = copies, loads  # what publish() copies, planned once
+        self.copied, self.superseded = copied, False
+        self._copies, self._loads, self._repack = copies, loads, list(repack)  # what publish() copies, planned once
         # Every name, a tied head's too: a checkpoint of the whole model holds both, as state_dict() does.
-        self.watch({name: Placed(p, tuple(p.shape)) for name, p in hf_model.named_parameters(remove_duplicate=False)})
+        self.watch({name: Placed(p, tuple(p.shape))
+                    for name, p in self.hf_model.named_parameters(remove_duplicate=False)})
 
     def rebind(self, llm) -> None:
-        fresh = share_weights(self.hf_model, llm, alias=self.alias)  # the values written in, then views
-        publish_count = self.publish_count
-        vars(self).update(vars(fresh))
-        self.publish_count = publish_count
-        llm.colo_shared_weights = self
+        _share(self.hf_model, llm, None, alias=self.alias, into=self)  # the values written in, then views
 
     def _detach_kind(self) -> None:
         self._copies = self._loads = None  # they hold the engine's tensors
@@ -170,21 +170,30 @@ def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes:
     Raises ValueError, naming the first mismatching parameter, when the model does not fit the engine;
     nothing is changed then.
     """
+    return _share(hf_model, llm, pool, alias=alias, bucket_bytes=bucket_bytes, check_logprobs=check_logprobs)
+
+
+def _share(hf_model, llm, pool, *, alias: bool, bucket_bytes: int = 256 << 20, check_logprobs: bool = True,
+           into: SharedWeights | None = None) -> SharedWeights:
+    """share_weights; `into`: the views to bind to `llm` instead of new ones (SharedWeights.rebind)."""
     sources, engine = _validate(hf_model, llm, alias, bucket_bytes)
     pool, repack = _place_engine_weights(llm, engine, pool)
     once = _write_and_alias(hf_model, sources, engine, bucket_bytes, pool)
     copies = _pairs([s for s in sources if not s.alias and not s.placement.through_loader], engine)
     loaded = [s for s in sources if s.placement.through_loader]
     copied = {s.name: _why_copied(s, alias, engine) for s in sources if not s.alias}
-    shared = SharedWeights(
-        hf_model, llm, pool, copies=_CopyPlan(copies, bucket_bytes),
-        loads=_LoaderLoads(engine.model, hf_model, loaded),
+    engine_state = dict(
+        copies=_CopyPlan(copies, bucket_bytes), loads=_LoaderLoads(engine.model, hf_model, loaded),
         aliased_bytes=sum(s.param.nbytes for s in sources if s.alias),
         copy_bytes=sum(dst.nbytes for dst, _ in copies) + sum(s.param.nbytes for s in loaded), copied=copied,
-        packed_bytes=sum(linear.packed_bytes for linear in repack), shared_once_bytes=once, repack=repack,
-        alias=alias)
+        packed_bytes=sum(linear.packed_bytes for linear in repack), shared_once_bytes=once, repack=repack)
+    if into is None:
+        shared = SharedWeights(hf_model, llm, pool, alias=alias, **engine_state)
+    else:
+        shared = into
+        shared._bind(llm, pool, **engine_state)
     previous = getattr(llm, "colo_shared_weights", None)
-    if previous is not None:
+    if previous is not None and previous is not shared:
         previous.superseded = True
     llm.colo_shared_weights = shared
     if once or shared._loads.count:

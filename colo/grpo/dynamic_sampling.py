@@ -21,9 +21,8 @@ from typing import Callable
 
 import torch
 
-from . import distributed
 from .batch import Rollout, concatenated_scores, rollout_of
-from .task import Scores, sampling_options
+from .task import Scores, rank_batch
 
 EXTRA_STEPS = 1_000_003
 
@@ -60,13 +59,10 @@ def concatenated(rollouts: list[Rollout]) -> Rollout:
     return Rollout(**values)
 
 
-def extra_prompts(step: int, extra: int, *, task, config, world) -> tuple[list, list, list[dict]]:
-    """(rows, prompts, sampling options) of this rank's share of the step's `extra`-th extra generation."""
-    extra_step = step + extra * EXTRA_STEPS
-    rows, prompts = task.batch(extra_step, config.prompts_per_step)
-    share = distributed.rank_share(config.prompts_per_step, world)
-    return (rows[share.start:share.stop], prompts[share.start:share.stop],
-            sampling_options(config, task, extra_step, share))
+def extra_batch(step: int, extra: int, *, task, config, world, engine) -> tuple[list, list, list[dict]]:
+    """(rows, prompts, sampling options) of this rank's share of the step's `extra`-th extra generation:
+    the batch of a step no real step reaches (colo.grpo.task.rank_batch)."""
+    return rank_batch(task, config, world, step + extra * EXTRA_STEPS, engine)
 
 
 def counts(generated: int, trained: int, extra: int) -> dict:
@@ -75,7 +71,7 @@ def counts(generated: int, trained: int, extra: int) -> dict:
             "dynamic_sampling/trained_groups": trained, "dynamic_sampling/extra_generations": extra}
 
 
-def fill_with_informative_groups(step: int, rollout: Rollout, scores: Scores, *, task, config, world,
+def fill_with_informative_groups(step: int, rollout: Rollout, scores: Scores, *, task, config, world, engine,
                                  generate: Callable, score: Callable) -> tuple[Rollout, Scores, dict]:
     """Serial steps: the step's rollout and scores with its uninformative groups dropped and replaced,
     and the record's counts. generate(rows, prompts, sampling) -> the engine's completions;
@@ -89,7 +85,7 @@ def fill_with_informative_groups(step: int, rollout: Rollout, scores: Scores, *,
     have, extra = len(kept), 0
     while have < share_size and extra < config.dynamic_sampling:
         extra += 1
-        rows, prompts, sampling = extra_prompts(step, extra, task=task, config=config, world=world)
+        rows, prompts, sampling = extra_batch(step, extra, task=task, config=config, world=world, engine=engine)
         more = rollout_of(rows, prompts, generate(rows, prompts, sampling), size)
         more_scores = score(more)
         generated += len(prompts)
@@ -103,7 +99,7 @@ def fill_with_informative_groups(step: int, rollout: Rollout, scores: Scores, *,
     return concatenated(rollouts), concatenated_scores(all_scores), counts(generated, have, extra)
 
 
-def replace_while_training(step: int, overlapped, *, task, config, world, rollouts: Callable) -> None:
+def replace_while_training(step: int, overlapped, *, task, config, world, engine, rollouts: Callable) -> None:
     """Overlapped steps, after the step's own generation (its informative groups picked as they
     finished, colo.grpo.overlap.OverlappedStep with keep=informative): generate the replacement prompts
     while those train, each round picking at most the groups still missing. rollouts(rows, prompts,
@@ -112,7 +108,7 @@ def replace_while_training(step: int, overlapped, *, task, config, world, rollou
     extra = 0
     while len(overlapped.picked()) < share_size and extra < config.dynamic_sampling:
         extra += 1
-        rows, prompts, sampling = extra_prompts(step, extra, task=task, config=config, world=world)
+        rows, prompts, sampling = extra_batch(step, extra, task=task, config=config, world=world, engine=engine)
         rollouts(rows, prompts, sampling,
                  on_group=overlapped.round(rows, prompts, quota=share_size - len(overlapped.picked())))
     if not overlapped.picked():

@@ -68,8 +68,7 @@ from .reward_model import attach_reward_models
 from .schedules import lr_multiplier, warmup_of
 from .rollout_engine import EngineFailure, RolloutEngine, engine_error, rebuild_engine
 from .strategy import Generated, OverlappedSteps, SerialSteps
-from .task import (Task, build_tasks, checked_prompts, fit_model_length, guided_options, longest_sequence,
-                   sampling_options, stop_options)
+from .task import Task, build_tasks, fit_model_length, guided_options, longest_sequence, rank_batch, stop_options
 from .trackers import Trackers
 from .train_memory import TrainingMemory
 
@@ -350,11 +349,7 @@ class GRPOScheduler:
         rebuilt from the shared weights and tried once more), the generation, its seconds and the
         rebuild's. Every rank fails together rather than leaving the others waiting in an all-reduce."""
         cfg = self.config
-        all_rows, all_prompts = self.task.batch(step, cfg.prompts_per_step)
-        all_prompts = checked_prompts(cfg, all_prompts, step, self.engine.vocab_size, self.engine.max_model_len)
-        share = distributed.rank_share(cfg.prompts_per_step, self.world)  # uneven when the ranks do not divide it
-        rows, prompts = all_rows[share.start:share.stop], all_prompts[share.start:share.stop]
-        sampling = sampling_options(cfg, self.task, step, share)
+        rows, prompts, sampling = rank_batch(self.task, cfg, self.world, step, self.engine)
         with self.timeline.span("generate", step=step) as span:
             error = generated = rebuild_s = None
             try:

@@ -99,7 +99,8 @@ class SerialSteps:
             return SerialSteps.generate(self, step, rows, prompts, sampling).completions
 
         return dynamic_sampling.fill_with_informative_groups(
-            step, rollout, scores, task=self.task, config=self.config, world=self.world, generate=generate,
+            step, rollout, scores, task=self.task, config=self.config, world=self.world, engine=self.engine,
+            generate=generate,
             score=lambda more: SerialSteps.score(self, step, more, None)[0])
 
     def advantages(self, scores) -> torch.Tensor:
@@ -161,7 +162,7 @@ class OverlappedSteps(SerialSteps):
                                          on_group=overlapped.round(rows, prompts))
             if self.config.dynamic_sampling:  # the replacement prompts generate while the picked groups train
                 dynamic_sampling.replace_while_training(step, overlapped, task=self.task, config=self.config,
-                                                        world=self.world, rollouts=self._rollouts)
+                                                        world=self.world, engine=self.engine, rollouts=self._rollouts)
         except BaseException as e:
             # The groups trained so far are void: a retry (or the serial try below) starts from zeroed gradients.
             overlapped.abandon()

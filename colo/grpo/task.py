@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from . import distributed
 from .images import ImagePrompt, ImagePrompts, image_column, row_images
 from .rewards import reward_name
 
@@ -523,6 +524,16 @@ def checked_prompts(config, prompts, step: int, vocab: int, max_model_len: int) 
                              f"it exceeds the engine's max_model_len {max_model_len}")
         checked.append(p)
     return checked
+
+
+def rank_batch(task: Task, config, world, step: int, engine) -> tuple[list, list[list[int]], list[dict]]:
+    """(rows, prompts, sampling options) of this data-parallel rank's share of step `step`'s prompts
+    (uneven when the ranks do not divide them), every prompt checked against the engine's vocabulary
+    and max_model_len first (a ValueError naming the prompt and step)."""
+    rows, prompts = task.batch(step, config.prompts_per_step)
+    prompts = checked_prompts(config, prompts, step, engine.vocab_size, engine.max_model_len)
+    share = distributed.rank_share(config.prompts_per_step, world)
+    return rows[share.start:share.stop], prompts[share.start:share.stop], sampling_options(config, task, step, share)
 
 
 def stop_options(task: Task) -> dict:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import free_port
 
-from helpers.grpo_runs import ENV, REPO, grpo_command, records, run_grpo, torchrun
+from helpers.grpo_runs import ENV, REPO, failure_report, grpo_command, records, run_grpo, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -236,52 +236,17 @@ def latest_checkpoint_step(out: Path) -> int:
 
 
 @pytest.mark.cpu_kind  # bf16 rounding and kernels differ between CPU kinds
-def test_two_ranks_under_torchrun_train_like_one(reference, tmp_path):
-    out = tmp_path / "torchrun"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", "colo.grpo", "--json", str(out / "log.jsonl"), "--out", str(out), "--no-progress",
-           "--steps", "2", "--save-every", "1", "--keep-checkpoints", "0", "--trace", str(out / "trace.json"),
-           "--dtype", "bf16"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
-    log = records(out)
-    assert [r["step"] for r in log] == [1, 2]
-    # Each rank generated half the prompts with its own engine; rewards are over the whole batch.
-    assert log[0]["tokens_generated"] == 8 * 8 * 16
-    assert log[0]["reward_mean"] == pytest.approx(records(reference)[0]["reward_mean"], abs=1e-9)
-    # Averaged gradients (exact global token mean): the same update as one rank with all prompts (a
-    # sum instead of a mean over ranks would be 2x off), bf16 rounding apart.
-    assert_trains_like(out, reference, last_step=2)
-    assert [r["reward_mean"] for r in log] == pytest.approx([r["reward_mean"] for r in records(reference)[:2]],
-                                                             abs=0.02)
-    assert (out / "trace.rank1.json").exists()
-
-
-@pytest.mark.cpu_kind  # bf16 rounding and kernels differ between CPU kinds
-def test_prompts_the_ranks_do_not_divide_are_split_unevenly_with_the_same_result(tmp_path):
-    """7 prompts over 2 ranks: 4 and 3. Seeds follow the prompt's index in the step, and the loss is
-    the token mean over the whole batch, so the step matches one rank with all 7 prompts."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    common = ["--steps", "1", "--save-every", "1", "--keep-checkpoints", "0", "--prompts-per-step", "7", "--dtype", "bf16"]
-    done = run_grpo(one, *common)
-    assert done.returncode == 0, done.stderr[-3000:]
-    # The two ranks also train each group as soon as it is done (--overlap on): still the same step.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", "colo.grpo", *grpo_command(two, *common, "--overlap", "on")[3:]]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
-    a, b = records(one)[0], records(two)[0]
-    assert b["overlap"] and not a["overlap"]
-    assert a["tokens_generated"] == b["tokens_generated"] == 7 * 8 * 16
-    assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-9)  # the same completions
-    assert_trains_like(two, one, last_step=1)  # the same gradients, bf16 rounding apart
-
-
-def test_two_nodes_on_localhost_train_like_one_node(reference, tmp_path):
-    """torchrun --nnodes 2 (two node ranks, one process each, rendezvous on 127.0.0.1), as the
-    README's multi-node command: the first step matches the single-process reference."""
-    out, port = tmp_path / "two-nodes", free_port()
-    args = grpo_command(out, "--steps", "1", "--save-every", "1", "--keep-checkpoints", "0", "--dtype", "bf16")[3:]
+def test_two_nodes_on_localhost_split_what_they_do_not_divide_and_train_like_one_node(tmp_path):
+    """torchrun --nnodes 2 (two node ranks, one process each, rendezvous on 127.0.0.1), as the README's
+    multi-node command, with 7 prompts per step: the ranks take 4 and 3, and each trains a group as soon
+    as it is done (--overlap on). Seeds follow the prompt's index in the step, rewards are over the whole
+    batch and the loss is the token mean over it, so the steps are those of one rank with all 7 prompts.
+    (Two ranks on one node, dividing the prompts evenly, against the reference run: the sharded test.)"""
+    one, two = tmp_path / "one", tmp_path / "two-nodes"
+    common = ["--steps", "2", "--save-every", "1", "--keep-checkpoints", "0", "--prompts-per-step", "7", "--dtype", "bf16"]
+    run_grpo(one, *common)
+    port = free_port()
+    args = grpo_command(two, *common, "--overlap", "on", "--trace", str(two / "trace.json"))[3:]
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
                                "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
                                "-m", "colo.grpo", *args],
@@ -292,14 +257,18 @@ def test_two_nodes_on_localhost_train_like_one_node(reference, tmp_path):
     finally:
         for node in nodes:
             node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
-    first, expected = records(out)[0], records(reference)[0]
-    assert first["tokens_generated"] == 8 * 8 * 16
-    assert first["reward_mean"] == pytest.approx(expected["reward_mean"], abs=1e-9)
-    assert_trains_like(out, reference, last_step=1)
-
-
-
+    assert [node.returncode for node in nodes] == [0, 0], [failure_report(err) for _, err in outputs]
+    a, b = records(one), records(two)
+    assert [r["step"] for r in b] == [1, 2]
+    assert b[0]["overlap"] and not a[0]["overlap"]
+    # Each rank generated its share with its own engine; rewards are over the whole batch.
+    assert a[0]["tokens_generated"] == b[0]["tokens_generated"] == 7 * 8 * 16
+    assert b[0]["reward_mean"] == pytest.approx(a[0]["reward_mean"], abs=1e-9)  # the same completions
+    # Averaged gradients (exact global token mean): the same update as one rank with all prompts (a sum
+    # instead of a mean over ranks would be 2x off), bf16 rounding apart.
+    assert_trains_like(two, one, last_step=2)
+    assert [r["reward_mean"] for r in b] == pytest.approx([r["reward_mean"] for r in a], abs=0.02)
+    assert (two / "trace.rank1.json").exists()
 
 
 def optimizer_state(out: Path, step: int) -> dict[str, torch.Tensor]:
@@ -382,6 +351,7 @@ def test_sharded_optimizer_trains_like_one_rank_and_resumes_on_any_number_of_ran
     common = ["--save-every", "1", "--keep-checkpoints", "0", "--shard-optimizer", "--dtype", "bf16"]
     torchrun(two, 2, "--steps", "3", *common)
     log, expected = records(two), records(reference)
+    assert log[0]["tokens_generated"] == 8 * 8 * 16  # each rank half the prompts, with its own engine
     assert [r["reward_mean"] for r in log] == pytest.approx([r["reward_mean"] for r in expected[:3]], abs=0.02)
     assert log[0]["reward_mean"] == pytest.approx(expected[0]["reward_mean"], abs=1e-9)
     # fp32 masters and two moments, 12 bytes per parameter: each rank holds about half.

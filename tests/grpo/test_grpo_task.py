@@ -124,6 +124,25 @@ def test_toy_task_rewards_and_deterministic_prompts():
     assert task.rewards([[1]] * 3, [[0, 4, 8, 1], [1, 2, 3], []]) == [0.75, 0.0, 0.0]
 
 
+def test_a_ranks_batch_is_its_share_checked_and_so_is_each_extra_generation_of_dynamic_sampling():
+    from types import SimpleNamespace
+    from colo.grpo.distributed import World
+    from colo.grpo.dynamic_sampling import EXTRA_STEPS, extra_batch
+    from colo.grpo.task import CallableTask, rank_batch
+
+    # Prompts of a real step fit the engine; those of the steps only dynamic sampling's extra generations draw do not.
+    task = CallableTask(lambda step, count: [[step % 50 + 1] * (3 if step < EXTRA_STEPS else 30)] * count,
+                        lambda prompts, completions: [0.0] * len(completions))
+    config = GRPOConfig(prompts_per_step=5, num_generations=2, max_new_tokens=4, dynamic_sampling=1)
+    engine = SimpleNamespace(vocab_size=64, max_model_len=16)
+    shares = [rank_batch(task, config, World(rank, 2, rank), 7, engine) for rank in (0, 1)]
+    assert [rows for rows, _, _ in shares] == [[0, 1, 2], [3, 4]]  # uneven: the first rank takes the extra prompt
+    assert [len(sampling) for _, _, sampling in shares] == [3, 2]
+    assert len({s["seed"] for _, _, sampling in shares for s in sampling}) == 5
+    with pytest.raises(ValueError, match=f"prompt 0 of step {7 + EXTRA_STEPS} has 30 tokens"):
+        extra_batch(7, 1, task=task, config=config, world=World(0, 1, 0), engine=engine)
+
+
 # -- datasets through the real tokenizer -----------------------------------------------------------
 def test_chat_prompts_go_through_the_template_and_columns_reach_the_rewards(tokenizer, tmp_path):
     seen = {}

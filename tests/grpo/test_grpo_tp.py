@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import free_ports
 
-from helpers.grpo_runs import ENV, REPO, grpo_command, records, run_grpo, torchrun
+from helpers.grpo_runs import ENV, REPO, failure_report, grpo_command, records, run_grpo, torchrun, torchrun_command
 
 pytestmark = pytest.mark.slow
 
@@ -59,11 +59,25 @@ def assert_first_step_like_one_rank(tp_run, one) -> None:
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    """Tensor parallel 2: one engine over two ranks."""
-    out = tmp_path_factory.mktemp("grpo-tp2")
-    torchrun(out, 2, "--steps", "2", "--tensor-parallel", "2", *COMMON)
-    return out
+def tp_jobs(tmp_path_factory):
+    """Tensor parallel 2: one engine over two ranks; and a second, smaller TP=2 job started beside it on
+    this host at the same time: (the first's directory, (the second's directory, exit status, stderr))."""
+    out, beside = tmp_path_factory.mktemp("grpo-tp2"), tmp_path_factory.mktemp("grpo-tp2-beside")
+    port, beside_port = free_ports(2)
+    second = subprocess.Popen(torchrun_command(beside, 2, "--steps", "1", "--tensor-parallel", "2", "--eager",
+                                               "--prompts-per-step", "2", "--num-generations", "2", "--dtype", "fp32",
+                                               port=beside_port),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
+    try:
+        torchrun(out, 2, "--steps", "2", "--tensor-parallel", "2", *COMMON, port=port)
+    finally:
+        _, stderr = second.communicate(timeout=600)
+    return out, (beside, second.returncode, stderr)
+
+
+@pytest.fixture(scope="module")
+def two(tp_jobs):
+    return tp_jobs[0]
 
 
 def test_tensor_parallel_trains_like_one_rank_with_one_copy_and_resumes_exactly(one, two, tmp_path):
@@ -158,22 +172,10 @@ def test_what_tensor_parallelism_cannot_take_is_refused_before_any_engine(tmp_pa
     assert "tensor_parallel=2 must divide the number of ranks (1)" in done.stderr
 
 
-def test_two_tensor_parallel_jobs_on_one_host_at_once(tmp_path):
+def test_two_tensor_parallel_jobs_on_one_host_at_once(tp_jobs):
     """vLLM's CPU workers name their shared-memory segments after the job (colo.vllm_compat.
-    job_init_method): two TP=2 jobs started together on this host both finish. Before, both named
-    them after "env://" and the second failed creating its segment (errno 17)."""
-    import sys
-
-    jobs = []
-    for job, port in enumerate(free_ports(2)):
-        out = tmp_path / f"job{job}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-               "-m", "colo.grpo", *grpo_command(out, "--steps", "1", "--tensor-parallel", "2", "--eager",
-                                                "--prompts-per-step", "2", "--num-generations", "2",
-                                                "--dtype", "fp32")[3:]]
-        jobs.append((out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                           cwd=REPO, env=ENV)))
-    for out, job in jobs:
-        _, stderr = job.communicate(timeout=600)
-        assert job.returncode == 0, stderr[-3000:]
-        assert [r["step"] for r in records(out)] == [1]
+    job_init_method): two TP=2 jobs started together on this host both finish (tp_jobs). Before, both
+    named them after "env://" and the second failed creating its segment (errno 17)."""
+    first, (second, status, stderr) = tp_jobs
+    assert status == 0, failure_report(stderr)
+    assert [r["step"] for r in records(first)] == [1, 2] and [r["step"] for r in records(second)] == [1]

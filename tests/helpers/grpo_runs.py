@@ -35,10 +35,14 @@ def failure_report(stderr: str) -> str:
     return "error lines:\n" + "\n".join(errors)[-4000:] + "\n...\n" + stderr[-3000:]
 
 
-def torchrun(out: Path, ranks: int, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port()),
-           "-m", "colo.grpo", *grpo_command(out, *extra)[3:]]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=420, cwd=REPO, env=ENV)
+def torchrun_command(out: Path, ranks: int, *extra: str, port: int | None = None) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+            "--master_port", str(port or free_port()), "-m", "colo.grpo", *grpo_command(out, *extra)[3:]]
+
+
+def torchrun(out: Path, ranks: int, *extra: str, port: int | None = None) -> subprocess.CompletedProcess:
+    done = subprocess.run(torchrun_command(out, ranks, *extra, port=port), capture_output=True, text=True,
+                          timeout=420, cwd=REPO, env=ENV)
     assert done.returncode == 0, failure_report(done.stderr)
     return done
 

@@ -8,11 +8,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from conftest import PROMPTS, free_port
+from helpers.grpo_runs import failure_report
 
 pytestmark = pytest.mark.slow
 
@@ -28,112 +31,149 @@ from colo.engine import build_llm, weights_region
 from colo.tensor_parallel import shared_tp_model
 from vllm import SamplingParams
 
-path, tp_size, dtype, out, eager = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5] == "eager"
-prompt = PROMPT
-llm = build_llm(path, colo.Pool("cpu"), dtype=dtype, kv_cache_bytes=16 << 20, max_model_len=256,
-                skip_tokenizer_init=True, tensor_parallel_size=tp_size, seed=0, enforce_eager=eager)
-tp = shared_tp_model(llm)
+
+def run(path, tp_size, dtype, out, eager):
+    prompt = PROMPT
+    llm = build_llm(path, colo.Pool("cpu"), dtype=dtype, kv_cache_bytes=16 << 20, max_model_len=256,
+                    skip_tokenizer_init=True, tensor_parallel_size=tp_size, seed=0, enforce_eager=eager)
+    tp = shared_tp_model(llm)
 
 
-def served():
-    done = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    return torch.tensor([e[t].logprob for t, e in zip(prompt[1:], done[0].prompt_logprobs[1:])], dtype=torch.float64)
+    def served():
+        done = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        return torch.tensor([e[t].logprob for t, e in zip(prompt[1:], done[0].prompt_logprobs[1:])], dtype=torch.float64)
 
 
-params = tp.parameters()
-names = {id(p): n for n, p in tp.hf_model.named_parameters()}
-ptrs = [p.data_ptr() for p in params]
-region = weights_region(llm)
-ids = torch.tensor([prompt])
-with torch.no_grad():
-    before = tp.token_logprobs(ids)[0].double()
-served_before = served()
-tp.collectives.forward = tp.collectives.backward = 0  # count one training step's
-if dtype == "float32":
-    optimizer = torch.optim.SGD(params, lr=LR)
-    logp = tp.token_logprobs(ids)
-    loss = -logp.mean()
-    # In two backward passes, as micro-batches accumulate: each pass's gradients summed over the ranks
-    # that share a KV head, never the .grad accumulated so far.
-    half = logp.shape[1] // 2
-    (-logp[:, :half].sum() / logp.numel()).backward(retain_graph=True)
-    (-logp[:, half:].sum() / logp.numel()).backward()
-    norm = tp.grad_norm(params, [p.grad for p in params])
-    optimizer.step()
-    values = params
-else:
-    optimizer = colo.MasterWeightOptimizer(params, torch.optim.SGD, lr=LR)
-    loss = -tp.token_logprobs(ids).mean()
-    loss.backward()
-    norm = tp.clip_grad_norm_(optimizer, None)
-    optimizer.step()
-    values = optimizer.masters
-counted = (tp.collectives.forward, tp.collectives.backward)
-report = tp.publish()
-with torch.no_grad():
-    after = tp.token_logprobs(ids)[0].double()
-served_after = served()
-whole = tp.full_state_dict(None if values is params else dict(zip(params, values)))
-if dist.get_rank() == 0:
-    torch.save(whole, f"{out}/whole.pt")
-# The whole initial weights, as on disk, written back into the shards: the model is the untrained one again
-# (read by transformers, which turns a MoE checkpoint's per-expert tensors into its fused experts).
-from transformers import AutoModelForCausalLM
-on_disk = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
-refused = []
-for bad in ({k: v for k, v in on_disk.items() if "norm" not in k}, {**on_disk, "model.norm.weight": torch.ones(3)}):
-    try:
-        tp.load_full_state_dict(bad)
-    except ValueError as e:
-        refused.append(str(e))
-tp.load_full_state_dict(on_disk)
-tp.publish()
-with torch.no_grad():
-    reloaded = tp.token_logprobs(ids)[0].double()
-served_reloaded = served()
-pieces = {name: (placed.dim, placed.ranges[tp.rank]) if placed.ranges else None for name, placed in tp.layout.items()}
-torch.save({"shards": {names[id(p)]: (pieces[names[id(p)]], v.detach().float().clone()) for p, v in zip(params, values)}},
-           f"{out}/rank{dist.get_rank()}.pt")
-open(f"{out}/rank{dist.get_rank()}.json", "w").write(json.dumps({
-    "rank": dist.get_rank(), "tp": tp.size, "loss": loss.item(), "norm": norm, "collectives": counted,
-    "layers": len(tp.hf_model.model.layers), "bytes_copied": report["bytes_copied"],
-    "report_kind": type(report).__name__, "aliased_bytes": report["aliased_bytes"],
-    "views": all(region.contains(p) for p in params), "ptrs_kept": [p.data_ptr() for p in params] == ptrs,
-    "param_bytes": sum(p.nbytes for p in params),
-    "engine_err_before": (served_before - before).abs().max().item(),
-    "engine_err_after": (served_after - after).abs().max().item(),
-    "changed": (after - before).abs().max().item(), "after": after.tolist(),
-    "refused": refused, "reload_err": (reloaded - before).abs().max().item(), "served_reload_err": (served_reloaded - before).abs().max().item()}))
+    params = tp.parameters()
+    names = {id(p): n for n, p in tp.hf_model.named_parameters()}
+    ptrs = [p.data_ptr() for p in params]
+    region = weights_region(llm)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        before = tp.token_logprobs(ids)[0].double()
+    served_before = served()
+    tp.collectives.forward = tp.collectives.backward = 0  # count one training step's
+    if dtype == "float32":
+        optimizer = torch.optim.SGD(params, lr=LR)
+        logp = tp.token_logprobs(ids)
+        loss = -logp.mean()
+        # In two backward passes, as micro-batches accumulate: each pass's gradients summed over the ranks
+        # that share a KV head, never the .grad accumulated so far.
+        half = logp.shape[1] // 2
+        (-logp[:, :half].sum() / logp.numel()).backward(retain_graph=True)
+        (-logp[:, half:].sum() / logp.numel()).backward()
+        norm = tp.grad_norm(params, [p.grad for p in params])
+        optimizer.step()
+        values = params
+    else:
+        optimizer = colo.MasterWeightOptimizer(params, torch.optim.SGD, lr=LR)
+        loss = -tp.token_logprobs(ids).mean()
+        loss.backward()
+        norm = tp.clip_grad_norm_(optimizer, None)
+        optimizer.step()
+        values = optimizer.masters
+    counted = (tp.collectives.forward, tp.collectives.backward)
+    report = tp.publish()
+    with torch.no_grad():
+        after = tp.token_logprobs(ids)[0].double()
+    served_after = served()
+    whole = tp.full_state_dict(None if values is params else dict(zip(params, values)))
+    if dist.get_rank() == 0:
+        torch.save(whole, f"{out}/whole.pt")
+    # The whole initial weights, as on disk, written back into the shards: the model is the untrained one again
+    # (read by transformers, which turns a MoE checkpoint's per-expert tensors into its fused experts).
+    from transformers import AutoModelForCausalLM
+    on_disk = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    refused = []
+    for bad in ({k: v for k, v in on_disk.items() if "norm" not in k}, {**on_disk, "model.norm.weight": torch.ones(3)}):
+        try:
+            tp.load_full_state_dict(bad)
+        except ValueError as e:
+            refused.append(str(e))
+    tp.load_full_state_dict(on_disk)
+    tp.publish()
+    with torch.no_grad():
+        reloaded = tp.token_logprobs(ids)[0].double()
+    served_reloaded = served()
+    pieces = {name: (placed.dim, placed.ranges[tp.rank]) if placed.ranges else None for name, placed in tp.layout.items()}
+    torch.save({"shards": {names[id(p)]: (pieces[names[id(p)]], v.detach().float().clone()) for p, v in zip(params, values)}},
+               f"{out}/rank{dist.get_rank()}.pt")
+    open(f"{out}/rank{dist.get_rank()}.json", "w").write(json.dumps({
+        "rank": dist.get_rank(), "tp": tp.size, "loss": loss.item(), "norm": norm, "collectives": counted,
+        "layers": len(tp.hf_model.model.layers), "bytes_copied": report["bytes_copied"],
+        "report_kind": type(report).__name__, "aliased_bytes": report["aliased_bytes"],
+        "views": all(region.contains(p) for p in params), "ptrs_kept": [p.data_ptr() for p in params] == ptrs,
+        "param_bytes": sum(p.nbytes for p in params),
+        "engine_err_before": (served_before - before).abs().max().item(),
+        "engine_err_after": (served_after - after).abs().max().item(),
+        "changed": (after - before).abs().max().item(), "after": after.tolist(),
+        "refused": refused, "reload_err": (reloaded - before).abs().max().item(), "served_reload_err": (served_reloaded - before).abs().max().item()}))
+
+
+# One engine after another in this process (each rank's world is the same for all of them).
+for job in json.loads(sys.argv[1]):
+    run(*job)
+# Both ranks done before either tears down its engine (as colo.grpo leaves the world on the way out).
+dist.barrier()
+dist.destroy_process_group()
 """
 
 
-def run_ranks(tmp_path, model_dir, tp: int, dtype: str, eager: bool = False) -> tuple[list[dict], list[dict]]:
-    out = tmp_path / f"tp{tp}-{dtype}"
-    out.mkdir()
+def run_ranks(tmp_path, jobs, tp: int) -> list["Ran"]:
+    """One torchrun of `tp` ranks running each job (model_dir, dtype, eager) in turn, in the same processes
+    (they pay Python's and vLLM's start-up once); each job's (per-rank results, per-rank shards)."""
+    outs = [tmp_path / f"tp{tp}-{dtype}-{i}" for i, (_, dtype, _) in enumerate(jobs)]
+    for out in outs:
+        out.mkdir()
     script = tmp_path / "tp_script.py"
     script.write_text(textwrap.dedent(SCRIPT).replace("PROMPT", repr(list(PROMPTS[0]))).replace("LR", repr(LR)))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port", str(free_port()), str(script),
-                          str(model_dir), str(tp), dtype, str(out), "eager" if eager else "compiled"],
-                         capture_output=True, text=True, timeout=400, env=env)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-4000:]
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(tp)]
-    return results, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(tp)]
+    argv = json.dumps([[str(model_dir), tp, dtype, str(out), eager] for (model_dir, dtype, eager), out in zip(jobs, outs)])
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
+                          "--master-port", str(free_port()), str(script), argv],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + failure_report(run.stderr)
+    return [Ran([json.loads((out / f"rank{r}.json").read_text()) for r in range(tp)],
+                [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(tp)], out) for out in outs]
+
+
+class Ran(NamedTuple):
+    """One job of run_ranks: each rank's results and shards, and its directory (whole.pt: the gathered weights)."""
+    results: list[dict]
+    shards: list[dict]
+    out: Path
 
 
 @pytest.fixture(scope="module")
-def tp_model_dir(tiny_model_dir):
-    return tiny_model_dir("qwen2", **TP_CONFIG)
+def jobs(tiny_model_dir):
+    """The models and dtypes of the tests below: {name: (model_dir, dtype, eager)}."""
+    return {"kv2": (tiny_model_dir("qwen2", **TP_CONFIG), "float32", False),
+            "kv1": (tiny_model_dir("qwen2", **ONE_KV_HEAD), "float32", False),
+            "moe": (tiny_model_dir("qwen3_moe", **TP_CONFIG), "float32", True),  # compiled engines: the dense tests
+            "bf16": (tiny_model_dir("qwen2", **TP_CONFIG), "bfloat16", False)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(jobs, tmp_path_factory) -> dict[str, Ran]:
+    """Every job on two tensor-parallel ranks, one torchrun."""
+    return dict(zip(jobs, run_ranks(tmp_path_factory.mktemp("tp2"), list(jobs.values()), 2)))
+
+
+@pytest.fixture(scope="module")
+def one_rank(jobs, tmp_path_factory) -> dict[str, Ran]:
+    """The yardsticks: the fp32 jobs on one rank with the whole model, one process."""
+    fp32 = {name: job for name, job in jobs.items() if job[1] == "float32"}
+    return dict(zip(fp32, run_ranks(tmp_path_factory.mktemp("tp1"), list(fp32.values()), 1)))
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
-def test_two_ranks_train_like_one_with_their_shards_views_of_the_engines(kv_heads, tmp_path, tiny_model_dir):
+def test_two_ranks_train_like_one_with_their_shards_views_of_the_engines(kv_heads, two_ranks, one_rank, jobs):
     """fp32, so that TP=2 and TP=1 differ only in the order of sums: the loss, the gradient norm and
     every updated shard equal the matching slice of the one-rank run's (SGD: a weight's error is lr
     times its gradient's). With one KV head, both ranks hold it and sum its gradients."""
-    tp_model_dir = tiny_model_dir("qwen2", **(TP_CONFIG if kv_heads == 2 else ONE_KV_HEAD))
-    two, two_shards = run_ranks(tmp_path, tp_model_dir, 2, "float32")
-    one, (one_shards,) = run_ranks(tmp_path, tp_model_dir, 1, "float32")
+    job = f"kv{kv_heads}"
+    tp_model_dir = jobs[job][0]
+    (two, two_shards, two_out), (one, (one_shards,), one_out) = two_ranks[job], one_rank[job]
     for r in two:
         assert r["tp"] == 2 and r["views"] and r["ptrs_kept"] and r["bytes_copied"] == 0
         assert r["report_kind"] == "PublishReport" and r["aliased_bytes"] == r["param_bytes"]  # colo.shared
@@ -166,7 +206,7 @@ def test_two_ranks_train_like_one_with_their_shards_views_of_the_engines(kv_head
     # and the whole weights on disk written back into each rank's shards give the untrained model.
     from safetensors.torch import load_file
 
-    gathered, single = (torch.load(tmp_path / f"tp{n}-float32" / "whole.pt", weights_only=True) for n in (2, 1))
+    gathered, single = (torch.load(out / "whole.pt", weights_only=True) for out in (two_out, one_out))
     on_disk = set(load_file(tp_model_dir / "model.safetensors"))
     # The names state_dict() gives: a tied head's too (save_pretrained leaves it out; it is the embedding).
     assert set(gathered) == set(single) and on_disk <= set(gathered) and set(gathered) - on_disk <= {"lm_head.weight"}
@@ -189,14 +229,12 @@ def rank_part(whole, shard):
     return torch.cat([whole.narrow(dim, start, stop - start) for start, stop in segments], dim)
 
 
-def test_a_moe_model_trains_on_two_ranks_like_on_one(tmp_path, tiny_model_dir):
+def test_a_moe_model_trains_on_two_ranks_like_on_one(two_ranks, one_rank):
     """Qwen3-MoE at TP=2: every expert's width split over the ranks (each rank's `gate_up_proj` its gate
     rows then its up rows, a view of its engine's `w13_weight`), the router whole and its gradient summed:
     the loss, the gradient norm, the served log-probabilities and every updated shard equal the one-rank
     run's."""
-    model_dir = tiny_model_dir("qwen3_moe", **TP_CONFIG)
-    two, two_shards = run_ranks(tmp_path, model_dir, 2, "float32", eager=True)  # compiled engines: the dense test
-    one, (one_shards,) = run_ranks(tmp_path, model_dir, 1, "float32", eager=True)
+    (two, two_shards, two_out), (one, (one_shards,), one_out) = two_ranks["moe"], one_rank["moe"]
     for r in two:
         assert r["views"] and r["ptrs_kept"] and r["bytes_copied"] == 0 and r["aliased_bytes"] == r["param_bytes"]
         assert r["engine_err_before"] < 1e-4 and r["engine_err_after"] < 1e-4 and r["changed"] > 1e-3
@@ -206,7 +244,7 @@ def test_a_moe_model_trains_on_two_ranks_like_on_one(tmp_path, tiny_model_dir):
         # whose router was near a tie may then pick another expert, so the log-probabilities agree less
         # closely than a dense model's.
         torch.testing.assert_close(torch.tensor(r["after"]), torch.tensor(one[0]["after"]), atol=1e-2, rtol=0)
-    gathered, single = (torch.load(tmp_path / f"tp{n}-float32" / "whole.pt", weights_only=True) for n in (2, 1))
+    gathered, single = (torch.load(out / "whole.pt", weights_only=True) for out in (two_out, one_out))
     assert set(gathered) == set(single)
     for name, value in gathered.items():
         torch.testing.assert_close(value, single[name], atol=LR * 1e-5, rtol=1e-5, msg=name)
@@ -221,8 +259,8 @@ def test_a_moe_model_trains_on_two_ranks_like_on_one(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.cpu_kind
-def test_bf16_shards_train_with_fp32_masters_and_the_engine_serves_them(tmp_path, tp_model_dir):
-    two, _ = run_ranks(tmp_path, tp_model_dir, 2, "bfloat16")
+def test_bf16_shards_train_with_fp32_masters_and_the_engine_serves_them(two_ranks):
+    two = two_ranks["bf16"].results
     for r in two:
         assert r["views"] and r["ptrs_kept"] and r["bytes_copied"] == 0 and r["changed"] > 1e-2
         # bf16: vLLM's GEMMs and the trainer's round in other orders (as test_weights' bf16 bound).
