@@ -6,8 +6,8 @@ chunks, so all logits exist at once in the model's dtype and are kept for backwa
 
 A Llama-shaped model with few layers (hidden 256, 2 layers, tied embeddings: the decoder is small on
 purpose, so the figures are mostly the logits) at the vocabulary sizes of SmolLM2 (49152) and Qwen2
-(151936), in the dtype colo.grpo's `auto` picks on the machine, one rollout micro-batch: 8 sequences
-x 512 completion tokens after 64 prompt tokens (quick: 4 x 256). One forward + GRPO loss + backward
+(151936; quick: SmolLM2's only), in the dtype colo.grpo's `auto` picks on the machine, one rollout
+micro-batch: 8 sequences x 512 completion tokens after 64 prompt tokens (quick: 4 x 256). One forward + GRPO loss + backward
 per variant, each in a fresh subprocess, after a warm-up pass on one short sequence (so lazily built
 kernels and the parameters' .grad are already there and count for neither side).
 
@@ -35,6 +35,7 @@ from .measure import ratio, rows_per_device
 
 SECTION = "logprob_memory"
 VOCABS = (49152, 151936)
+QUICK_VOCABS = VOCABS[:1]  # the quick bench keeps to its minutes: each vocabulary is two fresh processes
 MODEL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True)
 PROMPT_TOKENS = 64
@@ -58,7 +59,7 @@ def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
 
     def measure(device: str) -> list[dict]:
         rows = [measure_vocab(vocab, sequences, tokens, device, variants)
-                for vocab in progress(VOCABS, f"{device} vocab")]
+                for vocab in progress(QUICK_VOCABS if quick else VOCABS, f"{device} vocab")]
         if not quick:  # (the quick bench keeps to its minutes)
             rows.append(measure_checkpointing(CHECKPOINTING_LAYERS, CHECKPOINTING_TOKENS, device))
         return rows

@@ -80,23 +80,27 @@ def test_real_model_on_a_dataset_stops_at_eos_and_resumes_after_a_failing_reward
 
 
 def test_truncated_completions_left_out_of_the_loss(tmp_path):
-    """The toy task ignores EOS, so every completion runs to --max-new-tokens: all are truncated
-    (clipped_ratio 1), and with --mask-truncated none counts in the loss: zero loss and gradient,
-    weights unchanged; without it the same step has a gradient."""
+    """The toy task ignores EOS, so every completion runs to max_new_tokens: all are truncated
+    (clipped_ratio 1), and with mask_truncated none counts in the loss: zero loss and gradient, weights
+    unchanged; without it the same step has a gradient. (In this process: the CLI's --mask-truncated is
+    the config's, tests/grpo/test_grpo_task.py.)"""
     import torch
 
+    from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask, build_toy_model
+
+    model_dir, task = build_toy_model(tmp_path / "model"), ToyTask(512)
     records = {}
     for masked in (True, False):
-        out = tmp_path / f"masked-{masked}"
-        done = run(out, "--steps", "1", "--prompts-per-step", "2", "--num-generations", "4", "--dtype", "fp32",
-                   *(["--mask-truncated"] if masked else []))
-        assert done.returncode == 0, done.stderr[-2000:]
-        records[masked] = json.loads((out / "log.jsonl").read_text().splitlines()[0])
+        config = GRPOConfig(prompts_per_step=2, num_generations=4, max_new_tokens=8, ignore_eos=True, dtype="fp32",
+                            learning_rate=3e-3, save_every=0, mask_truncated=masked)
+        run = GRPOScheduler(model_dir, task.rewards, task.prompts, config, engine_options={"enforce_eager": True})
+        try:
+            before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+            records[masked] = run.train_step()
+            unchanged = all(torch.equal(p, before[n]) for n, p in run.model.named_parameters())
+        finally:
+            run.close()
         assert records[masked]["clipped_ratio"] == 1.0
+        assert unchanged == masked
     assert records[True]["grad_norm"] == 0.0 and records[True]["loss"] == 0.0
     assert records[False]["grad_norm"] > 0.0
-    from safetensors.torch import load_file
-
-    initial = load_file(str(tmp_path / "masked-True" / "toy-model" / "model.safetensors"))
-    trained = torch.load(tmp_path / "masked-True" / "step-000001.pt", map_location="cpu", weights_only=True)["model"]
-    assert all(torch.equal(trained[name], initial[name]) for name in initial)

@@ -251,7 +251,17 @@ def run_cli(*args, timeout=120):
                           timeout=timeout, cwd=REPO)
 
 
-def test_cli_refuses_bad_task_flags_up_front(smollm2_model_dir, tmp_path):
+def cli_in_this_process(argv, capsys) -> tuple[int, str]:
+    """`python -m colo.grpo ARGV`'s exit status and stderr, run in this process (for refusals that come
+    before any engine starts: no vLLM start-up to pay per case)."""
+    try:
+        status = cli.run_cli(list(argv))
+    except SystemExit as e:  # argparse's errors
+        status = e.code
+    return status, capsys.readouterr().err
+
+
+def test_cli_refuses_bad_task_flags_up_front(smollm2_model_dir, tmp_path, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows())
     common = ["--steps", "1", "--json", str(tmp_path / "log.jsonl"), "--out", str(tmp_path / "out")]
     model = ["--model", str(smollm2_model_dir)]
@@ -266,8 +276,10 @@ def test_cli_refuses_bad_task_flags_up_front(smollm2_model_dir, tmp_path):
         ([*model, "--dataset", str(data), "--reward", "math", "--eval-on-start"], "--eval-on-start needs --eval-dataset"),
         ([*model, "--dataset", str(data), "--reward", "math", "--loss-type", "ppo"], "invalid choice"),
     ]:
-        done = run_cli(*common, *extra)
-        assert done.returncode == 2 and message in done.stderr, (extra, done.stderr[-800:])
+        status, stderr = cli_in_this_process([*common, *extra], capsys)
+        assert status == 2 and message in stderr, (extra, stderr[-800:])
+    done = run_cli(*common, "--reward", "math")  # and as a user runs it: the same status and message
+    assert done.returncode == 2 and "--reward needs --dataset" in done.stderr, done.stderr[-800:]
 
 
 def test_cli_config_file_fills_flags_under_the_command_line(tmp_path):
