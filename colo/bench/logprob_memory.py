@@ -7,9 +7,10 @@ chunks, so all logits exist at once in the model's dtype and are kept for backwa
 A Llama-shaped model with few layers (hidden 256, 2 layers, tied embeddings: the decoder is small on
 purpose, so the figures are mostly the logits) at the vocabulary sizes of SmolLM2 (49152) and Qwen2
 (151936; quick: SmolLM2's only), in the dtype colo.grpo's `auto` picks on the machine, one rollout
-micro-batch: 8 sequences x 512 completion tokens after 64 prompt tokens (quick: 4 x 256). One forward + GRPO loss + backward
-per variant, each in a fresh subprocess, after a warm-up pass on one short sequence (so lazily built
-kernels and the parameters' .grad are already there and count for neither side).
+micro-batch: 8 sequences x 512 completion tokens after 64 prompt tokens (quick: 4 x 256). One forward
++ GRPO loss + backward per variant, each in a fresh subprocess, after a warm-up pass on one short
+sequence (so lazily built kernels and the parameters' .grad are already there and count for neither
+side).
 
 On a CPU the figure is the peak resident set increase: the kernel's high-water mark (VmHWM), reset
 through /proc/self/clear_refs just before the forward, minus VmRSS at that moment, after gc and
