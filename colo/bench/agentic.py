@@ -189,7 +189,7 @@ def _medians(phases: list[dict]) -> dict:
 def measure(device: str, progress) -> list[dict]:
     from colo.smollm2 import smollm2_dir
 
-    from .trl_colocate import in_fresh_process
+    from .measure import in_fresh_process
 
     model = smollm2_dir()
     with tempfile.TemporaryDirectory(prefix="colo-agentic-") as tmp:

@@ -21,9 +21,9 @@ import tempfile
 from pathlib import Path
 
 from .baselines import UPDATABLE_VARIANT, stock_update_refused
-from .measure import ratio, rows_per_device
-from .trl_colocate import (BATCH, SIZES, WARMUP, _unavailable_reason, build_model_dir, grpo_and_kernels, in_fresh_process,
-                  measured_sides, phase_medians)
+from .measure import in_fresh_process, ratio, rows_per_device
+from .trl_colocate import (BATCH, SIZES, WARMUP, _unavailable_reason, build_model_dir, grpo_and_kernels, measured_sides,
+                           phase_medians)
 
 SECTION = "lora"
 LORA = dict(r=8, lora_alpha=16, task_type="CAUSAL_LM",

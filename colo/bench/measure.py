@@ -4,6 +4,10 @@ from __future__ import annotations
 import os
 import time
 
+# What the sections' fresh processes import: the fork server imports them once, then each run is
+# forked from it, so a run starts without paying these imports again (about 12 s each here).
+FRESH_PROCESS_PRELOAD = ("torch", "transformers", "vllm", "trl", "peft")
+
 
 def cuda_rows_unavailable_reason() -> str:
     """Why CUDA rows cannot run here ('' when they can): torch must see a GPU and colo must be built for it."""
@@ -172,3 +176,33 @@ def gemm_peak_flops(dtype, device: str = "cpu", sizes=(128, 512, 1536), repeats:
             sync()
             best_rate = max(best_rate, 2 * size ** 3 / max(time.perf_counter() - started, 1e-12))
     return best_rate
+
+
+def in_fresh_process(fn, *args):
+    """fn(*args) in a new Python process, its result, or its exception raised here. The process is
+    forked from multiprocessing's fork server, which has imported FRESH_PROCESS_PRELOAD and run
+    nothing else: no engine, allocator or torch.distributed state of an earlier run, and the
+    environment as it is now (without colo's settings for vLLM: stock TRL runs with the user's).
+    Its stdout goes to stderr: stdout carries the bench's table."""
+    import importlib.util
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from colo.vllm_compat.version import without_colo_settings
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([name for name in FRESH_PROCESS_PRELOAD if importlib.util.find_spec(name)])
+    with without_colo_settings(), ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=_started_from,
+                                                      initargs=(dict(os.environ),)) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _started_from(environment: dict) -> None:
+    """A fresh process's start: the caller's environment now (the fork server keeps the one it was
+    started with), and stdout onto stderr."""
+    import sys
+
+    os.environ.clear()
+    os.environ.update(environment)
+    sys.stdout.flush()
+    os.dup2(2, 1)

@@ -40,7 +40,7 @@ from pathlib import Path
 from colo.sizes import rss_bytes, tensor_bytes
 
 from .baselines import UPDATABLE_VARIANT, stock_update_refused
-from .measure import engine_unavailable_reason, ratio, rows_per_device
+from .measure import engine_unavailable_reason, in_fresh_process, ratio, rows_per_device
 from .models import save_random_model
 
 SECTION = "trl"
@@ -249,28 +249,6 @@ def phase_medians(steps: list[dict]) -> dict:
     """Median seconds per phase (and wall, other) over the measured steps."""
     return {f"{phase}_s": statistics.median(s.get(phase, 0.0) for s in steps)
             for phase in ("wall", *PHASES, "other")} if steps else {}
-
-
-def in_fresh_process(fn, *args):
-    """fn(*args) in a new Python process (spawned, nothing inherited but the environment); its
-    result, or its exception raised here. Its stdout goes to stderr: stdout carries the bench's table."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    from colo.vllm_compat.version import without_colo_settings
-
-    # Stock TRL there runs with the user's environment; colo's engines choose their compile cache again.
-    with without_colo_settings(), ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                                      initializer=_stdout_to_stderr) as pool:
-        return pool.submit(fn, *args).result()
-
-
-def _stdout_to_stderr() -> None:
-    import os
-    import sys
-
-    sys.stdout.flush()
-    os.dup2(2, 1)
 
 
 def measured_sides(model_dir: Path, tmp: Path, steps: int, rounds: int, progress, name: str,

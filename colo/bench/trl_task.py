@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from .baselines import stock_update_refused
     from .machine import machine_info
-    from .measure import gemm_peak_flops
-    from .trl_colocate import in_fresh_process, kernels_of
+    from .measure import gemm_peak_flops, in_fresh_process
+    from .trl_colocate import kernels_of
 
     kernels = in_fresh_process(kernels_of, task(args.model)[0], "float32")
     baseline = "stock-variant" if stock_update_refused(kernels) else "stock"
