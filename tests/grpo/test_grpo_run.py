@@ -19,7 +19,8 @@ import pytest
 import torch
 from conftest import free_port
 
-from helpers.grpo_runs import ENV, REPO, failure_report, grpo_command, records, run_grpo, torchrun
+from helpers.forked import Started, run_module
+from helpers.grpo_runs import ENV, REPO, failure_report, grpo_command, launch, records, run_grpo, run_grpo_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -127,8 +128,8 @@ def test_the_run_leaves_its_model_in_hugging_face_format_from_the_fp32_masters(r
     served = model_weights(reference / f"step-{STEPS:06d}.pt")
     assert any(not torch.equal(saved[n], served[n].float()) for n in saved)  # bf16 rounding dropped something
     bf16 = tmp_path / "bf16"
-    done = subprocess.run([sys.executable, "-m", "colo.grpo.export", str(reference), "-o", str(bf16),
-                           "--save-dtype", "bf16"], capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120)
+    done = run_module("colo.grpo.export", [str(reference), "-o", str(bf16), "--save-dtype", "bf16"], ENV, cwd=REPO,
+                      timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     exported = saved_model(bf16)
     assert all(exported[n].dtype == torch.bfloat16 and torch.equal(exported[n], served[n]) for n in exported)
@@ -157,8 +158,7 @@ def test_the_saved_model_trains_as_the_model_of_a_new_run_and_a_failed_save_lose
     out = tmp_path / "from-final"
     out.mkdir()
     (out / "final.writing").write_text("in the way")  # the final save cannot stage its directory
-    done = subprocess.run(grpo_command(out, "--steps", "1", "--model", str(reference / "final"), "--eager"),
-                          capture_output=True, text=True, timeout=300, cwd=REPO, env=ENV)
+    done = launch(out, "--steps", "1", "--model", str(reference / "final"), "--eager", timeout=300)
     assert done.returncode != 0
     assert f"writing the model to {out / 'final'} failed" in done.stderr, done.stderr[-2000:]
     assert "python -m colo.grpo.export" in done.stderr
@@ -186,10 +186,9 @@ def test_timeline_has_every_phase_of_every_step(reference):
     assert any(e.get("ph") == "C" and e["args"].get("kv_cache") == 0 for e in events)
 
 
-def start_and_wait_for_step(out: Path, step: int, *extra: str) -> subprocess.Popen:
+def start_and_wait_for_step(out: Path, step: int, *extra: str) -> Started:
     """Start a run and return once its log holds a record of `step` (or later)."""
-    proc = subprocess.Popen(grpo_command(out, "--steps", str(STEPS), *extra), cwd=REPO, env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = Started("colo.grpo", grpo_command(out, "--steps", str(STEPS), *extra)[3:], ENV, cwd=REPO)
     log, deadline = out / "log.jsonl", time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         lines = log.read_text().splitlines() if log.exists() else []
@@ -217,7 +216,6 @@ def test_sigterm_stops_cleanly_and_sigkill_loses_no_step(reference, tmp_path):
     proc = start_and_wait_for_step(out, stopped_at + 3, "--resume")
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL
-    proc.stderr.close()
     assert max(r["step"] for r in records(out)) < STEPS
 
     run_grpo(out, "--steps", str(STEPS), "--resume")
@@ -344,13 +342,13 @@ def assert_trains_like(a: Path, b: Path, last_step: int, diverged_at: int = 1) -
 def test_sharded_optimizer_trains_like_one_rank_and_resumes_on_any_number_of_ranks(reference, tmp_path):
     """ZeRO-1 (--shard-optimizer) on 2 ranks: the reference's rewards and weights, half the optimizer
     bytes per rank, one shard file per rank. Killed after step 2, it resumes exactly on 2 ranks, and
-    on 1 rank (a plain process, no torchrun) the shards are gathered into one and step 3 still matches.
+    on 1 rank (a plain process) the shards are gathered into one and step 3 still matches.
     (Re-sharding onto 3 ranks, ranges across the old shards' bounds: tests/optimizers/test_zero.py.)"""
     import shutil
 
     two = tmp_path / "two"
     common = ["--save-every", "1", "--keep-checkpoints", "0", "--shard-optimizer", "--dtype", "bf16"]
-    torchrun(two, 2, "--steps", "3", *common)
+    run_grpo_ranks(two, 2, "--steps", "3", *common)
     log, expected = records(two), records(reference)
     assert log[0]["tokens_generated"] == 8 * 8 * 16  # each rank half the prompts, with its own engine
     assert [r["reward_mean"] for r in log] == pytest.approx([r["reward_mean"] for r in expected[:3]], abs=0.02)
@@ -376,7 +374,7 @@ def test_sharded_optimizer_trains_like_one_rank_and_resumes_on_any_number_of_ran
         if ranks == 1:
             run_grpo(again, "--steps", "3", "--resume")
         else:
-            torchrun(again, ranks, "--steps", "3", "--resume")
+            run_grpo_ranks(again, ranks, "--steps", "3", "--resume")
         assert [r["step"] for r in records(again)] == [1, 2, 3]
         if ranks == 2:  # the same ranks, the same reductions: exactly the uninterrupted run
             assert records(again)[2]["reward_mean"] == log[2]["reward_mean"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import free_ports
 
-from helpers.grpo_runs import ENV, REPO, failure_report, grpo_command, records, run_grpo, torchrun, torchrun_command
+from helpers.grpo_runs import ENV, REPO, failure_report, launch, records, run_grpo, run_grpo_ranks, torchrun_command
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,7 @@ def tp_jobs(tmp_path_factory):
                                                port=beside_port),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
     try:
-        torchrun(out, 2, "--steps", "2", "--tensor-parallel", "2", *COMMON, port=port)
+        run_grpo_ranks(out, 2, "--steps", "2", "--tensor-parallel", "2", *COMMON, port=port)
     finally:
         _, stderr = second.communicate(timeout=600)
     return out, (beside, second.returncode, stderr)
@@ -113,14 +113,13 @@ def test_tensor_parallel_trains_like_one_rank_with_one_copy_and_resumes_exactly(
     json_run = json.loads((two / "run.json").read_text())
     json_run["model_dir"] = str(resumed / "toy-model")
     (resumed / "run.json").write_text(json.dumps(json_run))
-    torchrun(resumed, 2, "--steps", "2", "--resume")
+    run_grpo_ranks(resumed, 2, "--steps", "2", "--resume")
     assert records(resumed)[1]["reward_mean"] == b[1]["reward_mean"]
     wr, wb2 = whole_weights(resumed, 2), whole_weights(two, 2)
     assert all(torch.equal(wr[n], wb2[n]) for n in wb2)
 
     # Another tensor-parallel size cannot take this optimizer state: refused before any engine starts.
-    done = subprocess.run(grpo_command(resumed, "--steps", "3", "--resume", "--tensor-parallel", "1"),
-                          capture_output=True, text=True, timeout=120, cwd=REPO, env=ENV)
+    done = launch(resumed, "--steps", "3", "--resume", "--tensor-parallel", "1", timeout=120)
     assert done.returncode == 2
     assert "--tensor-parallel 2" in done.stderr and "--tensor-parallel 1" in done.stderr
 
@@ -131,7 +130,7 @@ def test_two_engines_of_two_ranks_with_zero_train_like_one_rank(one, two, tmp_pa
     reduce-scatter their gradients and each steps half of them, the updated halves are all-gathered
     into the engines' shards, and the step is one rank's."""
     out = tmp_path / "dp2-tp2"
-    torchrun(out, 4, "--steps", "1", "--tensor-parallel", "2", "--shard-optimizer", *COMMON)
+    run_grpo_ranks(out, 4, "--steps", "1", "--tensor-parallel", "2", "--shard-optimizer", *COMMON)
     assert_first_step_like_one_rank(out, one)
     first = records(out)[0]
     assert first["publish_bytes_copied"] == 0  # the all-gather landed in the engines' shards
@@ -166,8 +165,7 @@ def test_what_tensor_parallelism_cannot_take_is_refused_before_any_engine(tmp_pa
         check_shardable(LlamaConfig(hidden_size=128, num_attention_heads=2, intermediate_size=256,
                                     attention_bias=True), 2)
     # Without torchrun there is one rank: --tensor-parallel 2 is refused (exit 1) saying why.
-    done = subprocess.run(grpo_command(tmp_path / "alone", "--steps", "1", "--tensor-parallel", "2"),
-                          capture_output=True, text=True, timeout=120, cwd=REPO, env=ENV)
+    done = launch(tmp_path / "alone", "--steps", "1", "--tensor-parallel", "2", timeout=120)
     assert done.returncode == 1
     assert "tensor_parallel=2 must divide the number of ranks (1)" in done.stderr
 

@@ -128,7 +128,7 @@ def test_zero1_on_two_ranks_trains_a_vision_language_model_with_one_copy(idefics
 
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from helpers.grpo_runs import records, torchrun
+    from helpers.grpo_runs import records, run_grpo_ranks
 
     images = tmp_path / "images"
     images.mkdir()
@@ -140,9 +140,9 @@ def test_zero1_on_two_ranks_trains_a_vision_language_model_with_one_copy(idefics
     (tmp_path / "parity.py").write_text("def parity(completion_ids, **kwargs):\n"
                                         "    return [float(ids[0] % 2) if ids else 0.0 for ids in completion_ids]\n")
     out = tmp_path / "out"
-    torchrun(out, 2, "--model", str(idefics3_dir), "--dataset", str(tmp_path / "train.jsonl"),
-             "--reward", f"{tmp_path / 'parity.py'}:parity", "--steps", "2", "--prompts-per-step", "2",
-             "--num-generations", "4", "--max-new-tokens", "8", "--lr", "1e-2", "--shard-optimizer", "--dtype", "bf16")
+    run_grpo_ranks(out, 2, "--model", str(idefics3_dir), "--dataset", str(tmp_path / "train.jsonl"),
+                   "--reward", f"{tmp_path / 'parity.py'}:parity", "--steps", "2", "--prompts-per-step", "2",
+                   "--num-generations", "4", "--max-new-tokens", "8", "--lr", "1e-2", "--shard-optimizer", "--dtype", "bf16")
     log = records(out)
     assert [r["step"] for r in log] == [1, 2] and log[0]["grad_norm"] > 0
     assert all(r["publish_bytes_copied"] == 0 for r in log)

@@ -9,15 +9,12 @@ adapter B is shared too and its gradient summed (the case that is not a plain sp
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import free_port
 
 from colo.lora import read_adapter
-from helpers.grpo_runs import ENV, REPO, grpo_command, records
+from helpers.grpo_runs import records, run_grpo_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -28,13 +25,6 @@ COMMON = ("--steps", "2", "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), 
           "--keep-checkpoints", "0")
 
 
-def run(out, ranks: int, *extra: str) -> None:
-    command = grpo_command(out, *COMMON, *extra)
-    if ranks > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                   "--master_port", str(free_port()), "-m", "colo.grpo", *command[3:]]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=420, cwd=REPO, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def adapter_state(out, step: int) -> dict[str, torch.Tensor]:
@@ -44,8 +34,8 @@ def adapter_state(out, step: int) -> dict[str, torch.Tensor]:
 def test_tensor_parallel_lora_trains_like_one_rank_in_the_engines_slots(tmp_path, tiny_model_dir):
     model = tiny_model_dir("qwen2")
     one, two = tmp_path / "tp1", tmp_path / "tp2"
-    run(one, 1, "--model", str(model))
-    run(two, 2, "--model", str(model), "--tensor-parallel", "2")
+    run_grpo_ranks(one, 1, *COMMON, "--model", str(model))
+    run_grpo_ranks(two, 2, *COMMON, "--model", str(model), "--tensor-parallel", "2")
     a, b = records(one), records(two)
     assert [r["step"] for r in b] == [1, 2]
     for r in b:

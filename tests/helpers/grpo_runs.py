@@ -1,5 +1,9 @@
-"""`python -m colo.grpo` run as a user runs it: a subprocess in the repository, alone or under torchrun,
-and the step records it writes (OUT/log.jsonl). The end-to-end GRPO tests share these."""
+"""`python -m colo.grpo` run as a user runs it, in the repository, alone or as the ranks of a torchrun
+job, and the step records it writes (OUT/log.jsonl). The end-to-end GRPO tests share these.
+
+`launch` forks each process from a server that has imported torch, transformers and vLLM
+(helpers/forked.py); `grpo_command` and `torchrun_command` are the commands themselves, for the tests
+that start a real process (signals, torchrun's own launcher, what a user types)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +15,8 @@ from pathlib import Path
 
 from conftest import free_port
 
+from helpers.forked import run_module_ranks
+
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TQDM_DISABLE": "1"}
 
@@ -20,9 +26,21 @@ def grpo_command(out: Path, *extra: str) -> list[str]:
             "--no-progress", *extra]
 
 
+def launch(out: Path, *extra: str, ranks: int = 1, port: int | None = None,
+           timeout: float = 420) -> subprocess.CompletedProcess:
+    """`python -m colo.grpo --json OUT/log.jsonl --out OUT --no-progress EXTRA`, on `ranks` ranks."""
+    return run_module_ranks("colo.grpo", grpo_command(out, *extra)[3:], ENV, ranks=ranks, cwd=REPO,
+                            timeout=timeout, port=port)
+
+
 def run_grpo(out: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    done = subprocess.run(grpo_command(out, *extra), capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO, env=ENV)
+    done = launch(out, *extra, timeout=timeout)
+    assert done.returncode == 0, failure_report(done.stderr)
+    return done
+
+
+def run_grpo_ranks(out: Path, ranks: int, *extra: str, port: int | None = None) -> subprocess.CompletedProcess:
+    done = launch(out, *extra, ranks=ranks, port=port)
     assert done.returncode == 0, failure_report(done.stderr)
     return done
 
@@ -39,12 +57,6 @@ def torchrun_command(out: Path, ranks: int, *extra: str, port: int | None = None
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
             "--master_port", str(port or free_port()), "-m", "colo.grpo", *grpo_command(out, *extra)[3:]]
 
-
-def torchrun(out: Path, ranks: int, *extra: str, port: int | None = None) -> subprocess.CompletedProcess:
-    done = subprocess.run(torchrun_command(out, ranks, *extra, port=port), capture_output=True, text=True,
-                          timeout=420, cwd=REPO, env=ENV)
-    assert done.returncode == 0, failure_report(done.stderr)
-    return done
 
 
 def records(out: Path) -> list[dict]:
