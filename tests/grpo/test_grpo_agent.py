@@ -7,8 +7,7 @@ vLLM's prefix cache; tools that fail or hang are results, not crashes; environme
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 import time
 
 import pytest
@@ -17,6 +16,7 @@ from colo.errors import EnvironmentFailed
 from colo.grpo.agent import AgentRollouts
 from colo.grpo.tools import tool_suffix_ids
 from helpers.agentic import Counter, add, broken, slow
+from helpers.forked import run_python
 
 pytestmark = pytest.mark.slow  # engines
 
@@ -231,9 +231,9 @@ def test_bad_agentic_flags_fail_before_any_engine_starts(tmp_path, smollm2_model
     data.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}]}) + "\n")
     flags = [f.replace("TOOLS", str(tools)) for f in flags]
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "colo.grpo", "--steps", "1", "--json", str(tmp_path / "l.jsonl"),
-                           "--out", str(tmp_path / "o"), "--model", str(smollm2_model_dir), "--dataset", str(data),
-                           "--reward", "math", *flags], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    done = run_python("colo.grpo", ["--steps", "1", "--json", str(tmp_path / "l.jsonl"), "--out", str(tmp_path / "o"),
+                                    "--model", str(smollm2_model_dir), "--dataset", str(data), "--reward", "math", *flags],
+                      dict(os.environ), cwd=tmp_path, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert error.replace("MODEL", str(smollm2_model_dir)) in done.stderr
     assert time.perf_counter() - started < 60 and not (tmp_path / "o").exists()

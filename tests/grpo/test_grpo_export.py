@@ -5,8 +5,8 @@ tested with their runs (test_grpo_run.py, test_grpo_lora.py)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +17,7 @@ from colo import hf_format
 from colo.lora import LoraSpec
 
 from conftest import tiny_hf_model
+from helpers.forked import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -98,8 +99,7 @@ def test_a_failed_save_leaves_the_directory_that_was_there(tmp_path):
 
 
 def _export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "colo.grpo.export", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+    return run_python("colo.grpo.export", list(args), dict(os.environ), cwd=REPO, timeout=120)
 
 
 def test_bad_input_is_refused_by_name(tmp_path):

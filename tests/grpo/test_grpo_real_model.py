@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers.forked import run_python
 
 pytestmark = pytest.mark.slow
 
@@ -32,10 +33,9 @@ def flaky(prompts, completions, completion_ids, answer, **kwargs):
 
 
 def run(out: Path, *extra: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "colo.grpo", "--json", str(out / "log.jsonl"), "--out", str(out), "--no-progress",
-               "--eager", *extra]
+    args = ["--json", str(out / "log.jsonl"), "--out", str(out), "--no-progress", "--eager", *extra]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env_extra or {})}
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    return run_python("colo.grpo", args, env, cwd=REPO, timeout=600)
 
 
 def test_real_model_on_a_dataset_stops_at_eos_and_resumes_after_a_failing_reward(smollm2_model_dir, tmp_path):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import free_port
 
-from helpers.forked import Started, run_module
+from helpers.forked import Started, run_python
 from helpers.grpo_runs import ENV, REPO, failure_report, grpo_command, launch, records, run_grpo, run_grpo_ranks
 
 pytestmark = pytest.mark.slow
@@ -128,7 +128,7 @@ def test_the_run_leaves_its_model_in_hugging_face_format_from_the_fp32_masters(r
     served = model_weights(reference / f"step-{STEPS:06d}.pt")
     assert any(not torch.equal(saved[n], served[n].float()) for n in saved)  # bf16 rounding dropped something
     bf16 = tmp_path / "bf16"
-    done = run_module("colo.grpo.export", [str(reference), "-o", str(bf16), "--save-dtype", "bf16"], ENV, cwd=REPO,
+    done = run_python("colo.grpo.export", [str(reference), "-o", str(bf16), "--save-dtype", "bf16"], ENV, cwd=REPO,
                       timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     exported = saved_model(bf16)

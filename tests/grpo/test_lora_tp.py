@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from colo.lora import read_adapter
-from helpers.grpo_runs import records, run_grpo_ranks
+from helpers.grpo_runs import records, run_grpo, run_grpo_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def adapter_state(out, step: int) -> dict[str, torch.Tensor]:
 def test_tensor_parallel_lora_trains_like_one_rank_in_the_engines_slots(tmp_path, tiny_model_dir):
     model = tiny_model_dir("qwen2")
     one, two = tmp_path / "tp1", tmp_path / "tp2"
-    run_grpo_ranks(one, 1, *COMMON, "--model", str(model))
+    run_grpo(one, *COMMON, "--model", str(model))
     run_grpo_ranks(two, 2, *COMMON, "--model", str(model), "--tensor-parallel", "2")
     a, b = records(one), records(two)
     assert [r["step"] for r in b] == [1, 2]

@@ -1,10 +1,11 @@
-"""`python -m MODULE ARGS` in a fresh process that does not import torch, transformers and vLLM again:
+"""`python -m MODULE ARGS` or `python SCRIPT.py ARGS` in a fresh process that does not import torch,
+transformers and vLLM again:
 forked from multiprocessing's fork server, which has imported them once per test worker and run
 nothing else (no engine, pool or process group), with the environment, working directory, argv and
 exit status that the command would have. A launch of `python -m colo.grpo` spends about 11 s of CPU
 in those imports alone, and the end-to-end tests launch it dozens of times.
 
-`run_module_ranks` starts several such processes as torchrun starts its ranks on one node (its
+`run_python_ranks` starts several such processes as torchrun starts its ranks on one node (its
 environment variables; rank 0 serves the store at MASTER_PORT) and, as torchrun does, stops the others
 when one fails. Tests that are about torchrun itself (two nodes, two jobs on one host) run torchrun.
 """
@@ -25,15 +26,17 @@ PRELOAD = ("torch", "transformers", "vllm", "vllm.entrypoints.llm", "colo")
 
 
 class Started:
-    """A forked `python -m MODULE ARGS` that runs on, held as subprocess.Popen holds a started command
-    (the calls the tests make of it); its stdout and stderr go to files, read by communicate()."""
+    """A forked `python -m TARGET ARGS` (`python TARGET ARGS` where TARGET is a .py file) that runs on,
+    held as subprocess.Popen holds a started command (the calls the tests make of it); its stdout and
+    stderr go to files, read by communicate()."""
 
-    def __init__(self, module: str, args: list[str], env: dict, *, cwd: Path):
+    def __init__(self, target: str, args: list[str], env: dict, *, cwd: Path):
         self._logs = tempfile.TemporaryDirectory()
-        self.args = [sys.executable, "-m", module, *args]
+        target, args = str(target), [str(a) for a in args]
+        self.args = [sys.executable, *([target] if target.endswith(".py") else ["-m", target]), *args]
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(list(PRELOAD))
-        self.process = context.Process(target=_main, args=(module, args, env, str(cwd), self._logs.name))
+        self.process = context.Process(target=_main, args=(target, args, env, str(cwd), self._logs.name))
         saved = dict(os.environ)
         os.environ.update(env)  # the fork server (started by the first launch) imports under the runs' environment
         try:
@@ -71,19 +74,22 @@ class Started:
         return tuple(Path(self._logs.name, name).read_text(errors="replace") for name in ("stdout", "stderr"))
 
 
-def run_module(module: str, args: list[str], env: dict, *, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    return run_module_ranks(module, args, env, ranks=1, cwd=cwd, timeout=timeout)
+def run_python(target: str, args: list[str], env: dict, *, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    return _run([Started(target, args, env, cwd=cwd)], timeout)
 
 
-def run_module_ranks(module: str, args: list[str], env: dict, *, ranks: int, cwd: Path, timeout: float,
+def run_python_ranks(target: str, args: list[str], env: dict, *, ranks: int, cwd: Path, timeout: float,
                      port: int | None = None) -> subprocess.CompletedProcess:
     """The ranks' exit status (the first failure's, else 0), and their stdout and stderr, rank after rank."""
     from conftest import free_port
 
-    world = {} if ranks == 1 else {"WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or free_port())}
-    started = [Started(module, args, {**env, **world, **({"RANK": str(r), "LOCAL_RANK": str(r)} if world else {})},
-                       cwd=cwd) for r in range(ranks)]
+    world = {"WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port or free_port())}
+    return _run([Started(target, args, {**env, **world, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=cwd)
+                 for r in range(ranks)], timeout)
+
+
+def _run(started: list[Started], timeout: float) -> subprocess.CompletedProcess:
     try:
         status = _first_failure(started, timeout)
     finally:
@@ -119,7 +125,7 @@ def _stop(started: list[Started]) -> None:
             s.wait()
 
 
-def _main(module: str, args: list[str], env: dict, cwd: str, logs: str) -> None:
+def _main(target: str, args: list[str], env: dict, cwd: str, logs: str) -> None:
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -128,5 +134,10 @@ def _main(module: str, args: list[str], env: dict, cwd: str, logs: str) -> None:
         file = os.open(f"{logs}/{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(file, fd)
         os.close(file)
-    sys.argv = [module, *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    sys.argv = [target, *args]
+    if target.endswith(".py"):  # sys.path[0] as python sets it: the script's folder, or for -m the working directory
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+        runpy.run_path(target, run_name="__main__")
+    else:
+        sys.path.insert(0, cwd)
+        runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from conftest import free_port
 
-from helpers.forked import run_module_ranks
+from helpers.forked import run_python, run_python_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TQDM_DISABLE": "1"}
@@ -28,9 +28,12 @@ def grpo_command(out: Path, *extra: str) -> list[str]:
 
 def launch(out: Path, *extra: str, ranks: int = 1, port: int | None = None,
            timeout: float = 420) -> subprocess.CompletedProcess:
-    """`python -m colo.grpo --json OUT/log.jsonl --out OUT --no-progress EXTRA`, on `ranks` ranks."""
-    return run_module_ranks("colo.grpo", grpo_command(out, *extra)[3:], ENV, ranks=ranks, cwd=REPO,
-                            timeout=timeout, port=port)
+    """`python -m colo.grpo --json OUT/log.jsonl --out OUT --no-progress EXTRA`: one process, or the ranks
+    of a one-node torchrun job."""
+    args = grpo_command(out, *extra)[3:]
+    if ranks == 1:
+        return run_python("colo.grpo", args, ENV, cwd=REPO, timeout=timeout)
+    return run_python_ranks("colo.grpo", args, ENV, ranks=ranks, cwd=REPO, timeout=timeout, port=port)
 
 
 def run_grpo(out: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:

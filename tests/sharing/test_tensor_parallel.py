@@ -1,12 +1,10 @@
-"""Tensor parallelism with one copy (colo.tensor_parallel): under torchrun, each rank's trainer shards
+"""Tensor parallelism with one copy (colo.tensor_parallel): on two ranks, each rank's trainer shards
 are views of its vLLM engine's tensor-parallel shards; the tensor-parallel model computes what the
 whole model computes, trains like one rank, and the engine serves what the optimizer wrote."""
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import NamedTuple
@@ -14,7 +12,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from conftest import PROMPTS, free_port
+from conftest import PROMPTS
+from helpers.forked import run_python_ranks
 from helpers.grpo_runs import failure_report
 
 pytestmark = pytest.mark.slow
@@ -120,8 +119,8 @@ dist.destroy_process_group()
 
 
 def run_ranks(tmp_path, jobs, tp: int) -> list["Ran"]:
-    """One torchrun of `tp` ranks running each job (model_dir, dtype, eager) in turn, in the same processes
-    (they pay Python's and vLLM's start-up once); each job's (per-rank results, per-rank shards)."""
+    """`tp` ranks (started as torchrun starts them) running each job (model_dir, dtype, eager) in turn, in
+    the same processes (they pay vLLM's start-up once); each job's (per-rank results, per-rank shards)."""
     outs = [tmp_path / f"tp{tp}-{dtype}-{i}" for i, (_, dtype, _) in enumerate(jobs)]
     for out in outs:
         out.mkdir()
@@ -129,9 +128,7 @@ def run_ranks(tmp_path, jobs, tp: int) -> list["Ran"]:
     script.write_text(textwrap.dedent(SCRIPT).replace("PROMPT", repr(list(PROMPTS[0]))).replace("LR", repr(LR)))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
     argv = json.dumps([[str(model_dir), tp, dtype, str(out), eager] for (model_dir, dtype, eager), out in zip(jobs, outs)])
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
-                          "--master-port", str(free_port()), str(script), argv],
-                         capture_output=True, text=True, timeout=600, env=env)
+    run = run_python_ranks(script, [argv], env, ranks=tp, cwd=tmp_path, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + failure_report(run.stderr)
     return [Ran([json.loads((out / f"rank{r}.json").read_text()) for r in range(tp)],
                 [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(tp)], out) for out in outs]
@@ -155,7 +152,7 @@ def jobs(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def two_ranks(jobs, tmp_path_factory) -> dict[str, Ran]:
-    """Every job on two tensor-parallel ranks, one torchrun."""
+    """Every job on two tensor-parallel ranks, one launch."""
     return dict(zip(jobs, run_ranks(tmp_path_factory.mktemp("tp2"), list(jobs.values()), 2)))
 
 

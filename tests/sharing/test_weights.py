@@ -13,7 +13,8 @@ import torch
 
 import colo
 from colo.engine import engine_model
-from conftest import PROMPTS, free_port, load_hf_model, tiny_hf_model
+from conftest import PROMPTS, load_hf_model, tiny_hf_model
+from helpers.forked import run_python_ranks
 from helpers.grpo_runs import failure_report
 from helpers.logprobs import trainer_logprobs
 
@@ -356,15 +357,13 @@ dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("tp", [2])
-def test_each_torchrun_rank_shares_its_own_tensor_parallel_shard(tp, tmp_path, tiny_model_dir):
+def test_each_rank_shares_its_own_tensor_parallel_shard(tp, tmp_path, tiny_model_dir):
     path = tiny_model_dir("llama", vocab_size=777, tie_word_embeddings=False)
-    script = tmp_path / "share_under_torchrun.py"
+    script = tmp_path / "share_on_each_rank.py"
     script.write_text(textwrap.dedent(TORCHRUN_SCRIPT).replace("PROMPT", repr(list(PROMPTS[0]))))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-                          str(script), str(path), str(tp)],
-                         capture_output=True, text=True, timeout=400, env=env)
+    run = run_python_ranks(script, [str(path), str(tp)], env, ranks=2, cwd=tmp_path, timeout=400)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RANK")]
     assert run.returncode == 0 and len(lines) == 2, run.stdout[-2000:] + failure_report(run.stderr)
     # Tensor-parallel shards cannot alias the full trainer tensors: each rank copies its own shard.

@@ -11,11 +11,12 @@ TRL's engine compiles the model, which takes minutes for all 30 on 2 cores.)"""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 import textwrap
 
 import pytest
+
+from helpers.forked import run_python
 
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl", reason="colo.trl's tests need the trl extra: pip install -e '.[cpu,test]'")
@@ -135,8 +136,7 @@ def _run(side, model_dir, out, modes=("tools",)) -> dict:
     out.mkdir()
     script = out / "agentic_trl.py"
     script.write_text(SCRIPT)
-    done = subprocess.run([sys.executable, str(script), str(model_dir), side, str(out), ",".join(modes)],
-                          capture_output=True, text=True, timeout=900)
+    done = run_python(script, [str(model_dir), side, str(out), ",".join(modes)], dict(os.environ), cwd=out, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return {mode: json.loads((out / f"result-{mode}.json").read_text()) for mode in modes}
 
