@@ -8,9 +8,9 @@ A Llama-shaped model with few layers (hidden 256, 2 layers, tied embeddings: the
 purpose, so the figures are mostly the logits) at the vocabulary sizes of SmolLM2 (49152) and Qwen2
 (151936; quick: SmolLM2's only), in the dtype colo.grpo's `auto` picks on the machine, one rollout
 micro-batch: 8 sequences x 512 completion tokens after 64 prompt tokens (quick: 4 x 256). One forward
-+ GRPO loss + backward per variant, each in a fresh subprocess, after a warm-up pass on one short
-sequence (so lazily built kernels and the parameters' .grad are already there and count for neither
-side).
++ GRPO loss + backward per variant, each in a fresh process (measure.in_fresh_process), after a
+warm-up pass on one short sequence (so lazily built kernels and the parameters' .grad are already there
+and count for neither side).
 
 On a CPU the figure is the peak resident set increase: the kernel's high-water mark (VmHWM), reset
 through /proc/self/clear_refs just before the forward, minus VmRSS at that moment, after gc and
@@ -29,10 +29,9 @@ the activations autograd keeps, the peak, and the recomputation's time.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
-from .measure import ratio, rows_per_device
+from .measure import in_fresh_process, ratio, rows_per_device
 
 SECTION = "logprob_memory"
 VOCABS = (49152, 151936)
@@ -117,15 +116,13 @@ def measure_checkpointing(layers: int, tokens: int, device: str = "cpu", vocab: 
 
 
 def child(vocab: int, sequences: int, tokens: int, variant: str, device: str, layers: int | None = None) -> dict:
-    spec = json.dumps(dict(vocab=vocab, sequences=sequences, tokens=tokens, variant=variant, device=device,
-                           layers=layers))
-    done = subprocess.run([sys.executable, "-m", __name__, spec], capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(f"{variant}, vocab {vocab}: exit {done.returncode}: {done.stderr.strip()[-1500:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        return in_fresh_process(measure_child, vocab, sequences, tokens, variant, device, layers)
+    except Exception as e:  # noqa: BLE001 - said with the variant it measured
+        raise RuntimeError(f"{variant}, vocab {vocab}: {type(e).__name__}: {e}") from e
 
 
-# ---- in the subprocess ---------------------------------------------------------------------------
+# ---- in the fresh process -------------------------------------------------------------------------
 
 def _status_kib(field: str) -> int:
     for line in open("/proc/self/status"):

@@ -6,7 +6,7 @@ import time
 
 # What the sections' fresh processes import: the fork server imports them once, then each run is
 # forked from it, so a run starts without paying these imports again (about 12 s each here).
-FRESH_PROCESS_PRELOAD = ("torch", "transformers", "vllm", "trl", "peft")
+FRESH_PROCESS_PRELOAD = ("torch", "transformers", "vllm", "vllm.entrypoints.llm", "trl", "peft")
 
 
 def cuda_rows_unavailable_reason() -> str:
@@ -191,7 +191,8 @@ def in_fresh_process(fn, *args):
     from colo.vllm_compat.version import without_colo_settings
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([name for name in FRESH_PROCESS_PRELOAD if importlib.util.find_spec(name)])
+    installed = [name for name in FRESH_PROCESS_PRELOAD if importlib.util.find_spec(name.split(".")[0])]
+    context.set_forkserver_preload(installed)
     with without_colo_settings(), ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=_started_from,
                                                       initargs=(dict(os.environ),)) as pool:
         return pool.submit(fn, *args).result()

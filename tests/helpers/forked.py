@@ -22,7 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-PRELOAD = ("torch", "transformers", "vllm", "vllm.entrypoints.llm", "colo")
+from colo.bench.measure import FRESH_PROCESS_PRELOAD
+
+# The bench's list: one fork server per worker serves both, whichever starts it (colo is not in it,
+# so that stock TRL's processes are as a user's).
+PRELOAD = FRESH_PROCESS_PRELOAD
 
 
 class Started:

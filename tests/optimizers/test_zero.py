@@ -1,4 +1,4 @@
-"""colo.ShardedMasterWeightOptimizer (ZeRO-1) under torchrun with gloo: 2 and 3 ranks end with the
+"""colo.ShardedMasterWeightOptimizer (ZeRO-1) on ranks of one job with gloo: 2 and 3 ranks end with the
 weights one rank gets, the all-gather lands in the parameters' own memory when they lie in a colo
 region, each rank holds about 1/world of the optimizer state, and shards re-shard onto another
 number of ranks (or from an unsharded MasterWeightOptimizer) exactly.
@@ -9,14 +9,12 @@ parameter groups (one without weight decay), a batch of 12 rows split over the r
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
 
+from helpers.forked import run_python, run_python_ranks
 from helpers.zero_toy import SHAPES, batch, build_groups, build_params, loss_fn
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "zero_worker.py"
@@ -45,14 +43,10 @@ def reference(steps: int, dtype=torch.bfloat16):
 
 
 def run_ranks(world: int, mode: str, out: Path, steps: int, resume: Path | None = None) -> list[dict]:
-    args = [str(WORKER), mode, str(out), str(steps), *([str(resume)] if resume else [])]
-    if world == 1:
-        cmd = [sys.executable, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-               "--master_port", str(free_port()), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = [mode, str(out), str(steps), *([str(resume)] if resume else [])]
+    env, cwd = {**os.environ, "OMP_NUM_THREADS": "1"}, out.parent
+    done = (run_python(WORKER, args, env, cwd=cwd, timeout=180) if world == 1 else
+            run_python_ranks(WORKER, args, env, ranks=world, cwd=cwd, timeout=180))
     assert done.returncode == 0, done.stderr[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
