@@ -1,6 +1,7 @@
-"""`python -m colo.grpo --tensor-parallel 2` under torchrun on CPU (gloo): each rank's trainer holds
-only its shards, views of its engine's (colo.tensor_parallel), and the run trains like one rank with
-the whole model, copies 0 bytes per publish, checkpoints whole weights and resumes exactly.
+"""`python -m colo.grpo --tensor-parallel 2` on ranks started as torchrun starts them, on CPU (gloo):
+each rank's trainer holds only its shards, views of its engine's (colo.tensor_parallel), and the run
+trains like one rank with the whole model, copies 0 bytes per publish, checkpoints whole weights and
+resumes exactly.
 
 The toy model has 2 attention heads and 1 KV head, so at TP=2 vLLM gives both ranks the same KV head
 and their k/v gradients are summed (the case that cannot be a plain split).
@@ -61,7 +62,7 @@ def assert_first_step_like_one_rank(tp_run, one) -> None:
 @pytest.fixture(scope="module")
 def tp_jobs(tmp_path_factory):
     """Tensor parallel 2: one engine over two ranks; and a second, smaller TP=2 job started beside it on
-    this host at the same time: (the first's directory, (the second's directory, exit status, stderr))."""
+    this host at the same time, by torchrun itself: (the first's directory, (the second's directory, exit status, stderr))."""
     out, beside = tmp_path_factory.mktemp("grpo-tp2"), tmp_path_factory.mktemp("grpo-tp2-beside")
     port, beside_port = free_ports(2)
     second = subprocess.Popen(torchrun_command(beside, 2, "--steps", "1", "--tensor-parallel", "2", "--eager",

@@ -121,7 +121,7 @@ def test_lora_adapts_the_language_model_of_a_vision_language_model(idefics3_dir,
 
 
 def test_zero1_on_two_ranks_trains_a_vision_language_model_with_one_copy(idefics3_dir, tmp_path):
-    """--shard-optimizer under torchrun on an image dataset: each rank's engine serves the weights the
+    """--shard-optimizer on two ranks on an image dataset: each rank's engine serves the weights the
     all-gather wrote into it (0 bytes per publish, the engine's log-probabilities at step 2 the trainer's
     within bf16 rounding), and OUT/final is the image-text-to-text model with its processor."""
     import json

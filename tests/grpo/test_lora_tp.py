@@ -1,5 +1,5 @@
-"""LoRA with tensor parallelism: `python -m colo.grpo --tensor-parallel 2 --lora-rank R` under torchrun
-(gloo, CPU). Each rank's adapter is a view of its vLLM LoRA slot (B split for column-parallel layers,
+"""LoRA with tensor parallelism: `python -m colo.grpo --tensor-parallel 2 --lora-rank R` on two ranks
+(gloo, CPU; started as torchrun starts them, helpers/forked.py). Each rank's adapter is a view of its vLLM LoRA slot (B split for column-parallel layers,
 A for row-parallel ones, as vLLM splits them), the run trains like the one-rank LoRA run, copies 0
 bytes per publish, and the engine serves what the trainer computes after the step.
 
