@@ -20,7 +20,7 @@ import torch
 from conftest import free_port
 
 from helpers.forked import Started, run_python
-from helpers.grpo_runs import ENV, REPO, failure_report, grpo_command, launch, records, run_grpo, run_grpo_ranks
+from helpers.grpo_runs import ENV, REPO, failure_report, grpo_args, launch, records, run_grpo, run_grpo_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -188,7 +188,7 @@ def test_timeline_has_every_phase_of_every_step(reference):
 
 def start_and_wait_for_step(out: Path, step: int, *extra: str) -> Started:
     """Start a run and return once its log holds a record of `step` (or later)."""
-    proc = Started("colo.grpo", grpo_command(out, "--steps", str(STEPS), *extra)[3:], ENV, cwd=REPO)
+    proc = Started("colo.grpo", grpo_args(out, "--steps", str(STEPS), *extra), ENV, cwd=REPO)
     log, deadline = out / "log.jsonl", time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         lines = log.read_text().splitlines() if log.exists() else []
@@ -244,7 +244,7 @@ def test_two_nodes_on_localhost_split_what_they_do_not_divide_and_train_like_one
     common = ["--steps", "2", "--save-every", "1", "--keep-checkpoints", "0", "--prompts-per-step", "7", "--dtype", "bf16"]
     run_grpo(one, *common)
     port = free_port()
-    args = grpo_command(two, *common, "--overlap", "on", "--trace", str(two / "trace.json"))[3:]
+    args = grpo_args(two, *common, "--overlap", "on", "--trace", str(two / "trace.json"))
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
                                "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
                                "-m", "colo.grpo", *args],

@@ -2,8 +2,8 @@
 job, and the step records it writes (OUT/log.jsonl). The end-to-end GRPO tests share these.
 
 `launch` forks each process from a server that has imported torch, transformers and vLLM
-(helpers/forked.py); `grpo_command` and `torchrun_command` are the commands themselves, for the tests
-that start a real process (signals, torchrun's own launcher, what a user types)."""
+(helpers/forked.py); `torchrun_command` is the command itself, for the tests about torchrun's own
+launcher."""
 from __future__ import annotations
 
 import json
@@ -21,16 +21,16 @@ REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TQDM_DISABLE": "1"}
 
 
-def grpo_command(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "colo.grpo", "--json", str(out / "log.jsonl"), "--out", str(out),
-            "--no-progress", *extra]
+def grpo_args(out: Path, *extra: str) -> list[str]:
+    """The arguments of `python -m colo.grpo` for a run writing into OUT."""
+    return ["--json", str(out / "log.jsonl"), "--out", str(out), "--no-progress", *extra]
 
 
 def launch(out: Path, *extra: str, ranks: int = 1, port: int | None = None,
            timeout: float = 420) -> subprocess.CompletedProcess:
     """`python -m colo.grpo --json OUT/log.jsonl --out OUT --no-progress EXTRA`: one process, or the ranks
     of a one-node torchrun job."""
-    args = grpo_command(out, *extra)[3:]
+    args = grpo_args(out, *extra)
     if ranks == 1:
         return run_python("colo.grpo", args, ENV, cwd=REPO, timeout=timeout)
     return run_python_ranks("colo.grpo", args, ENV, ranks=ranks, cwd=REPO, timeout=timeout, port=port)
@@ -58,7 +58,7 @@ def failure_report(stderr: str) -> str:
 
 def torchrun_command(out: Path, ranks: int, *extra: str, port: int | None = None) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-            "--master_port", str(port or free_port()), "-m", "colo.grpo", *grpo_command(out, *extra)[3:]]
+            "--master_port", str(port or free_port()), "-m", "colo.grpo", *grpo_args(out, *extra)]
 
 
 
