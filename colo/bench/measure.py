@@ -184,18 +184,26 @@ def in_fresh_process(fn, *args):
     nothing else: no engine, allocator or torch.distributed state of an earlier run, and the
     environment as it is now (without colo's settings for vLLM: stock TRL runs with the user's).
     Its stdout goes to stderr: stdout carries the bench's table."""
-    import importlib.util
-    import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     from colo.vllm_compat.version import without_colo_settings
 
+    with without_colo_settings(), ProcessPoolExecutor(max_workers=1, mp_context=preloaded_fork_context(),
+                                                      initializer=_started_from,
+                                                      initargs=(dict(os.environ),)) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def preloaded_fork_context():
+    """multiprocessing's fork-server context, its server (one per process, started by the first process
+    it forks) importing what of FRESH_PROCESS_PRELOAD is installed. The tests' launches use it too."""
+    import importlib.util
+    import multiprocessing
+
     context = multiprocessing.get_context("forkserver")
     installed = [name for name in FRESH_PROCESS_PRELOAD if importlib.util.find_spec(name.split(".")[0])]
     context.set_forkserver_preload(installed)
-    with without_colo_settings(), ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=_started_from,
-                                                      initargs=(dict(os.environ),)) as pool:
-        return pool.submit(fn, *args).result()
+    return context
 
 
 def _started_from(environment: dict) -> None:

@@ -1,9 +1,10 @@
 """`python -m MODULE ARGS` or `python SCRIPT.py ARGS` in a fresh process that does not import torch,
-transformers and vLLM again:
-forked from multiprocessing's fork server, which has imported them once per test worker and run
-nothing else (no engine, pool or process group), with the environment, working directory, argv and
-exit status that the command would have. A launch of `python -m colo.grpo` spends about 11 s of CPU
-in those imports alone, and the end-to-end tests launch it dozens of times.
+transformers and vLLM again: forked from multiprocessing's fork server, which has imported them once
+per test worker (the bench's, colo.bench.measure.preloaded_fork_context: colo is not among them, so
+that stock TRL's processes are as a user's) and run nothing else (no engine, pool or process group),
+with the environment, working directory, argv and exit status that the command would have. A launch
+of `python -m colo.grpo` spends about 11 s of CPU in those imports alone, and the end-to-end tests
+launch it dozens of times.
 
 `run_python_ranks` starts several such processes as torchrun starts its ranks on one node (its
 environment variables; rank 0 serves the store at MASTER_PORT) and, as torchrun does, stops the others
@@ -11,7 +12,6 @@ when one fails. Tests that are about torchrun itself (two nodes, two jobs on one
 """
 from __future__ import annotations
 
-import multiprocessing
 import multiprocessing.connection
 import os
 import runpy
@@ -22,11 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from colo.bench.measure import FRESH_PROCESS_PRELOAD
-
-# The bench's list: one fork server per worker serves both, whichever starts it (colo is not in it,
-# so that stock TRL's processes are as a user's).
-PRELOAD = FRESH_PROCESS_PRELOAD
+from colo.bench.measure import preloaded_fork_context
 
 
 class Started:
@@ -38,9 +34,8 @@ class Started:
         self._logs = tempfile.TemporaryDirectory()
         target, args = str(target), [str(a) for a in args]
         self.args = [sys.executable, *([target] if target.endswith(".py") else ["-m", target]), *args]
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(list(PRELOAD))
-        self.process = context.Process(target=_main, args=(target, args, env, str(cwd), self._logs.name))
+        self.process = preloaded_fork_context().Process(target=_main,
+                                                        args=(target, args, env, str(cwd), self._logs.name))
         saved = dict(os.environ)
         os.environ.update(env)  # the fork server (started by the first launch) imports under the runs' environment
         try:
