@@ -62,7 +62,8 @@ def assert_first_step_like_one_rank(tp_run, one) -> None:
 @pytest.fixture(scope="module")
 def tp_jobs(tmp_path_factory):
     """Tensor parallel 2: one engine over two ranks; and a second, smaller TP=2 job started beside it on
-    this host at the same time, by torchrun itself: (the first's directory, (the second's directory, exit status, stderr))."""
+    this host at the same time, by torchrun itself: (the first's directory, (the second's directory, exit
+    status, stderr))."""
     out, beside = tmp_path_factory.mktemp("grpo-tp2"), tmp_path_factory.mktemp("grpo-tp2-beside")
     port, beside_port = free_ports(2)
     second = subprocess.Popen(torchrun_command(beside, 2, "--steps", "1", "--tensor-parallel", "2", "--eager",
