@@ -141,13 +141,22 @@ class Ran(NamedTuple):
     out: Path
 
 
+JOBS_OF_TEST = {"test_two_ranks_train_like_one_with_their_shards_views_of_the_engines": ("kv2", "kv1"),
+                "test_a_moe_model_trains_on_two_ranks_like_on_one": ("moe",),
+                "test_bf16_shards_train_with_fp32_masters_and_the_engine_serves_them": ("bf16",)}
+
+
 @pytest.fixture(scope="module")
-def jobs(tiny_model_dir):
-    """The models and dtypes of the tests below: {name: (model_dir, dtype, eager)}."""
-    return {"kv2": (tiny_model_dir("qwen2", **TP_CONFIG), "float32", False),
-            "kv1": (tiny_model_dir("qwen2", **ONE_KV_HEAD), "float32", False),
-            "moe": (tiny_model_dir("qwen3_moe", **TP_CONFIG), "float32", True),  # compiled engines: the dense tests
-            "bf16": (tiny_model_dir("qwen2", **TP_CONFIG), "bfloat16", False)}
+def jobs(tiny_model_dir, request):
+    """The models and dtypes of the tests below that this session runs: {name: (model_dir, dtype, eager)}
+    (the AVX2-persona pass, `-m cpu_kind`, runs only the bf16 test, so only its job)."""
+    selected = {item.originalname for item in request.session.items if item.path == request.path}
+    wanted = {job for test in selected for job in JOBS_OF_TEST.get(test, ())}
+    every = {"kv2": (tiny_model_dir("qwen2", **TP_CONFIG), "float32", False),
+             "kv1": (tiny_model_dir("qwen2", **ONE_KV_HEAD), "float32", False),
+             "moe": (tiny_model_dir("qwen3_moe", **TP_CONFIG), "float32", True),  # compiled engines: the dense tests
+             "bf16": (tiny_model_dir("qwen2", **TP_CONFIG), "bfloat16", False)}
+    return {name: job for name, job in every.items() if name in wanted}
 
 
 @pytest.fixture(scope="module")
