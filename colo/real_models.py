@@ -1,9 +1,12 @@
 """What colo.smollm2 and colo.gemma3 share: a GGUF file converted offline to a Hugging Face model
 directory (fp32 safetensors, config, tokenizer), cached in $COLO_CACHE (default ~/.cache/colo) and
 written beside the target then renamed, so concurrent first uses (pytest workers, torchrun ranks)
-never see half a model."""
+never see half a model; they take turns on a lock file beside it, so one converts and the others wait
+for its result instead of each converting again."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -36,6 +39,26 @@ def convert_gguf(gguf: Path, target: Path, architecture: str, chat_template: str
     chat_template is set where the GGUF carries none."""
     if converted(target):
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(target.with_name(f"{target.name}.lock")):
+        if converted(target):  # another process converted it while this one waited
+            return target
+        return _convert(gguf, target, architecture, chat_template)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _convert(gguf: Path, target: Path, architecture: str, chat_template: str | None) -> Path:
+    """The conversion itself, written to a staging directory then renamed to target (a process killed
+    midway leaves no half model at target)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -58,10 +81,6 @@ def convert_gguf(gguf: Path, target: Path, architecture: str, chat_template: str
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if converted(target):  # another process finished first
-        shutil.rmtree(staging, ignore_errors=True)
-        return target
     shutil.rmtree(target, ignore_errors=True)
     os.replace(staging, target)
     return target

@@ -106,3 +106,27 @@ def test_a_gguf_metadata_field_reads_alike_with_either_reader(tmp_path, monkeypa
     fast = [gguf_field(path, key) for key in keys]
     monkeypatch.setitem(sys.modules, "transformers.integrations.gguf.reader", None)
     assert [gguf_field(path, key) for key in keys] == fast == [True, 3, "llama", None]
+
+
+def test_a_process_that_finds_a_conversion_under_way_waits_for_it_instead_of_converting_again(tmp_path,
+                                                                                            monkeypatch):
+    """Two first uses at once (pytest workers, torchrun ranks): the second waits on the lock beside the
+    target and takes the first's model directory."""
+    import threading
+
+    from colo import real_models
+
+    target = tmp_path / "model"
+    converted_by_second = []
+    monkeypatch.setattr(real_models, "_convert", lambda *args: converted_by_second.append(args))
+    with real_models._locked(tmp_path / "model.lock"):  # the first process, converting
+        second = threading.Thread(target=lambda: converted_by_second.append(
+            real_models.convert_gguf(tmp_path / "x.gguf", target, "LlamaForCausalLM")))
+        second.start()
+        second.join(0.5)
+        assert second.is_alive()  # waiting on the lock
+        target.mkdir()
+        for name in ("config.json", "tokenizer_config.json"):
+            (target / name).write_text("{}")
+    second.join(10)
+    assert converted_by_second == [target]  # it returned the first's directory, never converting
