@@ -12,8 +12,9 @@ from helpers.grpo_runs import records, run_grpo
 
 pytestmark = pytest.mark.slow
 
+# Eager engines (the compiled engine's LoRA slots: tests/sharing/test_lora.py and the in-process tests below).
 LORA = ("--lora-rank", "8", "--lora-alpha", "16", "--dtype", "bf16", "--lr", "3e-2", "--save-every", "1",
-        "--keep-checkpoints", "0")
+        "--keep-checkpoints", "0", "--eager")
 STEPS = 4
 
 
@@ -60,7 +61,7 @@ def test_lora_run_trains_the_adapter_in_the_engine_slot_and_resumes_exactly(tmp_
 
     # Killed after step 2 (its checkpoint is the last thing it wrote), resumed to step 4: the same run.
     run_grpo(resumed, "--steps", "2", *LORA)
-    run_grpo(resumed, "--steps", str(STEPS), "--resume")
+    run_grpo(resumed, "--steps", str(STEPS), "--resume", "--eager")
     for a, b in zip(log, records(resumed)):
         assert (a["step"], a["reward_mean"], a["loss"]) == (b["step"], b["reward_mean"], b["loss"])
     again = checkpoint(resumed, STEPS)

@@ -21,7 +21,9 @@ from helpers.grpo_runs import ENV, REPO, failure_report, launch, records, run_gr
 pytestmark = pytest.mark.slow
 
 LR = 3e-3  # the toy run's --lr (the toy preset of GRPOConfig.learning_rate)
-COMMON = ("--save-every", "1", "--keep-checkpoints", "0", "--dtype", "fp32")
+# Eager engines: compiled tensor-parallel engines serving the trainer's shards are tests/sharing/
+# test_tensor_parallel.py's; here each rank's engine start would compile again.
+COMMON = ("--save-every", "1", "--keep-checkpoints", "0", "--dtype", "fp32", "--eager")
 
 
 def whole_weights(out, step: int) -> dict[str, torch.Tensor]:
@@ -115,13 +117,13 @@ def test_tensor_parallel_trains_like_one_rank_with_one_copy_and_resumes_exactly(
     json_run = json.loads((two / "run.json").read_text())
     json_run["model_dir"] = str(resumed / "toy-model")
     (resumed / "run.json").write_text(json.dumps(json_run))
-    run_grpo_ranks(resumed, 2, "--steps", "2", "--resume")
+    run_grpo_ranks(resumed, 2, "--steps", "2", "--resume", "--eager")
     assert records(resumed)[1]["reward_mean"] == b[1]["reward_mean"]
     wr, wb2 = whole_weights(resumed, 2), whole_weights(two, 2)
     assert all(torch.equal(wr[n], wb2[n]) for n in wb2)
 
     # Another tensor-parallel size cannot take this optimizer state: refused before any engine starts.
-    done = launch(resumed, "--steps", "3", "--resume", "--tensor-parallel", "1", timeout=120)
+    done = launch(resumed, "--steps", "3", "--resume", "--tensor-parallel", "1", "--eager", timeout=120)
     assert done.returncode == 2
     assert "--tensor-parallel 2" in done.stderr and "--tensor-parallel 1" in done.stderr
 

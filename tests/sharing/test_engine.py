@@ -148,8 +148,10 @@ def test_an_untested_vllm_version_is_refused_with_the_way_out(monkeypatch):
 
 def test_the_loadable_compile_cache_is_chosen_only_where_the_aot_one_cannot_load_and_the_user_did_not_choose(
         monkeypatch):
+    from colo.vllm_compat import version
     from colo.vllm_compat.version import use_loadable_compile_cache, without_colo_settings
 
+    monkeypatch.setattr(version, "_SET_BY_COLO", {})  # what this test chooses does not outlive it
     monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
     use_loadable_compile_cache("0.31.2")
     assert "VLLM_USE_AOT_COMPILE" not in os.environ
