@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import torch
 import colo
 from colo.engine import engine_model
 from conftest import PROMPTS, load_hf_model, tiny_hf_model
-from helpers.forked import run_python_ranks
+from helpers.forked import run_python, run_python_ranks
 from helpers.grpo_runs import failure_report
 from helpers.logprobs import trainer_logprobs
 
@@ -166,8 +164,7 @@ def test_the_trainer_model_adds_no_copy_of_the_weights(how, tmp_path, tiny_model
     script = tmp_path / "rss.py"
     script.write_text(RSS_SCRIPT)
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
-    done = subprocess.run([sys.executable, str(script), str(path), how], capture_output=True, text=True,
-                          timeout=300, env=env)
+    done = run_python(script, [str(path), how], env, cwd=tmp_path, timeout=300)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     weight_bytes, grown = map(int, lines[0].split()[1:])
