@@ -538,12 +538,15 @@ def test_kv_cache_time_shares_the_training_memory(tmp_path, monkeypatch):
     assert all(r["optimizer_resident_bytes_during_generate"] == 0 for r in records[1:])
 
 
+TRACKED_STEPS = 20  # the toy's reward rises by about 0.3 in 12 steps at this batch and learning rate
+
+
 @pytest.mark.cpu_kind  # bf16 rounding and kernels differ between CPU kinds
 def test_bf16_tracks_fp32_and_its_engine_serves_exactly_the_trainers_weights(tmp_path, build_engine,
                                                                             prompt_logprobs):
-    """30 toy-task steps in bf16 (weights shared with a bf16 engine, fp32 masters and moments) and in
+    """20 toy-task steps in bf16 (weights shared with a bf16 engine, fp32 masters and moments) and in
     fp32, same seeds: the reward curves stay within 0.05 of each other at every step (seen here:
-    0.02). After the first and the last bf16 step the engine serves what a fresh bf16 engine built
+    0.02 over 30 steps). After the first and the last bf16 step the engine serves what a fresh bf16 engine built
     from the trainer's saved weights serves."""
     from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask, build_toy_model
 
@@ -556,9 +559,9 @@ def test_bf16_tracks_fp32_and_its_engine_serves_exactly_the_trainers_weights(tmp
         run = GRPOScheduler(model_dir, task.rewards, task.prompts, config)
         try:
             log = []
-            for step in range(1, 31):
+            for step in range(1, TRACKED_STEPS + 1):
                 log.append(run.train_step())
-                if dtype == "bf16" and step in (1, 30):
+                if dtype == "bf16" and step in (1, TRACKED_STEPS):
                     assert {p.dtype for p in run.model.parameters()} == {torch.bfloat16}
                     run.model.save_pretrained(tmp_path / f"bf16-step{step}")
                     fresh = build_engine(tmp_path / f"bf16-step{step}", dtype="bfloat16", enforce_eager=False)
