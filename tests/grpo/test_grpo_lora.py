@@ -12,7 +12,7 @@ from helpers.grpo_runs import records, run_grpo
 
 pytestmark = pytest.mark.slow
 
-# Eager engines (the compiled engine's LoRA slots: tests/sharing/test_lora.py and the in-process tests below).
+# Eager engines: the compiled engine's LoRA slot is the in-process test's below (GRPOScheduler's default).
 LORA = ("--lora-rank", "8", "--lora-alpha", "16", "--dtype", "bf16", "--lr", "3e-2", "--save-every", "1",
         "--keep-checkpoints", "0", "--eager")
 STEPS = 4
