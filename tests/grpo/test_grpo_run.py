@@ -242,8 +242,8 @@ def test_two_nodes_on_localhost_split_what_they_do_not_divide_and_train_like_one
     fp32 and eager engines: what is tested is the split and the launch, the same on every CPU kind; bf16
     over two ranks is the sharded test's."""
     one, two = tmp_path / "one", tmp_path / "two-nodes"
-    common = ["--steps", "2", "--save-every", "1", "--keep-checkpoints", "0", "--prompts-per-step", "7", "--dtype", "fp32",
-              "--eager"]
+    common = ["--steps", "2", "--save-every", "1", "--keep-checkpoints", "0", "--prompts-per-step", "7",
+              "--dtype", "fp32", "--eager"]
     run_grpo(one, *common)
     port = free_port()
     args = grpo_args(two, *common, "--overlap", "on", "--trace", str(two / "trace.json"))
@@ -546,8 +546,8 @@ def test_bf16_tracks_fp32_and_its_engine_serves_exactly_the_trainers_weights(tmp
                                                                             prompt_logprobs):
     """20 toy-task steps in bf16 (weights shared with a bf16 engine, fp32 masters and moments) and in
     fp32, same seeds: the reward curves stay within 0.05 of each other at every step (seen here:
-    0.02 over 30 steps). After the first and the last bf16 step the engine serves what a fresh bf16 engine built
-    from the trainer's saved weights serves."""
+    0.02 over 30 steps). After the first and the last bf16 step the engine serves what a fresh bf16
+    engine built from the trainer's saved weights serves."""
     from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask, build_toy_model
 
     model_dir = build_toy_model(tmp_path / "model")

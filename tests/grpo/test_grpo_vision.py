@@ -142,8 +142,8 @@ def test_zero1_on_two_ranks_trains_a_vision_language_model_with_one_copy(idefics
     out = tmp_path / "out"
     run_grpo_ranks(out, 2, "--model", str(idefics3_dir), "--dataset", str(tmp_path / "train.jsonl"),
                    "--reward", f"{tmp_path / 'parity.py'}:parity", "--steps", "2", "--prompts-per-step", "2",
-                   "--num-generations", "4", "--max-new-tokens", "8", "--lr", "1e-2", "--shard-optimizer", "--dtype", "bf16",
-                   "--eager")  # a compiled vision-language engine: the in-process tests above
+                   "--num-generations", "4", "--max-new-tokens", "8", "--lr", "1e-2", "--shard-optimizer",
+                   "--dtype", "bf16", "--eager")  # a compiled vision-language engine: the in-process tests above
     log = records(out)
     assert [r["step"] for r in log] == [1, 2] and log[0]["grad_norm"] > 0
     assert all(r["publish_bytes_copied"] == 0 for r in log)
