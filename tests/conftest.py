@@ -31,10 +31,8 @@ import torch  # noqa: E402
 
 # The engine must run in this process (colo re-points its weights); set before vLLM is imported.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-# Stock baselines (stock TRL's processes in the bench and TRL tests) start from the user's environment,
-# without what colo sets for its own engines (colo.vllm_compat.version.use_loadable_compile_cache): with
-# vLLM 0.32's AOT artifacts, which do not load back, each of them compiled its engine from scratch. The
-# tests assert what those baselines do once started, so here they load the compile caches as colo's do.
+# What colo sets at vLLM's import (colo.vllm_compat.version.use_loadable_compile_cache), set before any
+# test starts a process: every engine, stock TRL's included, loads the compile caches.
 os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 # head_dim 64: vLLM's CPU attention supports only some head sizes (32, 64, 80, ...).

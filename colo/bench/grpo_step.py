@@ -40,7 +40,7 @@ from pathlib import Path
 
 from .baselines import UPDATABLE_VARIANT, stock_update_refused, trl_sync_weights
 from .measure import engine_unavailable_reason, gemm_peak_flops, matmul_parameters, ratio, rows_per_device
-from .models import QWEN2_SIZES, save_random_model
+from .models import MAX_POSITIONS, QWEN2_SIZES, save_random_model
 
 SECTION = "grpo_step"
 COMPLETION_TOKENS = {"qwen2-0.4M": 16, "qwen2-9M": 16, "qwen2-45M": 32}  # model (models.QWEN2_SIZES) -> tokens
@@ -51,7 +51,7 @@ WARMUP = 2
 
 def save_model(directory: Path, name: str) -> int:
     """Save the random fp32 model `name` to `directory`; returns its parameter count."""
-    return save_random_model(directory, {**QWEN2_SIZES[name], "max_position_embeddings": 256})
+    return save_random_model(directory, {**QWEN2_SIZES[name], "max_position_embeddings": MAX_POSITIONS})
 
 
 def new_run(model_dir: Path, max_new_tokens: int, colocated: bool, dtype: str | None = None, eager: bool = False,
@@ -185,7 +185,7 @@ def run(quick: bool, progress, devices=("cpu", "cuda")) -> list[dict]:
     def measure(device: str) -> list[dict]:
         # The quick run measures the dtype auto picks only: the other one is bf16 on CPUs without bf16
         # instructions, where torch emulates it and the step takes minutes.
-        steps = 3 if quick else 6
+        steps = 2 if quick else 6
         return [row for name in (QUICK_SIZES if quick else FULL_SIZES)
                 for row in measure_size(name, steps, progress, device, other_dtype=not quick)]
 

@@ -198,15 +198,15 @@ def in_fresh_process(fn, *args):
     """fn(*args) in a new Python process, its result, or its exception raised here. The process is
     forked from multiprocessing's fork server, which has imported FRESH_PROCESS_PRELOAD and run
     nothing else: no engine, allocator or torch.distributed state of an earlier run, and the
-    environment as it is now (without colo's settings for vLLM: stock TRL runs with the user's).
-    Its stdout goes to stderr: stdout carries the bench's table."""
+    environment as it is now. That includes colo's VLLM_USE_AOT_COMPILE=0
+    (colo.vllm_compat.version.use_loadable_compile_cache) for the stock baselines too: with vLLM 0.32's
+    default, each stock engine start compiles from scratch (its AOT artifact does not load back), which
+    costs the bench time and not the baseline's steps, which run the same compiled code either way
+    (bench/results/cpu-trl-stock-aot-avx2.json). Its stdout goes to stderr: stdout carries the bench's table."""
     from concurrent.futures import ProcessPoolExecutor
 
-    from colo.vllm_compat.version import without_colo_settings
-
-    with without_colo_settings(), ProcessPoolExecutor(max_workers=1, mp_context=preloaded_fork_context(),
-                                                      initializer=_started_from,
-                                                      initargs=(dict(os.environ),)) as pool:
+    with ProcessPoolExecutor(max_workers=1, mp_context=preloaded_fork_context(), initializer=_started_from,
+                             initargs=(dict(os.environ),)) as pool:
         return pool.submit(fn, *args).result()
 
 

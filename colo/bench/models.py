@@ -32,6 +32,11 @@ MOE_DEFAULTS = {
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=64),
 }
 
+# The rope table size (max_position_embeddings) of the random models the sections save: it is part of
+# what vLLM compiles, so with one size a model shape compiles once per dtype and kernel for every
+# section (a fresh machine's compile caches fill once). Sections that need longer sequences say so.
+MAX_POSITIONS = 512
+
 # name -> Qwen2 config fields of the model sizes the sections measure.
 QWEN2_SIZES = {
     "qwen2-0.4M": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,

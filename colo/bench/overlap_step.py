@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from .measure import GilShares, engine_unavailable_reason, ratio, rows_per_device
-from .models import QWEN2_SIZES, save_random_model
+from .models import MAX_POSITIONS, QWEN2_SIZES, save_random_model
 
 SECTION = "overlap"
 FULL = dict(model="qwen2-9M", prompts=16, completions=8, max_new_tokens=256, mean_length=32, steps=4, every_split=True,
@@ -231,7 +231,7 @@ def prepare(workload: dict, tmp: Path):
     from colo.grpo.toy_task import long_tail_toy_task
 
     model_dir = tmp / "model"
-    config = {**QWEN2_SIZES[workload["model"]], "max_position_embeddings": workload["max_new_tokens"] + 64}
+    config = {**QWEN2_SIZES[workload["model"]], "max_position_embeddings": max(MAX_POSITIONS, workload["max_new_tokens"] + 64)}
     params = save_random_model(model_dir, config)
     lengths = f"lengths ~geometric (mean {workload['mean_length']}, max {workload['max_new_tokens']})"
     vocab, mean_length = config["vocab_size"], workload["mean_length"]

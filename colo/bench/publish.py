@@ -42,7 +42,7 @@ from colo.sizes import rss_bytes, tensor_bytes
 
 from .baselines import UPDATABLE_VARIANT, stock_llm, stock_update_refused, trl_sync_weights, try_trl_sync
 from .measure import Stopwatch, engine_unavailable_reason, ratio, rows_per_device
-from .models import MOE_SIZES, QWEN2_SIZES, random_model
+from .models import MAX_POSITIONS, MOE_SIZES, QWEN2_SIZES, random_model
 
 SECTION = "publish"
 GOAL_RATIO = 100.0
@@ -52,7 +52,7 @@ GENERATION_GOAL = 0.9
 QUICK_SIZES = ("qwen2-9M",)
 FULL_SIZES = ("qwen2-9M", "qwen2-45M", "qwen2-120M", "qwen2-0.5B")  # names in models.QWEN2_SIZES (MoE: moe_publish)
 GEN_BATCH, GEN_PROMPT_TOKENS, GEN_NEW_TOKENS = 4, 32, 32
-ENGINE = dict(dtype="bfloat16", max_model_len=512)
+ENGINE = dict(dtype="bfloat16", max_model_len=MAX_POSITIONS)
 KV_BYTES = 64 << 20
 
 
@@ -96,7 +96,7 @@ class _Size:
         self.sync = torch.cuda.synchronize if device == "cuda" else None
         arch, fields = ("qwen3_moe", MOE_SIZES[name]) if name in MOE_SIZES else ("qwen2", QWEN2_SIZES[name])
         self.moe = arch == "qwen3_moe"
-        hf = random_model({**fields, "max_position_embeddings": ENGINE["max_model_len"]}, arch=arch,
+        hf = random_model({**fields, "max_position_embeddings": MAX_POSITIONS}, arch=arch,
                           dtype=torch.bfloat16)
         self.params = sum(p.numel() for p in hf.parameters())
         self.param_bytes = tensor_bytes(hf.parameters())

@@ -22,6 +22,8 @@ from . import ABOUT, SECTION_MODULES, SECTIONS
 from .machine import describe, machine_info
 
 STANDARD_KEYS = ("section", "case", "device", "colo_s", "baseline", "baseline_s", "ratio", "note")
+# A row whose figures are not times gives them as colo_figure and baseline_figure in figure_unit; a row
+# with in_summary=False (a baseline other rows compare against) is left out of the closing table.
 
 
 def devices_for(choice: str) -> tuple[str, ...]:
@@ -125,8 +127,16 @@ def format_value(key: str, value) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
-_COLUMNS = (("section", 10), ("case", 38), ("device", 6), ("colo", 10), ("baseline", 36), ("baseline", 10),
+_COLUMNS = (("section", 10), ("case", 38), ("device", 6), ("colo", 12), ("baseline", 36), ("baseline", 12),
             ("ratio", 8))
+
+
+def figure(row: dict, side: str) -> str:
+    """A row's figure for `side` ("colo" or "baseline"): its time, or its figure in its unit."""
+    value = row.get(f"{side}_figure")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return f"{value:.2f} {row.get('figure_unit', '')}".rstrip()
+    return format_seconds(row.get(f"{side}_s"))
 
 
 def header(details: bool = True) -> str:
@@ -139,14 +149,16 @@ def summary_table(rows: list[dict]) -> str:
         text = str(text or "")
         return text if len(text) <= width else text[:width - 1] + "…"
 
-    lines = [f"{'section':<14} {'what':<40} {'colo':>9} {'baseline':<28} {'':>9} {'ratio':>7}"]
+    lines = [f"{'section':<14} {'what':<40} {'colo':>12} {'baseline':<28} {'':>12} {'ratio':>7}"]
     for row in rows:
         if row.get("device") == "cuda" and row.get("colo_s") is None:
             continue  # a device that did not run (its row in the JSON says why)
+        if row.get("in_summary") is False:
+            continue
         ratio = row.get("ratio")
         lines.append(f"{cut(row.get('section'), 14):<14} {cut(row.get('case'), 40):<40} "
-                     f"{format_seconds(row.get('colo_s')):>9} {cut(row.get('baseline'), 28):<28} "
-                     f"{format_seconds(row.get('baseline_s')):>9} "
+                     f"{figure(row, 'colo'):>12} {cut(row.get('baseline'), 28):<28} "
+                     f"{figure(row, 'baseline'):>12} "
                      f"{(f'{ratio:.2f}x' if isinstance(ratio, (int, float)) and math.isfinite(ratio) else '-'):>7}")
     return "\n".join(lines)
 
@@ -155,7 +167,7 @@ def format_row(row: dict, details: bool = True) -> str:
     ratio = row.get("ratio")
     cells = (
         row.get("section", ""), row.get("case", ""), row.get("device", ""),
-        format_seconds(row.get("colo_s")), row.get("baseline", "") or "", format_seconds(row.get("baseline_s")),
+        figure(row, "colo"), row.get("baseline", "") or "", figure(row, "baseline"),
         f"{ratio:.2f}x" if isinstance(ratio, (int, float)) and math.isfinite(ratio) else "-",
     )
     text = " ".join(f"{str(cell):<{width}}" for cell, (_, width) in zip(cells, _COLUMNS))

@@ -41,7 +41,7 @@ from colo.sizes import rss_bytes, tensor_bytes
 
 from .baselines import UPDATABLE_VARIANT, stock_update_refused
 from .measure import engine_unavailable_reason, in_fresh_process, ratio, rows_per_device
-from .models import save_random_model
+from .models import MAX_POSITIONS, save_random_model
 
 SECTION = "trl"
 REAL_MODEL = "SmolLM2-135M-Instruct"
@@ -77,8 +77,8 @@ def build_model_dir(path: Path, config_kwargs: dict, arch: str = "qwen2") -> int
     tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>"],
                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
-    return save_random_model(path, dict(vocab_size=512, max_position_embeddings=128, eos_token_id=1, pad_token_id=0,
-                                        bos_token_id=None, **config_kwargs), arch=arch)
+    return save_random_model(path, dict(vocab_size=512, max_position_embeddings=MAX_POSITIONS, eos_token_id=1,
+                                        pad_token_id=0, bos_token_id=None, **config_kwargs), arch=arch)
 
 
 def real_model_params(model_dir: Path) -> int:

