@@ -27,6 +27,8 @@ compat.engine_model(llm)`):
   colo's worker's through the same router hook where it does not: route_capture);
 - lora_slots: LoRA adapter slots (`lora_a_stacked`/`lora_b_stacked`) the trainer's adapter is a view
   of, and a one-adapter fast path for vLLM's CPU punica wrapper;
+- model_info: the served model's class registered in this process (public ModelRegistry.register_model),
+  so that vLLM inspects it here rather than in a new process that imports vLLM again;
 - runner_memory: what the model runner allocates in load_model beside the weights, so in the weights
   region (Model Runner V2's sampler buffers: max_num_seqs x vocab), for callers that size the KV cache;
 - forced_kernels: forcing vLLM's CPU GEMM choice, for benchmark baselines and tests only. Not
@@ -48,6 +50,7 @@ from .engine_access import (
     quiet_chat_warmup_without_tokenizer, release_engine, request_errors, request_guard, request_hooks, served_dtype,
     startup_memory_fraction, tensor_parallel_group, whole_prefill_options,
 )
+from .model_info import inspect_in_this_process
 from .runner_memory import sampler_buffer_bytes, uses_model_runner_v2
 from .lora_slots import (
     LORA_SLOT_RANKS, AdapterSlice, activate_adapter, adapter_slices, adapter_slot, check_shareable_lora,
@@ -68,7 +71,7 @@ __all__ = [
     "startup_memory_fraction", "request_errors", "tensor_parallel_group", "whole_prefill_options",
     "LORA_SLOT_RANKS", "AdapterSlice", "activate_adapter", "adapter_slices", "adapter_slot", "check_shareable_lora",
     "has_lora_slots", "lora_engine_options", "punica_wrappers", "serve_adapter_by_default",
-    "sampler_buffer_bytes", "uses_model_runner_v2",
+    "inspect_in_this_process", "sampler_buffer_bytes", "uses_model_runner_v2",
 ]
 
 

@@ -146,6 +146,22 @@ def test_an_untested_vllm_version_is_refused_with_the_way_out(monkeypatch):
     compat.check_version("0.31.2")
 
 
+def test_the_served_model_class_is_registered_in_this_process_so_vllm_inspects_it_here(tmp_path):
+    import json
+
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+    from vllm.model_executor.models.registry import _LazyRegisteredModel
+
+    assert compat.inspect_in_this_process(str(tmp_path)) == []  # no config.json: left to vLLM
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM", "NoSuchModelForCausalLM"]}))
+    registered = compat.inspect_in_this_process(str(tmp_path))
+    assert set(registered) <= {"Qwen2ForCausalLM"}  # an earlier engine in this process may have done it
+    entry = ModelRegistry.models["Qwen2ForCausalLM"]
+    assert not isinstance(entry, _LazyRegisteredModel) and entry.load_model_cls() is Qwen2ForCausalLM
+    assert "NoSuchModelForCausalLM" not in ModelRegistry.models
+
+
 def test_the_loadable_compile_cache_is_chosen_only_where_the_aot_one_cannot_load_and_the_user_did_not_choose(
         monkeypatch):
     from colo.vllm_compat.version import use_loadable_compile_cache
