@@ -27,8 +27,8 @@ compat.engine_model(llm)`):
   colo's worker's through the same router hook where it does not: route_capture);
 - lora_slots: LoRA adapter slots (`lora_a_stacked`/`lora_b_stacked`) the trainer's adapter is a view
   of, and a one-adapter fast path for vLLM's CPU punica wrapper;
-- model_info: the served model's class registered in this process (public ModelRegistry.register_model),
-  so that vLLM inspects it here rather than in a new process that imports vLLM again;
+- model_info: the served model's class inspected in this process, into vLLM's own modelinfos cache,
+  rather than by vLLM in a new process that imports vLLM again;
 - runner_memory: what the model runner allocates in load_model beside the weights, so in the weights
   region (Model Runner V2's sampler buffers: max_num_seqs x vocab), for callers that size the KV cache;
 - forced_kernels: forcing vLLM's CPU GEMM choice, for benchmark baselines and tests only. Not

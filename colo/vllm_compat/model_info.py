@@ -1,40 +1,48 @@
-"""vLLM's model registry: the model class an engine serves, inspected in this process.
+"""vLLM's model registry: what an engine's model class supports, inspected in this process.
 
 vLLM registers its own architectures lazily (`_LazyRegisteredModel`: module and class names) and, when
-its modelinfos cache (VLLM_CACHE_ROOT/modelinfos) has no entry for a class, inspects the class in a
-new Python process that imports vLLM again (`_run_in_subprocess`), so as not to initialise CUDA in
-the parent. That happens once per architecture and vLLM release on a machine, each time taking a
-whole vLLM import. colo's engines run in this process and import the model class here anyway (vLLM's
-load_model does, with V1 multiprocessing off), so colo registers the class itself through the public
-`ModelRegistry.register_model(arch, cls)`, which vLLM inspects in the process that registered it.
+its modelinfos cache (VLLM_CACHE_ROOT/modelinfos, one file per class, keyed by the module's hash) has
+no entry for a class, inspects the class in a new Python process that imports vLLM again
+(`_run_in_subprocess`), so as not to initialise CUDA in the parent: once per architecture and vLLM
+release on a machine, a whole vLLM import each time. colo's engines run in this process and import the
+model class here anyway (vLLM's load_model does, with V1 multiprocessing off), so colo inspects it here
+and writes the entry with the registry's own cache methods; vLLM then reads it, in this process and in
+any other (a stock baseline's included).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+from pathlib import Path
 
 
 def inspect_in_this_process(model_dir: str) -> list[str]:
-    """Register the architectures that `model_dir`'s config.json names, where vLLM registered them lazily,
-    as their classes (imported here); returns those registered. A directory without a config, an
-    architecture vLLM does not know or a module that does not import is left to vLLM, which reports it."""
+    """Fill vLLM's modelinfos cache for the architectures `model_dir`'s config.json names, where vLLM
+    registered them lazily and the cache has no current entry; returns those filled. A directory without
+    a config, an architecture vLLM does not know or a module that does not import is left to vLLM, which
+    reports it."""
     config_path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config_path):
         return []
     with open(config_path) as f:
         architectures = json.load(f).get("architectures") or []
     from vllm import ModelRegistry
-    from vllm.model_executor.models.registry import _LazyRegisteredModel
+    from vllm.model_executor.models.registry import _LazyRegisteredModel, _ModelInfo
 
-    registered = []
+    filled = []
     for arch in architectures:
         entry = ModelRegistry.models.get(arch)
         if not isinstance(entry, _LazyRegisteredModel):
             continue
         try:
-            model_cls = entry.load_model_cls()
+            spec = importlib.util.find_spec(entry.module_name)
+            module_hash = entry._get_modelinfo_module_hash(Path(spec.origin))
+            if entry._load_modelinfo_from_cache(module_hash) is not None:
+                continue
+            info = _ModelInfo.from_model_cls(entry.load_model_cls())
         except Exception:  # noqa: BLE001 - vLLM's own inspection raises it with its context
             continue
-        ModelRegistry.register_model(arch, model_cls)
-        registered.append(arch)
-    return registered
+        entry._save_modelinfo_to_cache(info, module_hash)
+        filled.append(arch)
+    return filled

@@ -146,20 +146,26 @@ def test_an_untested_vllm_version_is_refused_with_the_way_out(monkeypatch):
     compat.check_version("0.31.2")
 
 
-def test_the_served_model_class_is_registered_in_this_process_so_vllm_inspects_it_here(tmp_path):
+def test_the_served_model_class_is_inspected_in_this_process_into_vllms_cache(tmp_path, monkeypatch):
     import json
 
     from vllm import ModelRegistry
-    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
-    from vllm.model_executor.models.registry import _LazyRegisteredModel
 
-    assert compat.inspect_in_this_process(str(tmp_path)) == []  # no config.json: left to vLLM
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM", "NoSuchModelForCausalLM"]}))
-    registered = compat.inspect_in_this_process(str(tmp_path))
-    assert set(registered) <= {"Qwen2ForCausalLM"}  # an earlier engine in this process may have done it
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()  # an engine started earlier in this process froze them (vLLM's way out for tests)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))  # an empty cache, as on a new machine
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    assert compat.inspect_in_this_process(str(model_dir)) == []  # no config.json: left to vLLM
+    (model_dir / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM", "NoSuchModelForCausalLM"]}))
+    assert compat.inspect_in_this_process(str(model_dir)) == ["Qwen2ForCausalLM"]
     entry = ModelRegistry.models["Qwen2ForCausalLM"]
-    assert not isinstance(entry, _LazyRegisteredModel) and entry.load_model_cls() is Qwen2ForCausalLM
-    assert "NoSuchModelForCausalLM" not in ModelRegistry.models
+    cached = json.loads((tmp_path / "vllm-cache" / "modelinfos" / entry._get_cache_filename()).read_text())
+    assert cached["modelinfo"]["is_text_generation_model"] is True
+    # vLLM reads it back without a process of its own; a second call finds it current.
+    assert entry.inspect_model_cls().is_text_generation_model is True
+    assert compat.inspect_in_this_process(str(model_dir)) == []
 
 
 def test_the_loadable_compile_cache_is_chosen_only_where_the_aot_one_cannot_load_and_the_user_did_not_choose(
