@@ -16,6 +16,9 @@ SECTION_MODULES = {"trl": "trl_colocate", "lora": "lora_colocate", "overlap": "o
 # `--quick` (the README's main job: minutes on a fresh 2-core machine) leaves out what only the full run
 # needs to show; `--sections lora` (or agentic) runs it quick too.
 QUICK_SECTIONS = tuple(name for name in SECTIONS if name not in ("lora", "agentic", "moe_publish"))
+# The sections that run sides in fresh processes (measure.in_fresh_process): a run with any of them
+# starts the fork server those come from before anything else, so its imports overlap the run's own.
+FRESH_PROCESS_SECTIONS = ("trl", "lora", "logprob_memory", "agentic")
 # What each section measures, and about how many seconds it took on 2 CPU cores with empty compile
 # caches (quick: the slower of bench/results/cpu-quick-fresh-*.json, rounded up; full: the full runs'
 # files in bench/results), printed as it starts.
@@ -39,4 +42,4 @@ ABOUT = {
 
 DEVICE_CHOICES = ("cpu", "cuda", "all")
 
-__all__ = ["SECTIONS", "SECTION_MODULES", "QUICK_SECTIONS", "ABOUT", "DEVICE_CHOICES"]
+__all__ = ["SECTIONS", "SECTION_MODULES", "QUICK_SECTIONS", "FRESH_PROCESS_SECTIONS", "ABOUT", "DEVICE_CHOICES"]

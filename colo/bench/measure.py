@@ -210,6 +210,21 @@ def in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
+def start_fresh_process_server() -> None:
+    """Start the fork server in_fresh_process forks from, without waiting: it imports
+    FRESH_PROCESS_PRELOAD in its own process (wait_for_fresh_process_server waits for that)."""
+    import multiprocessing.forkserver
+
+    preloaded_fork_context()
+    multiprocessing.forkserver.ensure_running()
+
+
+def wait_for_fresh_process_server() -> None:
+    """Return once the fork server has imported what it preloads (a first fresh process has run), so
+    that nothing measured afterwards shares the machine with those imports."""
+    in_fresh_process(os.getpid)
+
+
 def preloaded_fork_context():
     """multiprocessing's fork-server context, its server (one per process, started by the first process
     it forks) importing what of FRESH_PROCESS_PRELOAD is installed. The tests' launches use it too."""

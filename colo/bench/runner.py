@@ -18,7 +18,7 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import ABOUT, SECTION_MODULES, SECTIONS
+from . import ABOUT, FRESH_PROCESS_SECTIONS, SECTION_MODULES, SECTIONS
 from .machine import describe, machine_info
 
 STANDARD_KEYS = ("section", "case", "device", "colo_s", "baseline", "baseline_s", "ratio", "note")
@@ -247,6 +247,13 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
         out=sys.stdout, logs: Path | None = None) -> tuple[dict, bool]:
     """Run `sections` in order; returns (result, any_section_failed). logs: where the sections' own
     output goes (None: to the terminal); each row is printed as it is measured, details in the JSON."""
+    from .measure import start_fresh_process_server, wait_for_fresh_process_server
+
+    redirect = LogsToFile(logs)
+    fresh_processes = any(name in FRESH_PROCESS_SECTIONS for name in sections)
+    if fresh_processes:
+        with redirect:  # the server's output, and its children's, goes where the sections' logs go
+            start_fresh_process_server()  # its imports run beside this process's own, below
     from colo.engine import quiet_vllm_logs
 
     quiet_vllm_logs()  # stdout carries only the table
@@ -271,9 +278,11 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
     if logs is not None:
         print(f"# vLLM's and torch's logs go to {logs} (--show-logs prints them here)", file=out)
     print(header(details=logs is None), file=out, flush=True)
+    if fresh_processes:
+        with redirect:
+            wait_for_fresh_process_server()  # before the first section measures anything
     failed = False
     started = time.perf_counter()
-    redirect = LogsToFile(logs)
     for number, name in enumerate(sections, 1):
         about, quick_s, full_s = ABOUT.get(name, ("", None, None))
         took = quick_s if quick else full_s
