@@ -16,9 +16,12 @@ SECTION_MODULES = {"trl": "trl_colocate", "lora": "lora_colocate", "overlap": "o
 # `--quick` (the README's main job: minutes on a fresh 2-core machine) leaves out what only the full run
 # needs to show; `--sections lora` (or agentic) runs it quick too.
 QUICK_SECTIONS = tuple(name for name in SECTIONS if name not in ("lora", "agentic", "moe_publish"))
-# The sections that run sides in fresh processes (measure.in_fresh_process): a run with any of them
-# starts the fork server those come from before anything else, so its imports overlap the run's own.
+# The sections that run sides in fresh processes (measure.in_fresh_process), and those whose first
+# seconds (building models and engines) time nothing and that wait for the fork server before they time
+# (measure.wait_for_fresh_process_server): a run with both starts that server as the first of the latter
+# begins, so its imports overlap that set-up; other sections start only once it has finished them.
 FRESH_PROCESS_SECTIONS = ("trl", "lora", "logprob_memory", "agentic")
+UNTIMED_SETUP_SECTIONS = ("publish", "grpo_step")
 # What each section measures, and about how many seconds it took on 2 CPU cores with empty compile
 # caches (quick: the slower of bench/results/cpu-quick-fresh-*.json, rounded up; full: the full runs'
 # files in bench/results), printed as it starts.
@@ -42,4 +45,5 @@ ABOUT = {
 
 DEVICE_CHOICES = ("cpu", "cuda", "all")
 
-__all__ = ["SECTIONS", "SECTION_MODULES", "QUICK_SECTIONS", "FRESH_PROCESS_SECTIONS", "ABOUT", "DEVICE_CHOICES"]
+__all__ = ["SECTIONS", "SECTION_MODULES", "QUICK_SECTIONS", "FRESH_PROCESS_SECTIONS", "UNTIMED_SETUP_SECTIONS", "ABOUT",
+           "DEVICE_CHOICES"]

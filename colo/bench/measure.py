@@ -210,19 +210,28 @@ def in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
+_server_importing = False  # start_fresh_process_server started it; no fresh process has run since
+
+
 def start_fresh_process_server() -> None:
     """Start the fork server in_fresh_process forks from, without waiting: it imports
     FRESH_PROCESS_PRELOAD in its own process (wait_for_fresh_process_server waits for that)."""
     import multiprocessing.forkserver
 
+    global _server_importing
     preloaded_fork_context()
     multiprocessing.forkserver.ensure_running()
+    _server_importing = True
 
 
 def wait_for_fresh_process_server() -> None:
-    """Return once the fork server has imported what it preloads (a first fresh process has run), so
-    that nothing measured afterwards shares the machine with those imports."""
-    in_fresh_process(os.getpid)
+    """Return once a fork server started by start_fresh_process_server has imported what it preloads (a
+    first fresh process has run), so that nothing timed afterwards shares the machine with those imports;
+    at once when none is importing."""
+    global _server_importing
+    if _server_importing:
+        in_fresh_process(os.getpid)
+        _server_importing = False
 
 
 def preloaded_fork_context():

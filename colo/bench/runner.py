@@ -18,7 +18,7 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import ABOUT, FRESH_PROCESS_SECTIONS, SECTION_MODULES, SECTIONS
+from . import ABOUT, FRESH_PROCESS_SECTIONS, SECTION_MODULES, SECTIONS, UNTIMED_SETUP_SECTIONS
 from .machine import describe, machine_info
 
 STANDARD_KEYS = ("section", "case", "device", "colo_s", "baseline", "baseline_s", "ratio", "note")
@@ -250,10 +250,8 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
     from .measure import start_fresh_process_server, wait_for_fresh_process_server
 
     redirect = LogsToFile(logs)
-    fresh_processes = any(name in FRESH_PROCESS_SECTIONS for name in sections)
-    if fresh_processes:
-        with redirect:  # the server's output, and its children's, goes where the sections' logs go
-            start_fresh_process_server()  # its imports run beside this process's own, below
+    start_server_at = next((name for name in sections if name in UNTIMED_SETUP_SECTIONS), None) \
+        if any(name in FRESH_PROCESS_SECTIONS for name in sections) else None
     from colo.engine import quiet_vllm_logs
 
     quiet_vllm_logs()  # stdout carries only the table
@@ -278,9 +276,6 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
     if logs is not None:
         print(f"# vLLM's and torch's logs go to {logs} (--show-logs prints them here)", file=out)
     print(header(details=logs is None), file=out, flush=True)
-    if fresh_processes:
-        with redirect:
-            wait_for_fresh_process_server()  # before the first section measures anything
     failed = False
     started = time.perf_counter()
     for number, name in enumerate(sections, 1):
@@ -290,8 +285,13 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
               if took else ""), file=redirect.terminal, flush=True)
         t0 = time.perf_counter()
         with redirect:
-            # (its per-item progress lines go where its logs go)
+            # (its per-item progress lines go where its logs go; the fork server's output too)
+            if name == start_server_at:
+                start_fresh_process_server()  # imports while the section builds what it measures
+            else:
+                wait_for_fresh_process_server()
             rows, section_failed = run_section(name, quick, devices_for(device))
+            wait_for_fresh_process_server()
         failed |= section_failed
         result["section_seconds"][name] = round(time.perf_counter() - t0, 3)
         result["rows"].extend(rows)
