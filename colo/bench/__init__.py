@@ -23,21 +23,21 @@ QUICK_SECTIONS = tuple(name for name in SECTIONS if name not in ("lora", "agenti
 FRESH_PROCESS_SECTIONS = ("trl", "lora", "logprob_memory", "agentic")
 UNTIMED_SETUP_SECTIONS = ("publish", "grpo_step")
 # What each section measures, and about how many seconds it took on 2 CPU cores with empty compile
-# caches (quick: the slower of bench/results/cpu-quick-fresh-*.json, rounded up; full: the full runs'
+# caches (quick: bench/results/cpu-quick-fresh-avx2.json, the AVX2 EPYC, rounded up; full: the full runs'
 # files in bench/results), printed as it starts.
 ABOUT = {
     "pool_alloc": ("Region.empty and the core's allocate/free against torch.empty and malloc", 1, 2),
     "sleep_wake": ("Region.sleep(offload) + wake against a copy to host and back", 5, 30),
     "publish": ("publish() on a compiled engine sharing the trainer's weights against TRL's load_weights sync",
-                50, 420),
+                95, 420),
     "moe_publish": ("publish() on a 0.5B MoE whose experts are views of the engine's against TRL's load_weights "
                     "sync", 600, 600),
-    "grpo_step": ("a colocated GRPO step against the usual way (own fp32 copy, per-parameter sync)", 40, 150),
-    "memory": ("bytes per parameter resident in each phase, colo against the usual layout", 20, 130),
+    "grpo_step": ("a colocated GRPO step against the usual way (own fp32 copy, per-parameter sync)", 80, 150),
+    "memory": ("bytes per parameter resident in each phase, colo against the usual layout", 25, 130),
     "trl": ("TRL's GRPOTrainer with colo.trl against stock TRL colocate, in fresh processes", 100, 1300),
     "lora": ("LoRA with colo.trl and colo.grpo against stock TRL + PEFT", 110, 620),
-    "logprob_memory": ("peak memory of chunked log-probabilities against all logits at once", 30, 280),
-    "overlap": ("a GRPO step training finished groups during generation against the serial step", 15, 600),
+    "logprob_memory": ("peak memory of chunked log-probabilities against all logits at once", 10, 280),
+    "overlap": ("a GRPO step training finished groups during generation against the serial step", 25, 600),
     "tool_calls": ("a tool call in a worker process against one on a thread of the training process", 2, 5),
     "agentic": ("an agentic step (tools, an environment, two turns) with colo.trl and colo.grpo against stock TRL",
                 400, 400),
