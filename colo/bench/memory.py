@@ -98,8 +98,8 @@ def measure_size(name: str, progress, device: str = "cpu", quick: bool = False) 
                        "= the usual way's bytes / this row's; planned_bytes_per_param_<phase>: python -m colo.plan's count of "
                        "the same layout (weights, gradients, optimizer state; no activations); colo rows offload the optimizer state while generating "
                        "as on a GPU (on a host pool the copy stays in RAM: see rss_bytes_<phase>)"
-                       + (f"; quick run: engines not compiled, {QUICK_BATCH[0]} prompts x {QUICK_BATCH[1]} completions x "
-                          f"{QUICK_BATCH[2]} tokens" if quick else ""))
+                       + (f"; quick run: engines not compiled, {QUICK_BATCH[0]} prompts x {QUICK_BATCH[1]} "
+                          f"completions x {QUICK_BATCH[2]} tokens" if quick else ""))
         if row is usual:
             row["in_summary"] = False  # the colo rows' baseline
         else:  # the table's figure: while generating, where colo's layout frees room for the KV cache

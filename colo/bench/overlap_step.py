@@ -231,7 +231,8 @@ def prepare(workload: dict, tmp: Path):
     from colo.grpo.toy_task import long_tail_toy_task
 
     model_dir = tmp / "model"
-    config = {**QWEN2_SIZES[workload["model"]], "max_position_embeddings": max(MAX_POSITIONS, workload["max_new_tokens"] + 64)}
+    positions = max(MAX_POSITIONS, workload["max_new_tokens"] + 64)
+    config = {**QWEN2_SIZES[workload["model"]], "max_position_embeddings": positions}
     params = save_random_model(model_dir, config)
     lengths = f"lengths ~geometric (mean {workload['mean_length']}, max {workload['max_new_tokens']})"
     vocab, mean_length = config["vocab_size"], workload["mean_length"]

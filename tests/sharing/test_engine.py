@@ -158,7 +158,8 @@ def test_the_served_model_class_is_inspected_in_this_process_into_vllms_cache(tm
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     assert compat.inspect_in_this_process(str(model_dir)) == []  # no config.json: left to vLLM
-    (model_dir / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM", "NoSuchModelForCausalLM"]}))
+    architectures = ["Qwen2ForCausalLM", "NoSuchModelForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps({"architectures": architectures}))
     assert compat.inspect_in_this_process(str(model_dir)) == ["Qwen2ForCausalLM"]
     entry = ModelRegistry.models["Qwen2ForCausalLM"]
     cached = json.loads((tmp_path / "vllm-cache" / "modelinfos" / entry._get_cache_filename()).read_text())
