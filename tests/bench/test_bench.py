@@ -172,6 +172,24 @@ def test_the_closing_table_shows_figures_that_are_not_times_and_leaves_out_rows_
     assert "2.07 B/param" in runner.format_row(rows[0], details=False)
 
 
+def test_the_fork_server_imports_during_the_first_untimed_set_up_and_nothing_after_it_runs_beside_it(
+        tmp_path, monkeypatch):
+    from colo.bench import measure
+
+    events = []
+    monkeypatch.setattr(measure, "start_fresh_process_server", lambda: events.append("start"))
+    monkeypatch.setattr(measure, "wait_for_fresh_process_server", lambda: events.append("wait"))
+    monkeypatch.setattr(runner, "run_section", lambda name, *args: (events.append(name) or [], False))
+    table = (tmp_path / "table.txt").open("w")
+    runner.run(["pool_alloc", "publish", "trl"], True, "cpu", [], logs=tmp_path / "logs.txt", out=table)
+    # publish builds its model and engines while the server imports, and waits for it before it times.
+    assert events == ["wait", "pool_alloc", "wait", "start", "publish", "wait", "wait", "trl", "wait"]
+    events.clear()
+    runner.run(["pool_alloc", "trl"], True, "cpu", [], logs=tmp_path / "logs.txt", out=table)
+    table.close()
+    assert "start" not in events  # no untimed set-up to overlap: trl's first fresh process starts it
+
+
 def test_engine_sections_measure_where_the_installed_vllm_runs():
     from colo.bench.measure import engine_unavailable_reason
     from colo.engine import engine_device
