@@ -247,12 +247,9 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
         out=sys.stdout, logs: Path | None = None) -> tuple[dict, bool]:
     """Run `sections` in order; returns (result, any_section_failed). logs: where the sections' own
     output goes (None: to the terminal); each row is printed as it is measured, details in the JSON."""
-    from .measure import start_fresh_process_server, wait_for_fresh_process_server
-
-    redirect = LogsToFile(logs)
-    start_server_at = next((name for name in sections if name in UNTIMED_SETUP_SECTIONS), None) \
-        if any(name in FRESH_PROCESS_SECTIONS for name in sections) else None
     from colo.engine import quiet_vllm_logs
+
+    from .measure import start_fresh_process_server, wait_for_fresh_process_server
 
     quiet_vllm_logs()  # stdout carries only the table
     info = machine_info()
@@ -276,6 +273,11 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
     if logs is not None:
         print(f"# vLLM's and torch's logs go to {logs} (--show-logs prints them here)", file=out)
     print(header(details=logs is None), file=out, flush=True)
+    redirect = LogsToFile(logs)
+    # The fresh-process sections' fork server imports while the first section with an untimed set-up
+    # builds its models and engines (colo.bench.UNTIMED_SETUP_SECTIONS).
+    start_server_at = next((name for name in sections if name in UNTIMED_SETUP_SECTIONS), None) \
+        if any(name in FRESH_PROCESS_SECTIONS for name in sections) else None
     failed = False
     started = time.perf_counter()
     for number, name in enumerate(sections, 1):
