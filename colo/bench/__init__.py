@@ -17,9 +17,11 @@ SECTION_MODULES = {"trl": "trl_colocate", "lora": "lora_colocate", "overlap": "o
 # needs to show; `--sections lora` (or agentic) runs it quick too.
 QUICK_SECTIONS = tuple(name for name in SECTIONS if name not in ("lora", "agentic", "moe_publish"))
 # The sections that run sides in fresh processes (measure.in_fresh_process), and those whose first
-# seconds (building models and engines) time nothing and that wait for the fork server before they time
-# (measure.wait_for_fresh_process_server): a run with both starts that server as the first of the latter
-# begins, so its imports overlap that set-up; other sections start only once it has finished them.
+# seconds (building models and engines) time nothing and that wait for what was started beside them
+# before they time (measure.wait_for_fresh_process_server): the fork server of the fresh processes, which
+# starts as the first of the latter begins, so that its imports overlap that set-up, and in a quick run
+# the COMPILE_AHEAD of the sections after each (runner.fresh_process_plan). Nothing started beside a
+# section outlives it.
 FRESH_PROCESS_SECTIONS = ("trl", "lora", "logprob_memory", "agentic")
 UNTIMED_SETUP_SECTIONS = ("publish", "grpo_step")
 # What each section measures, and about how many seconds it took on 2 CPU cores with empty compile
@@ -34,7 +36,7 @@ ABOUT = {
                     "sync", 600, 600),
     "grpo_step": ("a colocated GRPO step against the usual way (own fp32 copy, per-parameter sync)", 80, 150),
     "memory": ("bytes per parameter resident in each phase, colo against the usual layout", 25, 130),
-    "trl": ("TRL's GRPOTrainer with colo.trl against stock TRL colocate, in fresh processes", 100, 1300),
+    "trl": ("TRL's GRPOTrainer with colo.trl against stock TRL colocate, in fresh processes", 50, 1300),
     "lora": ("LoRA with colo.trl and colo.grpo against stock TRL + PEFT", 110, 620),
     "logprob_memory": ("peak memory of chunked log-probabilities against all logits at once", 10, 280),
     "overlap": ("a GRPO step training finished groups during generation against the serial step", 25, 600),

@@ -42,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                "--plot bench/results/cpu-quick.png",
     )
     parser.add_argument("--quick", action="store_true",
-                        help="smaller sizes, fewer repeats, no lora section: about 4 minutes on a 2-core CPU, 5 to 6 "
-                             "the first time (vLLM compiles each model graph once per machine)")
+                        help="smaller sizes, fewer repeats, no lora section: about 4 minutes on a 2-core CPU, 5 the "
+                             "first time (vLLM compiles each model graph once per machine)")
     parser.add_argument("--json", type=json_path, metavar="PATH",
                         help="write rows, machine, exact command, date and colo build info to PATH")
     parser.add_argument("--plot", type=png_path, metavar="PATH",

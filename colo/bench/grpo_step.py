@@ -86,6 +86,25 @@ def new_run(model_dir: Path, max_new_tokens: int, colocated: bool, dtype: str | 
     return run
 
 
+def compile_colo_engine() -> None:
+    """Build the quick run's colo side (its engine compiled in the dtype auto picks) and close it: run
+    ahead in a fresh process (COMPILE_AHEAD), so that a fresh machine's compile caches have its code. Not
+    where auto picks bf16: that engine's compiled code is publish's, which publish builds meanwhile."""
+    import torch
+
+    from colo.dtype_choice import fastest_dtype
+
+    if fastest_dtype("cuda" if torch.cuda.is_available() else "cpu").name == "bf16":
+        return
+    name = QUICK_SIZES[0]
+    with tempfile.TemporaryDirectory(prefix="colo-grpo-step-ahead-") as tmp:
+        save_model(Path(tmp) / "model", name)
+        new_run(Path(tmp) / "model", COMPLETION_TOKENS[name], True).close()
+
+
+COMPILE_AHEAD = (compile_colo_engine,)  # colo.bench.runner.fresh_process_plan
+
+
 def summarise(records: list[dict]) -> dict:
     summary = {f"{phase}_s": statistics.median(r.get(f"{phase}_s", 0.0) for r in records) for phase in PHASES}
     summary["step_s"] = statistics.median(r["step_s"] for r in records)

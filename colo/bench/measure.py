@@ -211,27 +211,48 @@ def in_fresh_process(fn, *args):
 
 
 _server_importing = False  # start_fresh_process_server started it; no fresh process has run since
+_compiling_ahead: list = []  # (function, its process pool, its future) of the compile-ahead processes
 
 
-def start_fresh_process_server() -> None:
+def start_fresh_process_server(ahead=()) -> None:
     """Start the fork server in_fresh_process forks from, without waiting: it imports
-    FRESH_PROCESS_PRELOAD in its own process (wait_for_fresh_process_server waits for that)."""
+    FRESH_PROCESS_PRELOAD in its own process (wait_for_fresh_process_server waits for that). Each of
+    `ahead` (functions without arguments: a later section's COMPILE_AHEAD) then runs in a fresh process
+    of its own: they build the engines later sections build, so that those find their compiled code in
+    the compile caches. Compiling keeps about one core busy; the caller builds its own engines meanwhile."""
     import multiprocessing.forkserver
+    from concurrent.futures import ProcessPoolExecutor
 
     global _server_importing
-    preloaded_fork_context()
+    context = preloaded_fork_context()
     multiprocessing.forkserver.ensure_running()
     _server_importing = True
+    for fn in ahead:
+        pool = ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=_started_from,
+                                   initargs=(dict(os.environ),))
+        _compiling_ahead.append((fn, pool, pool.submit(fn)))
 
 
 def wait_for_fresh_process_server() -> None:
     """Return once a fork server started by start_fresh_process_server has imported what it preloads (a
-    first fresh process has run), so that nothing timed afterwards shares the machine with those imports;
-    at once when none is importing."""
+    first fresh process has run) and the compile-ahead processes it started have ended, so that nothing
+    timed afterwards shares the machine with them; at once when none is running. A compile-ahead that
+    failed is reported on stderr, not raised: its section builds its engines itself and says what failed."""
+    import sys
+
     global _server_importing
     if _server_importing:
         in_fresh_process(os.getpid)
         _server_importing = False
+    while _compiling_ahead:
+        fn, pool, future = _compiling_ahead.pop(0)
+        try:
+            future.result()
+        except Exception as e:  # noqa: BLE001 - a cache left cold costs time, not a result
+            name = getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", repr(fn))
+            print(f"[colo.bench] compiling ahead failed ({name}): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        finally:
+            pool.shutdown()
 
 
 def preloaded_fork_context():

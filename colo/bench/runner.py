@@ -274,10 +274,7 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
         print(f"# vLLM's and torch's logs go to {logs} (--show-logs prints them here)", file=out)
     print(header(details=logs is None), file=out, flush=True)
     redirect = LogsToFile(logs)
-    # The fresh-process sections' fork server imports while the first section with an untimed set-up
-    # builds its models and engines (colo.bench.UNTIMED_SETUP_SECTIONS).
-    start_server_at = next((name for name in sections if name in UNTIMED_SETUP_SECTIONS), None) \
-        if any(name in FRESH_PROCESS_SECTIONS for name in sections) else None
+    compile_ahead = fresh_process_plan(sections, quick)
     failed = False
     started = time.perf_counter()
     for number, name in enumerate(sections, 1):
@@ -288,12 +285,10 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
         t0 = time.perf_counter()
         with redirect:
             # (its per-item progress lines go where its logs go; the fork server's output too)
-            if name == start_server_at:
-                start_fresh_process_server()  # imports while the section builds what it measures
-            else:
-                wait_for_fresh_process_server()
+            if name in compile_ahead:
+                start_fresh_process_server(compile_ahead[name])  # runs while the section builds its engines
             rows, section_failed = run_section(name, quick, devices_for(device))
-            wait_for_fresh_process_server()
+            wait_for_fresh_process_server()  # nothing of it shares the machine with the next section
         failed |= section_failed
         result["section_seconds"][name] = round(time.perf_counter() - t0, 3)
         result["rows"].extend(rows)
@@ -305,6 +300,26 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
     if json_path is not None:
         write_json(result, json_path)
     return result, failed
+
+
+def fresh_process_plan(sections: list[str], quick: bool) -> dict[str, list]:
+    """{section: the compile-ahead functions to start in fresh processes as it begins}, for the sections
+    with an untimed set-up (colo.bench.UNTIMED_SETUP_SECTIONS: they build models and engines before they
+    time anything, and wait for what was started before they do). The first of them starts the fork server
+    of the fresh processes when a later section runs fresh processes; in a quick run each starts the
+    COMPILE_AHEAD functions of the sections that follow it, up to and including the next one: they build
+    those sections' engines so that a fresh machine compiles them beside this set-up, on the core its own
+    compiling leaves idle, instead of one after another."""
+    setups = [i for i, name in enumerate(sections) if name in UNTIMED_SETUP_SECTIONS]
+    plan = {}
+    for number, i in enumerate(setups):
+        until = setups[number + 1] + 1 if number + 1 < len(setups) else len(sections)
+        ahead = [fn for name in sections[i + 1:until] for fn in getattr(load_section(name)[0], "COMPILE_AHEAD", ())]
+        if quick and ahead:
+            plan[sections[i]] = ahead
+    if setups and any(name in FRESH_PROCESS_SECTIONS for name in sections[setups[0] + 1:]):
+        plan.setdefault(sections[setups[0]], [])
+    return plan
 
 
 def source_commit() -> str | None:

@@ -31,6 +31,7 @@ KV wake/sleep, sync, rewards, log-probability passes, loss, backward, optimizer 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import statistics
 import tempfile
@@ -109,16 +110,13 @@ def trl_args(out: Path, steps: int):
                           use_cpu=True, seed=0, disable_tqdm=True, **BATCH)  # TRL's dtypes: fp32 model, bf16=True
 
 
-def run_trl(side: str, model_dir: Path, out: Path, steps: int, lora: dict | None = None) -> dict:
-    """One TRL run of `steps` steps; step times (after warm-up), sync times and bytes, memory.
-    lora: peft.LoraConfig's arguments, for a TRL script with `peft_config=LoraConfig(**lora)`."""
+def new_trainer(side: str, model_dir: Path, out: Path, steps: int, lora: dict | None = None):
+    """`side`'s GRPOTrainer (colo.trl's for "colo...", TRL's otherwise; "...variant": on vLLM's plain CPU
+    kernels) for the TRL script both sides run; its engine is built and compiled."""
     import trl
 
-    from colo.engine import kv_cache_region, release_llm
-    from colo.vllm_compat import engine_dtype
-    from colo.vllm_compat.forced_kernels import forced_cpu_gemm
-
     from colo.trl import GRPOTrainer
+    from colo.vllm_compat.forced_kernels import forced_cpu_gemm
 
     trainer_class = GRPOTrainer if side.startswith("colo") else trl.GRPOTrainer
     peft_kwargs = {}
@@ -127,9 +125,34 @@ def run_trl(side: str, model_dir: Path, out: Path, steps: int, lora: dict | None
 
         peft_kwargs["peft_config"] = LoraConfig(**lora)
     with forced_cpu_gemm("plain") if side.endswith("variant") else contextlib.nullcontext():
-        trainer = trainer_class(model=str(model_dir), reward_funcs=even_digits, train_dataset=prompts(),
-                                args=trl_args(out, steps), **peft_kwargs)
+        return trainer_class(model=str(model_dir), reward_funcs=even_digits, train_dataset=prompts(),
+                             args=trl_args(out, steps), **peft_kwargs)
+
+
+def compile_trl_engine(side: str) -> None:
+    """Build `side`'s trainer on the quick run's model and release its engine: run ahead in a fresh
+    process (COMPILE_AHEAD), so that a fresh machine's compile caches have the engine's code."""
+    from colo.engine import release_llm
+
+    with tempfile.TemporaryDirectory(prefix="colo-trl-ahead-") as tmp:
+        build_model_dir(Path(tmp) / "model", SIZES[QUICK_SIZES[0]])
+        release_llm(new_trainer(side, Path(tmp) / "model", Path(tmp) / "out", WARMUP + 2).vllm_generation.llm)
+
+
+# colo.bench.runner.fresh_process_plan: stock TRL's engine and colo.trl's (colo.grpo's and overlap's share
+# its compiled code), each in its own process.
+COMPILE_AHEAD = (functools.partial(compile_trl_engine, "stock"), functools.partial(compile_trl_engine, "colo"))
+
+
+def run_trl(side: str, model_dir: Path, out: Path, steps: int, lora: dict | None = None) -> dict:
+    """One TRL run of `steps` steps; step times (after warm-up), sync times and bytes, memory.
+    lora: peft.LoraConfig's arguments, for a TRL script with `peft_config=LoraConfig(**lora)`."""
     from transformers.trainer_callback import PrinterCallback
+
+    from colo.engine import kv_cache_region, release_llm
+    from colo.vllm_compat import engine_dtype
+
+    trainer = new_trainer(side, model_dir, out, steps, lora)
 
     trainer.remove_callback(PrinterCallback)  # it prints each log dict to stdout, which carries the bench's table
     generation = trainer.vllm_generation

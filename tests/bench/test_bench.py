@@ -177,17 +177,47 @@ def test_the_fork_server_imports_during_the_first_untimed_set_up_and_nothing_aft
     from colo.bench import measure
 
     events = []
-    monkeypatch.setattr(measure, "start_fresh_process_server", lambda: events.append("start"))
+    monkeypatch.setattr(measure, "start_fresh_process_server", lambda ahead: events.append(("start", len(ahead))))
     monkeypatch.setattr(measure, "wait_for_fresh_process_server", lambda: events.append("wait"))
     monkeypatch.setattr(runner, "run_section", lambda name, *args: (events.append(name) or [], False))
     table = (tmp_path / "table.txt").open("w")
     runner.run(["pool_alloc", "publish", "trl"], True, "cpu", [], logs=tmp_path / "logs.txt", out=table)
-    # publish builds its model and engines while the server imports, and waits for it before it times.
-    assert events == ["wait", "pool_alloc", "wait", "start", "publish", "wait", "wait", "trl", "wait"]
+    # publish builds its model and engines while the server imports and trl's two engines compile ahead,
+    # and waits for them before it times; every section ends with nothing of its own still running.
+    assert events == ["pool_alloc", "wait", ("start", 2), "publish", "wait", "trl", "wait"]
     events.clear()
     runner.run(["pool_alloc", "trl"], True, "cpu", [], logs=tmp_path / "logs.txt", out=table)
     table.close()
-    assert "start" not in events  # no untimed set-up to overlap: trl's first fresh process starts it
+    assert not [e for e in events if isinstance(e, tuple)]  # no untimed set-up: trl's first fresh process starts it
+
+
+def test_each_untimed_set_up_compiles_ahead_for_the_sections_up_to_the_next_one_in_a_quick_run():
+    from colo.bench import grpo_step, trl_colocate
+
+    grpo, trl = list(grpo_step.COMPILE_AHEAD), list(trl_colocate.COMPILE_AHEAD)
+    plan = runner.fresh_process_plan
+    assert plan(["pool_alloc", "publish", "grpo_step", "memory", "trl", "overlap"], True) == \
+        {"publish": grpo, "grpo_step": trl}
+    assert plan(["publish", "trl"], True) == {"publish": trl}
+    assert plan(["publish", "grpo_step", "trl"], False) == {"publish": []}  # full run: the fork server only
+    assert plan(["publish", "grpo_step"], False) == {}  # nothing to start
+    assert plan(["trl", "publish", "grpo_step"], True) == {"publish": grpo}
+    assert plan(["pool_alloc", "trl"], True) == {}  # no untimed set-up: trl's first fresh process starts the server
+
+
+def test_compile_ahead_functions_run_in_fresh_processes_and_a_failure_is_reported_not_raised(tmp_path, capfd):
+    import functools
+
+    from colo.bench import measure
+
+    marker, missing = tmp_path / "ran", tmp_path / "missing"
+    measure.start_fresh_process_server([functools.partial(Path.write_text, marker, "ran"),
+                                        functools.partial(Path.read_text, missing)])
+    measure.wait_for_fresh_process_server()
+    assert marker.read_text() == "ran"
+    assert "compiling ahead failed (Path.read_text): FileNotFoundError" in capfd.readouterr().err
+    assert not measure._compiling_ahead
+    measure.wait_for_fresh_process_server()  # nothing left: returns at once
 
 
 def test_engine_sections_measure_where_the_installed_vllm_runs():
