@@ -34,7 +34,7 @@ ABOUT = {
                 95, 420),
     "moe_publish": ("publish() on a 0.5B MoE whose experts are views of the engine's against TRL's load_weights "
                     "sync", 600, 600),
-    "grpo_step": ("a colocated GRPO step against the usual way (own fp32 copy, per-parameter sync)", 80, 150),
+    "grpo_step": ("a colocated GRPO step against the usual way (own fp32 copy, per-parameter sync)", 85, 150),
     "memory": ("bytes per parameter resident in each phase, colo against the usual layout", 25, 130),
     "trl": ("TRL's GRPOTrainer with colo.trl against stock TRL colocate, in fresh processes", 50, 1300),
     "lora": ("LoRA with colo.trl and colo.grpo against stock TRL + PEFT", 110, 620),
