@@ -18,7 +18,7 @@ SECTION_MODULES = {"trl": "trl_colocate", "lora": "lora_colocate", "overlap": "o
 QUICK_SECTIONS = tuple(name for name in SECTIONS if name not in ("lora", "agentic", "moe_publish"))
 # The sections that run sides in fresh processes (measure.in_fresh_process), and those whose first
 # seconds (building models and engines) time nothing and that wait for what was started beside them
-# before they time (measure.wait_for_fresh_process_server): the fork server of the fresh processes, which
+# before they time (measure.wait_for_started_processes): the fork server of the fresh processes, which
 # starts as the first of the latter begins, so that its imports overlap that set-up, and in a quick run
 # the COMPILE_AHEAD of the sections after each (runner.fresh_process_plan). Nothing started beside a
 # section outlives it.

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from .baselines import UPDATABLE_VARIANT, stock_update_refused, trl_sync_weights
 from .measure import (engine_unavailable_reason, gemm_peak_flops, matmul_parameters, ratio, rows_per_device,
-                      wait_for_fresh_process_server)
+                      wait_for_started_processes)
 from .models import MAX_POSITIONS, QWEN2_SIZES, save_random_model
 
 SECTION = "grpo_step"
@@ -134,7 +134,7 @@ def measure_size(name: str, steps: int, progress, device: str = "cpu", other_dty
         runs = {"colo": new_run(model_dir, max_new_tokens, True),
                 **({"colo_other": new_run(model_dir, max_new_tokens, True, dtype=other)} if other_dtype else {}),
                 "baseline": new_run(model_dir, max_new_tokens, False)}
-        wait_for_fresh_process_server()  # where the run started it while these engines were built
+        wait_for_started_processes()  # what the run started while these engines were built (fork server, compile-ahead)
         kernels = {side: cpu_kernels(run.engine.llm) for side, run in runs.items()}
         dtypes = {side: NAMES[engine_dtype(run.engine.llm)] for side, run in runs.items()}
         ran_on = {run.device.type for run in runs.values()}

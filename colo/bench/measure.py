@@ -210,16 +210,16 @@ def in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-_server_importing = False  # start_fresh_process_server started it; no fresh process has run since
+_server_importing = False  # start_fresh_processes started it; no fresh process has run since
 _compiling_ahead: list = []  # (function, its process pool, its future) of the compile-ahead processes
 
 
-def start_fresh_process_server(ahead=()) -> None:
-    """Start the fork server in_fresh_process forks from, without waiting: it imports
-    FRESH_PROCESS_PRELOAD in its own process (wait_for_fresh_process_server waits for that). Each of
-    `ahead` (functions without arguments: a later section's COMPILE_AHEAD) then runs in a fresh process
-    of its own: they build the engines later sections build, so that those find their compiled code in
-    the compile caches. Compiling keeps about one core busy; the caller builds its own engines meanwhile."""
+def start_fresh_processes(ahead=()) -> None:
+    """Start, without waiting, the fork server in_fresh_process forks from (it imports
+    FRESH_PROCESS_PRELOAD in its own process) and, forked from it, a process for each of `ahead`
+    (functions without arguments: later sections' COMPILE_AHEAD, which build the engines those sections
+    build, so that they find their compiled code in the compile caches). Compiling keeps about one core
+    busy; the caller builds its own engines meanwhile, then calls wait_for_started_processes."""
     import multiprocessing.forkserver
     from concurrent.futures import ProcessPoolExecutor
 
@@ -233,11 +233,11 @@ def start_fresh_process_server(ahead=()) -> None:
         _compiling_ahead.append((fn, pool, pool.submit(fn)))
 
 
-def wait_for_fresh_process_server() -> None:
-    """Return once a fork server started by start_fresh_process_server has imported what it preloads (a
-    first fresh process has run) and the compile-ahead processes it started have ended, so that nothing
-    timed afterwards shares the machine with them; at once when none is running. A compile-ahead that
-    failed is reported on stderr, not raised: its section builds its engines itself and says what failed."""
+def wait_for_started_processes() -> None:
+    """Return once the fork server start_fresh_processes started has imported what it preloads (a first
+    fresh process has run) and the compile-ahead processes it started have ended, so that nothing timed
+    afterwards shares the machine with them; at once when nothing is running. A compile-ahead that failed
+    is reported on stderr, not raised: its section builds its engines itself and says what failed."""
     import sys
 
     global _server_importing

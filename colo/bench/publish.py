@@ -41,7 +41,7 @@ from pathlib import Path
 from colo.sizes import rss_bytes, tensor_bytes
 
 from .baselines import UPDATABLE_VARIANT, stock_llm, stock_update_refused, trl_sync_weights, try_trl_sync
-from .measure import Stopwatch, engine_unavailable_reason, ratio, rows_per_device, wait_for_fresh_process_server
+from .measure import Stopwatch, engine_unavailable_reason, ratio, rows_per_device, wait_for_started_processes
 from .models import MAX_POSITIONS, MOE_SIZES, QWEN2_SIZES, random_model
 
 SECTION = "publish"
@@ -214,7 +214,7 @@ def measure_size(name: str, quick: bool, progress, device: str = "cpu") -> list[
         size = _Size(name, quick, device, Path(tmp))
         next(steps, None)
         llm, stock = size.colo_engine(), size.stock_engine()
-        wait_for_fresh_process_server()  # where the run started it while these engines were built
+        wait_for_started_processes()  # what the run started while these engines were built (fork server, compile-ahead)
         next(steps, None)
         shared = size.measure_colo(llm)
         size.measure_trl(stock)

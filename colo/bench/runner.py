@@ -249,7 +249,7 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
     output goes (None: to the terminal); each row is printed as it is measured, details in the JSON."""
     from colo.engine import quiet_vllm_logs
 
-    from .measure import start_fresh_process_server, wait_for_fresh_process_server
+    from .measure import start_fresh_processes, wait_for_started_processes
 
     quiet_vllm_logs()  # stdout carries only the table
     info = machine_info()
@@ -286,9 +286,9 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
         with redirect:
             # (its per-item progress lines go where its logs go; the fork server's output too)
             if name in compile_ahead:
-                start_fresh_process_server(compile_ahead[name])  # runs while the section builds its engines
+                start_fresh_processes(compile_ahead[name])  # runs while the section builds its engines
             rows, section_failed = run_section(name, quick, devices_for(device))
-            wait_for_fresh_process_server()  # nothing of it shares the machine with the next section
+            wait_for_started_processes()  # nothing of it shares the machine with the next section
         failed |= section_failed
         result["section_seconds"][name] = round(time.perf_counter() - t0, 3)
         result["rows"].extend(rows)

@@ -63,6 +63,7 @@ QUICK_SIZES = ("qwen2-trl-0.4M",)
 FULL_SIZES = ("qwen2-trl-0.4M", "qwen2-trl-12M", "qwen2-trl-0.36B", REAL_MODEL)
 BATCH = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=16)
 WARMUP = 2
+QUICK_STEPS, FULL_STEPS = 2, 5  # measured steps after WARMUP
 
 
 def build_model_dir(path: Path, config_kwargs: dict, arch: str = "qwen2") -> int:
@@ -135,8 +136,9 @@ def compile_trl_engine(side: str) -> None:
     from colo.engine import release_llm
 
     with tempfile.TemporaryDirectory(prefix="colo-trl-ahead-") as tmp:
-        build_model_dir(Path(tmp) / "model", SIZES[QUICK_SIZES[0]])
-        release_llm(new_trainer(side, Path(tmp) / "model", Path(tmp) / "out", WARMUP + 2).vllm_generation.llm)
+        model_dir = Path(tmp) / "model"
+        build_model_dir(model_dir, SIZES[QUICK_SIZES[0]])
+        release_llm(new_trainer(side, model_dir, Path(tmp) / "out", WARMUP + QUICK_STEPS).vllm_generation.llm)
 
 
 # colo.bench.runner.fresh_process_plan: stock TRL's engine and colo.trl's (colo.grpo's and overlap's share
@@ -345,7 +347,7 @@ def measure_size(name: str, quick: bool, progress, device: str = "cpu", rounds: 
                  same_kernels: bool | None = None) -> list[dict]:
     """The rows of one model size; `rounds` alternating rounds of every TRL side (one fresh process each).
     same_kernels: where stock TRL cannot run, also colo.trl on the baseline's kernels (default: full run)."""
-    steps = 2 if quick else 5
+    steps = QUICK_STEPS if quick else FULL_STEPS
     with tempfile.TemporaryDirectory(prefix="colo-trl-") as tmp:
         tmp = Path(tmp)
         real = SIZES[name] is None

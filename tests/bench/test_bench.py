@@ -177,8 +177,8 @@ def test_the_fork_server_imports_during_the_first_untimed_set_up_and_nothing_aft
     from colo.bench import measure
 
     events = []
-    monkeypatch.setattr(measure, "start_fresh_process_server", lambda ahead: events.append(("start", len(ahead))))
-    monkeypatch.setattr(measure, "wait_for_fresh_process_server", lambda: events.append("wait"))
+    monkeypatch.setattr(measure, "start_fresh_processes", lambda ahead: events.append(("start", len(ahead))))
+    monkeypatch.setattr(measure, "wait_for_started_processes", lambda: events.append("wait"))
     monkeypatch.setattr(runner, "run_section", lambda name, *args: (events.append(name) or [], False))
     table = (tmp_path / "table.txt").open("w")
     runner.run(["pool_alloc", "publish", "trl"], True, "cpu", [], logs=tmp_path / "logs.txt", out=table)
@@ -211,13 +211,13 @@ def test_compile_ahead_functions_run_in_fresh_processes_and_a_failure_is_reporte
     from colo.bench import measure
 
     marker, missing = tmp_path / "ran", tmp_path / "missing"
-    measure.start_fresh_process_server([functools.partial(Path.write_text, marker, "ran"),
+    measure.start_fresh_processes([functools.partial(Path.write_text, marker, "ran"),
                                         functools.partial(Path.read_text, missing)])
-    measure.wait_for_fresh_process_server()
+    measure.wait_for_started_processes()
     assert marker.read_text() == "ran"
     assert "compiling ahead failed (Path.read_text): FileNotFoundError" in capfd.readouterr().err
     assert not measure._compiling_ahead
-    measure.wait_for_fresh_process_server()  # nothing left: returns at once
+    measure.wait_for_started_processes()  # nothing left: returns at once
 
 
 def test_engine_sections_measure_where_the_installed_vllm_runs():
