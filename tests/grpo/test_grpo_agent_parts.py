@@ -189,6 +189,11 @@ def test_tools_in_worker_processes_survive_crashes_hangs_and_errors():
                       ("shifted", {"x": 1}))
         run(patient, ("add", {"a": 0, "b": 0}), ("add", {"a": 0, "b": 0}))  # both replacements up and idle
         hung, = run(strict, ("hang", {"x": 1}))
+        # The killed worker is replaced by its reader thread once the kill lands, and close() replaces no
+        # worker: wait for that (or give up after a minute, and the count below fails).
+        waited_until = time.perf_counter() + 60
+        while workers.replaced < 3 and time.perf_counter() < waited_until:
+            time.sleep(0.01)
         last, = run(patient, ("add", {"a": 1, "b": 1}))
     finally:
         patient.close()
