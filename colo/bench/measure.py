@@ -203,11 +203,17 @@ def in_fresh_process(fn, *args):
     default, each stock engine start compiles from scratch (its AOT artifact does not load back), which
     costs the bench time and not the baseline's steps, which run the same compiled code either way
     (bench/results/cpu-trl-stock-aot-avx2.json). Its stdout goes to stderr: stdout carries the bench's table."""
+    with _fresh_process_pool() as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _fresh_process_pool():
+    """A pool of one process forked from the fork server (preloaded_fork_context), started with the
+    environment as it is now (_started_from)."""
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(max_workers=1, mp_context=preloaded_fork_context(), initializer=_started_from,
-                             initargs=(dict(os.environ),)) as pool:
-        return pool.submit(fn, *args).result()
+    return ProcessPoolExecutor(max_workers=1, mp_context=preloaded_fork_context(), initializer=_started_from,
+                               initargs=(dict(os.environ),))
 
 
 _server_importing = False  # start_fresh_processes started it; no fresh process has run since
@@ -221,15 +227,13 @@ def start_fresh_processes(ahead=()) -> None:
     build, so that they find their compiled code in the compile caches). Compiling keeps about one core
     busy; the caller builds its own engines meanwhile, then calls wait_for_started_processes."""
     import multiprocessing.forkserver
-    from concurrent.futures import ProcessPoolExecutor
 
     global _server_importing
-    context = preloaded_fork_context()
+    preloaded_fork_context()
     multiprocessing.forkserver.ensure_running()
     _server_importing = True
     for fn in ahead:
-        pool = ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=_started_from,
-                                   initargs=(dict(os.environ),))
+        pool = _fresh_process_pool()
         _compiling_ahead.append((fn, pool, pool.submit(fn)))
 
 

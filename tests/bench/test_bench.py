@@ -212,7 +212,7 @@ def test_compile_ahead_functions_run_in_fresh_processes_and_a_failure_is_reporte
 
     marker, missing = tmp_path / "ran", tmp_path / "missing"
     measure.start_fresh_processes([functools.partial(Path.write_text, marker, "ran"),
-                                        functools.partial(Path.read_text, missing)])
+                                   functools.partial(Path.read_text, missing)])
     measure.wait_for_started_processes()
     assert marker.read_text() == "ran"
     assert "compiling ahead failed (Path.read_text): FileNotFoundError" in capfd.readouterr().err
