@@ -1,6 +1,7 @@
 """Small measuring helpers shared by the sections: device availability, row building, timing."""
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -253,10 +254,19 @@ def wait_for_started_processes() -> None:
         try:
             future.result()
         except Exception as e:  # noqa: BLE001 - a cache left cold costs time, not a result
-            name = getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", repr(fn))
-            print(f"[colo.bench] compiling ahead failed ({name}): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            print(f"[colo.bench] compiling ahead failed ({_call_name(fn)}): {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
         finally:
             pool.shutdown()
+
+
+def _call_name(fn) -> str:
+    """What a compile-ahead is called in messages: the function, and a partial's arguments
+    (trl_colocate's two sides are one function)."""
+    if isinstance(fn, functools.partial):
+        arguments = [repr(a) for a in fn.args] + [f"{k}={v!r}" for k, v in fn.keywords.items()]
+        return f"{_call_name(fn.func)}({', '.join(arguments)})"
+    return getattr(fn, "__qualname__", repr(fn))
 
 
 def preloaded_fork_context():

@@ -215,7 +215,8 @@ def test_compile_ahead_functions_run_in_fresh_processes_and_a_failure_is_reporte
                                    functools.partial(Path.read_text, missing)])
     measure.wait_for_started_processes()
     assert marker.read_text() == "ran"
-    assert "compiling ahead failed (Path.read_text): FileNotFoundError" in capfd.readouterr().err
+    # named with its argument: trl's two compile-aheads are one function, one partial per side
+    assert f"compiling ahead failed (Path.read_text({missing!r})): FileNotFoundError" in capfd.readouterr().err
     assert not measure._compiling_ahead
     measure.wait_for_started_processes()  # nothing left: returns at once
 
