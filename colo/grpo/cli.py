@@ -315,6 +315,7 @@ def main(argv=None) -> int:
     quiet_vllm_logs()  # the progress bar and the summary, not a vLLM INFO line per step
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     world = distributed.init_world("cuda" if _cuda() else "cpu")  # the scheduler makes the tensor-parallel groups
+    distributed.check_tensor_parallel(config.tensor_parallel, world.size)  # before the plan below is printed
     out = Path(args.out)
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from ..checks import check_int
 from .schedules import SCHEDULES
-from .settings import (json_object, non_negative_int, positive_float, positive_int, save_dtype_name, setting,
-                       thread_pair)
+from .settings import (int_at_least, json_object, non_negative_int, positive_float, positive_int, save_dtype_name,
+                       setting, thread_pair)
 from .trackers import check_report_to
 
 
@@ -34,8 +34,9 @@ class GRPOConfig:
     # -- generation ----------------------------------------------------------------------------------
     prompts_per_step: int = setting(8, "prompts per step over all ranks; each rank generates its share (as even as "
                                     "possible)", group="generation", type=positive_int, metavar="P")
-    num_generations: int = setting(8, "completions per prompt, the GRPO group", group="generation",
-                                   type=positive_int, metavar="G", trl="num_generations")
+    num_generations: int = setting(8, "completions per prompt, the GRPO group (at least 2: each completion's advantage "
+                                   "is its reward against the others')", group="generation",
+                                   type=int_at_least(2), metavar="G", trl="num_generations")
     max_new_tokens: int = setting(
         16, "longest completion (with tools: every turn's tokens together, the tools' results included)",
         group="generation", type=positive_int, metavar="T", aliases=("--max-completion-length",),
@@ -286,8 +287,11 @@ class GRPOConfig:
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon_low  # TRL's: the clip range above 1 is the one below unless set
         self.adam_betas = tuple(self.adam_betas)
-        for name in ("prompts_per_step", "num_generations", "max_new_tokens"):
+        for name in ("prompts_per_step", "max_new_tokens"):
             check_int(getattr(self, name), name)
+        # As TRL refuses it: with one completion per prompt every advantage is 0 and no step trains.
+        check_int(self.num_generations, "num_generations (completions per prompt: GRPO compares each with the others)",
+                  2)
         check_int(self.max_skipped_steps, "max_skipped_steps")
         for name in ("warmup_steps", "save_every", "save_model_every", "keep_checkpoints", "seed", "top_k",
                      "eval_every"):

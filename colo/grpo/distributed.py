@@ -68,14 +68,19 @@ def init_world(device_type: str, tensor_parallel: int = 1) -> World:
         world = World(dist.get_rank(), dist.get_world_size(), local_rank, device)
     if tensor_parallel == 1:
         return world
-    if world.size % tensor_parallel:
-        raise ValueError(f"tensor_parallel={tensor_parallel} must divide the number of ranks ({world.size}): "
-                         f"launch torchrun with a multiple of {tensor_parallel} processes")
+    check_tensor_parallel(tensor_parallel, world.size)
     # Every rank takes part in creating every group (torch's rule); a group of one where there is one
     # engine, so a sharded optimizer sees its own data-parallel world.
     groups = [list(range(t, world.size, tensor_parallel)) for t in range(tensor_parallel)]
     dp_group, _ = dist.new_subgroups_by_enumeration(groups)
     return dataclasses.replace(world, tp_size=tensor_parallel, dp_group=dp_group)
+
+
+def check_tensor_parallel(tensor_parallel: int, ranks: int) -> None:
+    """ValueError unless `tensor_parallel` engines' worth of ranks divide the `ranks` launched."""
+    if ranks % tensor_parallel:
+        raise ValueError(f"tensor_parallel={tensor_parallel} must divide the number of ranks ({ranks}): "
+                         f"launch torchrun with a multiple of {tensor_parallel} processes")
 
 
 # The default group init_world made, if it made one: leave_world destroys that only (a caller's own

@@ -297,8 +297,9 @@ def test_cli_config_file_fills_flags_under_the_command_line(tmp_path):
 
 
 def test_config_rejects_bad_values():
-    with pytest.raises(ValueError, match="num_generations"):
-        GRPOConfig(num_generations=0)
+    for completions in (0, 1):  # one completion per prompt: every advantage 0 (TRL refuses it too)
+        with pytest.raises(ValueError, match=r"num_generations \(completions per prompt.*an integer >= 2, got"):
+            GRPOConfig(num_generations=completions)
     with pytest.raises(ValueError, match="temperature"):
         GRPOConfig(temperature=0.0)
     with pytest.raises(ValueError, match="offload_optimizer"):
