@@ -77,7 +77,7 @@ def init_world(device_type: str, tensor_parallel: int = 1) -> World:
 
 
 def check_tensor_parallel(tensor_parallel: int, ranks: int) -> None:
-    """ValueError unless `tensor_parallel` engines' worth of ranks divide the `ranks` launched."""
+    """ValueError unless `tensor_parallel` (the ranks one engine spans) divides the number of `ranks` launched."""
     if ranks % tensor_parallel:
         raise ValueError(f"tensor_parallel={tensor_parallel} must divide the number of ranks ({ranks}): "
                          f"launch torchrun with a multiple of {tensor_parallel} processes")
