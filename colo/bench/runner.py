@@ -312,10 +312,11 @@ def fresh_process_plan(sections: list[str], quick: bool) -> dict[str, list]:
     compiling leaves idle, instead of one after another."""
     setups = [i for i, name in enumerate(sections) if name in UNTIMED_SETUP_SECTIONS]
     plan = {}
-    for number, i in enumerate(setups):
+    # A full run compiles each section's engines in that section: none of the later modules is imported here.
+    for number, i in enumerate(setups if quick else ()):
         until = setups[number + 1] + 1 if number + 1 < len(setups) else len(sections)
         ahead = [fn for name in sections[i + 1:until] for fn in getattr(load_section(name)[0], "COMPILE_AHEAD", ())]
-        if quick and ahead:
+        if ahead:
             plan[sections[i]] = ahead
     if setups and any(name in FRESH_PROCESS_SECTIONS for name in sections[setups[0] + 1:]):
         plan.setdefault(sections[setups[0]], [])

@@ -191,7 +191,7 @@ def test_the_fork_server_imports_during_the_first_untimed_set_up_and_nothing_aft
     assert not [e for e in events if isinstance(e, tuple)]  # no untimed set-up: trl's first fresh process starts it
 
 
-def test_each_untimed_set_up_compiles_ahead_for_the_sections_up_to_the_next_one_in_a_quick_run():
+def test_each_untimed_set_up_compiles_ahead_for_the_sections_up_to_the_next_one_in_a_quick_run(monkeypatch):
     from colo.bench import grpo_step, trl_colocate
 
     grpo, trl = list(grpo_step.COMPILE_AHEAD), list(trl_colocate.COMPILE_AHEAD)
@@ -203,6 +203,9 @@ def test_each_untimed_set_up_compiles_ahead_for_the_sections_up_to_the_next_one_
     assert plan(["publish", "grpo_step"], False) == {}  # nothing to start
     assert plan(["trl", "publish", "grpo_step"], True) == {"publish": grpo}
     assert plan(["pool_alloc", "trl"], True) == {}  # no untimed set-up: trl's first fresh process starts the server
+    loaded = []
+    monkeypatch.setattr(runner, "load_section", lambda name: loaded.append(name))
+    assert plan(["publish", "grpo_step", "trl"], False) == {"publish": []} and loaded == []  # nothing imported early
 
 
 def test_compile_ahead_functions_run_in_fresh_processes_and_a_failure_is_reported_not_raised(tmp_path, capfd):
