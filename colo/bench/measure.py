@@ -230,7 +230,7 @@ def start_fresh_processes(ahead=()) -> None:
     import multiprocessing.forkserver
 
     global _server_importing
-    preloaded_fork_context()
+    preloaded_fork_context()  # what the server imports is set before it starts (the pools below set it again)
     multiprocessing.forkserver.ensure_running()
     _server_importing = True
     for fn in ahead:
