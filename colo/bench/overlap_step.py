@@ -5,9 +5,9 @@ The workload has the long tail of real reasoning runs: the toy task with complet
 of vocab / mean_length stop tokens (colo.grpo.toy_task.long_tail_toy_task), so on the random model
 their lengths are about geometric: most groups finish early and a few long completions decode alone
 at the end. Both sides are colo.grpo's scheduler on the same random Qwen2 model, prompts and seeds,
-engines compiled, in the dtype `auto` picks, both training one prompt's group per micro-batch (each
-packed to its own longest completion, as the overlapped side must: so the row measures the overlap,
-not padding); they take steps in turn (each going first in turn) and the rows give means over the
+engines compiled, in the dtype `auto` picks (a workload's "dtype" decides instead), both training
+one prompt's group per micro-batch (each packed to its own longest completion, as the overlapped
+side must: so the row measures the overlap, not padding); they take steps in turn (each going first in turn) and the rows give means over the
 steps after a warm-up step (each step has other prompts, so other lengths). One row per split of
 the CPU's threads between engine and trainer while both have work (GRPOConfig.overlap_threads): the
 default (half each) in the quick run; the full run adds each side on half or all of the cores
@@ -62,7 +62,7 @@ def new_run(model_dir: Path, workload: dict, task, overlap: str, threads: tuple[
     config = GRPOConfig(prompts_per_step=workload["prompts"], num_generations=workload["completions"],
                         max_new_tokens=workload["max_new_tokens"], save_every=0, overlap=overlap,
                         overlap_threads=threads, micro_batch_size=workload["completions"],
-                        learning_rate=workload["learning_rate"])
+                        learning_rate=workload["learning_rate"], dtype=workload.get("dtype"))
     run = GRPOScheduler(model_dir, config=config, **task())
     run.generate_cpu = []  # (wall s, process CPU s) of each generation
     generate = run.engine.generate
@@ -127,7 +127,6 @@ def thread_splits(cores: int, every: bool) -> list[tuple[int, int]]:
 
 
 def measure(workload: dict, progress, device: str = "cpu") -> list[dict]:
-    from colo.dtype_choice import fastest_dtype
     from colo.grpo.overlap import cpu_split
 
     steps, cores = workload["steps"], len(os.sched_getaffinity(0))
@@ -155,6 +154,7 @@ def measure(workload: dict, progress, device: str = "cpu") -> list[dict]:
                         if side == "serial":
                             on_share.append(generate_again(runs[side], engine_share))
             cpu = {side: run.generate_cpu[WARMUP:] for side, run in runs.items()}
+            dtype = runs["serial"].config.dtype
         finally:
             for run in runs.values():
                 run.close()
@@ -168,7 +168,6 @@ def measure(workload: dict, progress, device: str = "cpu") -> list[dict]:
     given_cores_idle = (None if engine_share >= cores else  # one core: nothing to give
                         min(1.0, max(0.0, (full_use - on_share) / (full_use - serial["generate_s"]))))
     bound = max(serial["generate_s"], serial["train_s"])
-    dtype = fastest_dtype(device).name
     rows = []
     for side, (engine_threads, trainer_threads) in zip(sides[1:], splits):
         overlapped = summarise(records[side], cpu[side])

@@ -142,7 +142,8 @@ def test_num_iterations_steps_the_optimizer_mu_times_clipping_against_the_sampli
     config = GRPOConfig(prompts_per_step=4, num_generations=4, ignore_eos=True, learning_rate=3e-2, save_every=0,
                         num_iterations=3, epsilon_low=0.05, epsilon_high=0.05, log_completions=True,
                         num_completions_to_print=3, report_to=["tensorboard"],
-                        multi_objective_aggregation="normalize_then_sum")   # (its path through a step, too)
+                        multi_objective_aggregation="normalize_then_sum",   # (its path through a step, too)
+                        dtype="fp32")  # on every CPU kind, so that the engine's log-probabilities equal to 1e-4
     scheduler = GRPOScheduler(build_toy_model(tmp_path / "model"), task.rewards, task.prompts, config,
                               out_dir=tmp_path / "out", log_path=tmp_path / "log.jsonl")
     try:
@@ -362,7 +363,8 @@ def test_steps_per_generation_slices_a_rollout_over_optimizer_steps(tmp_path):
 
     task = ToyTask(512)
     config = GRPOConfig(prompts_per_step=4, num_generations=4, ignore_eos=True, learning_rate=3e-2, save_every=0,
-                        steps_per_generation=2, num_iterations=2, epsilon_low=0.05, epsilon_high=0.05)
+                        steps_per_generation=2, num_iterations=2, epsilon_low=0.05, epsilon_high=0.05,
+                        dtype="fp32")  # on every CPU kind, as above
     scheduler = GRPOScheduler(build_toy_model(tmp_path / "model"), task.rewards, task.prompts, config)
     try:
         records = [scheduler.train_step() for _ in range(2)]

@@ -32,7 +32,10 @@ def test_grpo_trains_a_vision_language_model_with_one_copy(idefics3_dir, tmp_pat
         seen["completion_ids"] += completion_ids
         return [float(ids[0] % 2) if ids else 0.0 for ids in completion_ids]
 
-    config = GRPOConfig(prompts_per_step=2, num_generations=4, max_new_tokens=8, learning_rate=1e-2, seed=0)
+    # fp32 on every CPU kind (auto picks bf16 where the CPU has bf16 instructions): the engine's
+    # log-probabilities then equal the trainer's to 1e-4 (bf16: the ZeRO-1 test below).
+    config = GRPOConfig(prompts_per_step=2, num_generations=4, max_new_tokens=8, learning_rate=1e-2, seed=0,
+                        dtype="fp32")
     # One image in every row: step 2's prompts carry the image step 1's did, whose embeddings vLLM cached
     # (by the image's hash) under step 1's weights.
     rows = [{**row, "image": squares(2)} for row in image_rows(8)]
@@ -106,7 +109,7 @@ def test_lora_adapts_the_language_model_of_a_vision_language_model(idefics3_dir,
 
     rows = [{**row, "image": squares(2)} for row in image_rows(8)]
     config = GRPOConfig(prompts_per_step=2, num_generations=4, max_new_tokens=8, learning_rate=1e-2, seed=0,
-                        lora_rank=8)
+                        lora_rank=8, dtype="fp32")  # fp32 on every CPU kind, as above
     scheduler = GRPOScheduler(idefics3_dir, config=config, dataset=datasets.Dataset.from_list(rows),
                               reward_funcs=[first_token_parity], out_dir=tmp_path / "out")
     try:

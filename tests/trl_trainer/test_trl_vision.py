@@ -1,5 +1,6 @@
 """colo.trl on a vision-language model: TRL's image column and processor path, on colo's engine with one
-copy of the weights; and stock TRL (colocate) on the same tiny model and batch.
+copy of the weights; and stock TRL (colocate) on the same tiny model and batch (on the F.linear variant
+where stock vLLM cannot take weights).
 
 vLLM 0.32 expands the image placeholders of a token prompt again, so stock TRL's engine generates from
 another prompt than the one it trains on; colo.trl sends the template's ids (colo.trl_vision), and the
@@ -7,12 +8,16 @@ engine's log-probabilities of what it sampled equal the trainer's.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl", reason="colo.trl's tests need the trl extra: pip install -e '.[cpu,test]'")
 from helpers.images import squares  # noqa: E402 - after the trl check
+
+from colo.vllm_compat.forced_kernels import forced_cpu_gemm  # noqa: E402
 
 
 def run(side: str, model_dir, tmp_path):
@@ -34,8 +39,11 @@ def run(side: str, model_dir, tmp_path):
                           max_completion_length=8, max_steps=2, logging_steps=1, report_to="none", learning_rate=1e-2,
                           vllm_max_model_length=128, save_strategy="no", use_cpu=True, bf16=False, seed=0,
                           use_vllm=True, vllm_mode="colocate")
-    trainer = trainer_class(model=str(model_dir), reward_funcs=first_token_parity,
-                            train_dataset=datasets.Dataset.from_list(rows), args=args)
+    # Stock vLLM packs fp32 linears into oneDNN's layout where its build takes them (AVX-512 CPUs), and then
+    # stock TRL's weight sync has nowhere to load into: stock TRL runs on the F.linear variant there.
+    with forced_cpu_gemm("plain") if side == "stock" else contextlib.nullcontext():
+        trainer = trainer_class(model=str(model_dir), reward_funcs=first_token_parity,
+                                train_dataset=datasets.Dataset.from_list(rows), args=args)
     model = trainer.accelerator.unwrap_model(trainer.model)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     if side == "colo":
