@@ -3,20 +3,24 @@
 Generation and training both read the one copy, so its dtype has to be fast for both:
 
 - CUDA: bf16 where the GPU has it (Ampere and later), else fp32 (colo does not train in fp16).
-- x86 CPU: bf16 where the CPU has bf16 dot-product instructions (AVX512_BF16, or AMX) and oneDNN
-  may use them; fp32 elsewhere. Without them torch emulates bf16 matmuls: a 512x512 matmul and
-  its backward take about 25x longer in bf16 than in fp32 on an AVX2 EPYC (torch 2.13), a colo.grpo
-  step at 0.36B parameters 273 s against 14-18 s, and vLLM's bf16 generation there is about 2x
-  slower than its fp32 one. With them bf16 is the faster of the two (generation 1.8x on an AMX
-  Xeon; the bench's `dtype` rows measure both on the machine that runs it).
+- x86 CPU with AMX (and oneDNN allowed to use it): bf16.
+- x86 CPU with AVX512_BF16 but no AMX: whichever of the two a 512x512 matmul and its backward run
+  faster in on one core, timed once per process (about 50 ms). The instructions alone do not say: an
+  AMD Zen 5 trains and generates faster in bf16, while an Intel Xeon whose AMX its VM hides runs bf16
+  matmuls at half its fp32 rate, and a whole colo.grpo step there is faster in fp32 (the bench's
+  grpo_step rows, which measure both dtypes on the machine that runs them).
+- x86 CPU without bf16 instructions: fp32. Torch emulates bf16 matmuls there: about 25x longer than
+  fp32 on an AVX2 EPYC (torch 2.13), and vLLM's bf16 generation about 2x slower than its fp32 one.
 - ARM CPU: bf16 where torch reports the bf16 extension, else fp32.
 
-Everything is read from what torch reports (`torch.cpu.get_capabilities()`, the capability torch
-dispatches its own kernels at) and from ONEDNN_MAX_CPU_ISA, so it decides before any engine starts
-and agrees with the native build vLLM will load (vLLM reads the same capabilities).
+The CPU's instructions are read from what torch reports (`torch.cpu.get_capabilities()`, the
+capability torch dispatches its own kernels at) and ONEDNN_MAX_CPU_ISA, so bf16 is only ever chosen
+where vLLM loads its bf16 build (vLLM reads the same capabilities). The choice is made before any
+engine starts; ranks of one job use rank 0's (colo.grpo.distributed.rank0s), since a timing may differ.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -69,22 +73,36 @@ def _cpu_choice() -> DtypeChoice:
     if onednn_cap in _ONEDNN_CAPS_WITHOUT_BF16:
         return DtypeChoice(torch.float32, f"ONEDNN_MAX_CPU_ISA={onednn_cap} keeps oneDNN from the CPU's "
                                           f"{'/'.join(bf16_units).upper()}: bf16 matmuls would be emulated")
-    return DtypeChoice(torch.bfloat16, f"this CPU has {' and '.join(bf16_units).upper()} ({seen}): torch trains and "
-                                       "vLLM serves bf16 natively")
+    if "amx_bf16" in bf16_units:
+        return DtypeChoice(torch.bfloat16, f"this CPU has {' and '.join(bf16_units).upper()} ({seen}): torch trains "
+                                           "and vLLM serves bf16 natively")
+    slowdown = measured_bf16_slowdown()
+    timed = f"a bf16 matmul and its backward took {slowdown:.2f}x fp32's time on one core here"
+    if slowdown < 1:
+        return DtypeChoice(torch.bfloat16, f"this CPU has AVX512_BF16 ({seen}) and {timed}: torch trains and vLLM "
+                                           "serves bf16 natively")
+    return DtypeChoice(torch.float32, f"this CPU has AVX512_BF16 but no AMX ({seen}), and {timed}: fp32 is faster")
 
 
-def emulated_bf16(device: str | torch.device = "cpu") -> str | None:
-    """Why bf16 matmuls would be emulated on `device` (one line), or None where it computes bf16 natively.
-    What TRL's default bf16=True (autocast) costs on a CPU without bf16 instructions; measure it with
-    bf16_slowdown()."""
+def why_not_bf16(device: str | torch.device = "cpu") -> str | None:
+    """Why auto does not pick bf16 on `device` (one line: bf16 matmuls emulated, or measured slower than
+    fp32), or None where it does. What TRL's default bf16=True (autocast) costs there is
+    measured_bf16_slowdown()."""
     choice = fastest_dtype(device)
     return None if choice.dtype == torch.bfloat16 else choice.reason
 
 
+@functools.cache
+def measured_bf16_slowdown() -> float:
+    """bf16_slowdown(512), timed once per process: what the CPU choice and colo.trl's warning go by."""
+    return bf16_slowdown(512)
+
+
 def bf16_slowdown(size: int = 256, repeats: int = 3) -> float:
     """How many times longer a size x size matmul and its backward take in bf16 than in fp32 on one core
-    of this CPU (the best of `repeats` each; under half a second where bf16 is emulated). One thread:
-    the per-core cost, steadier than a figure that depends on what else runs on the other cores."""
+    of this CPU (the best of `repeats` each; at 512 about 50 ms with bf16 instructions, under a second
+    where bf16 is emulated). One thread: the per-core cost, steadier than a figure that depends on what
+    else runs on the other cores."""
     import time
 
     def best(dtype) -> float:

@@ -10,8 +10,8 @@ What changes (everything else is TRL's: rewards, datasets, logging, callbacks, c
   cache in `kv_cache`, vLLM's default (compiled) mode, the same vLLM arguments TRL passes. vLLM
   reads no checkpoint: the trainer's weights are written into it once;
 - its dtype is the one that makes the whole step fastest on the device (colo.dtype_choice): an fp32
-  model (TRL's default) on a device that computes bf16 at speed (CUDA, CPUs with AVX512_BF16 or
-  AMX) gets a bf16 engine, the trainer's parameters become those bf16 tensors and TRL's optimizer
+  model (TRL's default) on a device that computes bf16 faster than fp32 (CUDA since Ampere, CPUs with
+  AMX, those with AVX512_BF16 where a bf16 matmul times faster) gets a bf16 engine, the trainer's parameters become those bf16 tensors and TRL's optimizer
   steps fp32 masters of them (the model's own fp32 values: colo.optimizer_masters), which its
   checkpoints and `save_model` save; elsewhere, or with `bf16=False`, an explicit
   `model_init_kwargs={"dtype": ...}`, a 16-bit model or `cast_lm_head_to_fp32`, the trainer's
@@ -315,19 +315,20 @@ def _say_fp32_in_config(directory) -> None:
 
 
 def autocast_warning(args, device) -> str | None:
-    """What bf16=True (TRL's default: training under bf16 autocast) costs where the CPU has no bf16
-    instructions, measured here, and the fix; None where it does not apply. Said once per process."""
-    from .dtype_choice import bf16_slowdown, emulated_bf16
+    """What bf16=True (TRL's default: training under bf16 autocast) costs where bf16 is not the fast dtype
+    on this CPU (no bf16 instructions, or measured slower than fp32), measured here, and the fix; None
+    where it does not apply. Said once per process."""
+    from .dtype_choice import measured_bf16_slowdown, why_not_bf16
 
     if not getattr(args, "bf16", False) or torch.device(device).type != "cpu" or "autocast" in _WARNED:
         return None
-    why = emulated_bf16(device)
+    why = why_not_bf16(device)
     if why is None:
         return None
     _WARNED.add("autocast")
-    return (f"colo.trl: bf16=True trains under bf16 autocast, but {why}: a 256x256 matmul and its backward took "
-            f"{bf16_slowdown():.0f}x as long in bf16 as in fp32 on one core here. Pass bf16=False in trl.GRPOConfig to train in "
-            "fp32 (colo.trl's engine already serves fp32 on this CPU).")
+    return (f"colo.trl: bf16=True trains under bf16 autocast, but {why}: a 512x512 matmul and its backward took "
+            f"{measured_bf16_slowdown():.1f}x as long in bf16 as in fp32 on one core here. Pass bf16=False in "
+            "trl.GRPOConfig to train in fp32 (colo.trl's engine already serves fp32 on this CPU).")
 
 
 _WARNED: set[str] = set()

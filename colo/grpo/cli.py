@@ -330,7 +330,7 @@ def main(argv=None) -> int:
         from ..dtype_choice import fastest_dtype
 
         why = f"auto: {fastest_dtype(world.device).reason}; --dtype to choose"
-    config = config.resolve_dtype(world.device)
+    config = config.resolve_dtype(world.device, world)  # rank 0's choice, which `why` gives
     if world.is_main:
         print(f"colo.grpo: weights in {config.dtype} ({why})", flush=True)
         if config.tensor_parallel > 1:

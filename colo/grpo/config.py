@@ -216,8 +216,8 @@ class GRPOConfig:
     dtype: str | None = setting(
         None, "weights the engine serves and the trainer shares: bf16 (fp32 master weights and AdamW moments with "
         "the optimizer, fp32 gradient accumulation) or fp32; auto: the one that makes a whole step fastest here "
-        "(bf16 where the device computes in bf16 natively: GPUs since Ampere, CPUs with AVX512_BF16 or AMX; fp32 "
-        "elsewhere)", group="memory", choices=("auto", *DTYPES),
+        "(bf16 on GPUs since Ampere, CPUs with AMX, and CPUs with AVX512_BF16 where a bf16 matmul times faster "
+        "than fp32; fp32 elsewhere)", group="memory", choices=("auto", *DTYPES),
         from_flag=lambda value: None if value == "auto" else value, default_text="`auto`")
     shard_optimizer: bool = setting(
         False, "ZeRO-1: each rank keeps 1/world of the fp32 master weights and AdamW moments; gradients are "
@@ -442,14 +442,17 @@ class GRPOConfig:
 
         return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
 
-    def resolve_dtype(self, device="cpu") -> "GRPOConfig":
+    def resolve_dtype(self, device="cpu", world=None) -> "GRPOConfig":
         """This config with `dtype` decided: as given, or the one that makes a whole step fastest on
-        `device` (colo.dtype_choice.fastest_dtype: bf16 where the device computes in bf16 natively)."""
+        `device` (colo.dtype_choice.fastest_dtype: bf16 where the device computes bf16 faster), rank 0's
+        on every rank of `world` (on some CPUs the choice rests on a matmul each rank times)."""
         if self.dtype is not None:
             return self
         from ..dtype_choice import fastest_dtype
+        from .distributed import gather_objects
 
-        return dataclasses.replace(self, dtype=fastest_dtype(device).name)
+        name = fastest_dtype(device).name
+        return dataclasses.replace(self, dtype=gather_objects(name, world)[0] if world is not None else name)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

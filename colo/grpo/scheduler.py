@@ -150,7 +150,7 @@ class GRPOScheduler:
         torch.manual_seed(self.config.seed + self.world.dp_rank)  # an engine's tensor-parallel ranks alike
         self.pool = Pool(self.device, capacity=pool_capacity)
         self.residency = Residency(self.pool, self.device)
-        self.config = self.config.resolve_dtype(self.device)
+        self.config = self.config.resolve_dtype(self.device, self.world)
         self.sequence_tokens = longest_sequence(self.config, self.task)  # may ask the task for step 1's prompts
         self._start_engine(engine_options or {})
         self.agent, self.eval_agent = self._agents()

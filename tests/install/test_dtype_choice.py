@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from colo import dtype_choice
 from colo.cpu_persona import environment
 from colo.dtype_choice import fastest_dtype
 
@@ -23,21 +24,49 @@ AVX512_BF16 = {**AVX512, "avx512_bf16": True}
 AMX = {**AVX512_BF16, "amx_tile": True, "amx_bf16": True}
 
 
-@pytest.mark.parametrize("caps,expected", [(AVX2, torch.float32), (AVX512, torch.float32),
-                                           (AVX512_BF16, torch.bfloat16), (AMX, torch.bfloat16),
+def untimed():
+    raise AssertionError("the choice timed a matmul where the CPU's instructions decide it")
+
+
+@pytest.mark.parametrize("caps,expected", [(AVX2, torch.float32), (AVX512, torch.float32), (AMX, torch.bfloat16),
                                            ({"architecture": "arm64", "bf16": True}, torch.bfloat16),
                                            ({"architecture": "arm64", "bf16": False}, torch.float32)],
-                         ids=["avx2", "avx512", "avx512-bf16", "amx", "arm-bf16", "arm"])
+                         ids=["avx2", "avx512", "amx", "arm-bf16", "arm"])
 def test_bf16_only_where_the_cpu_has_bf16_instructions(monkeypatch, caps, expected):
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
+    monkeypatch.setattr(dtype_choice, "measured_bf16_slowdown", untimed)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     choice = fastest_dtype("cpu")
     assert choice.dtype == expected and choice.reason
     assert choice.name == {torch.bfloat16: "bf16", torch.float32: "fp32"}[expected]
 
 
+@pytest.mark.parametrize("slowdown,expected", [(0.55, torch.bfloat16), (1.65, torch.float32)])
+def test_avx512_bf16_without_amx_goes_by_a_timed_matmul(monkeypatch, slowdown, expected):
+    """AVX512_BF16 alone does not say which dtype is faster (bf16 on a Zen 5, fp32 on an Intel Xeon whose
+    AMX its VM hides): a matmul timed in both decides, and the reason gives the figure."""
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: AVX512_BF16)
+    monkeypatch.setattr(dtype_choice, "measured_bf16_slowdown", lambda: slowdown)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    choice = fastest_dtype("cpu")
+    assert choice.dtype == expected and f"took {slowdown:.2f}x fp32's time on one core here" in choice.reason
+    assert (dtype_choice.why_not_bf16("cpu") is None) == (expected == torch.bfloat16)
+
+
+def test_the_matmul_is_timed_once_per_process(monkeypatch):
+    timed = []
+    monkeypatch.setattr(dtype_choice, "bf16_slowdown", lambda size: timed.append(size) or 1.5)
+    dtype_choice.measured_bf16_slowdown.cache_clear()
+    try:
+        assert dtype_choice.measured_bf16_slowdown() == dtype_choice.measured_bf16_slowdown() == 1.5
+        assert len(timed) == 1
+    finally:
+        dtype_choice.measured_bf16_slowdown.cache_clear()
+
+
 def test_onednn_capped_below_bf16_means_fp32(monkeypatch):
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: AMX)
+    monkeypatch.setattr(dtype_choice, "measured_bf16_slowdown", untimed)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core")
     assert fastest_dtype("cpu").dtype == torch.float32 and "ONEDNN_MAX_CPU_ISA" in fastest_dtype("cpu").reason
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
@@ -55,15 +84,20 @@ def test_cuda_choice_follows_the_gpus_bf16_support(monkeypatch):
 
 @pytest.mark.cpu_kind
 def test_the_choice_agrees_with_the_native_build_vllm_loads():
-    """bf16 exactly where vLLM loads its AVX-512-BF16 build (`_C`, with the sgl kernels): the two read
-    the same CPU features, so on the persona both see an AVX2 machine."""
+    """bf16 only where vLLM loads its AVX-512-BF16 build (`_C`, with the sgl kernels): the two read the
+    same CPU features, so on the persona both see an AVX2 machine. With that build and no AMX, the
+    timed matmul decides."""
     from colo.vllm_compat.forced_kernels import sgl_unavailable_reason
     from helpers.cpu_gemm import onednn_takes
 
-    if torch.cpu.get_capabilities().get("architecture") != "x86_64":
+    caps = torch.cpu.get_capabilities()
+    if caps.get("architecture") != "x86_64":
         pytest.skip("vLLM's CPU builds are per x86 ISA")
     bf16 = fastest_dtype("cpu").dtype == torch.bfloat16
-    assert bf16 == (sgl_unavailable_reason() == "")
+    bf16_build = sgl_unavailable_reason() == ""
+    assert bf16 <= bf16_build
+    if bf16_build:
+        assert bf16 == (caps.get("amx_bf16") is True or dtype_choice.measured_bf16_slowdown() < 1)
     assert onednn_takes(torch.float32)
     if not torch.cpu.get_capabilities().get("avx512_f"):  # vLLM's AVX2 build: oneDNN refuses bf16
         assert not onednn_takes(torch.bfloat16)
@@ -102,16 +136,16 @@ def test_persona_refuses_unknown_names_and_missing_commands():
 
 
 @pytest.mark.cpu_kind  # the answer is the CPU kind's
-def test_emulated_bf16_says_why_exactly_where_auto_picks_fp32_and_colo_trl_warns_there(monkeypatch):
-    """colo.dtype_choice.emulated_bf16 answers where bf16 is not native (AVX2 here under the persona
-    pass) and None where it is; colo.trl turns it into one warning with this machine's measured cost
-    and the fix, for bf16=True on a CPU only."""
+def test_why_not_bf16_says_why_exactly_where_auto_picks_fp32_and_colo_trl_warns_there(monkeypatch):
+    """colo.dtype_choice.why_not_bf16 answers where bf16 is not the fast dtype (AVX2 here under the
+    persona pass; an AVX-512-BF16 CPU whose bf16 matmuls time slower) and None where it is; colo.trl
+    turns it into one warning with this machine's measured cost and the fix, for bf16=True on a CPU only."""
     from types import SimpleNamespace
 
     import colo.trl as colo_trl
-    from colo.dtype_choice import bf16_slowdown, emulated_bf16, fastest_dtype
+    from colo.dtype_choice import fastest_dtype, measured_bf16_slowdown, why_not_bf16
 
-    why = emulated_bf16("cpu")
+    why = why_not_bf16("cpu")
     assert (why is None) == (fastest_dtype("cpu").dtype == torch.bfloat16)
     monkeypatch.setattr(colo_trl, "_WARNED", set())
     warning = colo_trl.autocast_warning(SimpleNamespace(bf16=True), "cpu")
@@ -122,4 +156,4 @@ def test_emulated_bf16_says_why_exactly_where_auto_picks_fp32_and_colo_trl_warns
     assert colo_trl.autocast_warning(SimpleNamespace(bf16=True), "cpu") is None  # once per process
     monkeypatch.setattr(colo_trl, "_WARNED", set())
     assert colo_trl.autocast_warning(SimpleNamespace(bf16=False), "cpu") is None
-    assert bf16_slowdown() > 2  # emulated: measured several times slower (about 25x on an AVX2 EPYC)
+    assert measured_bf16_slowdown() > 1  # about 25x where emulated (an AVX2 EPYC), 1.6x on a Xeon without AMX
