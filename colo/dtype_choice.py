@@ -39,6 +39,7 @@ _ONEDNN_CAPS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2",
 class DtypeChoice:
     dtype: torch.dtype
     reason: str
+    timed: bool = False  # the choice rests on measured_bf16_slowdown(), which the reason gives
 
     @property
     def name(self) -> str:
@@ -80,8 +81,9 @@ def _cpu_choice() -> DtypeChoice:
     timed = f"a bf16 matmul and its backward took {slowdown:.2f}x fp32's time on one core here"
     if slowdown < 1:
         return DtypeChoice(torch.bfloat16, f"this CPU has AVX512_BF16 ({seen}) and {timed}: torch trains and vLLM "
-                                           "serves bf16 natively")
-    return DtypeChoice(torch.float32, f"this CPU has AVX512_BF16 but no AMX ({seen}), and {timed}: fp32 is faster")
+                                           "serves bf16 natively", timed=True)
+    return DtypeChoice(torch.float32, f"this CPU has AVX512_BF16 but no AMX ({seen}), and {timed}: fp32 is faster",
+                       timed=True)
 
 
 def why_not_bf16(device: str | torch.device = "cpu") -> str | None:

@@ -318,16 +318,17 @@ def autocast_warning(args, device) -> str | None:
     """What bf16=True (TRL's default: training under bf16 autocast) costs where bf16 is not the fast dtype
     on this CPU (no bf16 instructions, or measured slower than fp32), measured here, and the fix; None
     where it does not apply. Said once per process."""
-    from .dtype_choice import measured_bf16_slowdown, why_not_bf16
+    from .dtype_choice import fastest_dtype, measured_bf16_slowdown
 
     if not getattr(args, "bf16", False) or torch.device(device).type != "cpu" or "autocast" in _WARNED:
         return None
-    why = why_not_bf16(device)
-    if why is None:
+    choice = fastest_dtype(device)
+    if choice.dtype == torch.bfloat16:
         return None
     _WARNED.add("autocast")
-    return (f"colo.trl: bf16=True trains under bf16 autocast, but {why}: a 512x512 matmul and its backward took "
-            f"{measured_bf16_slowdown():.1f}x as long in bf16 as in fp32 on one core here. Pass bf16=False in "
+    cost = "" if choice.timed else (f": a 512x512 matmul and its backward took {measured_bf16_slowdown():.1f}x as "
+                                    "long in bf16 as in fp32 on one core here")
+    return (f"colo.trl: bf16=True trains under bf16 autocast, but {choice.reason}{cost}. Pass bf16=False in "
             "trl.GRPOConfig to train in fp32 (colo.trl's engine already serves fp32 on this CPU).")
 
 

@@ -45,6 +45,9 @@ TRL_FULL = "cpu-trl-full.json"
 LORA_FULL = "cpu-lora-full.json"
 LOGPROB_FULL = "cpu-logprob-memory-full.json"
 OVERLAP_FILES = ("cpu-overlap-full.json", "cpu-overlap-zen5-full.json", "cpu-overlap-avx2-persona-full.json")
+# A colo.grpo step in both dtypes on the two AVX512_BF16 CPUs without AMX measured (a Zen 5, a Xeon whose VM
+# hides AMX): why `--dtype auto` times a matmul there (colo.dtype_choice).
+DTYPE_FILES = ("cpu-quick.json", "cpu-grpo-step-full-xeon-noamx.json")
 OVERLAP_SPLIT_FILES = ("cpu-overlap-zen5-full.json", "cpu-overlap-avx2-persona-full.json")
 # The models the quick-run rows quote: the larger publish size of the quick run, TRL's smallest.
 PUBLISH_MODEL = "qwen2-45M"
@@ -352,6 +355,24 @@ def overlap_splits(results: Results) -> str:
     return caption(results, OVERLAP_SPLIT_FILES) + "\n\n" + markdown_table(["CPU kind, dtype", *columns], rows)
 
 
+def dtype_choice(results: Results) -> str:
+    """bench/README.md, the dtype choice. From each of DTYPE_FILES: its grpo_step rows in pairs of one model
+    (the row with dtype_auto true and the one without), in the file's order; per pair the model's params,
+    each dtype's colo_s, and which dtype auto picked when the file was measured; the machine names the kind."""
+    rows = []
+    for file in DTYPE_FILES:
+        for auto in find_rows(results, file, "grpo_step", dtype_auto=True):
+            other = find_row(results, file, "grpo_step", dtype_auto=False, model=auto["model"])
+            step = {row["dtype"]: row["colo_s"] for row in (auto, other)}
+            faster = min(step, key=step.get)
+            machine = results[file]["machine"]
+            rows.append([f"{machine['cpu_model']}, {cpu_kind(machine)} (`{file}`)",
+                         params(auto), seconds(step["bf16"]), seconds(step["fp32"]),
+                         f"{faster} ({ratio(max(step.values()) / step[faster])})", auto["dtype"]])
+    header = ["machine (file)", "model", "bf16 step", "fp32 step", "faster", "auto picked then"]
+    return caption(results, DTYPE_FILES) + "\n\n" + markdown_table(header, rows)
+
+
 def _vocab(row: dict) -> int:
     return int(re.match(r"vocab (\d+)", row["case"]).group(1))
 
@@ -430,12 +451,13 @@ TABLES = {
     "overlap": overlap,
     "overlap-splits": overlap_splits,
     "logprob-memory": logprob_memory,
+    "dtype-choice": dtype_choice,
     "readme-measured": headlines,
 }
 # Each README and the blocks it must hold: a block whose markers went missing is an error, not a silent skip.
 READMES = {
     "README.md": ("readme-measured",),
-    "bench/README.md": ("quick-run", "lora", "overlap", "overlap-splits", "logprob-memory"),
+    "bench/README.md": ("quick-run", "dtype-choice", "lora", "overlap", "overlap-splits", "logprob-memory"),
 }
 
 

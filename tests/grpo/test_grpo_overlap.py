@@ -32,7 +32,7 @@ def test_auto_overlaps_where_measured_faster_and_only_when_completions_end_apart
 
     kind = overlap.device_kind("cpu")
     dtype = fastest_dtype("cpu").name
-    assert (kind == "cpu-avx2") == (dtype == "fp32")  # the bf16 kinds are the others
+    assert kind != "cpu-avx2" or dtype == "fp32"  # AVX512_BF16 without AMX may time either (colo.dtype_choice)
     kinds = ("cpu-amx", "cpu-avx512-bf16", "cpu-avx2", "cpu", "cuda")  # what device_kind returns
     assert kind in kinds and all(k in kinds and d in ("fp32", "bf16") for k, d in overlap.MEASURED_FASTER)
     auto = dict(device_type="cpu", groups=4)
