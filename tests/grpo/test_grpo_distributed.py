@@ -1,6 +1,7 @@
 """colo.grpo.distributed: a GPU rank makes its device current before it joins NCCL and names it to
 the process group, and leave_world destroys the group init_world started and no other (no GPU, no
-torchrun: monkeypatched, or one rank in a fresh process)."""
+torchrun: monkeypatched, or one rank in a fresh process); and the ranks of a job agree on the dtype auto
+picks."""
 import torch
 
 
@@ -57,3 +58,40 @@ def test_leave_world_destroys_the_group_init_world_started_and_no_other():
 
     run = subprocess.run([sys.executable, "-c", _LEAVE_WORLD_SCRIPT], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "leave_world ok" in run.stdout, run.stderr[-2000:]
+
+
+_DTYPE_RANK_SCRIPT = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+from colo import dtype_choice
+from colo.grpo import GRPOConfig
+from colo.grpo.distributed import World
+
+rank, store, slowdown = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+os.environ.pop("ONEDNN_MAX_CPU_ISA", None)
+# An AVX512_BF16 CPU without AMX, whose timed matmul comes out on a different side of 1 on each rank.
+torch.cpu.get_capabilities = lambda: {"architecture": "x86_64", "avx2": True, "avx512_f": True, "avx512_bf16": True}
+dtype_choice.measured_bf16_slowdown = lambda: slowdown
+dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+own = dtype_choice.fastest_dtype("cpu").name
+agreed = GRPOConfig().resolve_dtype("cpu", World(rank, 2, rank)).dtype
+dist.destroy_process_group()
+print(json.dumps([own, agreed]))
+"""
+
+
+def test_the_ranks_of_a_job_take_rank_0s_dtype_where_each_timed_its_own(tmp_path):
+    """Where auto rests on a timed matmul (colo.dtype_choice), ranks could time either side of 1: every
+    rank takes rank 0's choice, so one job never mixes bf16 and fp32 engines. Two gloo ranks in fresh
+    processes."""
+    import json
+    import subprocess
+    import sys
+
+    ranks = [subprocess.Popen([sys.executable, "-c", _DTYPE_RANK_SCRIPT, str(rank), str(tmp_path / "store"), slowdown],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank, slowdown in ((0, "0.8"), (1, "1.2"))]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), [err[-2000:] for _, err in outputs]
+    assert [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs] == [["bf16", "bf16"], ["fp32", "bf16"]]
