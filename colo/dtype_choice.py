@@ -16,7 +16,8 @@ Generation and training both read the one copy, so its dtype has to be fast for 
 The CPU's instructions are read from what torch reports (`torch.cpu.get_capabilities()`, the
 capability torch dispatches its own kernels at) and ONEDNN_MAX_CPU_ISA, so bf16 is only ever chosen
 where vLLM loads its bf16 build (vLLM reads the same capabilities). The choice is made before any
-engine starts; ranks of one job use rank 0's (colo.grpo.distributed.rank0s), since a timing may differ.
+engine starts; the ranks of a colo.grpo job take rank 0's (GRPOConfig.resolve_dtype), since a timing
+may come out differently on each.
 """
 from __future__ import annotations
 

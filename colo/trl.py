@@ -11,9 +11,9 @@ What changes (everything else is TRL's: rewards, datasets, logging, callbacks, c
   reads no checkpoint: the trainer's weights are written into it once;
 - its dtype is the one that makes the whole step fastest on the device (colo.dtype_choice): an fp32
   model (TRL's default) on a device that computes bf16 faster than fp32 (CUDA since Ampere, CPUs with
-  AMX, those with AVX512_BF16 where a bf16 matmul times faster) gets a bf16 engine, the trainer's parameters become those bf16 tensors and TRL's optimizer
-  steps fp32 masters of them (the model's own fp32 values: colo.optimizer_masters), which its
-  checkpoints and `save_model` save; elsewhere, or with `bf16=False`, an explicit
+  AMX, those with AVX512_BF16 where a bf16 matmul times faster) gets a bf16 engine, the trainer's
+  parameters become those bf16 tensors and TRL's optimizer steps fp32 masters of them (the model's
+  own fp32 values: colo.optimizer_masters), which its checkpoints and `save_model` save; elsewhere, or with `bf16=False`, an explicit
   `model_init_kwargs={"dtype": ...}`, a 16-bit model or `cast_lm_head_to_fp32`, the trainer's
   dtype. `colo_engine_dtype=` decides instead (bf16 for an fp32 model: the masters as above);
 - the trainer's parameters become views of the engine's tensors (colo.share_weights), so TRL's

@@ -7,11 +7,12 @@ their lengths are about geometric: most groups finish early and a few long compl
 at the end. Both sides are colo.grpo's scheduler on the same random Qwen2 model, prompts and seeds,
 engines compiled, in the dtype `auto` picks (a workload's "dtype" decides instead), both training
 one prompt's group per micro-batch (each packed to its own longest completion, as the overlapped
-side must: so the row measures the overlap, not padding); they take steps in turn (each going first in turn) and the rows give means over the
-steps after a warm-up step (each step has other prompts, so other lengths). One row per split of
-the CPU's threads between engine and trainer while both have work (GRPOConfig.overlap_threads): the
-default (half each) in the quick run; the full run adds each side on half or all of the cores
-(oversubscribed where they add up to more), every split a run of its own beside the same serial one.
+side must: so the row measures the overlap, not padding); they take steps in turn (each going first
+in turn) and the rows give means over the steps after a warm-up step (each step has other prompts,
+so other lengths). One row per split of the CPU's threads between engine and trainer while both have
+work (GRPOConfig.overlap_threads): the default (half each) in the quick run; the full run adds each
+side on half or all of the cores (oversubscribed where they add up to more), every split a run of its
+own beside the same serial one.
 
 Fields: colo_s / baseline_s the overlapped / serial step; ratio = serial / overlapped (goal >= 1.25 on
 this workload); vs_bound = overlapped step / max(serial generate, serial train) (goal <= 1.15: the
