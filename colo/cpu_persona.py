@@ -2,9 +2,10 @@
 
     python -m colo.cpu_persona avx2 -- python -m pytest tests/sharing/test_cpu_gemm_paths.py
     python -m colo.cpu_persona avx2 -- python -m colo.grpo --steps 4 --out /tmp/run
+    python -m colo.cpu_persona avx512 -- COMMAND   # an AVX-512 CPU without bf16 units, on one with them
 
 CI lands on whichever CPU kind comes (AMD EPYC with AVX2 only, AMD EPYC with AVX-512-BF16, Intel
-Xeon with AMX), and they differ where colo's choices are made: vLLM loads another native build per
+Xeon with AVX-512F and no bf16 units, Intel Xeon with AVX-512-BF16 or AMX), and they differ where colo's choices are made: vLLM loads another native build per
 kind and picks other GEMM kernels, and torch trains bf16 about 25x slower than fp32 without bf16
 instructions. A persona makes the machine at hand behave like another kind for the three things
 that decide those, each checked against what it really changes:
@@ -29,10 +30,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-# persona -> (environment, CPU feature flags torch.cpu.get_capabilities() reports as absent)
+# persona -> (environment, CPU feature flags torch.cpu.get_capabilities() reports as absent, the
+# /proc/cpuinfo flag the machine needs for it: a persona takes instructions away, it cannot add them)
 PERSONAS = {
     "avx2": ({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-             ("avx512", "amx", "avx10")),  # every feature whose name starts with one of these
+             ("avx512", "amx", "avx10"), "avx2"),  # every feature whose name starts with one of these
+    # An AVX-512 Xeon without bf16 units (Skylake-SP, Cascade Lake): vLLM loads its `_C_AVX512` build.
+    "avx512": ({"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+               ("avx512_bf16", "avx512_fp16", "amx", "avx10"), "avx512f"),
 }
 PERSONA_VARIABLE = "COLO_CPU_PERSONA"
 _HIDES_VARIABLE = "COLO_CPU_PERSONA_HIDES"
@@ -49,7 +54,7 @@ def environment(persona: str, base: dict | None = None) -> dict:
     if persona not in PERSONAS:
         raise ValueError(f"unknown CPU persona {persona!r} (known: {', '.join(PERSONAS)})")
     env = dict(os.environ if base is None else base)
-    variables, _ = PERSONAS[persona]
+    variables = PERSONAS[persona][0]
     env.update(variables)
     home_caches = env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     for variable, default in (("VLLM_CACHE_ROOT", os.path.join(home_caches, "vllm")),
@@ -67,6 +72,20 @@ def hidden_features(persona: str) -> tuple[str, ...]:
     return PERSONAS[persona][1]
 
 
+def check_machine_has(persona: str, cpuinfo: str = "/proc/cpuinfo") -> None:
+    """ValueError where this machine lacks the instructions `persona` keeps (it would run as the machine
+    is, not as the persona); nothing to check where /proc/cpuinfo is not there to read."""
+    needed = PERSONAS[persona][2]
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path(cpuinfo).read_text().splitlines()
+                      if line.startswith("flags")), None)
+    except OSError:
+        return
+    if flags is not None and needed not in flags:
+        raise ValueError(f"this CPU has no {needed.upper()}: the {persona} persona can only take instructions "
+                         "away, not add them")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
@@ -79,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         env = environment(head[0])
+        check_machine_has(head[0])
     except ValueError as e:
         print(f"colo.cpu_persona: {e}", file=sys.stderr)
         return 2

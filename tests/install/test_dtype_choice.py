@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from colo import dtype_choice
-from colo.cpu_persona import environment
+from colo.cpu_persona import check_machine_has, environment
 from colo.dtype_choice import fastest_dtype
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,9 +104,14 @@ def test_the_choice_agrees_with_the_native_build_vllm_loads():
         assert not onednn_takes(torch.bfloat16)
 
 
-def test_avx2_persona_takes_in_every_process_it_starts():
+@pytest.mark.parametrize("persona,expected", [("avx2", ["AVX2", False, False, False, "fp32", True]),
+                                               ("avx512", ["AVX512", True, False, False, "fp32", True])])
+def test_a_persona_takes_in_every_process_it_starts(persona, expected):
     """python -m colo.cpu_persona avx2: torch dispatches at AVX2, reports no AVX-512 or AMX, vLLM loads
-    its AVX2 build, and auto picks fp32, in the command and in a Python process it starts in turn."""
+    its AVX2 build, and auto picks fp32; avx512: AVX-512 without bf16 units or AMX, vLLM's AVX-512 build
+    (no sgl kernels), fp32. In the command and in a Python process it starts in turn."""
+    if persona == "avx512" and not torch.cpu.get_capabilities().get("avx512_f"):
+        pytest.skip("this CPU has no AVX-512F: the avx512 persona cannot add it")
     probe = ("import json, torch; from colo.dtype_choice import fastest_dtype; "
              "from colo.vllm_compat.forced_kernels import sgl_unavailable_reason; "
              "print(json.dumps([torch.backends.cpu.get_cpu_capability(), torch.cpu._is_avx512_supported(), "
@@ -114,13 +119,13 @@ def test_avx2_persona_takes_in_every_process_it_starts():
              "fastest_dtype().name, bool(sgl_unavailable_reason())]))")
     nested = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {probe!r}], check=True)"
     for code in (probe, nested):
-        done = subprocess.run([sys.executable, "-m", "colo.cpu_persona", "avx2", "--", sys.executable, "-c", code],
+        done = subprocess.run([sys.executable, "-m", "colo.cpu_persona", persona, "--", sys.executable, "-c", code],
                               capture_output=True, text=True, timeout=120, cwd=REPO)
         assert done.returncode == 0, done.stderr[-2000:]
-        assert json.loads(done.stdout.strip().splitlines()[-1]) == ["AVX2", False, False, False, "fp32", True]
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
 
 
-def test_persona_refuses_unknown_names_and_missing_commands():
+def test_persona_refuses_unknown_names_and_missing_commands(tmp_path):
     assert subprocess.run([sys.executable, "-m", "colo.cpu_persona", "avx9", "--", "true"], capture_output=True,
                           text=True, cwd=REPO).returncode == 2
     done = subprocess.run([sys.executable, "-m", "colo.cpu_persona", "avx2"], capture_output=True, text=True, cwd=REPO)
@@ -134,6 +139,12 @@ def test_persona_refuses_unknown_names_and_missing_commands():
     assert env["TORCHINDUCTOR_CACHE_DIR"].endswith("persona-avx2")
     with pytest.raises(ValueError, match="unknown CPU persona"):
         environment("avx9")
+    assert environment("avx512", {})["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx avx2 fma\n")
+    check_machine_has("avx2", cpuinfo)
+    with pytest.raises(ValueError, match="this CPU has no AVX512F: the avx512 persona can only take instructions away"):
+        check_machine_has("avx512", cpuinfo)
 
 
 @pytest.mark.cpu_kind  # the answer is the CPU kind's
