@@ -87,14 +87,6 @@ def _cpu_choice() -> DtypeChoice:
                        timed=True)
 
 
-def why_not_bf16(device: str | torch.device = "cpu") -> str | None:
-    """Why auto does not pick bf16 on `device` (one line: bf16 matmuls emulated, or measured slower than
-    fp32), or None where it does. What TRL's default bf16=True (autocast) costs there is
-    measured_bf16_slowdown()."""
-    choice = fastest_dtype(device)
-    return None if choice.dtype == torch.bfloat16 else choice.reason
-
-
 @functools.cache
 def measured_bf16_slowdown() -> float:
     """bf16_slowdown(512), timed once per process: what the CPU choice and colo.trl's warning go by."""

@@ -51,7 +51,6 @@ def test_avx512_bf16_without_amx_goes_by_a_timed_matmul(monkeypatch, slowdown, e
     choice = fastest_dtype("cpu")
     assert choice.dtype == expected and f"took {slowdown:.2f}x fp32's time on one core here" in choice.reason
     assert choice.timed
-    assert (dtype_choice.why_not_bf16("cpu") is None) == (expected == torch.bfloat16)
 
 
 def test_the_matmul_is_timed_once_per_process(monkeypatch):
@@ -148,23 +147,22 @@ def test_persona_refuses_unknown_names_and_missing_commands(tmp_path):
 
 
 @pytest.mark.cpu_kind  # the answer is the CPU kind's
-def test_why_not_bf16_says_why_exactly_where_auto_picks_fp32_and_colo_trl_warns_there(monkeypatch):
-    """colo.dtype_choice.why_not_bf16 answers where bf16 is not the fast dtype (AVX2 here under the
-    persona pass; an AVX-512-BF16 CPU whose bf16 matmuls time slower) and None where it is; colo.trl
-    turns it into one warning with this machine's measured cost and the fix, for bf16=True on a CPU only."""
+def test_colo_trl_warns_of_bf16_autocast_exactly_where_auto_picks_fp32(monkeypatch):
+    """Where auto does not pick bf16 (AVX2 here under the persona pass; an AVX-512-BF16 CPU whose bf16
+    matmuls time slower), colo.trl turns auto's reason into one warning with this machine's measured
+    cost and the fix, for bf16=True on a CPU only; none where auto picks bf16."""
     from types import SimpleNamespace
 
     import colo.trl as colo_trl
-    from colo.dtype_choice import fastest_dtype, measured_bf16_slowdown, why_not_bf16
+    from colo.dtype_choice import fastest_dtype, measured_bf16_slowdown
 
-    why = why_not_bf16("cpu")
-    assert (why is None) == (fastest_dtype("cpu").dtype == torch.bfloat16)
+    choice = fastest_dtype("cpu")
     monkeypatch.setattr(colo_trl, "_WARNED", set())
     warning = colo_trl.autocast_warning(SimpleNamespace(bf16=True), "cpu")
-    if why is None:
+    if choice.dtype == torch.bfloat16:
         assert warning is None
         return
-    assert why in warning and "Pass bf16=False" in warning
+    assert choice.reason in warning and "Pass bf16=False" in warning
     assert warning.count("on one core here") == 1  # the measured cost, said once (the timed reason carries it)
     assert colo_trl.autocast_warning(SimpleNamespace(bf16=True), "cpu") is None  # once per process
     monkeypatch.setattr(colo_trl, "_WARNED", set())
