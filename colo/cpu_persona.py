@@ -5,10 +5,11 @@
     python -m colo.cpu_persona avx512 -- COMMAND   # an AVX-512 CPU without bf16 units, on one with them
 
 CI lands on whichever CPU kind comes (AMD EPYC with AVX2 only, AMD EPYC with AVX-512-BF16, Intel
-Xeon with AVX-512F and no bf16 units, Intel Xeon with AVX-512-BF16 or AMX), and they differ where colo's choices are made: vLLM loads another native build per
-kind and picks other GEMM kernels, and torch trains bf16 about 25x slower than fp32 without bf16
-instructions. A persona makes the machine at hand behave like another kind for the three things
-that decide those, each checked against what it really changes:
+Xeon with AVX-512F and no bf16 units, Intel Xeon with AVX-512-BF16 or AMX), and they differ where
+colo's choices are made: vLLM loads another native build per kind and picks other GEMM kernels, and
+torch trains bf16 about 25x slower than fp32 without bf16 instructions. A persona makes the machine
+at hand behave like another kind for the three things that decide those, each checked against what it
+really changes:
 
 - ATEN_CPU_CAPABILITY: torch's own vectorised kernels dispatch as on that kind
   (`torch.backends.cpu.get_cpu_capability()` reports it);
