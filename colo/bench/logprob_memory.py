@@ -75,9 +75,8 @@ def measure_vocab(vocab: int, sequences: int, tokens: int, device: str = "cpu", 
     row = {
         "section": SECTION, "case": f"vocab {vocab}: {sequences} x {tokens} tokens, {chunked['dtype']}",
         "device": device, "colo_s": chunked["seconds"], "baseline": "straightforward (all logits at once)",
-        "baseline_s": full["seconds"], "ratio": ratio(full["seconds"], chunked["seconds"]),
-        "peak_bytes": chunked["peak_bytes"], "baseline_peak_bytes": full["peak_bytes"],
-        "memory_ratio": full["peak_bytes"] / max(chunked["peak_bytes"], 1),
+        "baseline_s": full["seconds"], "time_ratio": ratio(full["seconds"], chunked["seconds"]),
+        **peak_figures(chunked["peak_bytes"], full["peak_bytes"]),
         "saved_for_backward_bytes": chunked["saved_bytes"], "baseline_saved_for_backward_bytes": full["saved_bytes"],
         "chunk_tokens": CHUNK_TOKENS, "chunk_logits_bytes": CHUNK_TOKENS * vocab * 4,
         # model-dtype logits, and their fp32 copy unless the model is fp32 (then .float() is a no-op)
@@ -86,8 +85,8 @@ def measure_vocab(vocab: int, sequences: int, tokens: int, device: str = "cpu", 
     }
     note = (f"peak = {chunked['peak_what']} during one forward + GRPO loss + backward, each side in a fresh "
             "process; chunk_logits_bytes: one chunk's fp32 logits; full_logits_bytes: the straightforward way's "
-            "logits (model dtype, and their fp32 copy if that differs); memory_ratio = baseline_peak_bytes / "
-            "peak_bytes; ratio = baseline_s / colo_s (time)")
+            "logits (model dtype, and their fp32 copy if that differs); ratio = memory_ratio = baseline_peak_bytes / "
+            "peak_bytes; time_ratio = baseline_s / colo_s")
     if others:
         outside = others[0]
         row.update(head_outside_peak_bytes=outside["peak_bytes"], head_outside_s=outside["seconds"],
@@ -104,15 +103,24 @@ def measure_checkpointing(layers: int, tokens: int, device: str = "cpu", vocab: 
     return {
         "section": SECTION, "case": f"gradient checkpointing: {layers} layers, 1 x {tokens} tokens, {plain['dtype']}",
         "device": device, "colo_s": checkpointed["seconds"], "baseline": "without gradient checkpointing",
-        "baseline_s": plain["seconds"], "ratio": ratio(plain["seconds"], checkpointed["seconds"]),
+        "baseline_s": plain["seconds"], "time_ratio": ratio(plain["seconds"], checkpointed["seconds"]),
         "saved_for_backward_bytes": checkpointed["saved_bytes"],
         "baseline_saved_for_backward_bytes": plain["saved_bytes"],
-        "peak_bytes": checkpointed["peak_bytes"], "baseline_peak_bytes": plain["peak_bytes"],
-        "memory_ratio": plain["peak_bytes"] / max(checkpointed["peak_bytes"], 1), "params": plain["params"],
+        **peak_figures(checkpointed["peak_bytes"], plain["peak_bytes"]), "params": plain["params"],
         "logprob_sum_abs_diff": abs(plain["logprob_sum"] - checkpointed["logprob_sum"]),
         "note": ("colo = with gradient checkpointing (chunked log-probabilities either way); saved_for_backward_bytes: "
-                 "the activations autograd keeps; ratio = baseline_s / colo_s (< 1: the recomputation's cost)"),
+                 "the activations autograd keeps; ratio = memory_ratio = baseline_peak_bytes / peak_bytes; "
+                 "time_ratio = baseline_s / colo_s (< 1: the recomputation's cost)"),
     }
+
+
+def peak_figures(peak_bytes: int, baseline_peak_bytes: int) -> dict:
+    """A row's peaks, and the figures the closing table shows for them: the section is about memory, so
+    its ratio is the peaks' (the times keep theirs as time_ratio)."""
+    memory_ratio = baseline_peak_bytes / max(peak_bytes, 1)
+    return {"peak_bytes": peak_bytes, "baseline_peak_bytes": baseline_peak_bytes, "memory_ratio": memory_ratio,
+            "colo_figure": peak_bytes / 2**20, "baseline_figure": baseline_peak_bytes / 2**20,
+            "figure_unit": "MiB", "ratio": memory_ratio}
 
 
 def child(vocab: int, sequences: int, tokens: int, variant: str, device: str, layers: int | None = None) -> dict:
