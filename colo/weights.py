@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from . import vllm_compat as compat
 from .checks import check_int
 from .engine import reset_prefix_cache
+from .model_classes import trainer_auto_class
 from .regions import WEIGHTS, region_for
 from .shared import (EngineViews, Placed, PublishReport, check_model_config, materialize_buffers,  # noqa: F401
                      meta_model, no_parameter_for, no_place_for, shape_mismatch)
@@ -139,11 +140,16 @@ def shared_model(llm, dtype: torch.dtype | None = None, *, bucket_bytes: int = 2
     tensors: nothing is read from disk and nothing is copied (in the engine's dtype). Its `.hf_model`
     is in training mode, ready for an optimizer.
 
+    A parameter whose engine values vLLM's loader computes rather than holds (Falcon's fused QKV, which
+    it reorders) cannot be read back from the engine: those are read once from the engine's checkpoint,
+    and publish() hands them to the loader (the copy path; `copied` names them).
+
     dtype: the trainer's dtype (default: the engine's). Parameters in another dtype than the
     engine's cannot alias; they are the engine's values cast once, and publish() casts them back.
     """
     hf_model = meta_model(compat.engine_config_as_saved(llm), dtype or compat.engine_dtype(llm))
-    return share_weights(hf_model.train(), llm, bucket_bytes=bucket_bytes, check_logprobs=check_logprobs)
+    return _share(hf_model.train(), llm, None, alias=True, bucket_bytes=bucket_bytes, check_logprobs=check_logprobs,
+                  checkpoint=compat.engine_model_source(llm))
 
 
 def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes: int = 256 << 20,
@@ -174,11 +180,12 @@ def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes:
 
 
 def _share(hf_model, llm, pool, *, alias: bool, bucket_bytes: int = 256 << 20, check_logprobs: bool = True,
-           into: SharedWeights | None = None) -> SharedWeights:
-    """share_weights; `into`: the views to bind to `llm` instead of new ones (SharedWeights.rebind)."""
-    sources, engine = _validate(hf_model, llm, alias, bucket_bytes)
+           into: SharedWeights | None = None, checkpoint: dict | None = None) -> SharedWeights:
+    """share_weights; `into`: the views to bind to `llm` instead of new ones (SharedWeights.rebind);
+    `checkpoint`: from_pretrained's arguments for the meta parameters the engine cannot give back."""
+    sources, engine = _validate(hf_model, llm, alias, bucket_bytes, from_checkpoint=checkpoint is not None)
     pool, repack = _place_engine_weights(llm, engine, pool)
-    once = _write_and_alias(hf_model, sources, engine, bucket_bytes, pool)
+    once = _write_and_alias(hf_model, sources, engine, bucket_bytes, pool, checkpoint)
     copies = _pairs([s for s in sources if not s.alias and not s.placement.through_loader], engine)
     loaded = [s for s in sources if s.placement.through_loader]
     copied = {s.name: _why_copied(s, alias, engine) for s in sources if not s.alias}
@@ -215,9 +222,11 @@ def _share(hf_model, llm, pool, *, alias: bool, bucket_bytes: int = 256 << 20, c
 
 # --- validating: the Hugging Face model against the engine (no mutation) ---------------------------
 
-def _validate(hf_model, llm, alias: bool, bucket_bytes: int) -> tuple[list[_Source], _Engine]:
+def _validate(hf_model, llm, alias: bool, bucket_bytes: int, from_checkpoint: bool = False
+              ) -> tuple[list[_Source], _Engine]:
     """Everything share_weights checks before it changes anything; returns every HF parameter with its
-    place in the engine, and what it read of the engine."""
+    place in the engine, and what it read of the engine. from_checkpoint: meta parameters whose engine
+    values vLLM's loader computes will be read from the model's checkpoint."""
     if not isinstance(hf_model, torch.nn.Module):
         raise TypeError(f"hf_model must be a transformers model (torch.nn.Module), not {type(hf_model).__name__}")
     check_model_config(hf_model.config)
@@ -235,17 +244,19 @@ def _validate(hf_model, llm, alias: bool, bucket_bytes: int) -> tuple[list[_Sour
     layout = compat.engine_layout(model, hf_model, kept=placement.kept if placement is not None else None)
     device = next(t.param.device for t in layout.tensors.values() if t.param.numel())
     _, _, tp_size = compat.tensor_parallel_group(llm)
-    sources = _match(hf_model, layout, alias=alias, device=device, sharded=tp_size > 1)
+    sources = _match(hf_model, layout, alias=alias, device=device, sharded=tp_size > 1,
+                     from_checkpoint=from_checkpoint)
     return sources, _Engine(placement, layout, model, device)
 
 
-def _match(hf_model, layout: compat.EngineLayout, alias: bool, device: torch.device, sharded: bool) -> list[_Source]:
+def _match(hf_model, layout: compat.EngineLayout, alias: bool, device: torch.device, sharded: bool,
+           from_checkpoint: bool = False) -> list[_Source]:
     """Every HF parameter with its placement; the first that does not fit raises ValueError naming it."""
     if layout.unfilled:
         name = layout.unfilled[0]
         raise ValueError(f"{name} {tuple(layout.tensors[name].param.shape)}: the engine holds it but vLLM's loader "
-                         "fills it from no parameter of the trainer's model (vLLM computes it after loading, as MLA "
-                         "attention does, or the models differ: layer count, tie_word_embeddings)")
+                         "fills it from no parameter of the trainer's model (vLLM computes a tensor of its own from "
+                         "the weights after loading, or the models differ: layer count, tie_word_embeddings)")
     sources, seen = [], set()
     for name, param in hf_model.named_parameters():
         placement = layout.placements.get(name)
@@ -263,7 +274,7 @@ def _match(hf_model, layout: compat.EngineLayout, alias: bool, device: torch.dev
             raise NotImplementedError(f"{name}: the engine holds a tensor-parallel shard of it, so a meta-device "
                                       "model cannot be filled from the engine; load the trainer's model from disk "
                                       "and call colo.share_weights")
-        if placement.through_loader and param.is_meta:
+        if placement.through_loader and param.is_meta and not from_checkpoint:
             raise NotImplementedError(f"{name}: vLLM's loader computes the engine's tensors from it, so a meta-device "
                                       "model cannot be filled from the engine; load the trainer's model from disk "
                                       "and call colo.share_weights")
@@ -367,15 +378,21 @@ def _pairs(sources: list[_Source], engine: _Engine) -> list[tuple[torch.Tensor, 
     return pairs
 
 
-def _write_and_alias(hf_model, sources: list[_Source], engine: _Engine, bucket_bytes: int, pool) -> int:
+def _write_and_alias(hf_model, sources: list[_Source], engine: _Engine, bucket_bytes: int, pool,
+                     checkpoint: dict | None = None) -> int:
     """Write the trainer's values into the engine (skipped for meta parameters and for views of the
-    engine already), then make aliased parameters views; returns the bytes written."""
+    engine already), then make aliased parameters views; returns the bytes written. Meta parameters
+    the engine cannot give back take their values from `checkpoint` (from_pretrained's arguments)."""
     written = 0
     replaced = {}  # id(meta parameter) -> the Parameter that replaces it
+    unreadable = [s for s in sources if s.param.is_meta and s.placement.through_loader]
+    saved = _checkpoint_values(hf_model, unreadable, checkpoint, engine.device) if unreadable else {}
     with torch.no_grad():
         for s in sources:
             if s.param.is_meta:
-                value = _engine_view(engine, s.placement) if s.alias else _gather(s, engine)
+                value = saved.get(s.name)
+                if value is None:
+                    value = _engine_view(engine, s.placement) if s.alias else _gather(s, engine)
                 replaced[id(s.param)] = torch.nn.Parameter(value, requires_grad=s.param.requires_grad)
             elif s.alias:
                 view = _engine_view(engine, s.placement)
@@ -396,6 +413,16 @@ def _write_and_alias(hf_model, sources: list[_Source], engine: _Engine, bucket_b
             s.param = replaced.get(id(s.param), s.param)
     materialize_buffers(hf_model, engine.device)
     return written
+
+
+def _checkpoint_values(hf_model, sources: list[_Source], checkpoint: dict, device: torch.device) -> dict:
+    """{name: the saved values of each source's parameter}, in its dtype on `device`: the trainer's model
+    loaded once from the checkpoint on the host (transformers maps the saved names to its own), then
+    dropped."""
+    with compat.building_trainer_models():
+        loaded = trainer_auto_class(hf_model.config).from_pretrained(**checkpoint, dtype=sources[0].param.dtype)
+    params = dict(loaded.named_parameters())
+    return {s.name: params[s.name].detach().to(device=device, dtype=s.param.dtype) for s in sources}
 
 
 def _gather(source: _Source, engine: _Engine) -> torch.Tensor:

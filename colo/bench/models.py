@@ -16,12 +16,20 @@ ARCHITECTURES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"), "granite": ("GraniteConfig", "GraniteForCausalLM"),
-    "glm4": ("Glm4Config", "Glm4ForCausalLM"),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM"), "falcon": ("FalconConfig", "FalconForCausalLM"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"), "stablelm": ("StableLmConfig", "StableLmForCausalLM"),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"), "cohere": ("CohereConfig", "CohereForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
 }
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe")
 _DEFAULTS = dict(head_dim=64, tie_word_embeddings=True)
+# Fields a family names its own way: Falcon's grouped-query layout (Falcon-40B's and -180B's, whose fused
+# QKV vLLM's loader reorders) and its KV head count; GPT-2's dropout, off so that a model in training mode
+# computes what the engine serves.
+FAMILY_DEFAULTS = {"falcon": dict(new_decoder_architecture=True, num_kv_heads=1),
+                   "gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}
 # A small MoE layer per family: 4 experts, 2 per token, expert width 64 (vLLM's CPU MoE kernel wants
 # hidden and expert sizes divisible by 32; Mixtral's and OLMoE's experts take `intermediate_size`).
 MOE_DEFAULTS = {
@@ -30,6 +38,7 @@ MOE_DEFAULTS = {
                       shared_expert_intermediate_size=128),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
 }
 
 # The rope table size (max_position_embeddings) of the random models the sections save: it is part of
@@ -69,13 +78,22 @@ def random_model(config: dict, *, arch: str = "qwen2", dtype=None, seed: int = 0
 
     config_name, model_name = ARCHITECTURES[arch]
     config_class = getattr(transformers, config_name)
-    fields = {**_DEFAULTS, **MOE_DEFAULTS.get(arch, {}), **config}
+    fields = {**_DEFAULTS, **MOE_DEFAULTS.get(arch, {}), **FAMILY_DEFAULTS.get(arch, {}), **config}
+    derived = {name: fields.pop(name) for name in list(fields) if _read_only(config_class, name)}
     special = _special_ids_within(config_class(), fields)
     model_config = config_class(**fields, **special)
+    for name, value in derived.items():  # a field the family computes (Falcon's head_dim): it must come out so
+        if getattr(model_config, name) != value:
+            raise ValueError(f"{arch}: config.{name} comes out {getattr(model_config, name)!r}, not {value!r}")
     for name, value in special.items():  # some configs put their default back for None (GLM-4's eos list)
         setattr(model_config, name, value)
     torch.manual_seed(seed)
     return getattr(transformers, model_name)._from_config(model_config, dtype=dtype or torch.float32)
+
+
+def _read_only(config_class, name: str) -> bool:
+    attribute = getattr(config_class, name, None)
+    return isinstance(attribute, property) and attribute.fset is None
 
 
 def _special_ids_within(defaults, fields: dict) -> dict:

@@ -45,8 +45,8 @@ from .trainer_models import building_trainer_models, run_as_plain_modules
 from .routing import engine_routing_options, recording_routes, routed_experts
 from .engine_access import (
     FIXED_KV_MEMORY_FRACTION, STARTUP_HEADROOM_BYTES, VLLM_DEFAULT_MEMORY_FRACTION, RequestHooks, engine_config_as_saved,
-    engine_dtype, engine_hf_config, engine_kv_caches, engine_model, engine_placement, engine_worker,
-    external_request_id, is_compiled, keep_process_groups, kv_cache_block_count, platform_device_type,
+    engine_dtype, engine_hf_config, engine_kv_caches, engine_model, engine_model_source, engine_placement,
+    engine_worker, external_request_id, is_compiled, keep_process_groups, kv_cache_block_count, platform_device_type,
     quiet_chat_warmup_without_tokenizer, release_engine, request_errors, request_guard, request_hooks, served_dtype,
     startup_memory_fraction, tensor_parallel_group, whole_prefill_options,
 )
@@ -65,7 +65,8 @@ __all__ = [
     "EngineLayout", "EngineTensor", "Piece", "Placement", "engine_layout", "lora_base_name", "solve_view",
     "building_trainer_models", "run_as_plain_modules", "engine_routing_options", "recording_routes", "routed_experts",
     "FIXED_KV_MEMORY_FRACTION", "STARTUP_HEADROOM_BYTES", "VLLM_DEFAULT_MEMORY_FRACTION", "RequestHooks",
-    "engine_config_as_saved", "engine_dtype", "engine_hf_config", "engine_kv_caches", "engine_model", "engine_placement", "engine_worker",
+    "engine_config_as_saved", "engine_dtype", "engine_hf_config", "engine_kv_caches", "engine_model", "engine_model_source",
+    "engine_placement", "engine_worker",
     "external_request_id", "is_compiled", "keep_process_groups", "kv_cache_block_count", "platform_device_type",
     "quiet_chat_warmup_without_tokenizer", "release_engine", "request_guard", "request_hooks", "served_dtype",
     "startup_memory_fraction", "request_errors", "tensor_parallel_group", "whole_prefill_options",

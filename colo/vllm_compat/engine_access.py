@@ -63,14 +63,20 @@ def engine_hf_config(llm):
     return llm.llm_engine.model_config.hf_config
 
 
+def engine_model_source(llm) -> dict:
+    """Where the engine's model came from, as transformers' from_pretrained takes it: the directory or hub
+    name, its revision and whether its code is trusted."""
+    model_config = llm.llm_engine.model_config
+    return dict(pretrained_model_name_or_path=model_config.model, revision=model_config.revision,
+                trust_remote_code=model_config.trust_remote_code)
+
+
 def engine_config_as_saved(llm):
     """The engine's model config as its directory has it, before vLLM's edits: what a trainer's
     transformers model is built from (transformers reads those fields its own way)."""
     from transformers import AutoConfig
 
-    model_config = llm.llm_engine.model_config
-    return AutoConfig.from_pretrained(model_config.model, revision=model_config.revision,
-                                      trust_remote_code=model_config.trust_remote_code)
+    return AutoConfig.from_pretrained(**engine_model_source(llm))
 
 
 def request_errors() -> tuple[type, ...]:

@@ -109,7 +109,11 @@ def engine_layout(model, hf_model, kept: dict | None = None) -> EngineLayout:
             engine, view, covered = solved
             placement.view, placement.covered = (engine, view), covered
     written = {w.engine for w in trace.writes}
-    unfilled = [name for name, t in tensors.items() if name not in written and t.served.numel()]
+    # An engine tensor in the storage of one the loader fills is a view of it that vLLM made after loading
+    # (MLA's W_UV and W_UK_T, taken from kv_b_proj's weight): it follows that tensor, filled with it.
+    filled_storages = {tensors[name].served.untyped_storage().data_ptr() for name in written}
+    unfilled = [name for name, t in tensors.items() if name not in written and t.served.numel()
+                and t.served.untyped_storage().data_ptr() not in filled_storages]
     return EngineLayout(tensors, placements, unfilled)
 
 

@@ -3,9 +3,11 @@ each (hidden 128, 2 layers, head_dim 64; MoE: 4 experts of width 64, 2 per token
 for all of its checks:
 
 - the trainer (colo.shared_model) and the engine give the same log-probabilities, and every trainer
-  parameter is a view of an engine tensor (nothing copied, MoE experts included);
+  parameter is a view of an engine tensor (nothing copied, MoE experts included), except those whose
+  engine values vLLM's loader computes (Falcon's fused QKV, reordered): read once from the checkpoint,
+  handed to the loader on each publish;
 - after an optimizer step and publish() the engine's log-probabilities follow the trainer's, 0 bytes
-  copied (CPU kernels' packed copies, the MoE experts' included, repacked in place);
+  copied (CPU kernels' packed copies, the MoE experts' included, repacked in place) beyond those;
 - the trained weights saved in Hugging Face format (what OUT/final holds) load in transformers with
   the trained values.
 """
@@ -25,6 +27,10 @@ pytestmark = pytest.mark.slow
 CASES = [(arch, "float32") for arch in ARCHITECTURES] + [("qwen3_moe", "bfloat16"), ("gemma3", "bfloat16")]
 # The largest gap between the engine's and the trainer's log-probabilities, by dtype: rounding only.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.06}
+# Families whose checkpoints tie the LM head to the embedding (vLLM's Cohere always does).
+TIED = ("gemma2", "gemma3", "smollm3", "cohere")
+# The parameters (by name ending) whose engine values vLLM's loader computes, per family: the copy path.
+THROUGH_LOADER = {"falcon": "self_attention.query_key_value.weight"}
 
 
 def test_every_family_is_tested():
@@ -36,7 +42,7 @@ def test_every_family_is_tested():
 def test_one_copy_serves_and_trains(arch, dtype, tiny_model_dir, build_engine, prompt_logprobs, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    path = tiny_model_dir(arch, vocab_size=1000, tie_word_embeddings=arch in ("gemma2", "gemma3", "smollm3"))
+    path = tiny_model_dir(arch, vocab_size=1000, tie_word_embeddings=arch in TIED)
     llm = build_engine(path, dtype=dtype)
     try:
         shared = colo.shared_model(llm)   # checks the log-probabilities itself (colo.share_check)
@@ -45,8 +51,11 @@ def test_one_copy_serves_and_trains(arch, dtype, tiny_model_dir, build_engine, p
         before = prompt_logprobs(llm)
         assert (before - trainer_logprobs(model, PROMPTS)).abs().max() < tolerance
         region = weights_region(llm)
-        assert shared.copy_bytes == 0 and shared.copied == {}
-        assert all(region.contains(p) for p in model.parameters())
+        loaded = {n: p for n, p in model.named_parameters()
+                  if arch in THROUGH_LOADER and n.endswith(THROUGH_LOADER[arch])}
+        assert len(loaded) == (model.config.num_hidden_layers if arch in THROUGH_LOADER else 0)
+        assert set(shared.copied) == set(loaded) and shared.copy_bytes == sum(p.nbytes for p in loaded.values())
+        assert all(region.contains(p) for n, p in model.named_parameters() if n not in loaded)
         if arch in MOE_ARCHITECTURES:
             experts = [n for n, _ in model.named_parameters() if "experts" in n]
             assert experts and shared.aliased_bytes == sum(p.nbytes for p in model.parameters())
@@ -58,7 +67,7 @@ def test_one_copy_serves_and_trains(arch, dtype, tiny_model_dir, build_engine, p
         report = shared.publish()
         after = prompt_logprobs(llm)
         trained = trainer_logprobs(model, PROMPTS)
-        assert report["bytes_copied"] == 0 and report["aliased_bytes"] == shared.aliased_bytes
+        assert report["bytes_copied"] == shared.copy_bytes and report["aliased_bytes"] == shared.aliased_bytes
         assert (after - trained).abs().max() < tolerance
         assert (after - before).abs().max() > 10 * tolerance   # the step changed what the engine serves
 
@@ -66,13 +75,59 @@ def test_one_copy_serves_and_trains(arch, dtype, tiny_model_dir, build_engine, p
         # (In this process vLLM's Transformers backend has decorated OLMo-2's and SmolLM3's classes; a
         # user loads the saved model in a process of its own.)
         with colo.vllm_compat.building_trainer_models():
-            loaded = AutoModelForCausalLM.from_pretrained(saved, dtype=getattr(torch, dtype))
+            reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=getattr(torch, dtype))
         mine = dict(model.named_parameters())
-        for name, value in loaded.named_parameters():
+        for name, value in reloaded.named_parameters():
             torch.testing.assert_close(value, mine[name].detach(), atol=0, rtol=0, msg=name)
     finally:
         release_llm(llm)
 
+
+
+def test_mla_absorbed_weights_follow_each_publish(build_engine, prompt_logprobs, tmp_path):
+    """DeepSeek-V2's MLA attention decodes with W_UV and W_UK_T, which vLLM takes from kv_b_proj's weight
+    after loading: no trainer parameter fills them, but they are views of that weight, so they follow the
+    trainer's kv_b_proj (0 bytes copied). After a step the engine serves exactly what a fresh engine of the
+    saved weights serves. (vLLM 0.32 and
+    transformers 5.19 compute different functions of the same MLA weights, so share_weights' own check
+    refuses this family: it is skipped here, where the engine is compared with an engine.)"""
+    import transformers
+
+    config = transformers.DeepseekV2Config(
+        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=256, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1, topk_group=1, n_group=1,
+        kv_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=None,  # MLA: 320
+        bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.DeepseekV2ForCausalLM._from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "base")
+    llm = build_engine(tmp_path / "base")
+    try:
+        shared = colo.shared_model(llm, check_logprobs=False)
+        model = shared.hf_model
+        assert shared.copy_bytes == 0 and shared.copied == {}
+        attention = [m for m in colo.vllm_compat.engine_model(llm).modules() if hasattr(m, "W_UV")]
+        assert len(attention) == 2
+        absorbed = attention[0].W_UV.detach().clone()
+        before = prompt_logprobs(llm)
+
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ids = torch.tensor([list(range(3, 40))])
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        report = shared.publish()
+        after = prompt_logprobs(llm)
+        assert report["bytes_copied"] == 0 and report["bytes_repacked"] > 0
+        assert not torch.equal(attention[0].W_UV, absorbed)   # a view of the trained kv_b_proj
+        assert (after - before).abs().max() > 1e-2
+        saved = shared.write_pretrained(tmp_path / "final", shared.full_state_dict(), base_dir=tmp_path / "base")
+    finally:
+        release_llm(llm)
+    fresh = build_engine(saved)
+    try:
+        assert (after - prompt_logprobs(fresh)).abs().max() < 1e-5
+    finally:
+        release_llm(fresh)
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "olmo2"])
