@@ -1,7 +1,7 @@
 """Which transformers class colo trains for a model's config: its causal LM, or, for a vision-language
 model (a vision tower and a projector in front of a language model), its image-text-to-text class.
 One place for the trainer's meta model (colo.shared), the sizes (colo.kv_sizing) and OUT/final
-(colo.hf_format). No torch import."""
+(colo.hf_format); and which of a model's buffers it saves with its weights. No torch import."""
 from __future__ import annotations
 
 
@@ -56,3 +56,10 @@ def vision_tower_parameters(model) -> list:
                         if not any(part in PROJECTORS_IN_TOWER for part in n.split("."))]
     raise ValueError(f"{type(model).__name__}: no vision tower under the names {', '.join(VISION_TOWERS)}; "
                      "train it with the rest (train_vision=True)")
+
+
+def persistent_buffers(hf_model) -> dict:
+    """{name: buffer} of the buffers `hf_model` saves with its weights (a DeepSeek-V3 or GLM-4.5 router's
+    `e_score_correction_bias`), which vLLM loads as weights; not rotary tables and other computed ones."""
+    saved = set(hf_model.state_dict(keep_vars=True))
+    return {name: buffer for name, buffer in hf_model.named_buffers() if name in saved}

@@ -7,7 +7,7 @@ from, so share_weights compares the two on a few tokens before the first step:
 
     gap = mean |log p_engine(token | prefix) - log p_trainer(token | prefix)|   over PROBE_TOKENS tokens
 
-and refuses a gap beyond what the dtype's rounding makes. Seen on tiny random models of 21 families
+and refuses a gap beyond what the dtype's rounding makes. Seen on tiny random models of 22 families
 (tests/sharing/test_families.py): about 5e-7 in float32, 1e-2 in bfloat16; a difference of function is
 of the order of the logits' own spread (tenths and more).
 """

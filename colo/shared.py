@@ -37,7 +37,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .model_classes import is_vision_language, trainer_auto_class, trainer_class_name  # noqa: F401
+from .model_classes import is_vision_language, persistent_buffers, trainer_auto_class, trainer_class_name  # noqa: F401
 
 WHAT_COLO_TRAINS = ("colo trains decoder-only language models that transformers and vLLM both implement "
                     "(dense or MoE, text or vision-language)")
@@ -160,7 +160,8 @@ class EngineViews:
         """{Hugging Face name: the whole tensor} (what save_pretrained or a checkpoint holds), on the
         first rank of a tensor-parallel group, None on the others (a collective there). Tensors this rank
         holds whole are returned as they are, not copied; a tied head is the embedding's tensor.
-        values: {parameter: tensor to give instead}, e.g. fp32 masters."""
+        values: {parameter: tensor to give instead}, e.g. fp32 masters. The buffers the model saves with
+        its weights (a router's score correction) are in it too."""
         first = self.rank == 0
         state, done = ({} if first else None), {}
         for name, placed in self.layout.items():
@@ -172,7 +173,12 @@ class EngineViews:
                     done[id(placed.param)] = gather_whole(local, placed, self.group, first)
             if first:
                 state[name] = done[id(placed.param)]
+        if first:
+            state.update((name, buffer.detach()) for name, buffer in self._saved_buffers().items())
         return state
+
+    def _saved_buffers(self) -> dict:
+        return persistent_buffers(self.hf_model) if self.hf_model is not None else {}
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:
@@ -183,7 +189,8 @@ class EngineViews:
         # A tied head is the embedding's parameter: a state that names only one of them (as
         # save_pretrained writes a tied model) holds it all the same.
         missing = [name for name, placed in self.layout.items() if name not in state and id(placed.param) not in given]
-        unexpected = [name for name in state if name not in self.layout]
+        buffers = self._saved_buffers()
+        unexpected = [name for name in state if name not in self.layout and name not in buffers]
         if missing or unexpected:
             raise ValueError(f"the state is not one of this model: missing {missing[:3]}, unexpected {unexpected[:3]} "
                              f"(it must hold every tensor of {self.shared_by}'s model, whole)")
@@ -193,6 +200,9 @@ class EngineViews:
                 raise ValueError(f"{name}: the state's is {tuple(state[name].shape)}, this model's is {tuple(placed.shape)}")
         for name, placed in present:
             placed.param.copy_(rank_part(state[name], placed, self.rank))
+        for name, buffer in buffers.items():
+            if name in state:
+                buffer.copy_(state[name])
 
     # -- what the trainer needs, with defaults for a model held whole on this rank -----------------
     @property

@@ -275,6 +275,10 @@ def shared_tp_model(llm) -> TensorParallelModel:
     group, rank, size = compat.tensor_parallel_group(llm)
     whole = meta_model(config, compat.engine_dtype(llm))   # the whole model's names and shapes
     layout = compat.engine_layout(compat.engine_model(llm), whole, kept=placement.kept)
+    buffers = [name for name in compat.persistent_buffers(whole) if name in layout.placements]
+    if buffers:
+        raise NotImplementedError(f"{buffers[0]}: a buffer the engine loads as a weight (a router's score "
+                                  "correction); colo's tensor-parallel trainer shares parameters only")
     views, vocab = _shard_views(layout)
     start, rows = vocab["model.embed_tokens.weight"]
     local = local_config(config, size, rows)

@@ -411,8 +411,29 @@ def _write_and_alias(hf_model, sources: list[_Source], engine: _Engine, bucket_b
         _replace_parameters(hf_model, replaced)
         for s in sources:
             s.param = replaced.get(id(s.param), s.param)
+    _share_buffers(hf_model, engine)
     materialize_buffers(hf_model, engine.device)
     return written
+
+
+def _share_buffers(hf_model, engine: _Engine) -> None:
+    """The buffers vLLM loads as weights (a DeepSeek-V3 or GLM-4.5 router's `e_score_correction_bias`)
+    become views of the engine's tensors, the trainer's values written in first (a meta model's are the
+    engine's). Not trained: nothing to publish; in another dtype, the trainer keeps a cast copy."""
+    for name, buffer in compat.persistent_buffers(hf_model).items():
+        placement = engine.layout.placements.get(name)
+        if placement is None:
+            continue   # vLLM's loader skips it: the trainer keeps its own
+        if placement.view is None or placement.covered is not None:
+            raise NotImplementedError(f"{name}: a buffer the engine holds other than as one view of one tensor; "
+                                      "colo shares buffers as views only")
+        view = _engine_view(engine, placement)
+        with torch.no_grad():
+            if not buffer.is_meta:
+                view.copy_(buffer)
+        module_name, _, attr = name.rpartition(".")
+        module = hf_model.get_submodule(module_name)
+        module._buffers[attr] = view if view.dtype == buffer.dtype else view.to(buffer.dtype)
 
 
 def _checkpoint_values(hf_model, sources: list[_Source], checkpoint: dict, device: torch.device) -> dict:

@@ -21,9 +21,9 @@ ARCHITECTURES = {
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"), "cohere": ("CohereConfig", "CohereForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
-    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"), "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
 }
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "glm4_moe")
 _DEFAULTS = dict(head_dim=64, tie_word_embeddings=True)
 # Fields a family names its own way: Falcon's grouped-query layout (Falcon-40B's and -180B's, whose fused
 # QKV vLLM's loader reorders) and its KV head count; GPT-2's dropout, off so that a model in training mode
@@ -39,6 +39,9 @@ MOE_DEFAULTS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=64),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    # GLM-4.5's: a first dense layer, a shared expert, and a router with a saved score correction (as DeepSeek-V3's)
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
+                     n_shared_experts=1, topk_group=1, n_group=1),
 }
 
 # The rope table size (max_position_embeddings) of the random models the sections save: it is part of

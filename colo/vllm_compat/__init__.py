@@ -39,7 +39,7 @@ from __future__ import annotations
 from .version import SUPPORTED_VLLM_VERSIONS, check_version, import_vllm
 from .worker import WORKER_CLS, EnginePlacement, job_init_method, placing
 from .cpu_gemm import CpuLinear, CpuPackedExperts, cpu_linear_modules, restore_emptied_weights
-from .load_trace import Strided, checkpoint_tensors
+from .load_trace import Strided, checkpoint_tensors, persistent_buffers
 from .layout import EngineLayout, EngineTensor, Piece, Placement, engine_layout, lora_base_name, solve_view
 from .trainer_models import building_trainer_models, run_as_plain_modules
 from .routing import engine_routing_options, recording_routes, routed_experts
@@ -61,7 +61,7 @@ __all__ = [
     "SUPPORTED_VLLM_VERSIONS", "check_version", "import_vllm",
     "WORKER_CLS", "EnginePlacement", "job_init_method", "placing",
     "CpuLinear", "CpuPackedExperts", "cpu_linear_modules", "restore_emptied_weights",
-    "Strided", "checkpoint_tensors",
+    "Strided", "checkpoint_tensors", "persistent_buffers",
     "EngineLayout", "EngineTensor", "Piece", "Placement", "engine_layout", "lora_base_name", "solve_view",
     "building_trainer_models", "run_as_plain_modules", "engine_routing_options", "recording_routes", "routed_experts",
     "FIXED_KV_MEMORY_FRACTION", "STARTUP_HEADROOM_BYTES", "VLLM_DEFAULT_MEMORY_FRACTION", "RequestHooks",

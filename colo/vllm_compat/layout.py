@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .load_trace import Strided, Write, contiguous_strides, trace_load
+from .load_trace import Strided, Write, contiguous_strides, persistent_buffers, trace_load
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def engine_layout(model, hf_model, kept: dict | None = None) -> EngineLayout:
         name = lora_base_name_of_param(name)
         tensors[name] = EngineTensor(name, kept.get(id(param), param), param)
     trace = trace_load(model, hf_model, {name: t.served for name, t in tensors.items()})
-    shapes = {name: tuple(p.shape) for name, p in hf_model.named_parameters()}
+    shapes = {name: tuple(t.shape) for name, t in [*hf_model.named_parameters(), *persistent_buffers(hf_model).items()]}
     placements: dict[str, Placement] = {}
 
     def placement_of(source: str) -> Placement:

@@ -25,6 +25,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..model_classes import persistent_buffers
+
 aten = torch.ops.aten
 
 # Ops that make a new tensor holding the same elements in the same logical order.
@@ -101,16 +103,18 @@ def checkpoint_tensors(hf_model, params: dict[str, torch.Tensor]) -> dict[str, t
 
 def trace_load(engine_model, hf_model, engine_tensors: dict[str, torch.Tensor]) -> LoadTrace:
     """Run `engine_model.load_weights` on meta stand-ins of `hf_model`'s parameters (each distinct
-    parameter under its first name) and record where each element would land among `engine_tensors`
-    ({name: tensor}); nothing is written. Raises what vLLM raises for a name it has no place for."""
+    parameter under its first name) and of its persistent buffers, and record where each element would
+    land among `engine_tensors` ({name: tensor}); nothing is written. Raises what vLLM raises for a name
+    it has no place for."""
     names: dict[int, str] = {}
     stand_ins: dict[str, torch.Tensor] = {}
     mode = _TraceMode(engine_tensors)
-    for name, param in hf_model.named_parameters(remove_duplicate=False):
-        first = names.setdefault(id(param), name)
+    tensors = [*hf_model.named_parameters(remove_duplicate=False), *persistent_buffers(hf_model).items()]
+    for name, tensor in tensors:
+        first = names.setdefault(id(tensor), name)
         if first == name:
-            stand_ins[name] = torch.empty(tuple(param.shape), dtype=param.dtype, device="meta")
-            mode.track(stand_ins[name], name, Strided.whole(param.shape))
+            stand_ins[name] = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+            mode.track(stand_ins[name], name, Strided.whole(tensor.shape))
     with mode:
         checkpoint = checkpoint_tensors(hf_model, stand_ins)
         try:

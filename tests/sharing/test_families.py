@@ -19,7 +19,7 @@ import torch
 import colo
 from colo.bench.models import ARCHITECTURES, MOE_ARCHITECTURES
 from colo.engine import release_llm, weights_region
-from conftest import PROMPTS
+from conftest import PROMPTS, TINY_CONFIG as TINY
 from helpers.logprobs import trainer_logprobs
 
 pytestmark = pytest.mark.slow
@@ -82,6 +82,33 @@ def test_one_copy_serves_and_trains(arch, dtype, tiny_model_dir, build_engine, p
     finally:
         release_llm(llm)
 
+
+
+def test_a_routers_saved_score_correction_is_the_engines(build_engine, tmp_path):
+    """GLM-4.5's router (as DeepSeek-V3's) picks experts by score plus `e_score_correction_bias`, a buffer
+    saved with the weights: the trainer's is a view of the engine's tensor, in the saved model too. A
+    correction larger than the scores decides the routing, so a trainer without it would not compute
+    what the engine serves (share_weights' check would refuse it)."""
+    from colo.bench.models import random_model
+
+    model = random_model({**TINY, "vocab_size": 1000, "tie_word_embeddings": False}, arch="glm4_moe")
+    torch.manual_seed(1)
+    correction = {n: torch.randn_like(b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    assert len(correction) == 1
+    for name, value in correction.items():
+        model.get_buffer(name).copy_(value)
+    model.save_pretrained(tmp_path / "base")
+    llm = build_engine(tmp_path / "base")
+    try:
+        shared = colo.shared_model(llm)   # the log-probabilities agree: the correction is there
+        region = weights_region(llm)
+        for name, value in correction.items():
+            buffer = shared.hf_model.get_buffer(name)
+            assert region.contains(buffer) and torch.equal(buffer, value)
+        state = shared.full_state_dict()
+        assert all(torch.equal(state[name], value) for name, value in correction.items())
+    finally:
+        release_llm(llm)
 
 
 def test_mla_absorbed_weights_follow_each_publish(build_engine, prompt_logprobs, tmp_path):
