@@ -19,7 +19,8 @@ import torch
 import colo
 from colo.bench.models import ARCHITECTURES, MOE_ARCHITECTURES
 from colo.engine import release_llm, weights_region
-from conftest import PROMPTS, TINY_CONFIG as TINY
+from conftest import PROMPTS
+from conftest import TINY_CONFIG as TINY
 from helpers.logprobs import trainer_logprobs
 
 pytestmark = pytest.mark.slow
