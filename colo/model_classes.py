@@ -1,7 +1,8 @@
 """Which transformers class colo trains for a model's config: its causal LM, or, for a vision-language
 model (a vision tower and a projector in front of a language model), its image-text-to-text class.
 One place for the trainer's meta model (colo.shared), the sizes (colo.kv_sizing) and OUT/final
-(colo.hf_format); and which of a model's buffers it saves with its weights. No torch import."""
+(colo.hf_format); which of a model's buffers it saves with its weights, and its dropout switched off. No
+torch import at module level."""
 from __future__ import annotations
 
 
@@ -63,3 +64,16 @@ def persistent_buffers(hf_model) -> dict:
     `e_score_correction_bias`), which vLLM loads as weights; not rotary tables and other computed ones."""
     saved = set(hf_model.state_dict(keep_vars=True))
     return {name: buffer for name, buffer in hf_model.named_buffers() if name in saved}
+
+
+def disable_dropout(model) -> None:
+    """Every dropout probability of a transformers model 0 (TRL's `disable_dropout`, which sets each
+    torch.nn.Dropout's): also the attention modules' `attention_dropout`, which transformers 5 passes to
+    the attention function itself rather than through a Dropout layer."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0

@@ -241,6 +241,10 @@ class GRPOConfig:
         False, "MoE models: the trainer routes each token to the experts the engine routed it to (its gate weights "
         "from its own router); without it the step record still says how often the two routings differ "
         "(router_mismatch)", group="memory", action="store_true")
+    disable_dropout: bool = setting(
+        False, "train with the model's dropout off (every dropout layer's and attention's probability 0), so the "
+        "trainer computes what the engine serves; models whose config has dropout (GPT-2's 0.1)", group="memory",
+        action="store_true", trl="disable_dropout")
     train_vision: bool = setting(False, "vision-language models: train the vision tower too (frozen by default; the "
                                  "projector and the language model train)", group="memory", action="store_true")
     seed: int = setting(0, "seeds the toy model, prompts and sampling", group="generation", type=non_negative_int,

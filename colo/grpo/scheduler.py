@@ -49,7 +49,7 @@ from ..clipping import clip_
 from ..errors import ModelSaveError, NonFiniteGradients, Terminated
 from ..hf_format import FINAL, check_writable, model_step_dir
 from ..hub import resolve_model
-from ..model_classes import vision_tower_parameters
+from ..model_classes import disable_dropout, vision_tower_parameters
 from ..moe_routing import RouterReplay, is_moe
 from ..pool import Pool
 from ..regions import WEIGHTS
@@ -202,6 +202,8 @@ class GRPOScheduler:
         self.model = self.engine.hf_model
         if is_moe(self.model):  # the routing the engine sampled with: replayed, or compared (router_mismatch)
             RouterReplay.attach(self.model)
+        if self.config.disable_dropout:
+            disable_dropout(self.model)
         if checkpointing_on(self.config, self.device.type) and hasattr(self.model, "gradient_checkpointing_enable"):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not self.config.train_vision and not self.config.lora_spec:  # still served, from the same tensors

@@ -455,3 +455,25 @@ def test_an_unknown_flag_or_yaml_key_names_the_closest_setting(tmp_path, capsys)
 
     assert values_from_flags(args, GRPOConfig) == {"learning_rate": 1e-5, "max_new_tokens": 7,
                                                    "gradient_checkpointing": True, "use_bias_correction_kl": False}
+
+
+def test_disable_dropout_trains_what_the_engine_serves(tmp_path):
+    """TRL's disable_dropout: a model whose config has dropout trains, by default, with it (the training
+    forward is not what the engine computed, engine_logprob_max_abs_diff says so); with disable_dropout
+    the trainer computes what the engine serves."""
+    from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask, build_toy_model
+
+    model_dir = build_toy_model(tmp_path / "model")
+    saved = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**saved, "attention_dropout": 0.5}))
+    task = ToyTask(512)
+    gaps = {}
+    for disable in (False, True):
+        config = GRPOConfig(prompts_per_step=2, num_generations=4, ignore_eos=True, save_every=0, dtype="fp32",
+                            disable_dropout=disable)
+        scheduler = GRPOScheduler(model_dir, task.rewards, task.prompts, config)
+        try:
+            gaps[disable] = scheduler.train_step()["engine_logprob_max_abs_diff"]
+        finally:
+            scheduler.close()
+    assert gaps[False] > 1e-2 and gaps[True] < 1e-4, gaps
