@@ -116,16 +116,17 @@ def test_mla_absorbed_weights_follow_each_publish(build_engine, prompt_logprobs,
     """DeepSeek-V2's MLA attention decodes with W_UV and W_UK_T, which vLLM takes from kv_b_proj's weight
     after loading: no trainer parameter fills them, but they are views of that weight, so they follow the
     trainer's kv_b_proj (0 bytes copied). After a step the engine serves exactly what a fresh engine of the
-    saved weights serves. (vLLM 0.32 and
-    transformers 5.19 compute different functions of the same MLA weights, so share_weights' own check
-    refuses this family: it is skipped here, where the engine is compared with an engine.)"""
+    saved weights serves. (vLLM 0.32 and transformers 5.19 compute different functions of the same MLA
+    weights, so share_weights' own check refuses this family: it is skipped here, where the engine is
+    compared with an engine.)"""
     import transformers
 
     config = transformers.DeepseekV2Config(
         vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, max_position_embeddings=256, n_routed_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1, topk_group=1, n_group=1,
-        kv_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=None,  # MLA: 320
+        # kv_lora_rank + qk_rope_head_dim = 320: a head size vLLM's MLA takes
+        kv_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=None,
         bos_token_id=1, eos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)
     transformers.DeepseekV2ForCausalLM._from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "base")
@@ -145,7 +146,7 @@ def test_mla_absorbed_weights_follow_each_publish(build_engine, prompt_logprobs,
         optimizer.step()
         report = shared.publish()
         after = prompt_logprobs(llm)
-        assert report["bytes_copied"] == 0 and report["bytes_repacked"] > 0
+        assert report["bytes_copied"] == 0
         assert not torch.equal(attention[0].W_UV, absorbed)   # a view of the trained kv_b_proj
         assert (after - before).abs().max() > 1e-2
         saved = shared.write_pretrained(tmp_path / "final", shared.full_state_dict(), base_dir=tmp_path / "base")
