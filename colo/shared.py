@@ -37,7 +37,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .model_classes import is_vision_language, persistent_buffers, trainer_auto_class, trainer_class_name  # noqa: F401
+from .model_classes import is_vision_language, trainer_auto_class, trainer_class_name  # noqa: F401
 
 WHAT_COLO_TRAINS = ("colo trains decoder-only language models that transformers and vLLM both implement "
                     "(dense or MoE, text or vision-language)")
@@ -160,8 +160,8 @@ class EngineViews:
         """{Hugging Face name: the whole tensor} (what save_pretrained or a checkpoint holds), on the
         first rank of a tensor-parallel group, None on the others (a collective there). Tensors this rank
         holds whole are returned as they are, not copied; a tied head is the embedding's tensor.
-        values: {parameter: tensor to give instead}, e.g. fp32 masters. The buffers the model saves with
-        its weights (a router's score correction) are in it too."""
+        values: {parameter: tensor to give instead}, e.g. fp32 masters. Whole weights hold the buffers
+        the model saves with them too (a router's score correction: _saved_buffers)."""
         first = self.rank == 0
         state, done = ({} if first else None), {}
         for name, placed in self.layout.items():
@@ -178,7 +178,9 @@ class EngineViews:
         return state
 
     def _saved_buffers(self) -> dict:
-        return persistent_buffers(self.hf_model) if self.hf_model is not None else {}
+        """{name: buffer} of the buffers full_state_dict holds beside the tensors: none by default (an
+        adapter's state is the adapter; the tensor-parallel trainer refuses such buffers)."""
+        return {}
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:

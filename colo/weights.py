@@ -103,6 +103,9 @@ class SharedWeights(EngineViews):
     def rebind(self, llm) -> None:
         _share(self.hf_model, llm, None, alias=self.alias, into=self)  # the values written in, then views
 
+    def _saved_buffers(self) -> dict:
+        return compat.persistent_buffers(self.hf_model)
+
     def _detach_kind(self) -> None:
         self._copies = self._loads = None  # they hold the engine's tensors
 

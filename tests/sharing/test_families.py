@@ -34,6 +34,14 @@ TIED = ("gemma2", "gemma3", "smollm3", "cohere")
 THROUGH_LOADER = {"falcon": "self_attention.query_key_value.weight"}
 
 
+def train_one_step(model) -> None:
+    """One AdamW step on a language-modelling loss (a large rate: the step visibly moves what is served)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.tensor([list(range(3, 40))])
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+
+
 def test_every_family_is_tested():
     dense = [a for a in ARCHITECTURES if a not in MOE_ARCHITECTURES]
     assert len(dense) >= 10 and len(MOE_ARCHITECTURES) >= 4
@@ -61,10 +69,7 @@ def test_one_copy_serves_and_trains(arch, dtype, tiny_model_dir, build_engine, p
             experts = [n for n, _ in model.named_parameters() if "experts" in n]
             assert experts and shared.aliased_bytes == sum(p.nbytes for p in model.parameters())
 
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ids = torch.tensor([list(range(3, 40))])
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
+        train_one_step(model)
         report = shared.publish()
         after = prompt_logprobs(llm)
         trained = trainer_logprobs(model, PROMPTS)
@@ -140,10 +145,7 @@ def test_mla_absorbed_weights_follow_each_publish(build_engine, prompt_logprobs,
         absorbed = attention[0].W_UV.detach().clone()
         before = prompt_logprobs(llm)
 
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ids = torch.tensor([list(range(3, 40))])
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
+        train_one_step(model)
         report = shared.publish()
         after = prompt_logprobs(llm)
         assert report["bytes_copied"] == 0
