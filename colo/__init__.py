@@ -16,6 +16,7 @@ _LAZY = {
     "Pool": "pool", "Region": "pool", "Stream": "pool", "Event": "pool",
     "build_info": "_build", "cuda_available": "_build", "cuda_unavailable_reason": "_build",
     "MasterWeightOptimizer": "mixed_precision", "ShardedMasterWeightOptimizer": "zero",
+    "refuse_non_finite_steps": "clipping",
 }
 
 

@@ -12,6 +12,8 @@ in place (their addresses stay: an engine sharing them serves the update). The g
 stay the parameters' own (16-bit, accumulated by autograd), so the owner's gradient clipping and
 zeroing keep working unchanged. `state_dict()` carries the masters and `load_state_dict()` restores
 them (from a state without them, e.g. one saved before, the masters are taken from the parameters).
+A step on gradients that are not finite is skipped (colo.clipping.NonFiniteStepGuard: masters and
+parameters stay as they were, `skipped_steps` counts it), so an engine sharing them never serves NaN.
 
 scales: {parameter: s} for parameters that hold s times their master (a LoRA B in vLLM's adapter
 slot holds alpha/rank x PEFT's B; colo.lora): the step writes s x master into them. Their gradients
@@ -20,6 +22,8 @@ must already be in the master's units (colo.lora's PEFT adapter scales them as a
 from __future__ import annotations
 
 import torch
+
+from .clipping import refuse_non_finite_steps
 
 MASTERS_KEY = "colo_fp32_masters"
 
@@ -55,6 +59,12 @@ class FP32Masters:
                          optimizer.register_step_post_hook(self._masters_to_params),
                          optimizer.register_state_dict_post_hook(self._save_masters),
                          optimizer.register_load_state_dict_pre_hook(self._load_masters)]
+        self.guard = refuse_non_finite_steps(optimizer)  # after _gradients_to_masters: it checks the masters' gradients
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps refused because the gradients were not finite."""
+        return self.guard.skipped_steps
 
     def _gradients_to_masters(self, optimizer, args, kwargs) -> None:
         for p, master in zip(self.params, self.masters):
@@ -98,3 +108,4 @@ class FP32Masters:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.guard.remove()

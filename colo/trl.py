@@ -19,6 +19,9 @@ What changes (everything else is TRL's: rewards, datasets, logging, callbacks, c
 - the trainer's parameters become views of the engine's tensors (colo.share_weights), so TRL's
   `sync_weights` is `publish()`: no `load_weights` call, 0 bytes copied (on a CPU, vLLM's packed
   kernel copies are refreshed in place) and the prefix cache reset TRL does;
+- TRL's optimizer skips a step whose gradients hold an inf or a NaN (colo.clipping.NonFiniteStepGuard),
+  since the weights it steps are the ones the engine serves; TRL's metrics get `colo/skipped_steps`,
+  the count so far;
 - the KV cache sleeps (memory released) from the end of each generation until the next one; a
   request that reaches the engine outside TRL's generation (a user's `llm.generate`, an eval
   callback) wakes it, and it sleeps again when TRL next computes a loss;
@@ -62,6 +65,7 @@ import warnings
 
 import torch
 
+from .clipping import refuse_non_finite_steps
 from .trl_vision import EnginePrompts, unexpanded_prompt_ids
 
 TESTED_TRL_VERSION = "1.16.0"
@@ -384,6 +388,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             raise ValueError("colo.trl.GRPOTrainer is TRL's colocate mode: pass args=trl.GRPOConfig(use_vllm=True, "
                              "vllm_mode='colocate', ...)")
         self.colo_fp32_masters = None  # colo.optimizer_masters.FP32Masters, once TRL's optimizer exists
+        self.colo_step_guard = None    # colo.clipping.NonFiniteStepGuard on TRL's optimizer (skipped_steps)
         # TRL builds its own engine in __init__ when use_vllm is set; build colo's instead, after it.
         config.use_vllm = False
         try:
@@ -435,14 +440,20 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def create_optimizer(self, model=None):
         """TRL's optimizer, as TRL builds it; with a bf16 engine for an fp32 model, stepping the
-        model's fp32 values (masters) and rounding them into the shared bf16 weights."""
+        model's fp32 values (masters) and rounding them into the shared bf16 weights. Either way it
+        skips a step on gradients that are not finite: the weights it steps are the engine's."""
         optimizer = super().create_optimizer(model)
+        if self.colo_step_guard is not None:
+            return optimizer
         masters = self.vllm_generation.colo_masters
-        if masters and self.colo_fp32_masters is None:
+        if masters:
             from .optimizer_masters import FP32Masters
 
             # (an adapter's slot holds alpha/r x PEFT's B: its scales)
             self.colo_fp32_masters = FP32Masters(optimizer, masters, scales=self.vllm_generation.colo_views.scales())
+            self.colo_step_guard = self.colo_fp32_masters.guard
+        else:
+            self.colo_step_guard = refuse_non_finite_steps(optimizer)
         return optimizer
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
@@ -516,6 +527,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                                                     output["completion_ids"].shape[1])
             self.vllm_generation.colo_routes = None
             self._metrics["train"]["colo/router_mismatch"].append(self.colo_router_replay.stats()["router_mismatch"])
+        if self.colo_step_guard is not None and self.model.training:
+            self._metrics["train"]["colo/skipped_steps"].append(self.colo_step_guard.skipped_steps)
         return output
 
     def training_step(self, model, inputs, num_items_in_batch=None):

@@ -23,6 +23,7 @@ from collections import defaultdict
 
 import torch
 
+from ..clipping import refuse_non_finite_steps
 from ..mixed_precision import MasterWeightOptimizer
 from ..regions import GRADS, OPTIMIZER
 from ..sizes import tensor_bytes
@@ -113,8 +114,10 @@ class TrainingMemory:
         elif self.master_weights:
             optimizer = MasterWeightOptimizer(self.params, optimizer_class, master_region=self.optimizer_region,
                                               grad_region=self.grads, scales=self.scales, **kwargs)
-        else:
-            return optimizer_class(self.params, **kwargs)
+        else:  # the scheduler steps only on finite gradients; the guard holds the optimizer to it too
+            optimizer = optimizer_class(self.params, **kwargs)
+            refuse_non_finite_steps(optimizer)
+            return optimizer
         self.flat_grads = {torch.float32: optimizer.grad_flat}
         self._masters = optimizer.master_flat  # None: fp32 weights sharded are their own masters
         self._state_flat = [self._masters] if self._masters is not None else []

@@ -77,3 +77,51 @@ def test_a_step_on_gradients_that_are_not_finite_is_skipped_by_the_optimizer_its
         opt.clip_grad_norm_(1.0)
         opt.step()
         assert opt.skipped_steps == 1 and not torch.equal(params[0], weights[0])
+
+
+@pytest.mark.parametrize("poison", [float("inf"), float("nan")])
+def test_optimizers_colo_did_not_build_skip_a_step_on_gradients_that_are_not_finite(poison):
+    """colo.refuse_non_finite_steps on a plain torch AdamW (the fp32 path; colo.trl's TRL optimizer), and
+    colo.optimizer_masters.FP32Masters (colo.trl's fp32 masters): the weights, the masters and the
+    optimizer's state stay as they were, the skip is counted; the next finite step steps."""
+    import colo
+    from colo.optimizer_masters import FP32Masters
+
+    def plain():
+        params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(2)]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        return params, optimizer, colo.refuse_non_finite_steps(optimizer)
+
+    def fp32_masters():
+        values = [torch.randn(4, 4) for _ in range(2)]
+        params = [torch.nn.Parameter(v.bfloat16()) for v in values]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        return params, optimizer, FP32Masters(optimizer, dict(zip(params, values)))
+
+    for build in (plain, fp32_masters):
+        torch.manual_seed(0)
+        params, optimizer, guard = build()
+        (params[0].float().sum() + params[1].float().square().sum()).backward()
+        optimizer.step()  # a finite step first: the state the skipped step must not move
+        model_zero_grad(params)
+        weights = [p.detach().clone() for p in params]
+        inner = [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]
+        state = [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()]
+        (params[0].float().sum() + params[1].float().square().sum()).backward()
+        params[1].grad.view(-1)[5] = poison
+        optimizer.step()
+        assert guard.skipped_steps == 1, build.__name__
+        assert all(torch.equal(p, w) for p, w in zip(params, weights)), build.__name__
+        assert all(torch.equal(p, w) for p, w in zip((p for g in optimizer.param_groups for p in g["params"]), inner))
+        for saved, now in zip(state, optimizer.state.values()):
+            assert all(torch.equal(saved[k], now[k]) for k in saved), build.__name__
+        model_zero_grad(params)
+        (params[0].float().sum() + params[1].float().square().sum()).backward()
+        optimizer.step()
+        assert guard.skipped_steps == 1 and not torch.equal(params[0], weights[0]), build.__name__
+
+
+def model_zero_grad(params) -> None:
+    """As a trainer zeroes its model's gradients (FP32Masters' optimizer holds the masters, not these)."""
+    for p in params:
+        p.grad = None

@@ -72,6 +72,16 @@ def run(path, tp_size, dtype, out, eager):
         optimizer.step()
         values = optimizer.masters
     counted = (tp.collectives.forward, tp.collectives.backward)
+    poisoned = None
+    if dtype != "float32":  # an inf in one rank's gradient: the norm is inf on both, and both skip step()
+        kept = [p.detach().clone() for p in params]
+        optimizer.zero_grad()
+        (-tp.token_logprobs(ids).mean()).backward()
+        if dist.get_rank() == 1:
+            optimizer.main_grads[0].view(-1)[0] = float("inf")
+        infinite = tp.clip_grad_norm_(optimizer, 1.0) == float("inf")
+        optimizer.step()
+        poisoned = [infinite, optimizer.skipped_steps, all(torch.equal(p, k) for p, k in zip(params, kept))]
     report = tp.publish()
     with torch.no_grad():
         after = tp.token_logprobs(ids)[0].double()
@@ -106,7 +116,7 @@ def run(path, tp_size, dtype, out, eager):
         "engine_err_before": (served_before - before).abs().max().item(),
         "engine_err_after": (served_after - after).abs().max().item(),
         "changed": (after - before).abs().max().item(), "after": after.tolist(),
-        "refused": refused, "reload_err": (reloaded - before).abs().max().item(), "served_reload_err": (served_reloaded - before).abs().max().item()}))
+        "refused": refused, "poisoned": poisoned, "reload_err": (reloaded - before).abs().max().item(), "served_reload_err": (served_reloaded - before).abs().max().item()}))
 
 
 # One engine after another in this process (each rank's world is the same for all of them).
@@ -266,6 +276,8 @@ def test_a_moe_model_trains_on_two_ranks_like_on_one(two_ranks, one_rank):
 
 @pytest.mark.cpu_kind
 def test_bf16_shards_train_with_fp32_masters_and_the_engine_serves_them(two_ranks):
+    """bf16 shards step through fp32 masters and the engine serves what they wrote; a gradient that is not
+    finite on one rank (tp.clip_grad_norm_, as docs/tensor-parallel.md's loop) skips the step on every rank."""
     two = two_ranks["bf16"].results
     for r in two:
         assert r["views"] and r["ptrs_kept"] and r["bytes_copied"] == 0 and r["changed"] > 1e-2
@@ -274,6 +286,8 @@ def test_bf16_shards_train_with_fp32_masters_and_the_engine_serves_them(two_rank
         assert r["reload_err"] < 1e-9 and r["served_reload_err"] < 5e-2  # the disk's weights, rounded as at load
         # Whole weights that miss a tensor or have another shape are refused, naming it, before any is written.
         assert len(r["refused"]) == 2 and "norm.weight" in r["refused"][0] and "(3,)" in r["refused"][1]
+        # tp.clip_grad_norm_ with an inf on rank 1 only: every rank's norm inf, its step skipped, its shards kept.
+        assert r["poisoned"] == [True, 1, True]
     assert two[0]["loss"] == two[1]["loss"] and two[0]["norm"] == pytest.approx(two[1]["norm"], rel=1e-6)
 
 

@@ -178,6 +178,7 @@ def test_an_fp32_model_trains_with_a_bf16_engine_and_fp32_masters_in_trls_optimi
     assert any(((initial[n] != trained[n]) & (initial[n].bfloat16() == trained[n].bfloat16())).any() for n in initial)
     history = [h for h in trainer.state.log_history if "reward" in h]
     assert max(h["sampling/sampling_logp_difference/max"] for h in history) < 5e-2
+    assert [h["colo/skipped_steps"] for h in history] == [0, 0]
     assert_engine_serves_the_trained_model(trainer, trl_model_dir, "float32", 5e-2, prompt_logprobs)
 
     # The checkpoint TRL wrote at step 2 holds the fp32 values, in the model and the optimizer state.
@@ -205,11 +206,22 @@ def test_an_fp32_model_trains_with_a_bf16_engine_and_fp32_masters_in_trls_optimi
             at_start.append(all(torch.equal(again[p], trained[n]) and torch.equal(p.detach(), trained[n].bfloat16())
                                 for n, p in m.named_parameters()))
 
+    class Poison(transformers.TrainerCallback):  # an inf in one gradient, after TRL's clip, before its step
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            next(resumed.accelerator.unwrap_model(resumed.model).parameters()).grad.view(-1)[0] = float("inf")
+
     resumed.add_callback(Inspect())
+    resumed.add_callback(Poison())
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert at_start == [True], "the resumed model is not the checkpoint's fp32 values"
     assert resumed.state.global_step == 3
     assert [h["step"] for h in resumed.state.log_history if "reward" in h] == [1, 2, 3]
+    # Step 3's gradient held an inf: TRL's optimizer skipped it; the masters and the weights the engine
+    # serves are still the checkpoint's.
+    assert resumed.colo_step_guard.skipped_steps == 1 and resumed.colo_fp32_masters.skipped_steps == 1
+    again, m = resumed.vllm_generation.colo_masters, resumed.accelerator.unwrap_model(resumed.model)
+    assert all(torch.equal(again[p], trained[n]) and torch.equal(p.detach(), trained[n].bfloat16())
+               for n, p in m.named_parameters())
 
 
 def test_the_engine_dtype_follows_the_device_and_the_users_explicit_choices(monkeypatch, trl_model_dir, tmp_path):
