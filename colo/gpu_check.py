@@ -182,14 +182,14 @@ def overlap_handover(device: torch.device) -> dict:
         for _ in range(4):  # the step's stream keeps working meanwhile, as an engine decoding would
             busy = busy @ busy / busy.norm()
     handover.generation_done()
-    early = handover.join()
+    outcome = handover.join()
     _sync(device)
     seconds = time.perf_counter() - started
     worst = max(float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-30))
                 for p, q in zip(model.parameters(), reference.parameters()))
-    if sorted(early.results) != list(range(len(groups))) or worst > 1e-5:
-        raise AssertionError(f"groups trained {sorted(early.results)}, largest relative gradient gap {worst}")
-    return {"groups": len(groups), "trained_during_generation": early.trained_during_generation,
+    if sorted(outcome.results) != list(range(len(groups))) or worst > 1e-5:
+        raise AssertionError(f"groups trained {sorted(outcome.results)}, largest relative gradient gap {worst}")
+    return {"groups": len(groups), "trained_during_generation": outcome.trained_during_generation,
             "largest_relative_gradient_gap": worst, "seconds": seconds,
             "train_stream": "pool 'train'" if stream is not None else "none (CPU)"}
 

@@ -185,9 +185,9 @@ class ColoVLLMGeneration(_VLLMGeneration):
         max_model_len = self.max_model_length or getattr(config.get_text_config(), "max_position_embeddings", 2048)
         block = default_block_size(pool.device)
         # The KV cache holds the whole generation batch at full length (and vLLM's null block: one block
-        # short, a sequence was preempted every generation, 2x its time at 0.4M parameters) where that
-        # fits in TRL's memory fraction less the weights. Without vllm_max_model_length the full length
-        # is the model's (often thousands of tokens), and then the fraction caps it as it caps stock vLLM's.
+        # short, a sequence is preempted every generation and recomputed) where that fits in TRL's
+        # memory fraction less the weights. Without vllm_max_model_length the full length is the
+        # model's (often thousands of tokens), and then the fraction caps it as it caps stock vLLM's.
         sequences = self.max_num_seqs or 1
         kv_cache_bytes, held = kv_cache_budget(
             sequences, max_model_len, block, kv_bytes_per_token(config, dtype, self.tensor_parallel_size),

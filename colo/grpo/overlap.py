@@ -107,8 +107,9 @@ def memory_refusal(memory, config, model_dir, longest_sequence: int) -> str | No
 
 
 @dataclass
-class EarlyTraining:
-    """What the groups trained during generation add up to (merged in prompt order)."""
+class GroupResults:
+    """Every group's result (the scheduler merges them in prompt order), and how many groups trained,
+    and for how long, while the engine was still decoding."""
     results: dict = field(default_factory=dict)   # prompt index -> the work function's result
     trained_during_generation: int = 0            # groups whose training started before generation ended
     seconds_during_generation: float = 0.0        # trainer time spent while the engine was decoding
@@ -118,20 +119,19 @@ class GroupTrainer:
     """Runs `work(index, completions)` for each finished group in the order the groups finish: on a
     background thread while the engine decodes, and the groups still waiting when generation ends on
     the step's thread in join(). submit() is called by the engine's loop; generation_done() when it
-    returns; join() returns the EarlyTraining (re-raising the first error).
+    returns; join() returns the GroupResults (re-raising the first error).
 
     On a CPU, while the trainer has work during generation, the engine's thread uses `engine_threads`
     and the trainer's `trainer_threads` (their sum may exceed the cores). The groups left at the end
-    train on the step's thread with its own threads: on the trainer's thread after generation a group
-    took ~15% longer than on the step's (SmolLM2-135M, 2 cores), its OpenMP worker busy 87% of the time
-    against 99% (likely libgomp's shorter spinning while two teams share the cores; not confirmed).
+    train on the step's thread with its own threads, where they ran faster than on the trainer's
+    thread once generation had ended (two OpenMP teams then still share the cores).
     stream: on a GPU, the torch stream the trainer's kernels go to."""
 
     def __init__(self, work: Callable, *, device: torch.device, engine_threads: int, trainer_threads: int,
                  stream=None):
         self.work, self.device, self.stream = work, device, stream
         self.engine_threads, self.trainer_threads = max(1, engine_threads), max(1, trainer_threads)
-        self.early = EarlyTraining()
+        self.outcome = GroupResults()
         self._queue: queue.Queue = queue.Queue()
         self._late: list = []  # groups the trainer's thread took after generation ended, for join()
         self._generating = True
@@ -159,14 +159,14 @@ class GroupTrainer:
             self._generating, self._generation_ended = False, time.perf_counter()
         self._restore_engine_threads()
 
-    def join(self) -> EarlyTraining:
+    def join(self) -> GroupResults:
         """Wait for the group in hand, then train the groups left here, on the step's thread."""
         self.join_quietly()
         if self._error is not None:
             raise self._error
         for index, completions in self._late + self._drain():
-            self.early.results[index] = self.work(index, completions)
-        return self.early
+            self.outcome.results[index] = self.work(index, completions)
+        return self.outcome
 
     def abandon(self) -> None:
         """Stop after the group in hand and drop the rest (generation or the train phase failed): the
@@ -229,14 +229,14 @@ class GroupTrainer:
                     return
                 started = time.perf_counter()
                 try:
-                    self.early.results[item[0]] = self.work(*item)
+                    self.outcome.results[item[0]] = self.work(*item)
                 except BaseException as e:  # noqa: BLE001 - handed to the step's thread, which raises it
                     self._error = e
                     return
                 # The part of its training that ran while the engine was decoding.
                 ended = self._generation_ended or time.perf_counter()
-                self.early.trained_during_generation += 1
-                self.early.seconds_during_generation += max(0.0, min(ended, time.perf_counter()) - started)
+                self.outcome.trained_during_generation += 1
+                self.outcome.seconds_during_generation += max(0.0, min(ended, time.perf_counter()) - started)
 
 
 class GroupFailed(Exception):
@@ -270,7 +270,7 @@ class RoundPicks:
 
 
 class OverlappedStep:
-    """One step's early training, over one or more rounds of generation (the step's own prompts, then
+    """One step's training of groups during generation, over one or more rounds of generation (the step's own prompts, then
     dynamic sampling's replacement prompts). A round's on_group(i, completions) runs on the engine's
     thread as its i-th prompt's group finishes: `score(rows, prompts, completions)` returns (Scores,
     work) there (rewards are the user's code, run in order as in a serial step), and each group the
@@ -324,7 +324,7 @@ class OverlappedStep:
     def generation_done(self) -> None:
         self.trainer.generation_done()
 
-    def join(self) -> EarlyTraining:
+    def join(self) -> GroupResults:
         return self.trainer.join()
 
     def abandon(self) -> None:
@@ -363,13 +363,13 @@ def cpu_split(cores: int) -> tuple[int, int]:
 
 
 def finish_overlap(overlapped: OverlappedStep, memory, loss_type: str, ranks: int, global_tokens: float,
-                   global_sequences: float) -> tuple[dict, EarlyTraining]:
-    """Wait for the last groups; return the batch's statistics and what trained early, the accumulated
+                   global_sequences: float) -> tuple[dict, GroupResults]:
+    """Wait for the last groups; return the batch's statistics and the groups' results, the accumulated
     gradients and the loss divided by the batch's share of the count the loss type divides by."""
-    early = overlapped.join()
-    stats = merge_stats([early.results[i] for i in sorted(early.results)])
+    outcome = overlapped.join()
+    stats = merge_stats([outcome.results[i] for i in sorted(outcome.results)])
     scale = ranks / max(batch_total(loss_type, global_tokens, global_sequences), 1.0)
     for flat in memory.flat_grads.values():
         flat.mul_(scale)
     stats["loss"] *= scale
-    return stats, early
+    return stats, outcome

@@ -138,8 +138,8 @@ class RolloutEngine:
         self.vocab_size = text.vocab_size
         self.max_model_len = max_model_len or getattr(text, "max_position_embeddings", 2048)
         # vLLM hands out KV memory in whole blocks per sequence: a 24-token sequence takes a full
-        # 128-token block on CPU. Sizing by tokens alone left the toy batch 5x short of blocks here,
-        # and generation crawled through preemptions.
+        # 128-token block on CPU. Sized by tokens alone, a batch of short sequences is short of blocks
+        # and generation crawls through preemptions.
         block = llm_kwargs.pop("block_size", None) or default_block_size(pool.device)
         self.block_size = block  # tokens per KV block (vLLM's prefix cache reuses whole blocks)
         # vLLM makes bytes // (block x the layers' page bytes) blocks (v1/core/kv_cache_utils.py,

@@ -50,7 +50,7 @@ class Trained:
     """What forward, loss and backward over a rollout report (colo.grpo.backward.merge_stats), and,
     for an overlapped step, the trainer's seconds while the engine decoded and the groups trained then."""
     stats: dict
-    during_generation: dict = field(default_factory=dict)   # overlap_train_s, groups_trained_early
+    during_generation: dict = field(default_factory=dict)   # overlap_train_s, groups_trained_during_generation
 
 
 class SerialSteps:
@@ -196,7 +196,7 @@ class OverlappedSteps(SerialSteps):
         stats, during = finish_overlap(generated.overlapped, self.memory, self.config.loss_type, self.world.dp_size,
                                        *self._batch_totals(rollout))
         return Trained(stats, {"overlap_train_s": during.seconds_during_generation,
-                               "groups_trained_early": during.trained_during_generation})
+                               "groups_trained_during_generation": during.trained_during_generation})
 
     def abandon(self, generated: Generated) -> None:
         if generated.overlapped is not None:  # the trainer's thread stops; on a GPU its stream is waited for

@@ -93,10 +93,10 @@ def test_group_trainer_runs_groups_on_its_thread_and_hands_back_the_first_error(
     before = torch.get_num_threads()
     trainer.submit(1, 10)
     trainer.submit(0, 20)
-    early = trainer.join()
-    assert early.results == {1: 20, 0: 40} and early.trained_during_generation <= 2
+    outcome = trainer.join()
+    assert outcome.results == {1: 20, 0: 40} and outcome.trained_during_generation <= 2
     # Trained during generation: on the trainer's thread; the rest on this one (join).
-    assert sum(t is not threading.current_thread() for t in threads) == early.trained_during_generation
+    assert sum(t is not threading.current_thread() for t in threads) == outcome.trained_during_generation
     assert torch.get_num_threads() == before  # the engine's thread got its cores back
 
     one_each = dict(device=torch.device("cpu"), engine_threads=1, trainer_threads=1)
@@ -143,9 +143,9 @@ def test_the_threads_split_while_both_have_work_and_the_groups_left_train_on_the
     assert torch.get_num_threads() == before  # the engine is done: its thread gets its count back
     trainer.submit(1, "b")  # a group left for after generation
     generation_over.set()
-    early = trainer.join()
+    outcome = trainer.join()
     assert seen == [(0, before + 3, False), (0, before, "after catch_up"), (1, before, True)]
-    assert early.results == {0: "a", 1: "b"} and early.trained_during_generation == 1
+    assert outcome.results == {0: "a", 1: "b"} and outcome.trained_during_generation == 1
     assert torch.get_num_threads() == before
 
 
@@ -187,7 +187,7 @@ def test_on_a_gpu_the_trainer_runs_on_the_train_stream_ordered_after_and_before_
     trainer.submit(1, "b")
     assert torch.get_num_threads() == threads  # a GPU's engine keeps its CPU threads
     for _ in range(6000):  # both trained during generation, on the trainer's thread
-        if len(trainer.early.results) == 2:
+        if len(trainer.outcome.results) == 2:
             break
         time.sleep(0.01)
     trainer.generation_done()
@@ -203,7 +203,7 @@ def test_on_a_gpu_the_trainer_runs_on_the_train_stream_ordered_after_and_before_
                            stream=train_stream)
     trainer.submit(0, "a")
     for _ in range(6000):
-        if trainer.early.results:
+        if trainer.outcome.results:
             break
         time.sleep(0.01)
     trainer.submit(1, "b")
@@ -264,7 +264,7 @@ def test_an_overlapped_step_is_the_serial_step(tmp_path):
     lengths = [len(c) for c in serial["completions"]]
     assert min(lengths) < max(lengths)  # groups finish at different times
     assert overlapped["completions"] == serial["completions"]
-    assert overlapped["record"]["overlap"] and overlapped["record"]["groups_trained_early"] >= 1
+    assert overlapped["record"]["overlap"] and overlapped["record"]["groups_trained_during_generation"] >= 1
     assert overlapped["record"]["overlap_train_s"] > 0 and "generate_tail_s" in overlapped["record"]
     for key in ("reward_mean", "reward_std", "tokens_generated", "clipped_ratio"):
         assert overlapped["record"][key] == serial["record"][key], key
@@ -306,7 +306,7 @@ def test_an_overlapped_steps_train_figures_are_taken_with_the_kv_cache_asleep(tm
         record = run.train_step()
     finally:
         run.close()
-    assert record["overlap"] and record["groups_trained_early"] >= 1
+    assert record["overlap"] and record["groups_trained_during_generation"] >= 1
     assert record["kv_cache_resident_bytes_during_train"] == 0
     assert record["kv_cache_resident_bytes_during_generate"] > 0 and record["grads_resident_bytes_during_generate"] > 0
 
@@ -336,7 +336,7 @@ def test_out_of_memory_while_training_during_generation_redoes_the_step_serially
         first = run.train_step()
         assert failures == [1] and first["step"] == 1
         assert first["overlap"] is False and "out of memory while training during generation" in first["overlap_fallback"]
-        assert "redone serially" in first["overlap_fallback"] and first.get("groups_trained_early", 0) == 0
+        assert "redone serially" in first["overlap_fallback"] and first.get("groups_trained_during_generation", 0) == 0
         assert math.isfinite(first["loss"]) and first["tokens_generated"] > 0
         assert run.memory.grads.asleep  # between steps, as after any step
         second = run.train_step()
@@ -438,7 +438,7 @@ def test_dynamic_sampling_overlapped_trains_the_groups_the_serial_step_trains(tm
     assert 0 < serial["record"]["dynamic_sampling/trained_groups"]
     for key in ("generated_groups", "dropped_groups", "trained_groups", "extra_generations"):
         assert overlapped["record"][f"dynamic_sampling/{key}"] == serial["record"][f"dynamic_sampling/{key}"], key
-    assert overlapped["record"]["overlap"] and overlapped["record"]["groups_trained_early"] >= 1
+    assert overlapped["record"]["overlap"] and overlapped["record"]["groups_trained_during_generation"] >= 1
     # The same completions trained (the serial strategy's two passes each trained them).
     assert len(trained[True]) == 4 * serial["record"]["dynamic_sampling/trained_groups"]
     assert sorted(trained[True]) == sorted(trained[False][:len(trained[True])]) == sorted(trained[False][len(trained[True]):])
