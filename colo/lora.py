@@ -48,7 +48,7 @@ from . import vllm_compat as compat
 from .hf_format import write_adapter_dir
 from .model_classes import PROJECTORS, vision_tower_parameters
 from .peft_format import PEFT_PREFIX, peft_adapter_state, write_adapter
-from .shared import EngineViews, Placed
+from .shared import EngineViews, Placed, Reference
 from .regions import WEIGHTS
 
 # Every linear layer of a Llama/Qwen2 decoder layer (PEFT's "all-linear" for these models).
@@ -166,6 +166,10 @@ class SharedAdapter(EngineViews):
 
     # -- the contract's hooks: the base model's, with the adapter on top -----------------------------
     @property
+    def weights(self) -> EngineViews | None:
+        return self.base
+
+    @property
     def trainer_model(self):
         return self.tp.trainer_model if self.tp is not None else self.hf_model
 
@@ -179,9 +183,9 @@ class SharedAdapter(EngineViews):
     def collective_count(self) -> int:
         return self.tp.collective_count if self.tp is not None else 0
 
-    def reference(self):
+    def reference(self) -> "AdapterOff":
         """The frozen base: the same model with its adapter off, at no memory cost."""
-        return self.base_model(self.hf_model)
+        return AdapterOff(self.hf_model, self)
 
     def master_names(self) -> None:
         return None  # saved from the slot's values, in PEFT's format
@@ -210,10 +214,6 @@ class SharedAdapter(EngineViews):
             yield
         finally:
             self.enabled = before
-
-    def base_model(self, model):
-        """`model` called without the adapter: the frozen base, e.g. GRPO's KL reference, at no memory cost."""
-        return _WithoutAdapter(model, self)
 
     @contextlib.contextmanager
     def _unregistered(self):
@@ -390,20 +390,17 @@ def _activate(llm, spec: LoraSpec, modules, request) -> dict[str, compat.Adapter
     return {name: by_name[name] for name in modules}
 
 
-class _WithoutAdapter:
-    def __init__(self, model, adapter: SharedAdapter):
-        self.model, self.adapter = model, adapter
+class AdapterOff(Reference):
+    """The KL reference with an adapter: the shared base itself, the adapter off inside model()'s
+    block (no memory of its own, nothing for a checkpoint to keep)."""
 
-    def __call__(self, *args, **kwargs):
-        with self.adapter.disabled():
-            return self.model(*args, **kwargs)
+    def __init__(self, hf_model, adapter: SharedAdapter):
+        self.hf_model, self.adapter = hf_model, adapter
 
     @contextlib.contextmanager
-    def as_model(self):
-        """The Hugging Face model itself, its adapter off inside the block: for callers that run its
-        parts one by one (colo.grpo.logprobs: the decoder, then the head in chunks)."""
+    def model(self):
         with self.adapter.disabled():
-            yield self.model
+            yield self.hf_model
 
 
 def _adapter_forward(adapter: SharedAdapter, dropout: float):

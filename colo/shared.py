@@ -30,6 +30,7 @@ a tensor-parallel tensor whole.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Mapping
@@ -123,11 +124,16 @@ class EngineViews:
         return [name for name, placed in self.layout.items()
                 if placed.param.data_ptr() != self._storage[id(placed.param)].data_ptr()]
 
+    @property
+    def weights(self) -> "EngineViews":
+        """The views of the model's own weights: these (an adapter's: those of the frozen base it is on)."""
+        return self
+
     @torch.no_grad()
     def reshare(self) -> int:
         """Put the parameters given new storage since they were shared (moved_parameters: accelerate's
         .to("cpu:N") copies every one) back into the storage they were shared in, with their current
-        values, so the engine sees them again; returns the bytes written."""
+        values, so the engine sees them again (an adapter's base too); returns the bytes written."""
         written, done = 0, set()
         for placed in self.layout.values():
             param, home = placed.param, self._storage[id(placed.param)]
@@ -136,7 +142,8 @@ class EngineViews:
                 param.data = home
                 written += home.nbytes
             done.add(id(param))
-        return written
+        beneath = self.weights
+        return written + (beneath.reshare() if beneath is not None and beneath is not self else 0)
 
     def publish(self) -> PublishReport:
         """Make the engine serve what the optimizer wrote: what cannot alias is copied (the kind's
@@ -235,12 +242,12 @@ class EngineViews:
         """Collectives this view has issued so far (forward and backward): 0 without tensor parallelism."""
         return 0
 
-    def reference(self):
+    def reference(self) -> "Reference":
         """The frozen policy a KL term compares with, at the cheapest: here a frozen copy of the model."""
         reference = copy.deepcopy(self.hf_model).eval()
         for p in reference.parameters():
             p.requires_grad_(False)
-        return reference
+        return FrozenCopy(reference)
 
     def master_names(self) -> list[str] | None:
         """The names of the parameters in optimizer order, where the optimizer's fp32 masters of them are
@@ -289,6 +296,40 @@ class EngineViews:
 
 
 # -- helpers the kinds share ----------------------------------------------------------------------
+
+class Reference:
+    """The KL term's reference policy, as views.reference() gives it: forward runs on `model()`'s
+    Hugging Face model inside its block; state_dict() is what a checkpoint keeps of it (None: nothing
+    of its own), load_state_dict() restores that."""
+
+    @contextlib.contextmanager
+    def model(self):
+        raise NotImplementedError
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class FrozenCopy(Reference):
+    """A reference of its own: a frozen copy of the model, as it was when copied (its memory is a
+    second copy of the weights; a checkpoint keeps it)."""
+
+    def __init__(self, hf_model):
+        self.hf_model = hf_model
+
+    @contextlib.contextmanager
+    def model(self):
+        yield self.hf_model
+
+    def state_dict(self) -> dict:
+        return self.hf_model.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.hf_model.load_state_dict(state)
+
 
 def check_model_config(config) -> None:
     """Refuse, naming why, a config colo cannot train, before any engine starts: an encoder-decoder

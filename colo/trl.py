@@ -95,7 +95,6 @@ class ColoVLLMGeneration(_VLLMGeneration):
         self.colo_pool, self.colo_engine_dtype, self.colo_fp32_masters = pool, engine_dtype, fp32_masters
         self.colo_engine_options = dict(engine_options or {})  # more vllm.LLM options (e.g. enforce_eager)
         self.colo_masters: dict = {}  # parameter -> its fp32 values, for TRL's optimizer (fp32_masters)
-        self.colo_shared = None   # colo.SharedWeights: the engine's weights as the model's (with PEFT, its base)
         self.colo_views = None    # what TRL trains, a colo.shared.EngineViews: the weights, or PEFT's adapter
         self.colo_generation_round = False  # inside GRPOTrainer._generate: several turns, one KV cache
         self._colo_workdir = None  # where the engine's adapter slot was first loaded from (PEFT)
@@ -160,15 +159,14 @@ class ColoVLLMGeneration(_VLLMGeneration):
                 self.colo_masters = {p: p.data for p in model.parameters()}
                 model.to(dtype)
             self._build_llm(base, dtype, device, lora, extra)
-            self.colo_shared = colo.share_weights(base, self.llm)
-        if lora is not None:
+            self.colo_views = colo.share_weights(base, self.llm)
+        if lora is not None:  # the adapter's views, on the base's (colo_views.weights)
             import tempfile
 
             from colo.lora import share_peft_adapter
 
             self._colo_workdir = tempfile.TemporaryDirectory(prefix="colo-trl-")
-            adapter, self.colo_masters = share_peft_adapter(model, self.llm, self._colo_workdir.name)
-        self.colo_views = adapter if lora is not None else self.colo_shared
+            self.colo_views, self.colo_masters = share_peft_adapter(model, self.llm, self._colo_workdir.name)
         self._llm_weights_sleeping = False
         sleep_kv_cache(self.llm)  # training comes first in TRL's loop only after a generation
         accelerator.wait_for_everyone()
@@ -217,8 +215,7 @@ class ColoVLLMGeneration(_VLLMGeneration):
         moves the model with .to(accelerator.device), and under torch.distributed on a CPU that device
         is "cpu:N", for which torch copies every parameter although nothing moves. What is published is
         what TRL trains (colo_views: with PEFT the adapter, in the engine's slot; the base is frozen)."""
-        shared = [self.colo_shared] + ([self.colo_views] if self.colo_views is not self.colo_shared else [])
-        reshared = sum(views.reshare() for views in shared)
+        reshared = self.colo_views.reshare()  # (an adapter's base too)
         report = self.colo_views.publish()
         self.colo_sync_reports.append({**report, "reshared_bytes": reshared})
 
@@ -579,5 +576,6 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     @property
     def colo_shared(self):
-        """The SharedWeights between the trainer's model and the engine (copy_bytes, aliased_bytes, ...)."""
-        return self.vllm_generation.colo_shared
+        """The SharedWeights between the trainer's model and the engine (copy_bytes, aliased_bytes, ...;
+        with PEFT, the base's)."""
+        return self.vllm_generation.colo_views.weights

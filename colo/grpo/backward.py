@@ -44,8 +44,8 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
                 high_entropy_mask(entropies[0], part.completion_mask, config.top_entropy_quantile)
             ref = None
             if reference is not None:
-                with torch.no_grad():
-                    ref = completion_logprobs(reference, part, config.temperature)
+                with torch.no_grad(), reference.model() as reference_model:
+                    ref = completion_logprobs(reference_model, part, config.temperature)
             weights = None
             if config.importance_sampling != "off" and engine_logprobs is not None:
                 sampled = padded(engine_logprobs[start:start + micro], logprobs.shape, logprobs.device)

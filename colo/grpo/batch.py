@@ -111,17 +111,13 @@ def _packed_routes(routes: list | None, prompts: list[list[int]], width: int) ->
 def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0, entropies: list | None = None) -> torch.Tensor:
     """log p(completion token | everything before it) for every completion column, shape (B, C).
     model: a Hugging Face causal LM (Llama/Mistral/Qwen2/Qwen3: logits computed a chunk of tokens at a
-    time, colo.grpo.logprobs), colo.lora's base_model() of one, or a
-    colo.tensor_parallel.TensorParallelModel (its rank's vocabulary shard of the logits; the
-    log-probabilities are over the whole vocabulary)."""
+    time, colo.grpo.logprobs), or a colo.tensor_parallel.TensorParallelModel (its rank's vocabulary
+    shard of the logits; the log-probabilities are over the whole vocabulary)."""
     if hasattr(model, "completion_logprobs"):
         if entropies is not None:
             raise NotImplementedError("token entropies (top_entropy_quantile) of a tensor-parallel model")
         return model.completion_logprobs(batch.input_ids, batch.completion_ids, attention_mask=batch.attention_mask,
                                          position_ids=batch.position_ids, temperature=temperature)
-    if hasattr(model, "as_model"):  # colo.lora's base_model(): the same model with its adapter off
-        with model.as_model() as hf_model:
-            return completion_logprobs(hf_model, batch, temperature, entropies)
     args = (model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids, temperature)
     inputs = batch.model_inputs()
     if has_plain_head(model):

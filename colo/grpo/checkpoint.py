@@ -279,7 +279,7 @@ class Checkpointer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.memory.adopt_optimizer_state(self.optimizer)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        if isinstance(self.reference, torch.nn.Module) and "reference" in state:
+        if self.reference is not None and "reference" in state:
             self.reference.load_state_dict(state["reference"])
         # Generation is seeded per prompt, not by these; with another number of ranks, a rank the old
         # run did not have keeps its fresh seed.
@@ -319,8 +319,9 @@ class Checkpointer:
                 state = {"model": model_state, "optimizer": optimizer,
                          "lr_scheduler": self.lr_scheduler.state_dict(), "rng": rng,
                          "config": self.config.to_dict(), "model_dir": str(self.model_dir)}
-                if isinstance(self.reference, torch.nn.Module):
-                    state["reference"] = self.reference.state_dict()
+                reference = self.reference.state_dict() if self.reference is not None else None
+                if reference is not None:  # a frozen copy (an adapter's base is the model's own)
+                    state["reference"] = reference
                 if self.views.master_names() is not None:  # the masters' order, for colo.grpo.export
                     state["param_names"] = self.views.master_names()
                 path = save_checkpoint(self.out_dir, step, state, keep=self.config.keep_checkpoints)

@@ -95,12 +95,14 @@ def test_micro_batches_add_up_to_the_whole_batch_gradient():
     assert torch.allclose(whole, pieces, atol=1e-6)
     assert piece_stats["loss"] == pytest.approx(whole_stats["loss"], abs=1e-6)
     # With a KL term against a different reference the loss moves, and still adds up.
+    from colo.shared import FrozenCopy
+
     reference = one_layer_qwen2()
     with torch.no_grad():
         for p in reference.parameters():
             p.add_(0.01)
-    kl_whole, kl_stats = gradient(None, beta=0.1, reference=reference)
-    kl_pieces, _ = gradient(3, beta=0.1, reference=reference)
+    kl_whole, kl_stats = gradient(None, beta=0.1, reference=FrozenCopy(reference))
+    kl_pieces, _ = gradient(3, beta=0.1, reference=FrozenCopy(reference))
     assert kl_stats["kl"] > 0 and not torch.allclose(kl_whole, whole)
     assert torch.allclose(kl_whole, kl_pieces, atol=1e-6)
 

@@ -477,3 +477,34 @@ def test_disable_dropout_trains_what_the_engine_serves(tmp_path):
         finally:
             scheduler.close()
     assert gaps[False] > 1e-2 and gaps[True] < 1e-4, gaps
+
+
+def test_a_kl_reference_is_the_frozen_starting_model_through_a_checkpoint_and_resume(tmp_path):
+    """beta > 0 with full fine-tuning: the reference (colo.shared.FrozenCopy) is the starting model while
+    the policy trains away from it (the KL grows above 0), a checkpoint keeps it, and a resumed run
+    compares with the same weights."""
+    from safetensors.torch import load_file
+
+    from colo.grpo import GRPOConfig, GRPOScheduler, ToyTask, build_toy_model
+
+    model_dir = build_toy_model(tmp_path / "model")
+    start = load_file(model_dir / "model.safetensors")
+    task = ToyTask(512)
+    config = GRPOConfig(prompts_per_step=2, num_generations=4, ignore_eos=True, save_every=1, dtype="fp32",
+                        beta=0.04, learning_rate=3e-2)
+    runs = []
+    for resume in (False, True):
+        scheduler = GRPOScheduler(model_dir, task.rewards, task.prompts, config, out_dir=tmp_path / "out",
+                                  resume=resume)
+        try:
+            runs.append(scheduler.run(2 if not resume else 3, progress=False))
+            with scheduler.reference.model() as reference:
+                kept = {n: p.detach().clone() for n, p in reference.named_parameters()}
+        finally:
+            scheduler.close()
+        assert kept.keys() <= start.keys() and all(torch.equal(kept[n], start[n]) for n in kept)
+    saved = torch.load(tmp_path / "out" / "step-000002.pt", map_location="cpu", weights_only=True)
+    assert all(torch.equal(saved["reference"][n], start[n]) for n in kept)
+    assert any(not torch.equal(saved["model"][n], start[n]) for n in kept)
+    (first, second), (third,) = runs
+    assert first["kl"] == 0.0 and 0.0 < second["kl"] and third["step"] == 3 and third["kl"] > 0.0

@@ -129,8 +129,9 @@ def test_packed_batch_logprobs_match_each_sequence_alone():
 
 def test_lora_adapter_trains_and_its_base_is_the_reference():
     """colo.lora's trainer model: adapter hooks on the decoder's linears (the head is not adapted), and
-    base_model(model) as GRPO's KL reference; both go the chunked way and match the straightforward one."""
-    from colo.lora import LoraSpec, SharedAdapter, _adapter_forward, _WithoutAdapter
+    its reference() (the base, adapter off inside model()'s block) as GRPO's KL reference; both go the
+    chunked way and match the straightforward one."""
+    from colo.lora import LoraSpec, SharedAdapter, _adapter_forward
 
     model = tiny_hf_model("qwen2", vocab_size=VOCAB)
     for p in model.parameters():
@@ -153,9 +154,11 @@ def test_lora_adapter_trains_and_its_base_is_the_reference():
     for name in lora:
         assert (chunked_grads[name] - full_grads[name]).abs().max() <= relative * full_grads[name].abs().max(), name
 
-    reference = _WithoutAdapter(model, adapter)
+    reference = adapter.reference()
     with torch.no_grad():
-        ref = completion_logprobs(reference, batch, temperature)
+        with reference.model() as reference_model:
+            assert reference_model is model and not adapter.enabled
+            ref = completion_logprobs(reference_model, batch, temperature)
         with adapter.disabled():
             base = full_logits_logprobs(*_args(model, batch, temperature))
     assert adapter.enabled  # back on after the reference's forward

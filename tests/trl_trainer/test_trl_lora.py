@@ -49,7 +49,7 @@ def test_a_trl_script_with_a_peft_lora_config_trains_the_engines_adapter_slot(dt
     # One copy: the base is the engine's weights, the adapter the engine's slot (rank 4 in vLLM's rank-8 slots).
     assert {p.dtype for p in model.parameters()} == {engine_dtype}
     base = {n: p for n, p in model.named_parameters() if "lora_" not in n}
-    assert generation.colo_shared.aliased_bytes == sum(p.nbytes for p in base.values())
+    assert trainer.colo_shared.aliased_bytes == adapter.weights.aliased_bytes == sum(p.nbytes for p in base.values())
     weights = colo.engine.weights_region(llm)
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert len(trainable) == 2 * len(TARGETS) * model.config.num_hidden_layers
