@@ -15,7 +15,7 @@ and moments) is a file of its own, `step-000012.optimizer-tp1-of-2.pt`, written 
 
 The functions read and write those files. A run's checkpoint policy is the Checkpointer at the end:
 which checkpoint a resumed run continues from and whether it fits the run (checkpoint_to_resume,
-which the CLI asks too, then the optimizer layout, LoRA rank and tensor-parallel size), restoring it
+read once by colo.grpo.preflight, then the optimizer layout, LoRA rank and tensor-parallel size), restoring it
 into the live model the engine shares, and what each save holds and which rank writes it. The
 scheduler decides when to save.
 """
@@ -64,10 +64,10 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 
 
 def checkpoint_to_resume(out_dir: str | Path | None, lead: str = "nothing to resume: ") -> tuple[Path, dict]:
-    """The newest checkpoint in out_dir and its contents: what a resumed run continues from. The CLI
-    asks before any engine starts, the scheduler as it builds the run. Refuses a missing out_dir
-    (ValueError), an out_dir without a checkpoint (CheckpointError, its message led by `lead`: the
-    CLI leads every resume error with its flag instead) and an unreadable checkpoint (CheckpointError)."""
+    """The newest checkpoint in out_dir and its contents: what a resumed run continues from, read once
+    before any engine starts (colo.grpo.preflight). Refuses a missing out_dir (ValueError), an out_dir
+    without a checkpoint (CheckpointError, its message led by `lead`: the CLI leads every resume error
+    with its flag instead) and an unreadable checkpoint (CheckpointError)."""
     if out_dir is None:
         raise ValueError("resume=True needs out_dir (the directory holding the checkpoints)")
     path = latest_checkpoint(out_dir)
@@ -246,10 +246,11 @@ class Checkpointer:
 
     # -- resuming ----------------------------------------------------------------------------------
     @staticmethod
-    def find_resume_state(out_dir: Path | None, config, world: distributed.World) -> dict:
-        """The newest checkpoint in out_dir, checked against this run's config and with this rank's
-        optimizer state in place; called before any engine starts, so a mismatch fails in seconds."""
-        path, state = checkpoint_to_resume(out_dir)
+    def resume_state(checkpoint: tuple[Path, dict], config, world: distributed.World) -> dict:
+        """The state of the checkpoint a run resumes from (checkpoint_to_resume's (path, contents)),
+        checked against this run's config and with this rank's optimizer state in place; called before
+        any engine starts, so a mismatch fails in seconds."""
+        path, state = checkpoint
         if is_sharded(state) != config.shard_optimizer:
             raise CheckpointError(f"{path} holds {'sharded' if is_sharded(state) else 'unsharded'} optimizer state; "
                                   f"resume it with shard_optimizer={is_sharded(state)}")

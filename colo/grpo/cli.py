@@ -151,8 +151,10 @@ def _refuse_unknown_flags(parser, argv) -> None:
             parser.error(f"unrecognized flag --{name}{_closest(name, parser)}")
 
 
-def _settings(args, parser) -> tuple[Path, GRPOConfig]:
-    """Model directory and config: from the flags for a new run, from OUT/run.json when resuming."""
+def _settings(args, parser) -> tuple[Path, GRPOConfig, tuple | None]:
+    """Model directory and config (from the flags for a new run, from OUT/run.json when resuming), and
+    the checkpoint a resumed run continues from: each checked here, a usage error naming its flag, and
+    not again by the scheduler (colo.grpo.preflight)."""
     out = Path(args.out)
     run_file = out / "run.json"
     from ..hf_format import check_writable
@@ -177,15 +179,16 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
                 setattr(args, key if key != "rewards" else "reward", value)
         except (OSError, ValueError, KeyError, TypeError) as e:
             parser.error(f"--resume: cannot read {run_file}: {e}")
-        try:  # fail here, with a clear message, before any engine starts (the scheduler asks again)
-            checkpoint_to_resume(out, lead="")
-        except CheckpointError as e:
-            parser.error(f"--resume: {e}")
         if args.tensor_parallel not in (None, config.tensor_parallel):
             parser.error(f"--resume: the run in {out} was trained with --tensor-parallel {config.tensor_parallel}; "
                          f"colo does not re-slice its optimizer state for --tensor-parallel {args.tensor_parallel}: "
                          f"resume with --tensor-parallel {config.tensor_parallel}")
-        return model_dir, config
+        try:  # fail here, with a clear message, before any engine starts
+            resume_from = checkpoint_to_resume(out, lead="")
+            check_model_dir(model_dir, config.tensor_parallel)
+        except (CheckpointError, ValueError, NotImplementedError, FileNotFoundError) as e:
+            parser.error(f"--resume: {e}")
+        return model_dir, config, resume_from
     if list_checkpoints(out):
         parser.error(f"{out} already holds checkpoints of a run; pass --resume to continue it or choose another --out")
     values = {**preset_values(GRPOConfig, "dataset" if args.dataset else "toy"), **values_from_flags(args, GRPOConfig)}
@@ -211,8 +214,8 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig]:
         except (ValueError, NotImplementedError) as e:
             parser.error(f"--model: {model_dir}: {e}")
     else:
-        model_dir = out / "toy-model"
-    return model_dir, config
+        model_dir = out / "toy-model"  # colo's own, built before the run
+    return model_dir, config, None
 
 
 def _check_task_flags(args, parser) -> None:
@@ -307,7 +310,7 @@ def task_settings(args) -> dict:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parse_args(parser, argv)
-    model_dir, config = _settings(args, parser)
+    model_dir, config, resume_from = _settings(args, parser)
 
     from ..engine import quiet_vllm_logs
     from . import distributed
@@ -356,6 +359,7 @@ def main(argv=None) -> int:
                                                       "task": task_settings(args),
                                                       "dtype_chosen_because": why}, indent=2))
 
+    from .preflight import CheckedRun
     from .scheduler import GRPOScheduler
 
     if args.dataset:
@@ -376,7 +380,8 @@ def main(argv=None) -> int:
         task = dict(reward_fn=toy.rewards, prompt_fn=toy.prompts)
     scheduler = GRPOScheduler(model_dir, config=config, **task, out_dir=out, log_path=args.log,
                               trace_path=args.trace, resume=args.resume,
-                              engine_options={"enforce_eager": True} if args.eager else None)
+                              engine_options={"enforce_eager": True} if args.eager else None,
+                              checked=CheckedRun(model_dir, out, resume_from))
     if world.is_main:
         print("colo.grpo: " + ("each step trains a prompt's group as soon as its completions are done, while the "
                                "engine decodes the others (--overlap)" if scheduler.serial_reason is None else

@@ -47,8 +47,7 @@ from .. import vllm_compat as compat
 from ..checks import check_int
 from ..clipping import clip_
 from ..errors import ModelSaveError, NonFiniteGradients, Terminated
-from ..hf_format import FINAL, check_writable, model_step_dir
-from ..hub import resolve_model
+from ..hf_format import FINAL, model_step_dir
 from ..model_classes import disable_dropout, vision_tower_parameters
 from ..moe_routing import RouterReplay, is_moe
 from ..pool import Pool
@@ -58,11 +57,12 @@ from . import distributed
 from .backward import PolicyTrainer
 from .batch import Rollout, rollout_of
 from .checkpoint import Checkpointer
-from .config import GRPOConfig, check_model_dir, check_routing_replay, checkpointing_on
+from .config import GRPOConfig, check_routing_replay, checkpointing_on
 from .metrics import (ProgressBar, Residency, StepLog, Timeline, agent_stats, rank_path, reward_stats, scored_mean_std,
                       train_stats)
 from .overlap import GroupFailed, memory_refusal, serial_reason
 from .phases import MemoryPhases
+from .preflight import CheckedRun, check_run
 from .completions_log import completion_samples
 from .reward_model import attach_reward_models
 from .schedules import lr_multiplier, warmup_of
@@ -104,6 +104,9 @@ class GRPOScheduler:
     pool_capacity: bytes of the device (or RAM) this run's pool may use; default: all that is free.
     The regions time-share it: the KV cache may use the bytes of the training memory that sleeps
     while generating (see colo.Pool).
+    checked: colo.grpo.preflight.check_run's result for these model_dir, out_dir and resume (the CLI
+    checks them itself, naming its flags, and hands this on); None: they are checked here, before
+    anything is built.
     """
 
     def __init__(self, model_dir: str | Path, reward_fn: RewardFn | None = None, prompt_fn: PromptFn | None = None,
@@ -111,13 +114,11 @@ class GRPOScheduler:
                  eval_dataset=None, tokenizer=None, task: Task | None = None, out_dir: str | Path | None = None,
                  log_path: str | Path | None = None, trace_path: str | Path | None = None,
                  resume: bool = False, engine_options: dict | None = None, pool_capacity: int | None = None,
-                 tools=None, environment_factory=None, rollout_func=None):
+                 tools=None, environment_factory=None, rollout_func=None, checked: CheckedRun | None = None):
         self.config = config or GRPOConfig()
-        self.model_dir = resolve_model(model_dir)  # a directory, or a hub id ORG/NAME from the hub's cache
-        self.out_dir = Path(out_dir) if out_dir is not None else None
-        check_model_dir(self.model_dir, self.config.tensor_parallel)  # before any engine starts
-        if self.out_dir is not None:
-            check_writable(self.out_dir, "out_dir")
+        checked = checked or check_run(model_dir, self.config, out_dir=out_dir, resume=resume)
+        self.model_dir, self.out_dir = checked.model_dir, checked.out_dir
+        resume = checked.resume_from is not None
         self.tools, self.environment_factory, self.rollout_func = list(tools or ()), environment_factory, rollout_func
         if rollout_func is not None and (self.tools or environment_factory is not None):
             raise ValueError("rollout_func generates the rollouts itself: give it, or tools / environment_factory")
@@ -146,7 +147,7 @@ class GRPOScheduler:
         self._join_world()
         # Tool workers before the engine: no worker process is made from one holding vLLM's threads.
         self.tool_workers = start_tool_workers(self.tools, self.config.tool_isolation)
-        resume_state = Checkpointer.find_resume_state(self.out_dir, self.config, self.world) if resume else None
+        resume_state = Checkpointer.resume_state(checked.resume_from, self.config, self.world) if resume else None
         torch.manual_seed(self.config.seed + self.world.dp_rank)  # an engine's tensor-parallel ranks alike
         self.pool = Pool(self.device, capacity=pool_capacity)
         self.residency = Residency(self.pool, self.device)

@@ -43,3 +43,38 @@ def test_rng_state_round_trips():
     torch.rand(5)
     restore_rng(state)
     assert torch.equal(torch.rand(3), expected[0]) and __import__("random").random() == expected[1]
+
+
+def test_a_run_is_checked_once_and_its_checkpoint_read_once_before_any_engine(tmp_path, monkeypatch, capsys):
+    """colo.grpo.preflight.check_run refuses a bad model, an unwritable out_dir and a resume with no
+    checkpoint; the CLI makes the same checks itself (usage errors naming the flag) and reads the
+    checkpoint a resumed run continues from once, for the scheduler to take as it is."""
+    import json
+
+    from colo.grpo import GRPOConfig, build_toy_model, checkpoint, cli
+    from colo.grpo.preflight import CheckedRun, check_run
+
+    model_dir = build_toy_model(tmp_path / "model")
+    out = tmp_path / "out"
+    config = GRPOConfig()
+    assert check_run(model_dir, config, out_dir=out) == CheckedRun(model_dir, out, None)
+    with pytest.raises(FileNotFoundError, match="config.json missing"):
+        check_run(tmp_path, config)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="out_dir .*cannot write there"):
+        check_run(model_dir, config, out_dir=tmp_path / "file" / "out")
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        check_run(model_dir, config, out_dir=out, resume=True)
+
+    save_checkpoint(out, 2, _state(2.0))
+    (out / "run.json").write_text(json.dumps({"model_dir": str(model_dir), "config": config.to_dict()}))
+    reads = []
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda path: reads.append(path) or {"step": 2})
+    parser = cli.build_parser()
+    args = cli.parse_args(parser, ["--steps", "3", "--resume", "--json", str(tmp_path / "l.jsonl"), "--out", str(out)])
+    resumed_dir, _, resume_from = cli._settings(args, parser)
+    assert resumed_dir == model_dir and resume_from == (out / "step-000002.pt", {"step": 2}) and len(reads) == 1
+    (model_dir / "config.json").unlink()
+    with pytest.raises(SystemExit):
+        cli._settings(args, parser)
+    assert "--resume: no Hugging Face model at" in capsys.readouterr().err

@@ -327,7 +327,7 @@ def test_the_cli_takes_hub_names_and_run_json_pins_them(hub_cache, offline, monk
     argv = ["--steps", "1", "--json", str(tmp_path / "log.jsonl"), "--out", str(tmp_path / "out"), "--model", MODEL,
             "--dataset", f"{DATA}:test", "--eval-dataset", DATA, "--reward", "math"]
     args = cli.parse_args(parser, argv)
-    model_dir, _ = cli._settings(args, parser)
+    model_dir, _, _ = cli._settings(args, parser)
     assert (model_dir / "config.json").is_file() and model_dir.name == commit_of(MODEL)
     assert args.model == f"{MODEL}@{commit_of(MODEL)}"
     assert cli.task_settings(args)["dataset"] == f"{DATA}@{commit_of(DATA)}:test"
