@@ -54,7 +54,8 @@ def device_kind(device_type: str) -> str:
     if device_type != "cpu":
         return device_type
     caps = torch.cpu.get_capabilities()
-    for feature, kind in (("amx_bf16", "cpu-amx"), ("avx512_bf16", "cpu-avx512-bf16"), ("avx2", "cpu-avx2")):
+    for feature, kind in (("amx_bf16", "cpu-amx"), ("avx512_bf16", "cpu-avx512-bf16"), ("avx512_f", "cpu-avx512"),
+                          ("avx2", "cpu-avx2")):
         if caps.get(feature) is True:
             return kind
     return "cpu"
