@@ -107,7 +107,8 @@ def summarise(records: list[dict], generate_cpu: list[tuple]) -> dict:
     cores = len(os.sched_getaffinity(0))
     summary = {key: mean(key) for key in ("step_s", "generate_s", "train_s", "reward_s", "publish_s",
                                           "phase_switch_s", "generate_tail_s", "overlap_train_s",
-                                          "groups_trained_during_generation", "completion_length_mean", "completion_length_max",
+                                          "groups_trained_during_generation", "completion_length_mean",
+                                          "completion_length_max",
                                           "engine_step_s_median")}
     summary["idle_core_s"] = statistics.fmean(max(0.0, wall * cores - cpu) for wall, cpu in generate_cpu)
     summary["peak_rss_bytes"] = max(v for r in records for k, v in r.items() if k.startswith("rss_resident_bytes"))

@@ -15,9 +15,9 @@ and moments) is a file of its own, `step-000012.optimizer-tp1-of-2.pt`, written 
 
 The functions read and write those files. A run's checkpoint policy is the Checkpointer at the end:
 which checkpoint a resumed run continues from and whether it fits the run (checkpoint_to_resume,
-read once by colo.grpo.preflight, then the optimizer layout, LoRA rank and tensor-parallel size), restoring it
-into the live model the engine shares, and what each save holds and which rank writes it. The
-scheduler decides when to save.
+read once by colo.grpo.preflight, then the optimizer layout, LoRA rank and tensor-parallel size),
+restoring it into the live model the engine shares, and what each save holds and which rank writes
+it. The scheduler decides when to save.
 """
 from __future__ import annotations
 

@@ -271,8 +271,8 @@ class RoundPicks:
 
 
 class OverlappedStep:
-    """One step's training of groups during generation, over one or more rounds of generation (the step's own prompts, then
-    dynamic sampling's replacement prompts). A round's on_group(i, completions) runs on the engine's
+    """One step's groups trained as they finish, over one or more rounds of generation (the step's own
+    prompts, then dynamic sampling's replacement prompts). A round's on_group(i, completions) runs on the engine's
     thread as its i-th prompt's group finishes: `score(rows, prompts, completions)` returns (Scores,
     work) there (rewards are the user's code, run in order as in a serial step), and each group the
     round picks (RoundPicks, `keep(scores)`) runs `train(index, work)` on the trainer's thread; index

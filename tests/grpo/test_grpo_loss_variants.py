@@ -211,7 +211,7 @@ def test_the_cli_takes_the_optimizer_and_loss_settings(tmp_path):
                                "--adam-betas", "0.9", "0.999", "--adam-epsilon", "1e-6", "--max-grad-norm", "0",
                                "--num-iterations", "2", "--loss-type", "sapo", "--importance-sampling-level",
                                "sequence", "--delta", "1.5", "--no-bias-correction-kl"])
-    _, config = _settings(args, parser)
+    _, config, _ = _settings(args, parser)
     assert (config.lr_scheduler_type, config.warmup_ratio, config.max_steps) == ("cosine", 0.1, 20)
     assert (config.weight_decay, config.adam_betas, config.adam_epsilon, config.max_grad_norm) == \
         (0.01, (0.9, 0.999), 1e-6, None)

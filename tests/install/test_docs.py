@@ -9,7 +9,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", REPO / "bench" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # A path starts the word (or follows a link's ../) and ends in a file extension.
-PATH = re.compile(r"(?<![\w/.-])(?:\.\./)*((?:colo|tests|bench|buildtools|csrc|docs)/[A-Za-z0-9_./-]*[A-Za-z0-9_]\.[a-z]+)\b")
+PATH = re.compile(r"(?<![\w/.-])(?:\.\./)*"
+                  r"((?:colo|tests|bench|buildtools|csrc|docs)/[A-Za-z0-9_./-]*[A-Za-z0-9_]\.[a-z]+)\b")
 DOTTED = re.compile(r"(?<![\w./-])colo(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 COMPILED = {"colo._C"}  # the extension setup.py builds
 

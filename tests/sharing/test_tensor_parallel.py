@@ -116,7 +116,8 @@ def run(path, tp_size, dtype, out, eager):
         "engine_err_before": (served_before - before).abs().max().item(),
         "engine_err_after": (served_after - after).abs().max().item(),
         "changed": (after - before).abs().max().item(), "after": after.tolist(),
-        "refused": refused, "poisoned": poisoned, "reload_err": (reloaded - before).abs().max().item(), "served_reload_err": (served_reloaded - before).abs().max().item()}))
+        "refused": refused, "poisoned": poisoned,
+        "reload_err": (reloaded - before).abs().max().item(), "served_reload_err": (served_reloaded - before).abs().max().item()}))
 
 
 # One engine after another in this process (each rank's world is the same for all of them).
