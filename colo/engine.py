@@ -99,6 +99,7 @@ def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_byt
         compat.quiet_chat_warmup_without_tokenizer()
     if os.path.isdir(path):
         compat.inspect_in_this_process(path)
+        llm_kwargs = compat.native_rope_options(path, pool.device.type, llm_kwargs)
     with in_process_env(env), compat.placing(placement) as worker_cls:
         llm = vllm.LLM(model=path, dtype=dtype, seed=seed, enforce_eager=enforce_eager, worker_cls=worker_cls,
                        **llm_kwargs)

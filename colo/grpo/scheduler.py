@@ -199,6 +199,9 @@ class GRPOScheduler:
                                     sequence_tokens=self.sequence_tokens, lora=lora,
                                     workdir=self._workdir.name if lora else None,
                                     tensor_parallel=self.config.tensor_parallel, **engine_options)
+        refusal = compat.decode_refusal(self.engine.llm)  # a run generates: said before anything trains
+        if refusal is not None:
+            raise NotImplementedError(f"{self.model_dir}: {refusal}")
         self.views = self.engine.views  # what the optimizer trains, whichever kind (colo.shared)
         self.model = self.engine.hf_model
         if is_moe(self.model):  # the routing the engine sampled with: replayed, or compared (router_mismatch)

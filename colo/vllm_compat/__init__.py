@@ -16,7 +16,8 @@ compat.engine_model(llm)`):
   lets the kernel keep its packed copy, and refreshes that copy in place at publish;
 - engine: model access, compile mode, start-up memory, the hooks run before every request and
   engine step (the guard that refuses or wakes requests while the KV cache sleeps, the default
-  adapter), teardown;
+  adapter), teardown; the CPU rotary op off for MLA models (native_rope_options: vLLM's rotates MLA's
+  3-D query view wrongly) and whether a CPU MLA engine can decode at all (decode_refusal);
 - load_trace: vLLM's own `load_weights` run on meta stand-ins of the trainer's parameters, every write
   recorded instead of done: where each element of each Hugging Face parameter lands;
 - layout: from that trace, where each Hugging Face parameter lives (a view of one engine tensor: fused
@@ -44,9 +45,11 @@ from .layout import EngineLayout, EngineTensor, Piece, Placement, engine_layout,
 from .trainer_models import building_trainer_models, run_as_plain_modules
 from .routing import engine_routing_options, recording_routes, routed_experts
 from .engine_access import (
-    FIXED_KV_MEMORY_FRACTION, STARTUP_HEADROOM_BYTES, VLLM_DEFAULT_MEMORY_FRACTION, RequestHooks, engine_config_as_saved,
+    FIXED_KV_MEMORY_FRACTION, STARTUP_HEADROOM_BYTES, VLLM_DEFAULT_MEMORY_FRACTION, RequestHooks, decode_refusal,
+    engine_config_as_saved,
     engine_dtype, engine_hf_config, engine_kv_caches, engine_model, engine_model_source, engine_placement,
-    engine_worker, external_request_id, is_compiled, keep_process_groups, kv_cache_block_count, platform_device_type,
+    engine_worker, external_request_id, is_compiled, keep_process_groups, kv_cache_block_count, native_rope_options,
+    platform_device_type,
     quiet_chat_warmup_without_tokenizer, release_engine, request_errors, request_guard, request_hooks, served_dtype,
     startup_memory_fraction, tensor_parallel_group, whole_prefill_options,
 )
@@ -64,10 +67,11 @@ __all__ = [
     "Strided", "checkpoint_tensors", "persistent_buffers",
     "EngineLayout", "EngineTensor", "Piece", "Placement", "engine_layout", "lora_base_name", "solve_view",
     "building_trainer_models", "run_as_plain_modules", "engine_routing_options", "recording_routes", "routed_experts",
-    "FIXED_KV_MEMORY_FRACTION", "STARTUP_HEADROOM_BYTES", "VLLM_DEFAULT_MEMORY_FRACTION", "RequestHooks",
+    "FIXED_KV_MEMORY_FRACTION", "STARTUP_HEADROOM_BYTES", "VLLM_DEFAULT_MEMORY_FRACTION", "RequestHooks", "decode_refusal",
     "engine_config_as_saved", "engine_dtype", "engine_hf_config", "engine_kv_caches", "engine_model", "engine_model_source",
     "engine_placement", "engine_worker",
-    "external_request_id", "is_compiled", "keep_process_groups", "kv_cache_block_count", "platform_device_type",
+    "external_request_id", "is_compiled", "keep_process_groups", "kv_cache_block_count", "native_rope_options",
+    "platform_device_type",
     "quiet_chat_warmup_without_tokenizer", "release_engine", "request_guard", "request_hooks", "served_dtype",
     "startup_memory_fraction", "request_errors", "tensor_parallel_group", "whole_prefill_options",
     "LORA_SLOT_RANKS", "AdapterSlice", "activate_adapter", "adapter_slices", "adapter_slot", "check_shareable_lora",

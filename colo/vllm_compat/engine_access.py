@@ -114,6 +114,63 @@ def whole_prefill_options(device_type: str, sequences: int, sequence_tokens: int
     return {"max_num_batched_tokens": max(sequences * sequence_tokens, 8192)}
 
 
+def native_rope_options(model_dir, device_type: str, llm_kwargs: dict) -> dict:
+    """`llm_kwargs` with vLLM's CPU rotary op switched off where it serves the wrong function: vLLM
+    0.32's `torch.ops._C.rotary_embedding` on a CPU (csrc/cpu/pos_encoding.cpp) takes the number of heads
+    from the query's last dimension and the token stride from its second to last, which holds for a
+    [tokens, heads x dim] query; the MLA attention of DeepSeek-V2/V3-style models (a config with
+    `kv_lora_rank`) hands it the rope part of q as a [tokens, heads, dim] view, whose rows the op then
+    rotates at the wrong positions: an eager engine serves another function than the model (the first
+    position alone agrees). Compiled engines run vLLM's native rope, which is right; the switch is vLLM's own
+    (compilation_config.custom_ops "-rotary_embedding"), and the user's "+rotary_embedding" wins."""
+    if device_type != "cpu" or not _has_mla(model_dir):
+        return llm_kwargs
+    config = llm_kwargs.get("compilation_config")
+    if config is None:
+        config = {}
+    if isinstance(config, dict):
+        ops = list(config.get("custom_ops") or [])
+        if "+rotary_embedding" not in ops and "-rotary_embedding" not in ops:
+            ops.append("-rotary_embedding")
+        return {**llm_kwargs, "compilation_config": {**config, "custom_ops": ops}}
+    ops = getattr(config, "custom_ops", None)  # a CompilationConfig object: its list, amended
+    if ops is not None and "+rotary_embedding" not in ops and "-rotary_embedding" not in ops:
+        ops.append("-rotary_embedding")
+    return llm_kwargs
+
+
+def decode_refusal(llm) -> str | None:
+    """Why this engine cannot decode (None: it can), found by decoding two tokens, for MLA engines on a
+    CPU only: vLLM 0.32 gives MLA a 16-token KV block there (platforms/cpu.py, "the CPU MLA decode
+    kernel only compiles with block_size=16") and the CPU wheel's kernel then refuses that block size at
+    the first decode; prefill works. A trainer that needs generation says so before its first step."""
+    config = llm.llm_engine.vllm_config
+    if platform_device_type() != "cpu" or not getattr(config.model_config, "use_mla", False):
+        return None
+    from vllm import SamplingParams
+
+    try:
+        llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    except RuntimeError as e:
+        return (f"vLLM {import_vllm().__version__} cannot decode this MLA model on this CPU: its first decode "
+                f"raised {e!r} (KV blocks of {config.cache_config.block_size} tokens)")
+    return None
+
+
+def _has_mla(model_dir) -> bool:
+    """Whether the model's attention is MLA (vLLM's is_deepseek_mla: a `kv_lora_rank` in the language
+    model's config), read from config.json without building the config."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return False
+    fields = json.loads(path.read_text())
+    text = fields.get("text_config") or fields.get("language_config") or {}
+    return fields.get("kv_lora_rank") is not None or text.get("kv_lora_rank") is not None
+
+
 def is_compiled(llm) -> bool:
     """Whether the engine runs compiled code (torch.compile, CUDA graphs) that captured its tensors."""
     from vllm.config import CompilationMode, CUDAGraphMode

@@ -13,6 +13,8 @@ for all of its checks:
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -120,10 +122,9 @@ def test_a_routers_saved_score_correction_is_the_engines(build_engine, tmp_path)
 def test_mla_absorbed_weights_follow_each_publish(build_engine, prompt_logprobs, tmp_path):
     """DeepSeek-V2's MLA attention decodes with W_UV and W_UK_T, which vLLM takes from kv_b_proj's weight
     after loading: no trainer parameter fills them, but they are views of that weight, so they follow the
-    trainer's kv_b_proj (0 bytes copied). After a step the engine serves exactly what a fresh engine of the
-    saved weights serves. (vLLM 0.32 and transformers 5.19 compute different functions of the same MLA
-    weights, so share_weights' own check refuses this family: it is skipped here, where the engine is
-    compared with an engine.)"""
+    trainer's kv_b_proj (0 bytes copied). The engine serves what the trainer computes (share_weights' own
+    check; on a CPU only with vLLM's rotary op off, colo.vllm_compat.native_rope_options), and after a step
+    exactly what a fresh engine of the saved weights serves."""
     import transformers
 
     config = transformers.DeepseekV2Config(
@@ -137,7 +138,7 @@ def test_mla_absorbed_weights_follow_each_publish(build_engine, prompt_logprobs,
     transformers.DeepseekV2ForCausalLM._from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "base")
     llm = build_engine(tmp_path / "base")
     try:
-        shared = colo.shared_model(llm, check_logprobs=False)
+        shared = colo.shared_model(llm)  # the trainer's log-probabilities checked against the engine's
         model = shared.hf_model
         assert shared.copy_bytes == 0 and shared.copied == {}
         attention = [m for m in colo.vllm_compat.engine_model(llm).modules() if hasattr(m, "W_UV")]
@@ -157,8 +158,29 @@ def test_mla_absorbed_weights_follow_each_publish(build_engine, prompt_logprobs,
     fresh = build_engine(saved)
     try:
         assert (after - prompt_logprobs(fresh)).abs().max() < 1e-5
+        # Decoding (what colo.grpo needs) either works or is refused in words, whichever this CPU's vLLM
+        # MLA backend does (its reference kernel refuses the 16-token blocks vLLM gives it).
+        refusal = colo.vllm_compat.decode_refusal(fresh)
+        assert refusal is None or "cannot decode this MLA model on this CPU" in refusal
     finally:
         release_llm(fresh)
+
+
+def test_the_cpu_rotary_op_is_off_for_mla_models_only_and_the_users_choice_wins(tmp_path):
+    from colo.vllm_compat import native_rope_options
+
+    (tmp_path / "mla").mkdir()
+    (tmp_path / "mla" / "config.json").write_text(json.dumps({"model_type": "deepseek_v2", "kv_lora_rank": 512}))
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "dense" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    off = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+    assert native_rope_options(tmp_path / "mla", "cpu", {}) == off
+    assert native_rope_options(tmp_path / "mla", "cpu", {"compilation_config": {"mode": 0}}) == \
+        {"compilation_config": {"mode": 0, "custom_ops": ["-rotary_embedding"]}}
+    kept = {"compilation_config": {"custom_ops": ["+rotary_embedding"]}}
+    assert native_rope_options(tmp_path / "mla", "cpu", kept) == kept
+    assert native_rope_options(tmp_path / "mla", "cuda", {}) == {}
+    assert native_rope_options(tmp_path / "dense", "cpu", {}) == {}
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "olmo2"])
