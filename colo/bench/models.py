@@ -22,14 +22,20 @@ ARCHITECTURES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"), "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "glm4_moe")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "glm4_moe", "deepseek_v3")
 _DEFAULTS = dict(head_dim=64, tie_word_embeddings=True)
 # Fields a family names its own way: Falcon's grouped-query layout (Falcon-40B's and -180B's, whose fused
 # QKV vLLM's loader reorders) and its KV head count; GPT-2's dropout, off so that a model in training mode
 # computes what the engine serves.
 FAMILY_DEFAULTS = {"falcon": dict(new_decoder_architecture=True, num_kv_heads=1),
-                   "gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}
+                   "gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+                   # MLA (kv_lora_rank + qk_rope_head_dim = 320: a head size vLLM's CPU MLA takes), and the
+                   # router fields DeepSeek-V3's checkpoints carry and transformers' config lacks (vLLM reads
+                   # them: without scoring_func it routes by softmax, transformers by sigmoid)
+                   "deepseek_v3": dict(kv_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                                       q_lora_rank=64, topk_method="noaux_tc", scoring_func="sigmoid")}
 # A small MoE layer per family: 4 experts, 2 per token, expert width 64 (vLLM's CPU MoE kernel wants
 # hidden and expert sizes divisible by 32; Mixtral's and OLMoE's experts take `intermediate_size`).
 MOE_DEFAULTS = {
@@ -42,6 +48,8 @@ MOE_DEFAULTS = {
     # GLM-4.5's: a first dense layer, a shared expert, and a router with a saved score correction (as DeepSeek-V3's)
     "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
                      n_shared_experts=1, topk_group=1, n_group=1),
+    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
+                        n_shared_experts=1, topk_group=1, n_group=1),
 }
 
 # The rope table size (max_position_embeddings) of the random models the sections save: it is part of

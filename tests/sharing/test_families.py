@@ -34,6 +34,9 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 0.06}
 TIED = ("gemma2", "gemma3", "smollm3", "cohere")
 # The parameters (by name ending) whose engine values vLLM's loader computes, per family: the copy path.
 THROUGH_LOADER = {"falcon": "self_attention.query_key_value.weight"}
+# Config fields a family needs beside the tiny config: MLA has no grouped KV heads (each head's key and
+# value come from the shared latent), so transformers' DeepSeek-V3 wants as many KV heads as heads.
+FAMILY_FIELDS = {"deepseek_v3": dict(num_key_value_heads=2)}
 
 
 def train_one_step(model) -> None:
@@ -53,7 +56,7 @@ def test_every_family_is_tested():
 def test_one_copy_serves_and_trains(arch, dtype, tiny_model_dir, build_engine, prompt_logprobs, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    path = tiny_model_dir(arch, vocab_size=1000, tie_word_embeddings=arch in TIED)
+    path = tiny_model_dir(arch, vocab_size=1000, tie_word_embeddings=arch in TIED, **FAMILY_FIELDS.get(arch, {}))
     llm = build_engine(path, dtype=dtype)
     try:
         shared = colo.shared_model(llm)   # checks the log-probabilities itself (colo.share_check)
