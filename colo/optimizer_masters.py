@@ -59,7 +59,8 @@ class FP32Masters:
                          optimizer.register_step_post_hook(self._masters_to_params),
                          optimizer.register_state_dict_post_hook(self._save_masters),
                          optimizer.register_load_state_dict_pre_hook(self._load_masters)]
-        self.guard = refuse_non_finite_steps(optimizer)  # after _gradients_to_masters: it checks the masters' gradients
+        # After _gradients_to_masters, so that it checks the gradients the masters are given.
+        self.guard = refuse_non_finite_steps(optimizer)
 
     @property
     def skipped_steps(self) -> int:

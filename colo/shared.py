@@ -302,8 +302,8 @@ class Reference:
     Hugging Face model inside its block; state_dict() is what a checkpoint keeps of it (None: nothing
     of its own), load_state_dict() restores that."""
 
-    @contextlib.contextmanager
     def model(self):
+        """A context manager whose value is the Hugging Face model the reference runs as."""
         raise NotImplementedError
 
     def state_dict(self) -> dict | None:
