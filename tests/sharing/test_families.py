@@ -20,6 +20,7 @@ import torch
 
 import colo
 from colo.bench.models import ARCHITECTURES, MOE_ARCHITECTURES
+from colo.moe_routing import is_moe
 from colo.engine import release_llm, weights_region
 from conftest import PROMPTS
 from conftest import TINY_CONFIG as TINY
@@ -73,6 +74,7 @@ def test_one_copy_serves_and_trains(arch, dtype, tiny_model_dir, build_engine, p
         if arch in MOE_ARCHITECTURES:
             experts = [n for n, _ in model.named_parameters() if "experts" in n]
             assert experts and shared.aliased_bytes == sum(p.nbytes for p in model.parameters())
+            assert is_moe(model)  # its routers found: routing replay and router_mismatch
 
         train_one_step(model)
         report = shared.publish()

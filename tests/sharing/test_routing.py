@@ -55,11 +55,12 @@ def test_the_engine_returns_each_tokens_experts_and_the_trainer_replays_them(tin
         release_llm(llm)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_forcing_routes_through_the_given_experts_with_the_routers_own_gates(arch):
     """Other experts than the router's own: the experts module gets exactly those, with the gate weights
-    the router's rule gives them (Qwen3-MoE: softmax then top-k; Mixtral: renormalized over the top-k),
-    and the router still gets a gradient through them."""
+    the router's rule gives them (Qwen3-MoE: softmax then top-k; Mixtral: renormalized over the top-k;
+    GPT-OSS, whose router is `mlp.router`: top-k, then softmax), and the router still gets a gradient
+    through them."""
     model = random_model({**TINY_CONFIG, "vocab_size": 100}, arch=arch)
     replay = RouterReplay.attach(model)
     used = experts_used(model)
@@ -77,12 +78,15 @@ def test_forcing_routes_through_the_given_experts_with_the_routers_own_gates(arc
         torch.testing.assert_close(indices[~free], expected[~free].long())
         torch.testing.assert_close(indices[free], own[name][free])
         sums = weights.sum(-1)
-        if arch == "mixtral":  # renormalized over the chosen experts
+        if arch in ("mixtral", "gpt_oss"):  # renormalized over the chosen experts
             torch.testing.assert_close(sums, torch.ones_like(sums))
         else:
             assert (sums < 1).all()
-    assert all(layer.mlp.gate.weight.grad.abs().sum() > 0 for layer in model.model.layers)
-    assert replay.stats()["router_mismatch"] == 1.0  # every forced token differed from the router's choice
+    routers = [getattr(layer.mlp, "gate", None) or layer.mlp.router for layer in model.model.layers]
+    assert all(router.weight.grad.abs().sum() > 0 for router in routers)
+    # Every forced token differs from its router's choice in the first MoE layer; a later layer's router sees
+    # the forced layers' outputs, and may by chance choose the experts forced on it.
+    assert replay.stats()["router_mismatch"] > 0.9
 
 
 def test_the_head_probe_inside_a_steps_routes_routes_on_its_own():
