@@ -107,8 +107,15 @@ class RouterReplay:
 
     def _hook(self, column: int, layer: int):
         def hook(module, args, output):
-            if self._routes is None or not isinstance(output, tuple) or len(output) != 3:
+            if self._routes is None:
                 return None
+            if not isinstance(output, tuple) or len(output) != 3:
+                if self._force:  # asked to replay, which this router's output does not allow: said, not skipped
+                    raise NotImplementedError(
+                        f"layer {layer}: routing replay needs a router returning (router_logits, routing_weights, "
+                        f"expert_indices); {type(module).__name__} returns "
+                        f"{f'{len(output)} values' if isinstance(output, tuple) else type(output).__name__}")
+                return None  # measuring only: nothing to compare (router_compared stays 0)
             logits, weights, indices = output
             engine = self._routes[:, column].to(indices.device, torch.long)
             if engine.shape[0] != indices.shape[0]:

@@ -76,8 +76,10 @@ def has_plain_head(model) -> bool:
         try:
             with torch.no_grad(), replay.forcing(None) if replay is not None else contextlib.nullcontext():
                 logits = model(input_ids=ids, use_cache=False).logits
-                hidden = trunk(model)(input_ids=ids, use_cache=False).last_hidden_state
-                known = bool(torch.equal(logits, head(hidden)))
+                # (a trunk that returns no hidden states is no plain decoder: Llama 4's get_decoder() is
+                # the causal LM itself)
+                hidden = getattr(trunk(model)(input_ids=ids, use_cache=False), "last_hidden_state", None)
+                known = hidden is not None and bool(torch.equal(logits, head(hidden)))
         finally:
             model.train(was_training)
         model.__dict__["_colo_plain_head"] = known

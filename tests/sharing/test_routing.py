@@ -124,3 +124,29 @@ def test_routing_replay_is_refused_for_a_dense_model_before_any_engine(tiny_mode
         check_routing_replay(tiny_model_dir("qwen2"), agentic=False)
     with pytest.raises(NotImplementedError, match="agentic rollouts"):
         check_routing_replay(tiny_model_dir("qwen3_moe", vocab_size=1000), agentic=True)
+
+
+def test_a_router_replay_cannot_read_is_refused_by_name_when_forcing_and_logprobs_take_the_plain_way():
+    """Llama 4's router returns (scores, logits), not (logits, weights, indices): forcing the engine's routes
+    through it is refused naming it (not skipped); measuring only compares nothing. Its get_decoder() is
+    the causal LM itself, so colo.grpo's log-probabilities take the straightforward way."""
+    import transformers
+
+    from colo.grpo.logprobs import has_plain_head
+
+    config = transformers.Llama4TextConfig(vocab_size=100, hidden_size=64, intermediate_size=64, intermediate_size_mlp=128,
+                                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                           num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1,
+                                           attention_chunk_size=128)
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(config)
+    replay = RouterReplay.attach(model)
+    ids = torch.arange(3, 11).reshape(1, 8)
+    routes = torch.zeros(1, 8, 2, 1, dtype=torch.int16)
+    with pytest.raises(NotImplementedError, match="layer 0: routing replay needs .* Llama4Router returns 2 values"):
+        with replay.forcing(routes):
+            model(input_ids=ids)
+    with replay.measuring(routes):
+        model(input_ids=ids)
+    assert replay.stats()["router_compared"] == 0
+    assert has_plain_head(model) is False
