@@ -27,6 +27,12 @@ def clip_(grads: list[torch.Tensor], norm: float, max_norm: float | None) -> boo
     return True
 
 
+def log_skipped_step(log: logging.Logger, owner: str, skipped: int) -> None:
+    """The one warning every optimizer path gives, on its module's `log`, for a step refused on gradients
+    that are not finite."""
+    log.warning("%s: the gradients are not finite; step skipped, the weights untouched (%d so far)", owner, skipped)
+
+
 def gradients_finite(grads: list[torch.Tensor]) -> bool:
     """Whether no gradient holds an inf or a NaN (one device sync for all of them)."""
     if not grads:
@@ -54,8 +60,7 @@ class NonFiniteStepGuard:
         for p in params:
             p.grad = None
         self.skipped_steps += 1
-        logger.warning("%s: the gradients are not finite; step skipped, the weights untouched (%d so far)",
-                       type(optimizer).__name__, self.skipped_steps)
+        log_skipped_step(logger, type(optimizer).__name__, self.skipped_steps)
 
     def remove(self) -> None:
         self._handle.remove()

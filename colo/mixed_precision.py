@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from .clipping import clip_
+from .clipping import clip_, gradients_finite, log_skipped_step
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,11 @@ class MainGradientOptimizer:
         finite = math.isfinite(norm) if norm is not None else self._gradients_finite()
         if not finite:
             self.skipped_steps += 1
-            logger.warning("%s: the gradients are not finite; step skipped, the weights untouched (%d so far)",
-                           type(self).__name__, self.skipped_steps)
+            log_skipped_step(logger, type(self).__name__, self.skipped_steps)
         return finite
 
     def _gradients_finite(self) -> bool:
-        return bool(torch.isfinite(self.grad_flat).all())
+        return gradients_finite([self.grad_flat])
 
     def _accumulate(self, i: int):
         main = self.main_grads[i]

@@ -34,7 +34,8 @@ def router_modules(model) -> list[tuple[int, torch.nn.Module]]:
     found = []
     for name, module in model.named_modules():
         parts = name.split(".")
-        if "Router" in type(module).__name__ and "layers" in parts and parts[-1] in ("gate", "router"):  # GPT-OSS: router
+        # (transformers names a router `gate`, GPT-OSS's `router`)
+        if "Router" in type(module).__name__ and "layers" in parts and parts[-1] in ("gate", "router"):
             found.append((int(parts[parts.index("layers") + 1]), module))
     return sorted(found, key=lambda item: item[0])
 
