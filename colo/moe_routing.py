@@ -13,11 +13,12 @@ chosen experts' gates.
     replay.stats()                                # router mismatch: share of tokens whose top-k differed
 
 `measuring(routes)` leaves the routing alone and only counts the mismatch (replay off). A router is a
-transformers module returning (router_logits, routing_weights, expert_indices) (every MoE family in
-transformers 5: Qwen2/3-MoE, Mixtral, OLMoE, GPT-OSS, DeepSeek-V2); how its weights follow from its
-logits is read off its own output the first time it runs (softmax, then top-k, renormalized or not; or
-top-k, then softmax) and applied to the engine's experts. A router whose weights follow none of these
-(DeepSeek's grouped, biased sigmoid) is refused by name.
+transformers module returning (router_logits, routing_weights, expert_indices) (Qwen2/3-MoE, Mixtral,
+OLMoE, GPT-OSS, DeepSeek-V2), or Llama 4's (scores over every expert, 0 where not chosen; router_logits)
+with its `top_k`; how its weights follow from its logits is read off its own output the first time it
+runs (softmax, then top-k, renormalized or not; top-k, then softmax; top-k, then sigmoid) and applied to
+the engine's experts. A router whose weights follow none of these (DeepSeek's grouped, biased sigmoid)
+is refused by name.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import contextlib
 import torch
 
 NOT_ROUTED = -1
-_RULES = ("softmax-topk", "softmax-topk-renormalized", "topk-softmax")
+_RULES = ("softmax-topk", "softmax-topk-renormalized", "topk-softmax", "topk-sigmoid")
 
 
 def router_modules(model) -> list[tuple[int, torch.nn.Module]]:
@@ -110,14 +111,16 @@ class RouterReplay:
         def hook(module, args, output):
             if self._routes is None:
                 return None
-            if not isinstance(output, tuple) or len(output) != 3:
+            read = _read_router_output(output, getattr(module, "top_k", None))
+            if read is None:
                 if self._force:  # asked to replay, which this router's output does not allow: said, not skipped
                     raise NotImplementedError(
                         f"layer {layer}: routing replay needs a router returning (router_logits, routing_weights, "
-                        f"expert_indices); {type(module).__name__} returns "
+                        f"expert_indices), or (scores over every expert, router_logits) with a top_k; "
+                        f"{type(module).__name__} returns "
                         f"{f'{len(output)} values' if isinstance(output, tuple) else type(output).__name__}")
                 return None  # measuring only: nothing to compare (router_compared stays 0)
-            logits, weights, indices = output
+            logits, weights, indices, dense = read
             engine = self._routes[:, column].to(indices.device, torch.long)
             if engine.shape[0] != indices.shape[0]:
                 raise ValueError(f"layer {layer}: the routes hold {engine.shape[0]} tokens, the forward {indices.shape[0]}")
@@ -131,13 +134,33 @@ class RouterReplay:
             rule = self._rules.get(column) or self._rules.setdefault(column, _rule_of(logits, weights, indices, layer))
             chosen = torch.where(routed.unsqueeze(-1), engine, indices)
             self.forced += int(routed.sum())
-            return logits, _weights(rule, logits, chosen).to(weights.dtype), chosen
+            gates = _weights(rule, logits, chosen).to(weights.dtype)
+            if dense:
+                return torch.zeros(logits.shape, dtype=weights.dtype, device=logits.device).scatter(-1, chosen, gates), logits
+            return logits, gates, chosen
         return hook
+
+
+def _read_router_output(output, top_k: int | None):
+    """(router_logits, the chosen experts' weights, the chosen experts, whether the router returns its
+    weights over every expert) of one router output, or None where it is neither form the module
+    docstring names. Llama 4's router chooses the top_k of its logits and returns their scores, 0 elsewhere."""
+    if isinstance(output, tuple) and len(output) == 3:
+        logits, weights, indices = output
+        return logits, weights, indices, False
+    if isinstance(output, tuple) and len(output) == 2 and isinstance(top_k, int) and \
+            all(isinstance(t, torch.Tensor) for t in output) and output[0].shape == output[1].shape:
+        scores, logits = output
+        indices = logits.topk(top_k, dim=-1).indices
+        return logits, scores.gather(-1, indices), indices, True
+    return None
 
 
 def _weights(rule: str, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     if rule == "topk-softmax":
         return torch.softmax(logits.float().gather(-1, indices), dim=-1)
+    if rule == "topk-sigmoid":
+        return torch.sigmoid(logits.float().gather(-1, indices))
     picked = torch.softmax(logits.float(), dim=-1).gather(-1, indices)
     return picked / picked.sum(-1, keepdim=True) if rule == "softmax-topk-renormalized" else picked
 
@@ -152,8 +175,8 @@ def _rule_of(logits, weights, indices, layer: int) -> str:
             if torch.allclose(_weights(rule, logits, indices), weights.float(), rtol=tolerance, atol=tolerance):
                 return rule
     raise NotImplementedError(f"layer {layer}: its router's weights are not a softmax of its logits over the chosen "
-                              "experts (renormalized or not); routing replay cannot recompute them for the engine's "
-                              "experts")
+                              "experts (renormalized or not) nor their sigmoid; routing replay cannot recompute them "
+                              "for the engine's experts")
 
 
 def replay_of(model) -> RouterReplay | None:

@@ -23,8 +23,10 @@ ARCHITECTURES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"), "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"), "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM"),
 }
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "glm4_moe", "deepseek_v3", "gpt_oss")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "glm4_moe", "deepseek_v3", "gpt_oss",
+                     "llama4")
 _DEFAULTS = dict(head_dim=64, tie_word_embeddings=True)
 # Fields a family names its own way: Falcon's grouped-query layout (Falcon-40B's and -180B's, whose fused
 # QKV vLLM's loader reorders) and its KV head count; GPT-2's dropout, off so that a model in training mode
@@ -52,6 +54,11 @@ MOE_DEFAULTS = {
                         n_shared_experts=1, topk_group=1, n_group=1),
     # GPT-OSS's: biased router and experts, top-k then softmax, attention sinks, sliding-window layers
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=64),
+    # Llama 4's: one routed expert (sigmoid gate) and a shared one per layer; chunked attention (the chunk a
+    # multiple of vLLM's 128-token CPU KV block, which vLLM asserts) in the rope layers, a NoPE layer every
+    # second layer (every fourth in Llama 4 Scout's)
+    "llama4": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size=64, intermediate_size_mlp=256,
+                   interleave_moe_layer_step=1, attention_chunk_size=128, no_rope_layer_interval=2),
 }
 
 # The rope table size (max_position_embeddings) of the random models the sections save: it is part of

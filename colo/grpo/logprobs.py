@@ -44,7 +44,14 @@ def trunk(model):
     base model (the vision tower and projector in front of its language model, which takes the images)."""
     from ..shared import is_vision_language
 
-    return model.base_model if is_vision_language(model.config) else model.get_decoder()
+    if is_vision_language(model.config):
+        return model.base_model
+    decoder = model.get_decoder()
+    # (Llama 4's text model names its checkpoint prefix `language_model` and its decoder `model`:
+    # get_decoder() finds neither and returns the causal LM itself)
+    if decoder is model and isinstance(getattr(model, "model", None), torch.nn.Module):
+        return model.model
+    return decoder
 
 
 def own_positions(model, position_ids, model_inputs: dict | None):
@@ -76,8 +83,7 @@ def has_plain_head(model) -> bool:
         try:
             with torch.no_grad(), replay.forcing(None) if replay is not None else contextlib.nullcontext():
                 logits = model(input_ids=ids, use_cache=False).logits
-                # (a trunk that returns no hidden states is no plain decoder: Llama 4's get_decoder() is
-                # the causal LM itself)
+                # (a trunk that returns no hidden states is no plain decoder)
                 hidden = getattr(trunk(model)(input_ids=ids, use_cache=False), "last_hidden_state", None)
                 known = hidden is not None and bool(torch.equal(logits, head(hidden)))
         finally:

@@ -4,8 +4,8 @@ for all of its checks:
 
 - the trainer (colo.shared_model) and the engine give the same log-probabilities, and every trainer
   parameter is a view of an engine tensor (nothing copied, MoE experts included), except those whose
-  engine values vLLM's loader computes (Falcon's fused QKV, reordered): read once from the checkpoint,
-  handed to the loader on each publish;
+  engine values vLLM's loader computes (Falcon's fused QKV, reordered; Llama 4's q and k, permuted): read
+  once from the checkpoint, handed to the loader on each publish;
 - after an optimizer step and publish() the engine's log-probabilities follow the trainer's, 0 bytes
   copied (CPU kernels' packed copies, the MoE experts' included, repacked in place) beyond those;
 - the trained weights saved in Hugging Face format (what OUT/final holds) load in transformers with
@@ -33,8 +33,10 @@ CASES = [(arch, "float32") for arch in ARCHITECTURES] + [("qwen3_moe", "bfloat16
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.06}
 # Families whose checkpoints tie the LM head to the embedding (vLLM's Cohere always does).
 TIED = ("gemma2", "gemma3", "smollm3", "cohere")
-# The parameters (by name ending) whose engine values vLLM's loader computes, per family: the copy path.
-THROUGH_LOADER = {"falcon": "self_attention.query_key_value.weight"}
+# The parameters (by name ending) whose engine values vLLM's loader computes, per family: the copy path
+# (Falcon's fused QKV, reordered per KV group; Llama 4's q and k, permuted for vLLM's rope).
+THROUGH_LOADER = {"falcon": ("self_attention.query_key_value.weight",),
+                  "llama4": ("self_attn.q_proj.weight", "self_attn.k_proj.weight")}
 # Config fields a family needs beside the tiny config: MLA has no grouped KV heads (each head's key and
 # value come from the shared latent), so transformers' DeepSeek-V3 wants as many KV heads as heads.
 FAMILY_FIELDS = {"deepseek_v3": dict(num_key_value_heads=2)}
@@ -66,14 +68,15 @@ def test_one_copy_serves_and_trains(arch, dtype, tiny_model_dir, build_engine, p
         before = prompt_logprobs(llm)
         assert (before - trainer_logprobs(model, PROMPTS)).abs().max() < tolerance
         region = weights_region(llm)
-        loaded = {n: p for n, p in model.named_parameters()
-                  if arch in THROUGH_LOADER and n.endswith(THROUGH_LOADER[arch])}
-        assert len(loaded) == (model.config.num_hidden_layers if arch in THROUGH_LOADER else 0)
+        through_loader = THROUGH_LOADER.get(arch, ())
+        loaded = {n: p for n, p in model.named_parameters() if n.endswith(through_loader)}
+        assert len(loaded) == model.config.num_hidden_layers * len(through_loader)
         assert set(shared.copied) == set(loaded) and shared.copy_bytes == sum(p.nbytes for p in loaded.values())
         assert all(region.contains(p) for n, p in model.named_parameters() if n not in loaded)
         if arch in MOE_ARCHITECTURES:
             experts = [n for n, _ in model.named_parameters() if "experts" in n]
-            assert experts and shared.aliased_bytes == sum(p.nbytes for p in model.parameters())
+            assert experts and shared.aliased_bytes == sum(p.nbytes for n, p in model.named_parameters()
+                                                           if n not in loaded)
             assert is_moe(model)  # its routers found: routing replay and router_mismatch
 
         train_one_step(model)

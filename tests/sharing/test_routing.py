@@ -126,27 +126,43 @@ def test_routing_replay_is_refused_for_a_dense_model_before_any_engine(tiny_mode
         check_routing_replay(tiny_model_dir("qwen3_moe", vocab_size=1000), agentic=True)
 
 
-def test_a_router_replay_cannot_read_is_refused_by_name_when_forcing_and_logprobs_take_the_plain_way():
-    """Llama 4's router returns (scores, logits), not (logits, weights, indices): forcing the engine's routes
-    through it is refused naming it (not skipped); measuring only compares nothing. Its get_decoder() is
-    the causal LM itself, so colo.grpo's log-probabilities take the straightforward way."""
-    import transformers
-
+def test_llama4s_router_is_forced_through_the_given_experts_with_its_sigmoid_gates():
+    """Llama 4's router returns (scores over every expert, 0 where not chosen; logits): forcing gives the
+    engine's experts the sigmoid of the router's own logits, every other expert 0, and the router still
+    gets a gradient through them. Its decoder sits at `.model` (get_decoder() is the causal LM itself):
+    colo.grpo's log-probabilities take the chunked head."""
     from colo.grpo.logprobs import has_plain_head
 
-    config = transformers.Llama4TextConfig(vocab_size=100, hidden_size=64, intermediate_size=64, intermediate_size_mlp=128,
-                                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                                           num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1,
-                                           attention_chunk_size=128)
-    torch.manual_seed(0)
-    model = transformers.Llama4ForCausalLM(config)
+    model = random_model({**TINY_CONFIG, "vocab_size": 100}, arch="llama4")
     replay = RouterReplay.attach(model)
-    ids = torch.arange(3, 11).reshape(1, 8)
-    routes = torch.zeros(1, 8, 2, 1, dtype=torch.int16)
-    with pytest.raises(NotImplementedError, match="layer 0: routing replay needs .* Llama4Router returns 2 values"):
-        with replay.forcing(routes):
-            model(input_ids=ids)
-    with replay.measuring(routes):
+    routers = [layer.feed_forward.router for layer in model.model.layers]
+    seen = {}
+    for column, router in enumerate(routers):  # registered after the replay's hooks: sees what they return
+        router.register_forward_hook(lambda m, args, out, column=column: seen.__setitem__(column, out))
+    ids = torch.arange(3, 19).reshape(2, 8)
+    with torch.no_grad():
         model(input_ids=ids)
-    assert replay.stats()["router_compared"] == 0
-    assert has_plain_head(model) is False
+    own = [seen[column][1].topk(1, dim=-1).indices for column in range(len(routers))]
+    forced = torch.stack([(indices + 1) % 4 for indices in own], dim=1).view(2, 8, len(routers), 1)
+    forced[1, :3] = -1    # the trainer's own choice there
+    with replay.forcing(forced.to(torch.int16)):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for column, (scores, logits) in seen.items():
+        expected = forced[:, :, column].reshape(-1, 1)
+        free = expected[:, 0] < 0
+        chosen = torch.where(free.unsqueeze(-1), own[column], expected.long())
+        gates = torch.sigmoid(logits.detach().gather(-1, chosen))
+        torch.testing.assert_close(scores.detach().gather(-1, chosen), gates)
+        assert int((scores != 0).sum()) == scores.shape[0]   # one expert scored per token
+    assert all(router.weight.grad.abs().sum() > 0 for router in routers)
+    assert replay.stats()["router_mismatch"] > 0.9
+    assert has_plain_head(model) is True
+
+
+def test_a_router_output_replay_cannot_read_is_refused_by_name_when_forcing():
+    model = random_model({**TINY_CONFIG, "vocab_size": 100}, arch="qwen3_moe")
+    replay = RouterReplay.attach(model)
+    model.model.layers[0].mlp.gate.register_forward_hook(lambda m, args, out: out[0], prepend=True)
+    with pytest.raises(NotImplementedError, match="layer 0: routing replay needs .* Qwen3MoeTopKRouter returns Tensor"):
+        with replay.forcing(torch.zeros(1, 8, 2, 2, dtype=torch.int16)):
+            model(input_ids=torch.arange(3, 11).reshape(1, 8))
