@@ -189,7 +189,7 @@ class AgentRollouts:
         prefix = rollout.context
         c.token_ids += turn_ids
         c.logprobs += [step[t].logprob for step, t in zip(sample.logprobs, turn_ids)] if sample.logprobs else \
-            [0.0] * len(turn_ids)
+            [float("nan")] * len(turn_ids)   # (not given: importance sampling leaves them uncorrected, as TRL)
         c.loss_mask += [1] * len(turn_ids)
         c.turns += 1
         if sample.finish_reason == "length":  # out of budget mid-turn: whatever it was saying is cut
@@ -331,6 +331,7 @@ class CustomRollouts:
                 raise ValueError(f"rollout_func returned {len(out[key])} {key} for {count} prompts (one per prompt, "
                                  "num_generations per row)")
         extra = {k: v for k, v in out.items() if k not in (*self.REQUIRED, "env_mask")}
+        ends = self._end_tokens()
         completions = []
         for i in range(count):
             ids, logprobs = [int(t) for t in out["completion_ids"][i]], list(out["logprobs"][i])
@@ -339,11 +340,22 @@ class CustomRollouts:
                 raise ValueError(f"rollout_func row {i}: {len(ids)} completion ids, {len(logprobs)} logprobs"
                                  + (f", {len(mask)} env_mask entries" if masks is not None else "") + ": one each per token")
             completions.append(AgentCompletion(
-                ids, [0.0 if v is None else float(v) for v in logprobs], truncated=len(ids) >= self.config.max_new_tokens,
+                ids, [float("nan") if v is None else float(v) for v in logprobs], truncated=self._truncated(ids, ends),
                 prompt_ids=[int(t) for t in out["prompt_ids"][i]], loss_mask=mask, turns=1,
                 messages=[{"role": "assistant", "content": self.task.decode([ids])[0]}],
                 extra={k: (v[i] if isinstance(v, (list, tuple)) and len(v) == count else v) for k, v in extra.items()}))
         return completions
+
+    def _end_tokens(self) -> set[int]:
+        pad = getattr(self.task.tokenizer, "pad_token_id", None)
+        return {*self.task.stop_token_ids, *(() if pad is None else (int(pad),))}
+
+    def _truncated(self, ids: list[int], ends: set[int]) -> bool:
+        """TRL's rule for a rollout_func's completion: truncated unless its last token ends a sequence (EOS,
+        the chat template's end of turn, or padding); by its length where no such token is known."""
+        if not ends:
+            return len(ids) >= self.config.max_new_tokens
+        return bool(ids) and ids[-1] not in ends
 
     def close(self) -> None:
         pass

@@ -46,14 +46,16 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
             if reference is not None:
                 with torch.no_grad(), reference.model() as reference_model:
                     ref = completion_logprobs(reference_model, part, config.temperature)
-            weights = None
-            if config.importance_sampling != "off" and engine_logprobs is not None:
-                sampled = padded(engine_logprobs[start:start + micro], logprobs.shape, logprobs.device)
-                weights, is_stats = importance_weights(logprobs, sampled, part.completion_mask, config.importance_sampling,
-                                                       config.importance_sampling_min, config.importance_sampling_max)
-                sampling.append((is_stats, float(part.completion_mask.sum())))
             old = logprobs.detach() if old_logprobs is None else padded(old_logprobs[start:start + micro],
                                                                        logprobs.shape, logprobs.device)
+            weights = None
+            if config.importance_sampling != "off" and engine_logprobs is not None:
+                # (the old policy's over the engine's, as TRL's: the loss's ratio carries the current policy's
+                # drift from the old one, which the weights must not count again)
+                sampled = padded(engine_logprobs[start:start + micro], logprobs.shape, logprobs.device)
+                weights, is_stats = importance_weights(old, sampled, part.completion_mask, config.importance_sampling,
+                                                       config.importance_sampling_min, config.importance_sampling_max)
+                sampling.append((is_stats, float(part.completion_mask.sum())))
             parts = grpo_loss(logprobs, old, advantages[start:start + micro], part.completion_mask,
                               epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high, beta=config.beta,
                               ref_logprobs=ref, weights=weights, loss_type=config.loss_type,
@@ -87,13 +89,16 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
 
 
 def padded(rows: list, shape, device) -> torch.Tensor:
-    """Per-row lists (or 1-D tensors) of numbers (None or missing: 0) as a (B, C) tensor."""
+    """Per-row lists (or 1-D tensors) of numbers (None: NaN, a value the engine did not give, which
+    importance_weights leaves uncorrected; a None row: all NaN; past a row's end: 0) as a (B, C) tensor."""
     out = torch.zeros(shape, dtype=torch.float32)
     for i, row in enumerate(rows):
-        if isinstance(row, torch.Tensor):
+        if row is None:
+            out[i] = float("nan")
+        elif isinstance(row, torch.Tensor):
             out[i, :min(row.numel(), shape[1])] = row[:shape[1]].float()
         elif row:
-            values = torch.tensor([0.0 if v is None else v for v in row[:shape[1]]], dtype=torch.float32)
+            values = torch.tensor([float("nan") if v is None else v for v in row[:shape[1]]], dtype=torch.float32)
             out[i, :len(values)] = values
     return out.to(device)
 
@@ -120,17 +125,19 @@ def engine_mismatch(trainer_logprobs: torch.Tensor, mask: torch.Tensor, engine_l
     the engine runs the weights being trained (0 up to kernel differences when the publish is exact).
     vLLM reports raw-logit log-probabilities, so this compares like with like only at temperature 1.
     mask: the tokens the engine sampled (truncated ones too, even when left out of the loss; not the
-    tools' tokens of an agentic rollout, whose logprobs the engine did not give)."""
+    tools' tokens of an agentic rollout, whose logprobs the engine did not give). A NaN (or None) engine
+    log-probability is one the engine did not give: not compared."""
     worst = total = count = 0.0
     for row, sample in enumerate(engine_logprobs):
-        if not sample:
+        if sample is None or len(sample) == 0:
             continue
-        engine = torch.tensor(sample, dtype=trainer_logprobs.dtype, device=trainer_logprobs.device)
+        engine = padded([sample], (1, len(sample)), trainer_logprobs.device)[0].to(trainer_logprobs.dtype)
         n = engine.numel()
-        diff = (trainer_logprobs[row, :n] - engine).abs() * mask[row, :n]
+        given = mask[row, :n] * ~torch.isnan(engine)
+        diff = torch.nan_to_num((trainer_logprobs[row, :n] - engine).abs()) * given
         worst = max(worst, float(diff.max()))
         total += float(diff.sum())
-        count += float(mask[row, :n].sum())
+        count += float(given.sum())
     return worst, total, count
 
 

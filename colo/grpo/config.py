@@ -111,7 +111,8 @@ class GRPOConfig:
     top_entropy_quantile: float = setting(
         1.0, "the policy term counts only the tokens whose entropy is in the top RHO of a micro-batch's (the KL "
         "term keeps them all; TRL takes the quantile over its micro-batch gathered across processes, colo over "
-        "each rank's)", group="loss", type=float, metavar="RHO", trl="top_entropy_quantile")
+        "each micro-batch a rank computes at once: rows of similar length, at most --micro-batch-size of them, "
+        "or one prompt's group in an overlapped step)", group="loss", type=float, metavar="RHO", trl="top_entropy_quantile")
     epsilon_low: float = setting(0.2, "clip range below ratio 1 (and above, unless --epsilon-high)", group="loss",
                                  type=float, flag="--epsilon", trl="epsilon")
     epsilon_high: float | None = setting(None, "clip range above ratio 1 (DAPO's clip-higher; None: epsilon's)",

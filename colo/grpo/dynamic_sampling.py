@@ -1,9 +1,10 @@
-"""DAPO's dynamic sampling: a group whose rewards are all equal has advantage 0 everywhere and teaches
-nothing (with a token-mean loss its tokens only dilute the others'), so it is dropped, and groups of
-new prompts are generated and scored until the step has as many informative groups as prompts, or
-`dynamic_sampling` extra generations have been spent. The step then trains on the informative groups
-it has (fewer where the extra generations ran out; the step's own groups where none is informative,
-so that only the KL term trains). One engine per rank: each rank fills its own share.
+"""DAPO's dynamic sampling: a group whose rewards are all equal (under normalize_then_sum: each reward
+function's) has advantage 0 everywhere and teaches nothing (with a token-mean loss its tokens only
+dilute the others'), so it is dropped, and groups of new prompts are generated and scored until the
+step has as many informative groups as prompts, or `dynamic_sampling` extra generations have been
+spent. The step then trains on the informative groups it has (fewer where the extra generations ran
+out; the step's own groups where none is informative, so that only the KL term trains). One engine
+per rank: each rank fills its own share.
 
 Serial steps pick the groups after each generation (fill_with_informative_groups). Overlapped ones
 (colo.grpo.overlap) train each informative group as soon as it finishes and generate the replacement
@@ -22,6 +23,7 @@ from typing import Callable
 import torch
 
 from .batch import Rollout, concatenated_scores, rollout_of
+from .loss import normalized_sum
 from .task import Scores, rank_batch
 
 EXTRA_STEPS = 1_000_003
@@ -32,14 +34,24 @@ def _not_all_equal(rewards: torch.Tensor) -> bool:
     return scored.numel() > 1 and bool((scored != scored[0]).any())
 
 
-def informative(scores: Scores) -> bool:
-    """Whether one group's scored rewards are not all equal."""
-    return _not_all_equal(scores.total)
+def _advantage_sources(scores: Scores, group_size: int, aggregation: str) -> torch.Tensor:
+    """Per group (a row of `group_size`), what its advantages are computed from: the weighted reward
+    totals, or under normalize_then_sum (GDPO) the weighted sums of each function's group-normalized
+    rewards, which differ within a group whose totals are equal when the functions' rewards do not."""
+    if aggregation == "normalize_then_sum":
+        return normalized_sum(scores.per_function, scores.weights, group_size).view(-1, group_size)
+    return scores.total.view(-1, group_size)
 
 
-def informative_groups(scores: Scores, group_size: int) -> list[int]:
-    """The groups (of `group_size` completions each) whose scored rewards are not all equal."""
-    return [g for g, rewards in enumerate(scores.total.view(-1, group_size)) if _not_all_equal(rewards)]
+def informative(scores: Scores, aggregation: str = "sum_then_normalize") -> bool:
+    """Whether one group's advantages are not all 0 (its scored rewards, or under normalize_then_sum
+    its normalized sums, not all equal)."""
+    return _not_all_equal(_advantage_sources(scores, len(scores.total), aggregation)[0])
+
+
+def informative_groups(scores: Scores, group_size: int, aggregation: str = "sum_then_normalize") -> list[int]:
+    """The groups (of `group_size` completions each) whose advantages are not all 0 (see informative)."""
+    return [g for g, values in enumerate(_advantage_sources(scores, group_size, aggregation)) if _not_all_equal(values)]
 
 
 def select_groups(rollout: Rollout, scores: Scores, groups: list[int], group_size: int) -> tuple[Rollout, Scores]:
@@ -79,7 +91,8 @@ def fill_with_informative_groups(step: int, rollout: Rollout, scores: Scores, *,
     size = config.num_generations
     share_size = len(rollout.rows) // size
     generated = share_size
-    kept = informative_groups(scores, size)
+    aggregation = config.multi_objective_aggregation
+    kept = informative_groups(scores, size, aggregation)
     picked, picked_scores = select_groups(rollout, scores, kept, size)
     rollouts, all_scores = [picked], [picked_scores]
     have, extra = len(kept), 0
@@ -89,7 +102,7 @@ def fill_with_informative_groups(step: int, rollout: Rollout, scores: Scores, *,
         more = rollout_of(rows, prompts, generate(rows, prompts, sampling), size)
         more_scores = score(more)
         generated += len(prompts)
-        useful = informative_groups(more_scores, size)[:share_size - have]
+        useful = informative_groups(more_scores, size, aggregation)[:share_size - have]
         picked, picked_scores = select_groups(more, more_scores, useful, size)
         rollouts.append(picked)
         all_scores.append(picked_scores)

@@ -227,3 +227,20 @@ def test_importance_weights_match_a_hand_computation():
     assert masked.tolist() == [[0.0]] and stats["sampling/importance_sampling_ratio/max"] == 0.0
     kept, _ = importance_weights(trainer, engine, mask, "token_mask", 0.9, 1.5)
     assert torch.allclose(kept, torch.tensor([[0.0, 1.0, 1.0]]))  # exp(0.5) > 1.5: masked
+
+
+def test_a_rollout_funcs_completion_is_truncated_unless_it_ends_a_sequence_and_missing_logprobs_stay_missing():
+    """TRL's rule for rollout_func output: truncated (mask_truncated_completions) unless its last token is
+    EOS or padding, whatever its length; a log-probability given as None is missing (NaN), not 0."""
+    from types import SimpleNamespace
+
+    from colo.grpo.agent import CustomRollouts
+
+    task = SimpleNamespace(stop_token_ids=(2, 9), tokenizer=SimpleNamespace(pad_token_id=0),
+                           decode=lambda rows: ["x" for _ in rows])
+    rollouts = CustomRollouts(None, task, None, SimpleNamespace(max_new_tokens=4))
+    out = {"prompt_ids": [[1]] * 4, "completion_ids": [[5, 6, 7], [5, 6, 7, 2], [5, 9], [5, 6, 7, 8]],
+           "logprobs": [[-1.0, None, -1.0], [-1.0] * 4, [-1.0] * 2, [-1.0] * 4]}
+    completions = rollouts._completions(out, 4)
+    assert [c.truncated for c in completions] == [True, False, False, True]
+    assert math.isnan(completions[0].logprobs[1]) and completions[0].logprobs[0] == -1.0

@@ -166,3 +166,30 @@ def test_gradient_checkpointing_gives_the_same_gradient():
     assert model.is_gradient_checkpointing and plain.abs().sum() > 0
     assert loss == pytest.approx(plain_loss, abs=1e-7)
     torch.testing.assert_close(recomputed, plain, atol=1e-6, rtol=1e-5)
+
+
+def test_importance_weights_are_the_old_policys_over_the_engines_and_leave_missing_values_uncorrected():
+    """TRL's vllm_importance_sampling_correction: rho = pi_old / pi_engine, taken at generation. A later
+    optimizer step on the rollout (num_iterations, steps_per_generation) has the current policy's drift
+    from the old one in the loss's ratio already: the weights must not count it again. A log-probability
+    the engine did not give (None) leaves its token uncorrected (rho 1), as TRL's NaN."""
+    from colo.grpo.backward import accumulate_gradients, padded
+    from colo.grpo.batch import completion_logprobs
+
+    batch = pack([[1, 2, 3], [4, 5]], [[11, 12, 13, 14], [15, 16]])
+    advantages = torch.tensor([1.0, -1.0])
+    model = one_layer_qwen2().train()
+    with torch.no_grad():
+        current = completion_logprobs(model, batch)
+    old = [(current[i, :n] - 0.3).tolist() for i, n in enumerate((4, 2))]
+    config = GRPOConfig(importance_sampling="token_truncate", importance_sampling_max=3.0)
+    stats = accumulate_gradients(model, batch, advantages, config, num_tokens=6.0, engine_logprobs=old,
+                                 old_logprobs=old)
+    assert stats["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-6)
+    assert stats["sampling/importance_sampling_ratio/max"] == pytest.approx(1.0, abs=1e-6)
+    engine = [[None] + old[0][1:], None]   # the engine gave no log-probability there, nor any for row 2
+    stats = accumulate_gradients(model, batch, advantages, config, num_tokens=6.0, engine_logprobs=engine,
+                                 old_logprobs=old)
+    assert stats["sampling/importance_sampling_ratio/min"] == pytest.approx(1.0, abs=1e-6)
+    assert stats["engine_logprob_tokens"] == 3   # the given ones only
+    assert torch.isnan(padded(engine, (2, 4), "cpu")[1]).all()

@@ -508,3 +508,18 @@ def test_a_kl_reference_is_the_frozen_starting_model_through_a_checkpoint_and_re
     assert any(not torch.equal(saved["model"][n], start[n]) for n in kept)
     (first, second), (third,) = runs
     assert first["kl"] == 0.0 and 0.0 < second["kl"] and third["step"] == 3 and third["kl"] > 0.0
+
+
+def test_dynamic_sampling_keeps_a_group_whose_totals_tie_under_normalize_then_sum():
+    """GDPO (normalize_then_sum) normalizes each reward function within the group before the weighted
+    sum: a group whose weighted totals are equal still has advantages where the functions' rewards
+    differ, so dynamic sampling keeps it; summed first (TRL's default), the same group teaches nothing."""
+    from colo.grpo import dynamic_sampling
+    from colo.grpo.loss import normalized_sum
+    from colo.grpo.task import Scores
+
+    scores = Scores(torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 1.0]]), torch.tensor([1.0, 2.0]), ("a", "b"))
+    assert scores.total.tolist() == [2.0, 2.0, 3.0, 3.0]
+    assert dynamic_sampling.informative_groups(scores, 2) == []
+    assert dynamic_sampling.informative_groups(scores, 2, "normalize_then_sum") == [0]
+    assert normalized_sum(scores.per_function, scores.weights, 2)[:2].abs().min() > 0.5
