@@ -23,11 +23,11 @@ is refused by name.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
 NOT_ROUTED = -1
-_RULES = ("softmax-topk", "softmax-topk-renormalized", "topk-softmax", "topk-sigmoid")
 
 
 def router_modules(model) -> list[tuple[int, torch.nn.Module]]:
@@ -111,16 +111,16 @@ class RouterReplay:
         def hook(module, args, output):
             if self._routes is None:
                 return None
-            read = _read_router_output(output, getattr(module, "top_k", None))
+            read = RouterOutput.read(output, getattr(module, "top_k", None))
             if read is None:
                 if self._force:  # asked to replay, which this router's output does not allow: said, not skipped
                     raise NotImplementedError(
-                        f"layer {layer}: routing replay needs a router returning (router_logits, routing_weights, "
-                        f"expert_indices), or (scores over every expert, router_logits) with a top_k; "
-                        f"{type(module).__name__} returns "
+                        f"layer {layer}: routing replay needs a router returning its scores over every expert, "
+                        f"the chosen experts' weights and their indices (in any order), or (scores over every "
+                        f"expert, router_logits) with a top_k; {type(module).__name__} returns "
                         f"{f'{len(output)} values' if isinstance(output, tuple) else type(output).__name__}")
                 return None  # measuring only: nothing to compare (router_compared stays 0)
-            logits, weights, indices, dense = read
+            indices = read.indices
             engine = self._routes[:, column].to(indices.device, torch.long)
             if engine.shape[0] != indices.shape[0]:
                 raise ValueError(f"layer {layer}: the routes hold {engine.shape[0]} tokens, the forward {indices.shape[0]}")
@@ -131,52 +131,106 @@ class RouterReplay:
                 self.differed += int(((mine != theirs).any(-1) & routed).sum())
             if not self._force:
                 return None
-            rule = self._rules.get(column) or self._rules.setdefault(column, _rule_of(logits, weights, indices, layer))
+            rule = self._rules.get(column) or self._rules.setdefault(column, _rule_of(read, module, layer))
             chosen = torch.where(routed.unsqueeze(-1), engine, indices)
             self.forced += int(routed.sum())
-            gates = _weights(rule, logits, chosen).to(weights.dtype)
-            if dense:
-                return torch.zeros(logits.shape, dtype=weights.dtype, device=logits.device).scatter(-1, chosen, gates), logits
-            return logits, gates, chosen
+            return read.rebuilt(_weights(rule, read.scores, chosen, module).to(read.weights.dtype), chosen)
         return hook
 
 
-def _read_router_output(output, top_k: int | None):
-    """(router_logits, the chosen experts' weights, the chosen experts, whether the router returns its
-    weights over every expert) of one router output, or None where it is neither form the module
-    docstring names. Llama 4's router chooses the top_k of its logits and returns their scores, 0 elsewhere."""
-    if isinstance(output, tuple) and len(output) == 3:
-        logits, weights, indices = output
-        return logits, weights, indices, False
-    if isinstance(output, tuple) and len(output) == 2 and isinstance(top_k, int) and \
-            all(isinstance(t, torch.Tensor) for t in output) and output[0].shape == output[1].shape:
-        scores, logits = output
-        indices = logits.topk(top_k, dim=-1).indices
-        return logits, scores.gather(-1, indices), indices, True
-    return None
+@dataclasses.dataclass
+class RouterOutput:
+    """One router output, read: `scores` over every expert [tokens, experts] (its logits, or Llama 4's
+    and Gemma 4's kinds of them), the chosen experts' `weights` and their `indices` [tokens, top_k]."""
+    scores: torch.Tensor
+    weights: torch.Tensor
+    indices: torch.Tensor
+    output: tuple
+    positions: tuple[int, int, int] | None   # where scores, weights, indices sit in the output; None: Llama 4's
+
+    @classmethod
+    def read(cls, output, top_k: int | None) -> "RouterOutput | None":
+        """Transformers' three tensors in any order (Qwen-MoE's (logits, weights, indices), GraniteMoE's
+        (indices, weights, logits)), or Llama 4's (its chosen experts' scores over every expert, 0
+        elsewhere; logits) with the router's top_k; None where it is neither."""
+        if not isinstance(output, tuple) or not all(isinstance(t, torch.Tensor) for t in output):
+            return None
+        if len(output) == 3:
+            integer = [i for i, t in enumerate(output) if not t.is_floating_point()]
+            if len(integer) != 1:
+                return None
+            k = integer[0]
+            floats = [i for i in range(3) if i != k]
+            same = [i for i in floats if output[i].shape == output[k].shape]
+            if len(same) != 1:
+                return None
+            w = same[0]
+            (s,) = [i for i in floats if i != w]
+            return cls(output[s], output[w], output[k], output, (s, w, k))
+        if len(output) == 2 and isinstance(top_k, int) and output[0].shape == output[1].shape:
+            dense, logits = output
+            indices = logits.topk(top_k, dim=-1).indices
+            return cls(logits, dense.gather(-1, indices), indices, output, None)
+        return None
+
+    def rebuilt(self, weights: torch.Tensor, indices: torch.Tensor) -> tuple:
+        """The router's output choosing `indices` with `weights`, in its own form."""
+        if self.positions is None:
+            dense = torch.zeros(self.scores.shape, dtype=weights.dtype, device=weights.device)
+            return dense.scatter(-1, indices, weights), self.scores
+        out = list(self.output)
+        s, w, k = self.positions
+        out[w], out[k] = weights, indices.to(self.indices.dtype)
+        return tuple(out)
 
 
-def _weights(rule: str, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    if rule == "topk-softmax":
-        return torch.softmax(logits.float().gather(-1, indices), dim=-1)
-    if rule == "topk-sigmoid":
-        return torch.sigmoid(logits.float().gather(-1, indices))
-    picked = torch.softmax(logits.float(), dim=-1).gather(-1, indices)
-    return picked / picked.sum(-1, keepdim=True) if rule == "softmax-topk-renormalized" else picked
+# How a router's weights follow from its scores over every expert and the chosen experts: the chosen
+# experts' softmax over every expert, their softmax among themselves, their sigmoid, or the scores
+# themselves (probabilities already: Gemma 4's); renormalized over the chosen or not; times the
+# router's own scale or not (DeepSeek-V3's `routed_scaling_factor`, Gemma 4's `per_expert_scale`).
+_BASES = ("softmax", "softmax over the chosen", "sigmoid", "probabilities")
+_SCALES = (None, "routed_scaling_factor", "per_expert_scale")
 
 
-def _rule_of(logits, weights, indices, layer: int) -> str:
-    """How this router's weights follow from its logits and its experts, read off one of its outputs."""
+def _weights(rule: tuple, scores: torch.Tensor, indices: torch.Tensor, module) -> torch.Tensor:
+    base, renormalized, scale = rule
+    scores = scores.float()
+    if base == "softmax":
+        weights = torch.softmax(scores, dim=-1).gather(-1, indices)
+    elif base == "softmax over the chosen":
+        weights = torch.softmax(scores.gather(-1, indices), dim=-1)
+    elif base == "sigmoid":
+        weights = torch.sigmoid(scores.gather(-1, indices))
+    else:
+        weights = scores.gather(-1, indices)
+    if renormalized:
+        weights = weights / weights.sum(-1, keepdim=True)
+    if scale == "routed_scaling_factor":
+        weights = weights * float(module.routed_scaling_factor)
+    elif scale == "per_expert_scale":
+        weights = weights * module.per_expert_scale[indices]
+    return weights
+
+
+def _rule_of(read: RouterOutput, module, layer: int) -> tuple:
+    """How this router's weights follow from its scores and its experts, read off one of its outputs."""
     # Within the rounding of the dtype the router returns its weights in (bf16: 2^-8); the rules differ by
-    # far more (a factor of the chosen experts' total probability).
-    tolerance = 4 * torch.finfo(weights.dtype).eps
+    # far more (a factor of the chosen experts' total probability, a sigmoid against a softmax).
+    tolerance = 4 * torch.finfo(read.weights.dtype).eps
+    # (the router's own scale first: at 1, as a new model's may be, the unscaled rule matches too)
+    scales = [s for s in _SCALES if s is not None and isinstance(getattr(module, s, None), (int, float, torch.Tensor))]
+    scales.append(None)
     with torch.no_grad():
-        for rule in _RULES:
-            if torch.allclose(_weights(rule, logits, indices), weights.float(), rtol=tolerance, atol=tolerance):
-                return rule
-    raise NotImplementedError(f"layer {layer}: its router's weights are not a softmax of its logits over the chosen "
-                              "experts (renormalized or not) nor their sigmoid; routing replay cannot recompute them "
-                              "for the engine's experts")
+        for scale in scales:
+            for base in _BASES:
+                for renormalized in (False, True):
+                    rule = (base, renormalized, scale)
+                    weights = _weights(rule, read.scores, read.indices, module)
+                    if torch.allclose(weights, read.weights.float(), rtol=tolerance, atol=tolerance):
+                        return rule
+    raise NotImplementedError(f"layer {layer}: its router's weights ({type(module).__name__}) are no softmax, sigmoid "
+                              "or probabilities of its scores over the chosen experts (renormalized or not, scaled "
+                              "or not); routing replay cannot recompute them for the engine's experts")
 
 
 def replay_of(model) -> RouterReplay | None:

@@ -298,11 +298,22 @@ def _check_config(hf_model, llm) -> None:
     if hf_config.model_type != engine_config.model_type:
         raise ValueError(f"model type: the Hugging Face model is a {hf_config.model_type} "
                          f"({type(hf_model).__name__}), the engine serves a {engine_config.model_type}")
-    missing = object()
     for key in _CONFIG_FIELDS:
-        mine, theirs = getattr(hf_config, key, missing), getattr(engine_config, key, missing)
-        if mine is not missing and theirs is not missing and mine != theirs:
+        mine, theirs = _config_field(hf_config, key), _config_field(engine_config, key)
+        if mine is not _MISSING and theirs is not _MISSING and mine != theirs:
             raise ValueError(f"config.{key}: {mine!r} in the Hugging Face model, {theirs!r} in the engine")
+
+
+_MISSING = object()
+
+
+def _config_field(config, key: str):
+    """config.<key>, or _MISSING where it has none, or none for the whole model: transformers raises for a
+    field that varies by layer (Gemma 4's head_dim), which the share check's log-probabilities cover."""
+    try:
+        return getattr(config, key, _MISSING)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError is no AttributeError
+        return _MISSING
 
 
 def _why_copied(source: _Source, alias: bool, engine: _Engine) -> str:

@@ -24,15 +24,25 @@ ARCHITECTURES = {
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"), "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"), "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM"),
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM"), "gemma4_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"), "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM"),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM"),
+    "opt": ("OPTConfig", "OPTForCausalLM"), "bloom": ("BloomConfig", "BloomForCausalLM"), "gptj": ("GPTJConfig", "GPTJForCausalLM"),
 }
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "glm4_moe", "deepseek_v3", "gpt_oss",
-                     "llama4")
+                     "llama4", "gemma4_moe", "ernie4_5_moe", "exaone_moe", "granitemoeshared")
 _DEFAULTS = dict(head_dim=64, tie_word_embeddings=True)
 # Fields a family names its own way: Falcon's grouped-query layout (Falcon-40B's and -180B's, whose fused
 # QKV vLLM's loader reorders) and its KV head count; GPT-2's dropout, off so that a model in training mode
 # computes what the engine serves.
 FAMILY_DEFAULTS = {"falcon": dict(new_decoder_architecture=True, num_kv_heads=1),
                    "gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+                   "opt": dict(dropout=0.0), "gptj": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+                   # Gemma 4's global layers' own head size (512 in the real ones), and its per-layer input
+                   # embeddings over the tests' vocabularies (262144 rows by default)
+                   "gemma4": dict(per_layer_config={"01": {"head_dim": 128}}, vocab_size_per_layer_input=1000,
+                                  hidden_size_per_layer_input=64),
+                   "gemma4_moe": dict(vocab_size_per_layer_input=1000, hidden_size_per_layer_input=64),
                    # MLA (kv_lora_rank + qk_rope_head_dim = 320: a head size vLLM's CPU MLA takes), and the
                    # router fields DeepSeek-V3's checkpoints carry and transformers' config lacks (vLLM reads
                    # them: without scoring_func it routes by softmax, transformers by sigmoid)
@@ -59,6 +69,12 @@ MOE_DEFAULTS = {
     # second layer (every fourth in Llama 4 Scout's)
     "llama4": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size=64, intermediate_size_mlp=256,
                    interleave_moe_layer_step=1, attention_chunk_size=128, no_rope_layer_interval=2),
+    # Gemma 4's MoE (26B-A4B's): the experts beside the dense MLP in every layer
+    "gemma4_moe": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=64),
+    "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=64),
+    "exaone_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_group=1, topk_group=1),
+    "granitemoeshared": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                             shared_intermediate_size=128),
 }
 
 # The rope table size (max_position_embeddings) of the random models the sections save: it is part of

@@ -75,7 +75,13 @@ def engine_layout(model, hf_model, kept: dict | None = None) -> EngineLayout:
     for name, param in model.named_parameters():
         name = lora_base_name_of_param(name)
         tensors[name] = EngineTensor(name, kept.get(id(param), param), param)
-    trace = trace_load(model, hf_model, {name: t.served for name, t in tensors.items()})
+    # Buffers the loader fills are weights too (Gemma 4's per-layer `layer_scalar`, xIELU's `beta`):
+    # load targets beside the parameters; the others are vLLM's own state (rotary tables).
+    buffers = {name: buffer for name, buffer in model.named_buffers() if name not in tensors}
+    trace = trace_load(model, hf_model, {**{name: t.served for name, t in tensors.items()}, **buffers})
+    parameters = list(tensors)
+    for name in sorted({w.engine for w in trace.writes} & set(buffers)):
+        tensors[name] = EngineTensor(name, buffers[name], buffers[name])
     shapes = {name: tuple(t.shape) for name, t in [*hf_model.named_parameters(), *persistent_buffers(hf_model).items()]}
     placements: dict[str, Placement] = {}
 
@@ -112,8 +118,8 @@ def engine_layout(model, hf_model, kept: dict | None = None) -> EngineLayout:
     # An engine tensor in the storage of one the loader fills is a view of it that vLLM made after loading
     # (MLA's W_UV and W_UK_T, taken from kv_b_proj's weight): it follows that tensor, filled with it.
     filled_storages = {tensors[name].served.untyped_storage().data_ptr() for name in written}
-    unfilled = [name for name, t in tensors.items() if name not in written and t.served.numel()
-                and t.served.untyped_storage().data_ptr() not in filled_storages]
+    unfilled = [name for name in parameters if name not in written and tensors[name].served.numel()
+                and tensors[name].served.untyped_storage().data_ptr() not in filled_storages]
     return EngineLayout(tensors, placements, unfilled)
 
 

@@ -32,10 +32,11 @@ CASES = [(arch, "float32") for arch in ARCHITECTURES] + [("qwen3_moe", "bfloat16
 # The largest gap between the engine's and the trainer's log-probabilities, by dtype: rounding only.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.06}
 # Families whose checkpoints tie the LM head to the embedding (vLLM's Cohere always does).
-TIED = ("gemma2", "gemma3", "smollm3", "cohere")
+TIED = ("gemma2", "gemma3", "gemma4", "gemma4_moe", "smollm3", "cohere", "bloom")
 # The parameters (by name ending) whose engine values vLLM's loader computes, per family: the copy path
-# (Falcon's fused QKV, reordered per KV group; Llama 4's q and k, permuted for vLLM's rope).
+# (Falcon's and BLOOM's fused QKV, reordered per KV group / head; Llama 4's q and k, permuted for vLLM's rope).
 THROUGH_LOADER = {"falcon": ("self_attention.query_key_value.weight",),
+                  "bloom": ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias"),
                   "llama4": ("self_attn.q_proj.weight", "self_attn.k_proj.weight")}
 # Config fields a family needs beside the tiny config: MLA has no grouped KV heads (each head's key and
 # value come from the shared latent), so transformers' DeepSeek-V3 wants as many KV heads as heads.

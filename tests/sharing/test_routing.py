@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import colo
-from colo.bench.models import random_model
-from colo.moe_routing import RouterReplay
+from colo.bench.models import MOE_ARCHITECTURES, random_model
+from colo.moe_routing import RouterOutput, RouterReplay, router_modules
 from conftest import TINY_CONFIG
 
 
@@ -89,6 +89,41 @@ def test_forcing_routes_through_the_given_experts_with_the_routers_own_gates(arc
     assert replay.stats()["router_mismatch"] > 0.9
 
 
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_every_moe_familys_router_replays_its_own_choice_exactly_and_takes_others(arch):
+    """Each MoE family's router, whatever its rule (softmax or sigmoid, over every expert or the chosen,
+    renormalized, scaled: DeepSeek-V3's routed_scaling_factor, Gemma 4's per_expert_scale) and output form
+    (GraniteMoE's indices first, Llama 4's scores over every expert): forced to the experts it chooses
+    itself, the model computes exactly what it computes unforced, so the rule read off its output is its
+    own; forced to others, it routes through them and its router still learns."""
+    fields = {"num_key_value_heads": 2} if arch == "deepseek_v3" else {}  # (MLA: as many KV heads as heads)
+    model = random_model({**TINY_CONFIG, "vocab_size": 100, **fields}, arch=arch)
+    with torch.no_grad():   # scales away from 1, where a rule without them would match too
+        for name, param in model.named_parameters():
+            if name.endswith("per_expert_scale"):
+                param.uniform_(0.5, 2.0)
+    routers = [module for _, module in router_modules(model)]
+    seen = {}
+    for column, router in enumerate(routers):
+        router.register_forward_hook(lambda m, args, out, column=column: seen.__setitem__(column, out))
+    ids = torch.arange(3, 19).reshape(2, 8)
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+    reads = [RouterOutput.read(seen[c], getattr(routers[c], "top_k", None)) for c in range(len(routers))]
+    experts = reads[0].scores.shape[-1]
+    own = torch.stack([read.indices for read in reads], dim=1).view(2, 8, len(routers), -1)
+    replay = RouterReplay.attach(model)
+    with torch.no_grad(), replay.forcing(own.to(torch.int16)):
+        torch.testing.assert_close(model(input_ids=ids).logits, plain, atol=1e-5, rtol=1e-5)
+    assert replay.forced == own.shape[0] * own.shape[1] * len(routers)
+    replay.stats()
+    with replay.forcing(((own + 1) % experts).to(torch.int16)):
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert not torch.allclose(model(input_ids=ids).logits, plain, atol=1e-4)
+    assert replay.stats()["router_mismatch"] > 0.9
+    assert all(any(p.grad is not None and p.grad.abs().sum() > 0 for p in router.parameters()) for router in routers)
+
+
 def test_the_head_probe_inside_a_steps_routes_routes_on_its_own():
     """colo.grpo asks has_plain_head the first time it computes log-probabilities, inside the step's
     forcing (or measuring) of the engine's routes: its two-token probe is no batch of the step and must
@@ -112,7 +147,7 @@ def test_a_router_whose_weights_follow_no_known_rule_is_refused():
         layer.mlp.gate.register_forward_hook(lambda m, args, out: (out[0], out[1] * 0.5, out[2]), prepend=True)
         break
     ids = torch.arange(3, 11).reshape(1, 8)
-    with pytest.raises(NotImplementedError, match="layer 0: its router's weights are not a softmax"):
+    with pytest.raises(NotImplementedError, match=r"layer 0: its router's weights \(Qwen3MoeTopKRouter\) are no softmax"):
         with replay.forcing(torch.zeros(1, 8, 2, 2, dtype=torch.int16)):
             model(input_ids=ids)
 
@@ -163,6 +198,6 @@ def test_a_router_output_replay_cannot_read_is_refused_by_name_when_forcing():
     model = random_model({**TINY_CONFIG, "vocab_size": 100}, arch="qwen3_moe")
     replay = RouterReplay.attach(model)
     model.model.layers[0].mlp.gate.register_forward_hook(lambda m, args, out: out[0], prepend=True)
-    with pytest.raises(NotImplementedError, match="layer 0: routing replay needs .* Qwen3MoeTopKRouter returns Tensor"):
+    with pytest.raises(NotImplementedError, match="layer 0: routing replay needs .*; Qwen3MoeTopKRouter returns Tensor"):
         with replay.forcing(torch.zeros(1, 8, 2, 2, dtype=torch.int16)):
             model(input_ids=torch.arange(3, 11).reshape(1, 8))
