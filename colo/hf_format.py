@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -190,8 +191,11 @@ def check_writable(directory: Path, flag: str = "--out") -> None:
     if not existing.is_dir():
         raise ValueError(f"{flag} {directory}: cannot write there ({existing} is a file)")
     if existing != directory:
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise ValueError(f"{flag} {directory}: cannot write there ({existing} is not writable)")
+        # (tried, not os.access: root passes os.access where nothing can be created, as under /proc)
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".colo-write-test-", dir=existing))
+        except OSError as e:
+            raise ValueError(f"{flag} {directory}: cannot write there ({existing}: {e.strerror or e})") from None
         return
     probe = directory / f".colo-write-test-{os.getpid()}"
     try:

@@ -137,10 +137,14 @@ def load_dataset_file(path: str | Path):
     if builder is None:
         raise ValueError(f"dataset {path}: unknown format {path.suffix!r}; give .jsonl, .json, .parquet, .csv "
                          "or a save_to_disk directory")
+    if path.stat().st_size == 0:
+        raise ValueError(f"dataset {path}: the file is empty")
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as e:  # noqa: BLE001 - datasets raises many kinds for unreadable files
-        raise ValueError(f"dataset {path}: cannot read it as {builder}: {type(e).__name__}: {e}") from e
+        # (datasets wraps the parser's own error, which says where: the line and what is wrong there)
+        cause = e.__cause__ if e.__cause__ is not None else e
+        raise ValueError(f"dataset {path}: cannot read it as {builder}: {type(cause).__name__}: {cause}") from e
 
 
 def load_dataset_spec(spec: str | Path, *, cache_dir: str | Path | None = None):

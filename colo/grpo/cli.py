@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -100,24 +101,56 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
         if name not in known:
             parser.error(f"--config: {args.config}: unknown setting {key!r}{_closest(name, parser, yaml=True)}")
         action = known[name]
-        dest = action.dest
-        if isinstance(action, argparse._StoreFalseAction) and name != dest and isinstance(value, bool):
-            value = not value   # no_bias_correction_kl: true is use_bias_correction_kl: false
-        if isinstance(value, bool) and action.choices and {"on", "off"} <= set(action.choices):
-            value = "on" if value else "off"   # YAML reads on/off as booleans
-        if action.type is not None and value is not None and not isinstance(value, (list, dict, bool)):
-            try:
-                value = action.type(str(value))
-            except (argparse.ArgumentTypeError, ValueError) as e:
-                parser.error(f"--config: {args.config}: {key}: {e}")
-        if dest == "reward" and isinstance(value, str):
-            value = [value]
-        defaults[dest] = value
+        try:
+            defaults[action.dest] = _config_value(action, name, value)
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
+            parser.error(f"--config: {args.config}: {key}: {e}")
     for action in parser._actions:  # required flags the file provides are no longer required
         if action.dest in defaults:
             action.required = False
     parser.set_defaults(**defaults)
     return parser.parse_args(argv)
+
+
+_SWITCH_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
+def _config_value(action, name: str, value):
+    """A --config FILE.yaml value as the flag's own parsing would give it: a switch from true/false
+    (YAML's or a word), a list flag from a list or one value, each value through the flag's type and
+    choices; a value of the wrong shape is a ValueError saying what the flag takes."""
+    if value is None:
+        return None
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if isinstance(value, str) and value.strip().lower() in _SWITCH_WORDS:
+            value = _SWITCH_WORDS[value.strip().lower()]
+        if not isinstance(value, bool):
+            raise ValueError(f"expects true or false, got {value!r}")
+        # (no_bias_correction_kl: true is use_bias_correction_kl: false)
+        return not value if isinstance(action, argparse._StoreFalseAction) and name != action.dest else value
+    if isinstance(value, bool) and action.choices and {"on", "off"} <= set(action.choices):
+        value = "on" if value else "off"   # YAML reads on/off as booleans
+    listed = isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*") or \
+        (isinstance(action.nargs, int) and action.nargs > 1)
+    if listed:
+        values = value if isinstance(value, list) else [value]
+        if isinstance(action.nargs, int) and len(values) != action.nargs:
+            raise ValueError(f"expects {action.nargs} values, got {value!r}")
+        return [_one_value(action, v) for v in values]
+    if isinstance(value, list):
+        raise ValueError(f"expects one value, got a list {value!r}")
+    return _one_value(action, value)
+
+
+def _one_value(action, value):
+    if isinstance(value, (list, dict)):
+        if action.type is None:
+            raise ValueError(f"expects a single value, got {value!r}")
+        value = json.dumps(value)   # a JSON flag's value written as YAML
+    out = action.type(str(value)) if action.type is not None else value
+    if action.choices is not None and out not in action.choices:
+        raise ValueError(f"{out!r} is not one of {', '.join(map(str, action.choices))}")
+    return out
 
 
 def _names(parser) -> dict:
@@ -161,7 +194,11 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig, tuple | None]:
 
     try:  # before anything loads, not after the first steps
         check_writable(out)
-        check_writable(Path(args.log).resolve().parent, "--json")
+        for flag, path in (("--json", args.log), ("--trace", args.trace)):
+            if path is not None:
+                check_writable(Path(path).resolve().parent, flag)
+                if Path(path).is_dir():
+                    raise ValueError(f"{flag} {path} is a directory; it names a file")
     except ValueError as e:
         parser.error(str(e))
     if args.resume:
@@ -175,6 +212,7 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig, tuple | None]:
                 from ..hub import resolve_model
 
                 model_dir = resolve_model(args.model or saved["model"])
+            _refuse_changed_settings(args, saved, config, parser)
             for key, value in (saved.get("task") or {}).items():
                 setattr(args, key if key != "rewards" else "reward", value)
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -218,12 +256,44 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig, tuple | None]:
     return model_dir, config, None
 
 
+def _refuse_changed_settings(args, saved: dict, config: GRPOConfig, parser) -> None:
+    """A resumed run continues with run.json's settings and task: a flag asking for another one (another
+    learning rate, dataset, model) is refused naming it, not dropped; the same value is fine."""
+    def same(a, b):
+        return list(a) == list(b) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
+
+    changed = [f"{name} ({value!r}; the run has {getattr(config, field)!r})"
+               for field, (name, value) in _flags_given(args).items()
+               if field != "tensor_parallel" and not same(getattr(config, field), value)]
+    task = saved.get("task") or {}
+    for field in ("dataset", "eval_dataset", "reward_weights", "tool", "environment"):
+        value = getattr(args, field, None)
+        if value and value != task.get(field):
+            changed.append(f"--{field.replace('_', '-')} ({value!r}; the run has {task.get(field)!r})")
+    if args.reward and args.reward != task.get("rewards"):
+        changed.append(f"--reward ({args.reward!r}; the run has {task.get('rewards')!r})")
+    if args.model and args.model != saved.get("model") and \
+            str(Path(args.model).resolve()) != str(Path(saved.get("model_dir", "")).resolve()):
+        changed.append(f"--model ({args.model!r}; the run trains {saved.get('model') or saved.get('model_dir')!r})")
+    if changed:
+        parser.error("--resume continues the run with its own settings (OUT/run.json); these flags ask for others: "
+                     + "; ".join(changed) + ". Start a new run in another --out to change them")
+
+
+def _flags_given(args) -> dict:
+    """{config field: (flag, value)} of the GRPOConfig settings the command line (or --config) set."""
+    from .settings import flag_of, flagged
+
+    about = flagged(GRPOConfig)
+    return {field: (flag_of(field, about[field]), value) for field, value in values_from_flags(args, GRPOConfig).items()}
+
+
 def _check_task_flags(args, parser) -> None:
     """The dataset flags go together; reward functions and data files are loaded here, before any
     engine starts, so a wrong name fails in a second."""
     from ..hub import load_dataset_spec, pinned
     from .rewards import load_reward
-    from .task import PROMPT
+    from .task import PROMPT, RESERVED, check_reward_call
 
     # --reward-model M is --reward model:M, after the --reward functions (--reward-weights' order)
     args.reward = [*(args.reward or ()), *(f"model:{m}" for m in args.reward_model or ())] or None
@@ -243,6 +313,8 @@ def _check_task_flags(args, parser) -> None:
         parser.error("--dataset needs at least one --reward (or an --environment with get_reward)")
     if args.reward_weights and len(args.reward_weights) != len(args.reward or ()):
         parser.error(f"--reward-weights: {len(args.reward_weights)} weights for {len(args.reward)} --reward functions")
+    if args.reward_weights and not all(math.isfinite(w) for w in args.reward_weights):
+        parser.error(f"--reward-weights: {args.reward_weights}: every weight must be a finite number")
     for flag in ("eval_every", "eval_on_start"):
         if getattr(args, flag) and not args.eval_dataset:
             parser.error(f"--{flag.replace('_', '-')} needs --eval-dataset")
@@ -269,6 +341,14 @@ def _check_task_flags(args, parser) -> None:
             if PROMPT not in columns:
                 parser.error(f"--{flag.replace('_', '-')}: {path} has no {PROMPT!r} column (it has "
                              f"{', '.join(columns)})")
+            if flag == "dataset":
+                given = [c for c in columns if c not in RESERVED] + (["environments"] if environment is not None else [])
+                try:
+                    for function in args.loaded["rewards"]:
+                        if callable(function):
+                            check_reward_call(function, given, path)
+                except ValueError as e:
+                    parser.error(f"--reward: {e}")
 
 
 def load_agent_flags(args, parser):
@@ -285,18 +365,17 @@ def load_agent_flags(args, parser):
             check_environment(environment)
         described = [*tools, *([getattr(environment, n) for n in environment_tools(environment)] if environment else [])]
         if described or args.chat_template:
-            from transformers import AutoTokenizer
-
             from ..hub import resolve_model
+            from .task import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+            tokenizer = load_tokenizer(resolve_model(args.model))
             name = f"of {args.model}"
             if args.chat_template:
                 set_chat_template(tokenizer, tool_capable_template(args.chat_template))
                 name = repr(args.chat_template)
             if described:
                 check_template_renders_tools(tokenizer, described, name)
-    except ToolError as e:
+    except (ToolError, ValueError) as e:
         parser.error(str(e))
     return tools, environment
 

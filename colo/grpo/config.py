@@ -7,6 +7,7 @@ awake during generation leave of the pool; the training memory asleep then lends
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from ..checks import check_int
@@ -292,6 +293,7 @@ class GRPOConfig:
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon_low  # TRL's: the clip range above 1 is the one below unless set
         self.adam_betas = tuple(self.adam_betas)
+        self._refuse_non_finite_numbers()
         for name in ("prompts_per_step", "max_new_tokens"):
             check_int(getattr(self, name), name)
         # As TRL refuses it: with one completion per prompt every advantage is 0 and no step trains.
@@ -424,12 +426,28 @@ class GRPOConfig:
             raise ValueError(f"importance_sampling must be one of {', '.join(IMPORTANCE_SAMPLING)}, got "
                              f"{self.importance_sampling!r}")
         low, high = self.importance_sampling_min, self.importance_sampling_max
+        if (low is not None and low < 0) or (high is not None and not high > 0):
+            raise ValueError(f"importance_sampling_min must be >= 0 and importance_sampling_max > 0 (bounds on a "
+                             f"ratio of probabilities), got {low}, {high}")
+        vespo = {n: getattr(self, n) for n in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}
+        if any(v < 0 for v in vespo.values()):
+            raise ValueError(f"VESPO's k and lambda must be >= 0 (a power and a decay), got {vespo}")
         if self.importance_sampling.endswith("truncate") and low is None and high is None:
             raise ValueError(f"importance_sampling={self.importance_sampling!r} needs importance_sampling_max or _min")
         if low is not None and high is not None and not low < high:
             raise ValueError(f"importance_sampling_min ({low}) must be below importance_sampling_max ({high})")
         if self.dtype not in (None, *DTYPES):
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or None (the fastest here), got {self.dtype!r}")
+
+    def _refuse_non_finite_numbers(self) -> None:
+        """NaN or inf in any numeric setting is refused naming it: the comparisons below pass NaN (a NaN
+        beta reads as no reference and then as one), and an infinite rate or decay writes inf into the
+        weights the engine serves."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            numbers = value if isinstance(value, tuple) else (value,)
+            if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+                raise ValueError(f"{f.name} must be a finite number, got {value}")
 
     @property
     def lora_spec(self):
@@ -487,16 +505,59 @@ def check_model_dir(model_dir, tensor_parallel: int = 1) -> None:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no Hugging Face model at {model_dir} (config.json missing)")
-    try:
-        config = AutoConfig.from_pretrained(model_dir)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from e
+    config = read_model_config(model_dir)
     check_model_config(config)
+    check_weight_files(model_dir)
     if tensor_parallel > 1:
         from ..tensor_parallel import check_shardable
 
         check_shardable(config, tensor_parallel)
 
+
+
+def read_model_config(model_dir):
+    """transformers' config of `model_dir`, or a ValueError naming its config.json: whatever transformers
+    raises for one it cannot read (bad JSON, an unknown model_type, fields its own validation refuses,
+    as attention heads that do not divide the hidden size)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir} has no config.json: not a Hugging Face model directory")
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except Exception as e:  # noqa: BLE001 - huggingface_hub's StrictDataclassError is no ValueError
+        raise ValueError(f"cannot read {path}: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}") from e
+
+
+def check_weight_files(model_dir) -> None:
+    """Refuse a model directory without weights (safetensors or PyTorch files, or an index whose shards are
+    missing) or with a safetensors file whose header cannot be read, before the engine loads them."""
+    import json
+    from pathlib import Path
+
+    directory = Path(model_dir)
+    for index in (*directory.glob("*.safetensors.index.json"), *directory.glob("*.bin.index.json")):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise ValueError(f"cannot read {index}: {e}") from e
+        missing = sorted(s for s in shards if not (directory / s).is_file())
+        if missing:
+            raise ValueError(f"{index.name} names weight files {directory} lacks: {', '.join(missing[:3])}")
+    files = sorted(directory.glob("*.safetensors"))
+    if not files and not any(directory.glob("*.bin")) and not any(directory.glob("*.pt")):
+        raise ValueError(f"{directory} holds no weights (*.safetensors or *.bin files)")
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError
+            raise ValueError(f"{file} is not a readable safetensors file ({e})") from e
 
 
 # SamplingParams fields colo sets itself (per request, or from its own settings).
@@ -522,6 +583,10 @@ def check_generation_kwargs(kwargs: dict) -> None:
             close = difflib.get_close_matches(name, sorted(known), n=1)
             raise ValueError(f"generation_kwargs[{name!r}] is not a field of vLLM's SamplingParams"
                              + (f" (did you mean {close[0]!r}?)" if close else ""))
+    try:  # the values too, as vLLM checks them when a request is made
+        SamplingParams(**kwargs)
+    except Exception as e:  # noqa: BLE001 - vLLM raises its own validation errors, and TypeError for a wrong kind
+        raise ValueError(f"generation_kwargs {kwargs}: vLLM's SamplingParams refuses them: {e}") from None
 
 
 def checkpointing_on(config, device_type: str) -> bool:

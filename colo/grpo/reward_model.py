@@ -16,12 +16,14 @@ import torch
 
 def check_reward_model(name_or_dir) -> Path:
     """The reward model's directory, its config checked (a one-label sequence classifier), no weights read."""
-    from transformers import AutoConfig
-
     from ..hub import resolve_model
+    from .config import read_model_config
 
     directory = resolve_model(str(name_or_dir))
-    config = AutoConfig.from_pretrained(directory)
+    try:
+        config = read_model_config(directory)
+    except ValueError as e:
+        raise ValueError(f"reward model {name_or_dir}: {e}") from e
     architectures = list(getattr(config, "architectures", None) or ())
     if not any(a.endswith("ForSequenceClassification") for a in architectures):
         raise ValueError(f"reward model {name_or_dir}: {architectures[0] if architectures else config.model_type} "

@@ -103,6 +103,9 @@ def regex_reward(pattern: str) -> RewardFunc:
     return regex
 
 
+# The columns each built-in reads (one of them): checked against the dataset before any engine starts.
+math_reward.needs_one_of_columns = ("solution", "answer")
+gsm8k_reward.needs_one_of_columns = ("answer",)
 BUILTIN = {"math": math_reward, "gsm8k": gsm8k_reward}
 
 

@@ -16,6 +16,7 @@ non-number, stops the run with a `RewardError` naming the function, the step and
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,9 +52,55 @@ class Scores:
         return total
 
 
+def _awaited(awaitables: list) -> list:
+    """Each awaitable's result (or the exception it raised), awaited together in an event loop of their
+    own (in a thread of its own where this thread already runs one)."""
+    import asyncio
+
+    async def gather():
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
+
+
+def check_reward_call(function, columns: list[str], dataset: str) -> None:
+    """Refuse, before any engine starts, a reward function TRL's call cannot reach: one whose parameters
+    cannot take prompts=, completions=, completion_ids= and every column of the dataset by name, or one
+    needing a column the dataset lacks (the math and gsm8k rewards' `solution` / `answer`)."""
+    import inspect
+
+    from .rewards import reward_name
+
+    name = reward_name(function)
+    needed = getattr(function, "needs_one_of_columns", None)
+    if needed and not set(needed) & set(columns):
+        raise ValueError(f"reward function {name!r} needs a {' or '.join(repr(c) for c in needed)} column; {dataset} "
+                         f"has {', '.join(columns) or 'no other column than prompt'}")
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):   # a builtin or a C callable: its call is tried at the first step
+        return
+    call = {k: [] for k in ("prompts", "completions", "completion_ids", *columns)}
+    try:
+        signature.bind(**call)
+    except TypeError as e:
+        raise ValueError(f"reward function {name!r} cannot take TRL's call (prompts=, completions=, completion_ids= "
+                         f"and each column of {dataset} by name: {', '.join(columns) or 'none'}): {e}; give it "
+                         "**kwargs to take the columns it does not use") from None
+
+
 def check_rewards(values, expected: int, function: str, step: int) -> list[float]:
     """One finite float or None per completion, or a RewardError saying what came back instead."""
     try:
+        if isinstance(values, (str, bytes)):   # (a string has a length, and each character a float)
+            raise TypeError
         count = len(values)
     except TypeError:
         raise RewardError(f"reward function {function!r} returned a {type(values).__name__} at step {step}; "
@@ -175,6 +222,11 @@ class DatasetTask(Task):
         weights = [1.0] * len(funcs) if reward_weights is None else [float(w) for w in reward_weights]
         if len(weights) != len(funcs):
             raise ValueError(f"{len(weights)} reward weights for {len(funcs)} reward functions")
+        if not all(math.isfinite(w) for w in weights):
+            raise ValueError(f"reward weights must be finite numbers, got {weights}")
+        given = [c for c in columns if c not in RESERVED] + (["environments"] if environment is not None else [])
+        for f in funcs:
+            check_reward_call(f, given, name)
         self.reward_funcs = funcs
         self.reward_names = tuple(reward_name(f) for f in funcs)
         self.weights = torch.tensor(weights, dtype=torch.float32)
@@ -230,13 +282,15 @@ class DatasetTask(Task):
             for row, messages in enumerate(self.prompts):
                 if not _is_conversational(messages):
                     raise ValueError(f"{self.name} row {row}: prompt is not a list of {{role, content}} messages "
-                                     "like row 0's")
+                                     f"like row 0's: {_not_messages(messages)}")
                 ids.append(self._render(messages, self._tool_schemas(), template_kwargs))
         else:
             for row, text in enumerate(self.prompts):
                 if not isinstance(text, str):
-                    raise ValueError(f"{self.name} row {row}: prompt is a {type(text).__name__}, not text like "
-                                     "row 0's")
+                    raise ValueError(f"{self.name} row {row}: prompt is a {type(text).__name__}, not text"
+                                     + (" like row 0's" if row else "")
+                                     + (f" nor {{role, content}} messages ({_not_messages(text)})"
+                                        if isinstance(text, list) else ""))
             ids = [list(x) for x in tok(list(self.prompts))["input_ids"]]
         for row, x in enumerate(ids):
             if not x:
@@ -327,18 +381,28 @@ class DatasetTask(Task):
         if environments is not None:
             columns["environments"] = environments
         columns.update(extra_columns or {})
-        per_function = []
-        for function, name in zip(self.reward_funcs, self.reward_names):
-            call = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-            try:
-                values = function(**call)
-            except Exception as e:
-                where = self._first_failing_row(function, call, rows)
-                raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e} at step {step}"
-                                  f"{where}") from e
-            per_function.append(check_rewards(values, len(completion_ids), name, step))
+        call = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        results = [self._called(function, name, call, rows, step)
+                   for function, name in zip(self.reward_funcs, self.reward_names)]
+        # Async reward functions (TRL's, as its own): awaited together, after the others.
+        waiting = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
+        if waiting:
+            for i, values in zip(waiting, _awaited([results[i] for i in waiting])):
+                if isinstance(values, BaseException):
+                    raise RewardError(f"reward function {self.reward_names[i]!r} raised {type(values).__name__}: "
+                                      f"{values} at step {step}") from values
+                results[i] = values
+        per_function = [check_rewards(values, len(completion_ids), name, step)
+                        for values, name in zip(results, self.reward_names)]
         values = torch.tensor(per_function, dtype=torch.float32).T.contiguous()
         return Scores(values, self.weights, self.reward_names)
+
+    def _called(self, function, name: str, call: dict, rows: list[int], step: int):
+        try:
+            return function(**call)
+        except Exception as e:
+            where = self._first_failing_row(function, call, rows)
+            raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e} at step {step}{where}") from e
 
     def _first_failing_row(self, function, call: dict, rows: list[int]) -> str:
         """Which prompt made `function` raise: call it on one completion at a time (rewards are cheap
@@ -400,6 +464,19 @@ def _is_conversational(prompt) -> bool:
             and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt))
 
 
+def _not_messages(prompt) -> str:
+    """What keeps `prompt` from being chat messages, in words."""
+    if not isinstance(prompt, list):
+        return f"it is a {type(prompt).__name__}"
+    for i, m in enumerate(prompt):
+        if not isinstance(m, dict):
+            return f"message {i} is a {type(m).__name__}"
+        missing = [k for k in ("role", "content") if k not in m]
+        if missing:
+            return f"message {i} lacks {' and '.join(missing)} (it has {', '.join(map(str, m)) or 'nothing'})"
+    return "it is empty" if not prompt else "its messages are not all {role, content}"
+
+
 # -- the scheduler's set-up and per-step checks ----------------------------------------------------
 
 def build_tasks(config, model_dir, task, dataset, reward_funcs, reward_weights, eval_dataset, tokenizer, prompt_fn,
@@ -432,9 +509,7 @@ def build_tasks(config, model_dir, task, dataset, reward_funcs, reward_weights, 
         raise ValueError("a dataset needs reward_funcs (TRL's reward functions, or names: colo.grpo.rewards), or an "
                          "environment with get_reward()")
     if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = load_tokenizer(model_dir)
     if agentic or config.chat_template:
         _prepare_tool_template(config, tokenizer, model_dir, tools, environment)
     options = dict(seed=config.seed, chat_template_kwargs=config.chat_template_kwargs,
@@ -474,6 +549,18 @@ def _prepare_tool_template(config, tokenizer, model_dir, tools, environment) -> 
         check_template_renders_tools(tokenizer, described, template_name)
 
 
+def load_tokenizer(model_dir):
+    """The model's tokenizer, or a ValueError naming the directory (transformers' own error for a missing
+    one speaks of sentencepiece and tiktoken)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:  # noqa: BLE001 - transformers raises ValueError, OSError, TypeError by case
+        raise ValueError(f"the model {model_dir} has no tokenizer transformers can load (tokenizer.json or "
+                         f"tokenizer_config.json with its vocabulary files): {str(e).strip().splitlines()[0]}") from e
+
+
 def fit_model_length(config, model_dir, tasks, engine_options: dict) -> dict:
     """Refuse a prompt that cannot fit the model with its completion, naming it; and size the
     engine's sequences for the task's longest one (not the model's whole context) where known."""
@@ -481,6 +568,9 @@ def fit_model_length(config, model_dir, tasks, engine_options: dict) -> dict:
 
     limit = getattr(AutoConfig.from_pretrained(model_dir).get_text_config(), "max_position_embeddings", None)
     limit = engine_options.get("max_model_len") or limit
+    if limit and config.max_new_tokens >= limit:   # whatever the prompts (a prompt_fn's are known at step 1 only)
+        raise ValueError(f"max_new_tokens={config.max_new_tokens} leaves no room for a prompt in the model's {limit} "
+                         "positions")
     longest = 0
     for task in tasks:
         if task is None or task.longest_prompt() is None:

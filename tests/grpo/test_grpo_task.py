@@ -418,3 +418,103 @@ def test_plot_draws_a_run_log(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(SystemExit):
         main([str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "d.png")])
+
+
+def _model_copy(source: Path, target: Path, weights: bytes | None = None, **config) -> Path:
+    """`source`'s config (with `config`'s fields changed) and tokenizer in `target`; `weights`: the bytes of
+    its model.safetensors (None: no weights at all)."""
+    import shutil
+
+    target.mkdir()
+    for file in source.iterdir():
+        if file.is_file() and not file.name.endswith((".safetensors", ".bin")):
+            shutil.copy(file, target / file.name)
+    fields = json.loads((source / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**fields, **config}))
+    if weights is not None:
+        (target / "model.safetensors").write_bytes(weights)
+    return target
+
+
+def test_cli_refuses_bad_input_before_any_engine_naming_it(smollm2_model_dir, tmp_path, capsys):
+    """What a user gets wrong is refused in words, exit status 2, before any engine starts: values of the
+    wrong shape in --config, models transformers cannot read or without readable weights, output paths
+    that are directories, reward functions TRL's call cannot reach or whose column the dataset lacks,
+    non-finite numbers, generation settings vLLM refuses, and a --resume asking for other settings."""
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows())   # prompt and answer columns
+    common = ["--steps", "1", "--json", str(tmp_path / "log.jsonl"), "--out", str(tmp_path / "out")]
+    task = ["--model", str(smollm2_model_dir), "--dataset", str(data)]
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("lr: [0.001]\n")
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def one_arg(x):\n    return [1.0]\n\ndef picky(completions, solution, **kwargs):\n"
+                       "    return [1.0] * len(completions)\n")
+    bad_heads = _model_copy(smollm2_model_dir, tmp_path / "heads", b"", num_attention_heads=7)
+    no_weights = _model_copy(smollm2_model_dir, tmp_path / "empty")
+    garbage = _model_copy(smollm2_model_dir, tmp_path / "garbage", b"not a safetensors file")
+    corrupt = tmp_path / "corrupt-rm"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text("{not json")
+    (tmp_path / "a-dir").mkdir()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for extra, message in [
+        (["--config", str(yaml)], f"--config: {yaml}: lr: expects one value, got a list [0.001]"),
+        (["--model", str(bad_heads)], "config.json: "),
+        (["--model", str(no_weights)], "holds no weights"),
+        (["--model", str(garbage)], "is not a readable safetensors file"),
+        ([*task, "--reward", f"model:{corrupt}"], f"--reward: reward model {corrupt}: cannot read"),
+        ([*task, "--reward", "math", "--json", str(tmp_path / "a-dir")], "is a directory; it names a file"),
+        ([*task, "--reward", "math", "--trace", str(tmp_path / "a-dir")], "--trace"),
+        ([*task, "--reward", f"{rewards}:one_arg"], "'one_arg' cannot take TRL's call"),
+        ([*task, "--reward", f"{rewards}:picky"], "'picky' cannot take TRL's call"),
+        ([*task, "--reward", "gsm8k", "--dataset", str(write_jsonl(tmp_path / "q.jsonl", [{"prompt": "1+1"}]))],
+         "reward function 'gsm8k' needs a 'answer' column"),
+        ([*task, "--reward", "math", "--reward-weights", "nan"], "every weight must be a finite number"),
+        (["--beta", "nan"], "beta must be a finite number"),
+        (["--lr", "inf"], "learning_rate must be a finite number"),
+        (["--importance-sampling", "token_truncate", "--importance-sampling-max", "-1"], "importance_sampling_max > 0"),
+        (["--generation-kwargs", '{"presence_penalty": 5}'], "vLLM's SamplingParams refuses them"),
+        ([*task[:2], "--dataset", str(empty), "--reward", "math"], "the file is empty"),
+    ]:
+        status, stderr = cli_in_this_process([*common, *extra], capsys)
+        assert status == 2 and message in stderr, (extra, stderr[-800:])
+    assert "StrictDataclass" not in cli_in_this_process([*common, "--model", str(bad_heads)], capsys)[1][:30]
+
+    # YAML values take each flag's shape: one value for a list flag, words for a switch.
+    yaml.write_text("lora_targets: q_proj\nlog_completions: 'no'\nadam_betas: [0.9, 0.99]\n")
+    args = cli.parse_args(cli.build_parser(), [*common, "--config", str(yaml)])
+    assert (args.lora_targets, args.log_completions, args.adam_betas) == (["q_proj"], False, [0.9, 0.99])
+
+    # --resume continues with run.json's settings: a flag asking for another is refused, naming it.
+    out = tmp_path / "resumed"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"model": None, "model_dir": str(out / "toy-model"),
+                                              "config": GRPOConfig(learning_rate=3e-3).to_dict(), "task": {}}))
+    resume = ["--steps", "2", "--json", str(tmp_path / "log.jsonl"), "--out", str(out), "--resume"]
+    status, stderr = cli_in_this_process([*resume, "--lr", "5", "--num-generations", "3"], capsys)
+    assert status == 2 and "--lr (5.0; the run has 0.003)" in stderr and "--num-generations (3; the run has 8)" in stderr
+    status, stderr = cli_in_this_process([*resume, "--lr", "0.003"], capsys)   # the same value: not a change
+    assert status == 2 and "its own settings" not in stderr and "--resume" in stderr
+
+
+def test_async_reward_functions_are_awaited_and_strings_are_not_rewards(tmp_path):
+    """TRL awaits async reward functions (together); colo too. A string is no list of rewards, though it
+    has a length and each character reads as a number."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from colo.smollm2 import smollm2_dir
+
+    async def slow_length(completions, **kwargs):
+        await asyncio.sleep(0.01)
+        return [float(len(c[0]["content"])) for c in completions]
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    task = DatasetTask(write_jsonl(tmp_path / "d.jsonl", chat_rows()), tokenizer, [slow_length, "math"])
+    ids = [tokenizer("12")["input_ids"], tokenizer("1")["input_ids"]]
+    scores = task.score(1, [0, 1], [task.prompt_token_ids[r] for r in (0, 1)], ids)
+    assert scores.per_function[:, 0].tolist() == [2.0, 1.0]
+    with pytest.raises(RewardError, match="returned a str"):
+        check_rewards("111", 3, "f", 1)
