@@ -95,6 +95,28 @@ class LoraSpec:
                 "base_model_name_or_path": base_model, "inference_mode": True}
 
 
+def target_modules(hf_model, spec: "LoraSpec") -> dict:
+    """{name: linear layer} the adapter adapts: those named one of spec.targets, in the language model
+    only (vLLM adapts no vision tower or projector layer); a ValueError where there is none."""
+    tower = {id(p) for p in vision_tower_parameters(hf_model)} if hasattr(hf_model, "config") else set()
+    modules = {name: m for name, m in hf_model.named_modules()
+               if name.rpartition(".")[2] in spec.targets and isinstance(m, torch.nn.Linear)
+               and id(m.weight) not in tower and not _in_projector(name)}
+    if not modules:
+        names = sorted({n.rpartition(".")[2] for n, m in hf_model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ValueError(f"no linear layer of the model is named one of {list(spec.targets)} (its linear layers: "
+                         f"{', '.join(names)})")
+    return modules
+
+
+def check_targets(model_dir, spec: "LoraSpec") -> None:
+    """target_modules' refusal before any engine starts, on the model built on the meta device (no memory)."""
+    from .grpo.config import read_model_config
+    from .shared import meta_model
+
+    target_modules(meta_model(read_model_config(model_dir), torch.float32), spec)
+
+
 def _in_projector(name: str) -> bool:
     """Whether a module of a vision-language model is its projector's (no adapter slot in vLLM)."""
     return any(part in PROJECTORS for part in name.split("."))
@@ -298,13 +320,7 @@ def share_adapter(hf_model, llm, spec: LoraSpec, workdir, *, seed: int = 0, tp=N
     if tp is not None and spec.dropout:
         raise NotImplementedError("LoRA dropout with tensor parallelism: the ranks' dropout masks of an input they "
                                   "all hold would have to agree; train with dropout 0")
-    # A vision-language model's language model only: vLLM adapts no vision tower or projector layer.
-    tower = {id(p) for p in vision_tower_parameters(hf_model)} if hasattr(hf_model, "config") else set()
-    modules = {name: m for name, m in hf_model.named_modules()
-               if name.rpartition(".")[2] in spec.targets and isinstance(m, torch.nn.Linear)
-               and id(m.weight) not in tower and not _in_projector(name)}
-    if not modules:
-        raise ValueError(f"no linear layer of the model is named one of {list(spec.targets)}")
+    modules = target_modules(hf_model, spec)
     if any(hasattr(m, "lora_A") for m in modules.values()):
         raise ValueError("this model already has LoRA adapters (lora_A parameters)")
     # The whole (out, in) of each layer: the engine reads this adapter from disk and takes its rank's parts.

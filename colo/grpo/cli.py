@@ -223,7 +223,7 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig, tuple | None]:
                          f"resume with --tensor-parallel {config.tensor_parallel}")
         try:  # fail here, with a clear message, before any engine starts
             resume_from = checkpoint_to_resume(out, lead="")
-            check_model_dir(model_dir, config.tensor_parallel)
+            check_model_dir(model_dir, config.tensor_parallel, config.lora_spec)
         except (CheckpointError, ValueError, NotImplementedError, FileNotFoundError) as e:
             parser.error(f"--resume: {e}")
         return model_dir, config, resume_from
@@ -248,7 +248,7 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig, tuple | None]:
         if not (model_dir / "config.json").is_file():
             parser.error(f"--model: {model_dir} is not a Hugging Face model directory (no config.json)")
         try:
-            check_model_dir(model_dir, config.tensor_parallel)
+            check_model_dir(model_dir, config.tensor_parallel, config.lora_spec)
         except (ValueError, NotImplementedError) as e:
             parser.error(f"--model: {model_dir}: {e}")
     else:

@@ -490,15 +490,14 @@ class GRPOConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-def check_model_dir(model_dir, tensor_parallel: int = 1) -> None:
+def check_model_dir(model_dir, tensor_parallel: int = 1, lora_spec=None) -> None:
     """Refuse what colo cannot train before any engine starts (the CLI and the scheduler both ask):
     no Hugging Face model there (FileNotFoundError), an unreadable config.json (ValueError), a model
-    that is not a decoder-only causal LM (a vision-language model, an encoder: NotImplementedError), a
-    config that contradicts itself, or a model `tensor_parallel` ranks cannot split (ValueError, naming
-    it). Whether its weights are shared or copied is decided when the engine is up, from its layout."""
+    that is not a decoder-only causal LM (an encoder) or that vLLM cannot serve (NotImplementedError), a
+    config that contradicts itself, a model `tensor_parallel` ranks cannot split, missing or unreadable
+    weight files, LoRA targets (`lora_spec`) naming none of its linear layers (ValueError, naming it).
+    Whether its weights are shared or copied is decided when the engine is up, from its layout."""
     from pathlib import Path
-
-    from transformers import AutoConfig
 
     from ..shared import check_model_config
 
@@ -507,7 +506,16 @@ def check_model_dir(model_dir, tensor_parallel: int = 1) -> None:
         raise FileNotFoundError(f"no Hugging Face model at {model_dir} (config.json missing)")
     config = read_model_config(model_dir)
     check_model_config(config)
+    from .. import vllm_compat
+
+    unserved = vllm_compat.unserved_architectures(config)
+    if unserved is not None:
+        raise NotImplementedError(unserved)
     check_weight_files(model_dir)
+    if lora_spec is not None:   # the layers it names are there
+        from ..lora import check_targets
+
+        check_targets(model_dir, lora_spec)
     if tensor_parallel > 1:
         from ..tensor_parallel import check_shardable
 

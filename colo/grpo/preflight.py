@@ -32,7 +32,7 @@ def check_run(model_dir, config: GRPOConfig, *, out_dir=None, resume: bool = Fal
     an output directory that cannot be written (ValueError), resume without a readable checkpoint in
     out_dir (ValueError, colo.errors.CheckpointError)."""
     model_dir = resolve_model(model_dir)
-    check_model_dir(model_dir, config.tensor_parallel)
+    check_model_dir(model_dir, config.tensor_parallel, config.lora_spec)
     out_dir = Path(out_dir) if out_dir is not None else None
     if out_dir is not None:
         check_writable(out_dir, "out_dir")

@@ -53,7 +53,7 @@ from .engine_access import (
     quiet_chat_warmup_without_tokenizer, release_engine, request_errors, request_guard, request_hooks, served_dtype,
     startup_memory_fraction, tensor_parallel_group, whole_prefill_options,
 )
-from .model_info import inspect_in_this_process
+from .model_info import inspect_in_this_process, unserved_architectures
 from .runner_memory import sampler_buffer_bytes, uses_model_runner_v2
 from .lora_slots import (
     LORA_SLOT_RANKS, AdapterSlice, activate_adapter, adapter_slices, adapter_slot, check_shareable_lora,
@@ -77,7 +77,7 @@ __all__ = [
     "startup_memory_fraction", "request_errors", "tensor_parallel_group", "whole_prefill_options",
     "LORA_SLOT_RANKS", "AdapterSlice", "activate_adapter", "adapter_slices", "adapter_slot", "check_shareable_lora",
     "has_lora_slots", "lora_engine_options", "punica_wrappers", "serve_adapter_by_default",
-    "inspect_in_this_process", "sampler_buffer_bytes", "uses_model_runner_v2",
+    "inspect_in_this_process", "unserved_architectures", "sampler_buffer_bytes", "uses_model_runner_v2",
 ]
 
 

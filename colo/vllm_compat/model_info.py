@@ -46,3 +46,26 @@ def inspect_in_this_process(model_dir: str) -> list[str]:
         entry._save_modelinfo_to_cache(info, module_hash)
         filled.append(arch)
     return filled
+
+
+def unserved_architectures(config) -> str | None:
+    """Why vLLM cannot serve a model of transformers `config`, in words, or None where it can: none of
+    its architectures is one vLLM implements, nor one transformers implements in a way vLLM's
+    Transformers backend takes (vLLM's own test in ModelRegistry's backend lookup). Remote code
+    (`auto_map`) is left to vLLM."""
+    import transformers
+    from vllm import ModelRegistry
+
+    architectures = list(getattr(config, "architectures", None) or ())
+    if not architectures or getattr(config, "auto_map", None):
+        return None
+    supported = set(ModelRegistry.get_supported_archs())
+    for arch in architectures:
+        if arch in supported:
+            return None
+        model_class = getattr(transformers, arch, None)
+        if model_class is not None and (model_class.is_backend_compatible()
+                                        or model_class._can_set_attn_implementation()):
+            return None
+    return (f"vLLM serves none of its architectures ({', '.join(architectures)}): it implements none of them, and "
+            "transformers' implementation is not one its Transformers backend can run")

@@ -456,12 +456,18 @@ def test_cli_refuses_bad_input_before_any_engine_naming_it(smollm2_model_dir, tm
     corrupt.mkdir()
     (corrupt / "config.json").write_text("{not json")
     (tmp_path / "a-dir").mkdir()
+    import transformers
+
+    unserved = tmp_path / "openai-gpt"   # a causal LM transformers has and vLLM serves in no way
+    transformers.OpenAIGPTConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=100,
+                                 architectures=["OpenAIGPTLMHeadModel"]).save_pretrained(unserved)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     for extra, message in [
         (["--config", str(yaml)], f"--config: {yaml}: lr: expects one value, got a list [0.001]"),
         (["--model", str(bad_heads)], "config.json: "),
         (["--model", str(no_weights)], "holds no weights"),
+        (["--model", str(unserved)], "vLLM serves none of its architectures (OpenAIGPTLMHeadModel)"),
         (["--model", str(garbage)], "is not a readable safetensors file"),
         ([*task, "--reward", f"model:{corrupt}"], f"--reward: reward model {corrupt}: cannot read"),
         ([*task, "--reward", "math", "--json", str(tmp_path / "a-dir")], "is a directory; it names a file"),
@@ -476,6 +482,8 @@ def test_cli_refuses_bad_input_before_any_engine_naming_it(smollm2_model_dir, tm
         (["--importance-sampling", "token_truncate", "--importance-sampling-max", "-1"], "importance_sampling_max > 0"),
         (["--generation-kwargs", '{"presence_penalty": 5}'], "vLLM's SamplingParams refuses them"),
         ([*task[:2], "--dataset", str(empty), "--reward", "math"], "the file is empty"),
+        ([*task, "--reward", "math", "--lora-rank", "4", "--lora-targets", "bogus_proj"],
+         "no linear layer of the model is named one of ['bogus_proj'] (its linear layers: down_proj, gate_proj"),
     ]:
         status, stderr = cli_in_this_process([*common, *extra], capsys)
         assert status == 2 and message in stderr, (extra, stderr[-800:])
