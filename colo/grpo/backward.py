@@ -11,11 +11,13 @@ from ..moe_routing import replay_of
 from .batch import PackedBatch, Rollout, completion_logprobs, pack
 from .config import GRPOConfig
 from .loss import grpo_loss, high_entropy_mask, importance_weights, loss_denominators
+from .router_aux import RouterAuxLoss, router_aux_loss
 
 
 def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, config: GRPOConfig, *,
                          num_tokens: float | torch.Tensor, reference=None, engine_logprobs: list | None = None,
-                         after_forward=None, old_logprobs: list | None = None) -> dict:
+                         after_forward=None, old_logprobs: list | None = None, aux: RouterAuxLoss | None = None,
+                         aux_rows: int | None = None) -> dict:
     """Add d(loss)/d(params) to the parameters' .grad; return loss, clip_fraction, kl and (when the
     engine's log-probabilities are given: at temperature 1, or with importance sampling)
     engine_logprob_max_abs_diff and _mean_abs_diff; with config.importance_sampling, the policy term
@@ -27,8 +29,12 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
     (several optimizer steps on a rollout clip against them: rollout_logprobs); None: the old policy is
     the current one (one step per rollout, TRL's default): the ratio is 1 in value but carries the
     policy gradient.
+    aux: the MoE load-balancing loss (colo.grpo.router_aux), each micro-batch's weighted by its share of
+    `aux_rows` rows (default: this batch's), so that the batch adds their mean; its statistic `aux_loss`.
     """
     micro = config.micro_batch_size or len(batch)
+    aux_rows = aux_rows or len(batch)
+    aux_sum = 0.0
     local_tokens = max(float(batch.completion_mask.sum()), 1.0)
     replay = replay_of(model) if batch.routes is not None else None
     loss = clip = kl = mismatch = 0.0
@@ -39,7 +45,8 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
         part = batch.rows(start, start + micro)
         with engine_routes(model, part.routes, config):
             entropies = [] if config.top_entropy_quantile < 1.0 else None
-            logprobs = completion_logprobs(model, part, config.temperature, entropies)
+            router_logits = [] if aux is not None else None
+            logprobs = completion_logprobs(model, part, config.temperature, entropies, router_logits)
             token_mask = None if entropies is None else \
                 high_entropy_mask(entropies[0], part.completion_mask, config.top_entropy_quantile)
             ref = None
@@ -68,7 +75,12 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
                               num_tokens=num_tokens[start:start + micro].to(logprobs.device) if per_row else num_tokens)
             if after_forward is not None:
                 after_forward()  # activations are alive now: the moment to sample memory
-            parts.loss.backward()
+            total = parts.loss
+            if aux is not None:
+                balance = aux.loss(router_logits[0], part.attention_mask)
+                total = total + aux.coef * balance * (len(part) / aux_rows)
+                aux_sum += float(balance.detach()) * len(part)
+            total.backward()
         weight = float(part.completion_mask.sum()) / local_tokens
         loss += parts.loss.item()
         clip += parts.clip_fraction * weight
@@ -78,6 +90,8 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
                                                   engine_logprobs[start:start + micro])
             mismatch, gap_sum, gap_count = max(mismatch, worst), gap_sum + total, gap_count + count
     stats = {"loss": loss, "clip_fraction": clip, "kl": kl}
+    if aux is not None:
+        stats["aux_loss"] = aux_sum / len(batch)
     if replay is not None:
         stats.update(replay.stats())
     if engine_logprobs is not None:
@@ -169,7 +183,7 @@ def rollout_logprobs(model, rollout: Rollout, config: GRPOConfig, *, device) -> 
 
 def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: GRPOConfig, *, device,
                      dp_size: int, global_tokens: float, global_sequences: float, reference=None,
-                     after_forward=None) -> dict:
+                     after_forward=None, aux: RouterAuxLoss | None = None) -> dict:
     """Forward, loss and backward over these completions, their gradients added to the parameters';
     returns the merged statistics (merge_stats). The rows go in micro-batches of similar lengths
     (length_buckets), each packed on its own: padding every row to the batch's longest prompt and
@@ -195,9 +209,11 @@ def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: 
         stats = accumulate_gradients(model, batch, advantages[rows].to(device), config,
                                      num_tokens=denominators, reference=reference,
                                      engine_logprobs=part.logprobs if compare else None,
-                                     after_forward=after_forward, old_logprobs=old)
+                                     after_forward=after_forward, old_logprobs=old, aux=aux,
+                                     aux_rows=len(rollout.rows))
         positions = batch.attention_mask.numel()
-        parts.append({**stats, "tokens": float(batch.completion_mask.sum()), "positions": float(positions),
+        parts.append({**stats, "rows": float(len(rows)), "tokens": float(batch.completion_mask.sum()),
+                      "positions": float(positions),
                       "padded_positions": float(positions - batch.attention_mask.sum())})
     return merge_stats(parts)
 
@@ -220,6 +236,7 @@ class PolicyTrainer:
         self.views, self.config, self.device, self.dp_size = views, config, device, dp_size
         self.reference, self.residency, self.phases = reference, residency, phases
         self.generating = False
+        self.aux = router_aux_loss(views.trainer_model, config.router_aux_loss_coef)
 
     def old_logprobs(self, rollout: Rollout) -> list[torch.Tensor]:
         """rollout_logprobs of the views' model (in the mode it trains in, as TRL computes them): the policy
@@ -235,7 +252,8 @@ class PolicyTrainer:
                 after_forward()
 
         return backward_rollout(self.views.trainer_model, rollout, advantages, self.config, device=self.device,
-                                dp_size=self.dp_size, reference=self.reference, after_forward=forward_done, **totals)
+                                dp_size=self.dp_size, reference=self.reference, after_forward=forward_done,
+                                aux=self.aux, **totals)
 
 
 def length_buckets(prompt_lengths: list[int], completion_lengths: list[int], most_rows: int | None,
@@ -270,6 +288,10 @@ def merge_stats(results: list[dict]) -> dict:
               "padded_positions": sum(r.get("padded_positions", 0.0) for r in results),
               "clip_fraction": sum(r["clip_fraction"] * r["tokens"] for r in results) / max(tokens, 1.0),
               "kl": sum(r["kl"] * r["tokens"] for r in results) / max(tokens, 1.0)}
+    balanced = [r for r in results if "aux_loss" in r]
+    if balanced:  # the MoE load-balancing loss: the mean over the rows
+        merged["aux_loss"] = sum(r["aux_loss"] * r.get("rows", 1.0) for r in balanced) / \
+            max(sum(r.get("rows", 1.0) for r in balanced), 1.0)
     if results and "engine_logprob_max_abs_diff" in results[0]:
         merged["engine_logprob_max_abs_diff"] = max(r["engine_logprob_max_abs_diff"] for r in results)
         for key in ("engine_logprob_abs_diff_sum", "engine_logprob_tokens"):

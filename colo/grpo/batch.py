@@ -108,7 +108,8 @@ def _packed_routes(routes: list | None, prompts: list[list[int]], width: int) ->
     return out
 
 
-def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0, entropies: list | None = None) -> torch.Tensor:
+def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0, entropies: list | None = None,
+                        router_logits: list | None = None) -> torch.Tensor:
     """log p(completion token | everything before it) for every completion column, shape (B, C).
     model: a Hugging Face causal LM (Llama/Mistral/Qwen2/Qwen3: logits computed a chunk of tokens at a
     time, colo.grpo.logprobs), or a colo.tensor_parallel.TensorParallelModel (its rank's vocabulary
@@ -116,13 +117,15 @@ def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0, ent
     if hasattr(model, "completion_logprobs"):
         if entropies is not None:
             raise NotImplementedError("token entropies (top_entropy_quantile) of a tensor-parallel model")
+        if router_logits is not None:
+            raise NotImplementedError("a tensor-parallel model's router logits (the MoE load-balancing loss)")
         return model.completion_logprobs(batch.input_ids, batch.completion_ids, attention_mask=batch.attention_mask,
                                          position_ids=batch.position_ids, temperature=temperature)
     args = (model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids, temperature)
     inputs = batch.model_inputs()
     if has_plain_head(model):
-        return completion_logprobs_chunked(*args, model_inputs=inputs, entropies=entropies)
-    return full_logits_logprobs(*args, model_inputs=inputs, entropies=entropies)
+        return completion_logprobs_chunked(*args, model_inputs=inputs, entropies=entropies, router_logits=router_logits)
+    return full_logits_logprobs(*args, model_inputs=inputs, entropies=entropies, router_logits=router_logits)
 
 
 @dataclass

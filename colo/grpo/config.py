@@ -123,6 +123,11 @@ class GRPOConfig:
     beta: float = setting(0.0, "KL-to-reference weight (0: none). With LoRA the reference is the shared base, free; "
                           "with full fine-tuning a frozen second copy of the weights (colo.plan shows its bytes)",
                           group="loss", type=float, trl="beta")
+    router_aux_loss_coef: float | None = setting(
+        None, "MoE models: the weight of the load-balancing loss the model's own forward computes from its router "
+        "logits, added to the loss (TRL's; 0: off; None: the model config's router_aux_loss_coef, 0 where it has "
+        "none); computed per micro-batch over its tokens, the record's aux_loss", group="loss", type=float,
+        trl="router_aux_loss_coef", default_text="the model's")
     use_bias_correction_kl: bool = setting(True, "the KL term without the ratio", group="loss",
                                            action="store_false", flag="--no-bias-correction-kl",
                                            trl="use_bias_correction_kl", default_text="the correction on")
@@ -397,6 +402,11 @@ class GRPOConfig:
             raise ValueError(f"chat_template_kwargs must be a dict, got {self.chat_template_kwargs!r}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0 or None (the model's), got {self.router_aux_loss_coef}")
+        if self.router_aux_loss_coef and self.tensor_parallel > 1:
+            raise NotImplementedError("router_aux_loss_coef with tensor_parallel > 1 (the load-balancing loss of a "
+                                      "tensor-parallel model's routers) is not built yet; set it to 0")
         check_int(self.lora_rank, "lora_rank", 0)
         if self.lora_targets is not None:
             self.lora_targets = (self.lora_targets,) if isinstance(self.lora_targets, str) else tuple(self.lora_targets)

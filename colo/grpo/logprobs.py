@@ -94,18 +94,25 @@ def has_plain_head(model) -> bool:
 
 def full_logits_logprobs(model, input_ids, attention_mask, position_ids, completion_ids,
                          temperature: float = 1.0, model_inputs: dict | None = None,
-                         entropies: list | None = None) -> torch.Tensor:
+                         entropies: list | None = None, router_logits: list | None = None) -> torch.Tensor:
     """The straightforward way: every completion position's logits at once, (B, C) log-probabilities.
     model_inputs: more keyword arguments of the forward (a vision-language model's image tensors).
-    entropies: a list the (B, C) entropies of the distributions are appended to (no gradient)."""
+    entropies: a list the (B, C) entropies of the distributions are appended to (no gradient).
+    router_logits: a list a MoE model's router logits (one tensor per MoE layer) are appended to."""
     columns = completion_ids.shape[1]
     position_ids = own_positions(model, position_ids, model_inputs)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                logits_to_keep=columns + 1, use_cache=False, **(model_inputs or {}))
+                logits_to_keep=columns + 1, use_cache=False, **_router_outputs(router_logits), **(model_inputs or {}))
+    if router_logits is not None:
+        router_logits.append(out.router_logits)
     # Logits at column t predict token t + 1: drop the prediction after the last token.
     if entropies is not None:
         entropies.append(token_entropies(out.logits[:, :-1, :].detach(), temperature))
     return token_logprobs(out.logits[:, :-1, :], completion_ids, temperature)
+
+
+def _router_outputs(router_logits: list | None) -> dict:
+    return {} if router_logits is None else {"output_router_logits": True}
 
 
 @torch.no_grad()
@@ -119,15 +126,19 @@ def token_entropies(logits: torch.Tensor, temperature: float = 1.0) -> torch.Ten
 
 def completion_logprobs_chunked(model, input_ids, attention_mask, position_ids, completion_ids,
                                 temperature: float = 1.0, chunk_tokens: int = CHUNK_TOKENS,
-                                model_inputs: dict | None = None, entropies: list | None = None) -> torch.Tensor:
+                                model_inputs: dict | None = None, entropies: list | None = None,
+                                router_logits: list | None = None) -> torch.Tensor:
     """log p(completion token | everything before it), (B, C) fp32, equal to full_logits_logprobs up to
     float summation order. model: a Hugging Face causal LM with has_plain_head (tied head or not)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     rows, columns = completion_ids.shape
     position_ids = own_positions(model, position_ids, model_inputs)
-    hidden = trunk(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False, **(model_inputs or {})).last_hidden_state
+    out = trunk(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False, **_router_outputs(router_logits), **(model_inputs or {}))
+    if router_logits is not None:
+        router_logits.append(out.router_logits)
+    hidden = out.last_hidden_state
     # The C positions before each completion token predict it (the columns full_logits_logprobs keeps).
     hidden = hidden[:, -(columns + 1):-1].reshape(rows * columns, -1)
     targets = completion_ids.reshape(-1)

@@ -233,6 +233,8 @@ def train_stats(stats: dict, world) -> dict:
                                    world, data_parallel=True)
         record["engine_logprob_max_abs_diff"] = distributed.min_max(0.0, stats["engine_logprob_max_abs_diff"], world)[1]
         record["engine_logprob_mean_abs_diff"] = gap / max(tokens, 1.0)
+    if "aux_loss" in stats:  # the MoE load-balancing loss: its mean over the data-parallel ranks
+        record["aux_loss"] = distributed.sum_floats([stats["aux_loss"]], world, data_parallel=True)[0] / world.dp_size
     if "router_compared" in stats:  # a MoE model: how often the trainer's experts differ from the engine's
         tokens, differed = distributed.sum_floats([stats["router_compared"], stats["router_mismatch"] * stats["router_compared"]],
                                                   world, data_parallel=True)

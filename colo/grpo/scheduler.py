@@ -278,6 +278,9 @@ class GRPOScheduler:
                                groups=len(distributed.rank_share(self.config.prompts_per_step, self.world)))
         if reason is None and self.rollout_func is not None:
             reason = "rollout_func returns the whole batch at once: no group finishes early"
+        if reason is None and self.trainer.aux is not None:
+            reason = (f"the MoE load-balancing loss (router_aux_loss_coef {self.trainer.aux.coef:g}) is a mean over "
+                      "the step's rows, added where they train together")
         reason = reason or memory_refusal(self.memory, self.config, self.model_dir, self.sequence_tokens)
         if reason is not None:
             (logger.warning if self.config.overlap == "on" else logger.info)("serial GRPO steps: %s", reason)

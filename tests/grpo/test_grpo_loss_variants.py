@@ -523,3 +523,50 @@ def test_dynamic_sampling_keeps_a_group_whose_totals_tie_under_normalize_then_su
     assert dynamic_sampling.informative_groups(scores, 2) == []
     assert dynamic_sampling.informative_groups(scores, 2, "normalize_then_sum") == [0]
     assert normalized_sum(scores.per_function, scores.weights, 2)[:2].abs().min() > 0.5
+
+
+def test_the_moe_load_balancing_loss_is_trls_the_models_own_weighted_by_router_aux_loss_coef():
+    """TRL 1.16 adds a MoE model's own load-balancing loss (its forward's aux_loss from the router logits)
+    times router_aux_loss_coef (default: the model config's) to the loss: the gradient colo adds is that
+    weight times the gradient of the model's own aux_loss, the record says aux_loss; a dense model, or a
+    MoE family computing none (Llama 4), adds none, and an explicit weight for one is refused."""
+    from colo.bench.models import random_model
+    from colo.grpo.backward import accumulate_gradients
+    from colo.grpo.batch import pack
+    from colo.grpo.router_aux import router_aux_loss
+    from conftest import TINY_CONFIG
+
+    model = random_model({**TINY_CONFIG, "vocab_size": 100}, arch="qwen3_moe")
+    aux = router_aux_loss(model, None)
+    assert aux is not None and aux.coef == model.config.router_aux_loss_coef == 0.001
+    assert router_aux_loss(model, 0.0) is None and router_aux_loss(model, 0.5).coef == 0.5
+    assert router_aux_loss(random_model({**TINY_CONFIG, "vocab_size": 100}), None) is None
+    assert router_aux_loss(random_model({**TINY_CONFIG, "vocab_size": 100}, arch="llama4"), None) is None
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.01: Qwen2ForCausalLM computes no load-balancing"):
+        router_aux_loss(random_model({**TINY_CONFIG, "vocab_size": 100}), 0.01)
+
+    batch = pack([[3, 4, 5], [6, 7]], [[8, 9, 10, 11], [12, 13]])
+    advantages = torch.tensor([1.0, -1.0])
+    config = GRPOConfig(micro_batch_size=1)   # two micro-batches: each adds its share of the mean
+
+    def gradient(with_aux):
+        model.zero_grad()
+        stats = accumulate_gradients(model, batch, advantages, config, num_tokens=6.0,
+                                     aux=router_aux_loss(model, 0.5) if with_aux else None)
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, stats
+
+    plain, _ = gradient(False)
+    balanced, stats = gradient(True)
+    model.zero_grad()
+    own = []
+    for i in range(2):   # the model's own aux_loss of each row, as its forward computes it
+        row = batch.rows(i, i + 1)
+        own.append(model(input_ids=row.input_ids, attention_mask=row.attention_mask, position_ids=row.position_ids,
+                         output_router_logits=True).aux_loss)
+    (0.5 * (own[0] + own[1]) / 2).backward()
+    assert any(n.endswith("mlp.gate.weight") for n in balanced)
+    for name, value in balanced.items():   # the routers' and every layer's under them
+        expected = model.get_parameter(name).grad
+        torch.testing.assert_close(value - plain[name], torch.zeros_like(value) if expected is None else expected,
+                                   atol=1e-6, rtol=1e-4)
+    assert stats["aux_loss"] == pytest.approx(float(own[0] + own[1]) / 2, rel=1e-5)
