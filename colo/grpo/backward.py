@@ -9,8 +9,8 @@ import torch
 
 from ..moe_routing import replay_of
 from .batch import PackedBatch, Rollout, completion_logprobs, pack
-from .config import GRPOConfig
-from .loss import grpo_loss, high_entropy_mask, importance_weights, loss_denominators
+from .config import GRPOConfig, processed_logprobs
+from .loss import grpo_loss, high_entropy_mask, importance_weights, loss_denominators, off_policy_mask
 from .router_aux import RouterAuxLoss, router_aux_loss
 
 
@@ -55,6 +55,13 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
                     ref = completion_logprobs(reference_model, part, config.temperature)
             old = logprobs.detach() if old_logprobs is None else padded(old_logprobs[start:start + micro],
                                                                        logprobs.shape, logprobs.device)
+            if config.off_policy_mask_threshold is not None:
+                # (the engine's sampling log-probabilities where given, else the old policy's, as TRL)
+                sampled_with = old if engine_logprobs is None else \
+                    padded(engine_logprobs[start:start + micro], logprobs.shape, logprobs.device)
+                keep = off_policy_mask(advantages[start:start + micro], logprobs, sampled_with, part.completion_mask,
+                                       config.off_policy_mask_threshold)
+                token_mask = keep if token_mask is None else token_mask * keep
             weights = None
             if config.importance_sampling != "off" and engine_logprobs is not None:
                 # (the old policy's over the engine's, as TRL's: the loss's ratio carries the current policy's
@@ -204,8 +211,8 @@ def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: 
                                          global_sequences=global_sequences, max_new_tokens=config.max_new_tokens,
                                          ranks=dp_size)
         # vLLM's log-probabilities are of the distribution it sampled from only at temperature 1, or when
-        # it reports processed ones (colo.grpo builds it so for importance sampling).
-        compare = config.temperature == 1.0 or config.importance_sampling != "off"
+        # it reports processed ones (colo.grpo builds it so for importance sampling and off-policy masking).
+        compare = config.temperature == 1.0 or processed_logprobs(config)
         stats = accumulate_gradients(model, batch, advantages[rows].to(device), config,
                                      num_tokens=denominators, reference=reference,
                                      engine_logprobs=part.logprobs if compare else None,

@@ -123,6 +123,10 @@ class GRPOConfig:
     beta: float = setting(0.0, "KL-to-reference weight (0: none). With LoRA the reference is the shared base, free; "
                           "with full fine-tuning a frozen second copy of the weights (colo.plan shows its bytes)",
                           group="loss", type=float, trl="beta")
+    off_policy_mask_threshold: float | None = setting(
+        None, "off-policy sequence masking (OPSM, DeepSeek-V3.2's; TRL's): a completion with a negative advantage whose "
+        "mean per-token KL from the engine's sampling log-probabilities to the trainer's exceeds this is left out of "
+        "the policy term (TRL suggests 0.5); None: off", group="loss", type=float, trl="off_policy_mask_threshold")
     router_aux_loss_coef: float | None = setting(
         None, "MoE models: the weight of the load-balancing loss the model's own forward computes from its router "
         "logits, added to the loss (TRL's; 0: off; None: the model config's router_aux_loss_coef, 0 where it has "
@@ -402,6 +406,8 @@ class GRPOConfig:
             raise ValueError(f"chat_template_kwargs must be a dict, got {self.chat_template_kwargs!r}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold > 0:
+            raise ValueError(f"off_policy_mask_threshold must be > 0 (a KL) or None, got {self.off_policy_mask_threshold}")
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             raise ValueError(f"router_aux_loss_coef must be >= 0 or None (the model's), got {self.router_aux_loss_coef}")
         if self.router_aux_loss_coef and self.tensor_parallel > 1:
@@ -605,6 +611,13 @@ def check_generation_kwargs(kwargs: dict) -> None:
         SamplingParams(**kwargs)
     except Exception as e:  # noqa: BLE001 - vLLM raises its own validation errors, and TypeError for a wrong kind
         raise ValueError(f"generation_kwargs {kwargs}: vLLM's SamplingParams refuses them: {e}") from None
+
+
+def processed_logprobs(config) -> bool:
+    """Whether the run's engine reports the log-probabilities of the distribution it sampled from
+    (vLLM's processed ones: after temperature and the sampling filters), which importance sampling and
+    off-policy masking compare with the trainer's."""
+    return config.importance_sampling != "off" or config.off_policy_mask_threshold is not None
 
 
 def checkpointing_on(config, device_type: str) -> bool:

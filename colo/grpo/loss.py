@@ -258,6 +258,17 @@ def loss_denominators(loss_type: str, completion_mask: torch.Tensor, *, global_t
     raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
 
 
+def off_policy_mask(advantages: torch.Tensor, logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
+                    mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """TRL's off-policy sequence mask (OPSM, DeepSeek-V3.2): (B, 1), 0 for a completion with a negative
+    advantage whose mean per-token KL from the sampling log-probabilities to `logprobs` exceeds
+    `threshold`, 1 otherwise. A token the engine gave no log-probability for (NaN) counts 0."""
+    mask = mask.to(torch.float32)
+    kl = torch.nan_to_num(sampling_logprobs.float() - logprobs.detach().float(), nan=0.0)
+    mean_kl = (kl * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return ((advantages.reshape(-1, 1) >= 0) | (mean_kl <= threshold)).to(torch.float32)
+
+
 def importance_weights(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
                        mode: str, low: float | None = None, high: float | None = None) -> tuple[torch.Tensor, dict]:
     """Importance-sampling weights correcting for the engine sampling from (slightly) other numbers than

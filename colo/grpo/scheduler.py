@@ -57,7 +57,7 @@ from . import distributed
 from .backward import PolicyTrainer
 from .batch import Rollout, rollout_of
 from .checkpoint import Checkpointer
-from .config import GRPOConfig, check_routing_replay, checkpointing_on
+from .config import GRPOConfig, check_routing_replay, checkpointing_on, processed_logprobs
 from .metrics import (ProgressBar, Residency, StepLog, Timeline, agent_stats, rank_path, reward_stats, scored_mean_std,
                       train_stats)
 from .overlap import GroupFailed, memory_refusal, serial_reason
@@ -138,7 +138,7 @@ class GRPOScheduler:
             raise NotImplementedError("images (a vision-language model's prompts) with tensor_parallel > 1")
         engine_options = fit_model_length(self.config, self.model_dir, (self.task, self.eval_task),
                                           dict(engine_options or {}))
-        if self.config.importance_sampling != "off":  # the log-probabilities of what the engine sampled from
+        if processed_logprobs(self.config):  # the log-probabilities of what the engine sampled from
             engine_options.setdefault("logprobs_mode", "processed_logprobs")
         if self.config.structured_outputs_regex:  # vLLM's guided decoding reads the vocabulary from the tokenizer
             engine_options["skip_tokenizer_init"] = False

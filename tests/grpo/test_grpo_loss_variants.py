@@ -570,3 +570,42 @@ def test_the_moe_load_balancing_loss_is_trls_the_models_own_weighted_by_router_a
         torch.testing.assert_close(value - plain[name], torch.zeros_like(value) if expected is None else expected,
                                    atol=1e-6, rtol=1e-4)
     assert stats["aux_loss"] == pytest.approx(float(own[0] + own[1]) / 2, rel=1e-5)
+
+
+def test_off_policy_sequence_masking_is_trls():
+    """TRL's off_policy_mask_threshold (OPSM): a completion with a negative advantage whose mean KL from the
+    sampling log-probabilities exceeds the threshold is left out of the policy term; TRL's own function
+    gives the same mask, and the masked row adds no policy gradient."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    from colo.grpo.backward import accumulate_gradients
+    from colo.grpo.batch import completion_logprobs, pack
+    from colo.grpo.loss import off_policy_mask
+    from helpers.models import one_layer_qwen2
+
+    torch.manual_seed(0)
+    advantages = torch.tensor([1.0, -1.0, -0.5, 0.0])
+    current = -torch.rand(4, 5)
+    sampling = current + torch.tensor([[0.9], [0.9], [0.1], [0.9]])
+    sampling[2, 1] = float("nan")   # a token the engine gave nothing for
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]])
+    mine = off_policy_mask(advantages, current, sampling, mask, 0.5)
+    trls = GRPOTrainer.get_off_policy_mask(advantages.unsqueeze(1), current, sampling, mask.float(), 0.5)
+    assert mine.tolist() == trls.tolist() == [[1.0], [0.0], [1.0], [1.0]]
+
+    batch = pack([[3, 4, 5], [6, 7]], [[8, 9, 10, 11], [12, 13]])
+    model = one_layer_qwen2().train()
+    with torch.no_grad():
+        logprobs = completion_logprobs(model, batch)
+    engine = [(logprobs[0, :4] + 1.0).tolist(), (logprobs[1, :2] + 1.0).tolist()]   # mean KL 1 each
+
+    def gradient(threshold, advantages):
+        model.zero_grad()
+        config = GRPOConfig(off_policy_mask_threshold=threshold, micro_batch_size=1)
+        accumulate_gradients(model, batch, advantages, config, num_tokens=6.0, engine_logprobs=engine)
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    assert gradient(0.5, torch.tensor([-1.0, -1.0])).abs().sum() == 0          # both masked
+    assert gradient(2.0, torch.tensor([-1.0, -1.0])).abs().sum() > 0           # KL under the threshold
+    torch.testing.assert_close(gradient(0.5, torch.tensor([1.0, -1.0])),      # only the positive row trains
+                               gradient(None, torch.tensor([1.0, 0.0])))
