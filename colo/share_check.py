@@ -7,9 +7,14 @@ from, so share_weights compares the two on a few tokens before the first step:
 
     gap = mean |log p_engine(token | prefix) - log p_trainer(token | prefix)|   over PROBE_TOKENS tokens
 
-and refuses a gap beyond what the dtype's rounding makes. Seen on tiny random models of 22 families
-(tests/sharing/test_families.py): about 5e-7 in float32, 1e-2 in bfloat16; a difference of function is
-of the order of the logits' own spread (tenths and more).
+and refuses a gap beyond what the dtype's rounding makes. Seen on tiny random models of the families
+tests/sharing/test_families.py builds: about 5e-7 in float32, 1e-2 in bfloat16; a difference of function
+is of the order of the logits' own spread (tenths and more).
+
+Equal values at share time do not prove that the engine will serve the next ones: a kernel may keep a
+copy of a weight made at load (a packed layout) that colo does not know to refresh. So the check then
+changes every trainer weight (negated: exact, and exactly undone), publishes, compares again, and
+restores (check_engine_follows).
 """
 from __future__ import annotations
 
@@ -62,13 +67,48 @@ def trainer_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
 
 def logprob_gap(hf_model, llm, ids: list[int] | None = None) -> float:
     """The mean absolute gap between the engine's and the trainer's log-probabilities of `ids`."""
-    if ids is None:
-        config = hf_model.config
-        placeholders = [getattr(config, name) for name in ("image_token_id", "image_token_index")
-                        if isinstance(getattr(config, name, None), int)]
-        count = min(PROBE_TOKENS, llm.llm_engine.model_config.max_model_len - 1)  # and one generated token
-        ids = probe_ids(config.get_text_config().vocab_size, count, skip=placeholders)
+    ids = _probe_ids_of(hf_model, llm) if ids is None else ids
     return float((engine_logprobs(llm, ids) - trainer_logprobs(hf_model, ids)).abs().mean())
+
+
+def _probe_ids_of(hf_model, llm) -> list[int]:
+    config = hf_model.config
+    placeholders = [getattr(config, name) for name in ("image_token_id", "image_token_index")
+                    if isinstance(getattr(config, name, None), int)]
+    count = min(PROBE_TOKENS, llm.llm_engine.model_config.max_model_len - 1)  # and one generated token
+    return probe_ids(config.get_text_config().vocab_size, count, skip=placeholders)
+
+
+def check_engine_follows(shared, hf_model, llm) -> float:
+    """Raise ValueError where the engine does not serve what the trainer computes after a publish: every
+    trainer weight negated (exact, and exactly undone), published, both compared, negated back and
+    published again. A tensor vLLM computed from the weights at load time and keeps (a kernel's private
+    copy colo does not refresh) would keep serving the old values, which the check at share time alone
+    cannot see (the values are still equal then). Returns the gap."""
+    from . import vllm_compat as compat
+
+    parameters = [p for p in hf_model.parameters() if p.is_floating_point()]
+    with torch.no_grad():
+        for p in parameters:
+            p.neg_()
+    try:
+        shared.publish()
+        ids = _probe_ids_of(hf_model, llm)
+        trainer = trainer_logprobs(hf_model, ids)
+        gap = float((engine_logprobs(llm, ids) - trainer).abs().mean())
+    finally:
+        with torch.no_grad():
+            for p in parameters:
+                p.neg_()
+        shared.publish()
+    tolerance = TOLERANCE.get(compat.engine_dtype(llm), 0.1)
+    if torch.isfinite(trainer).all() and not gap <= tolerance:
+        raise ValueError(
+            f"after a publish the engine does not serve what the trainer's {type(hf_model).__name__} computes: mean "
+            f"gap {gap:.3g} over up to {PROBE_TOKENS - 1} tokens with every weight changed, beyond {tolerance:g}: vLLM "
+            "keeps a copy of some weight that colo does not refresh (a CPU kernel's packing colo does not know?). "
+            "Training would not reach what the engine samples; share_weights(check_logprobs=False) skips this check")
+    return gap
 
 
 def check_shared_logprobs(hf_model, llm) -> float:

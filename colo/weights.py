@@ -217,9 +217,10 @@ def _share(hf_model, llm, pool, *, alias: bool, bucket_bytes: int = 256 << 20, c
                        "publish copies them (%d bytes): %s", len(copied), shared.copy_bytes,
                        "; ".join(f"{name} ({why})" for name, why in list(copied.items())[:4]))
     if check_logprobs:
-        from .share_check import check_shared_logprobs
+        from .share_check import check_engine_follows, check_shared_logprobs
 
         check_shared_logprobs(hf_model, llm)
+        check_engine_follows(shared, hf_model, llm)
     return shared
 
 

@@ -28,9 +28,10 @@ ARCHITECTURES = {
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"), "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM"),
     "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM"),
     "opt": ("OPTConfig", "OPTForCausalLM"), "bloom": ("BloomConfig", "BloomForCausalLM"), "gptj": ("GPTJConfig", "GPTJForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
 }
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "glm4_moe", "deepseek_v3", "gpt_oss",
-                     "llama4", "gemma4_moe", "ernie4_5_moe", "exaone_moe", "granitemoeshared")
+                     "llama4", "gemma4_moe", "ernie4_5_moe", "exaone_moe", "granitemoeshared", "qwen3_next")
 _DEFAULTS = dict(head_dim=64, tie_word_embeddings=True)
 # Fields a family names its own way: Falcon's grouped-query layout (Falcon-40B's and -180B's, whose fused
 # QKV vLLM's loader reorders) and its KV head count; GPT-2's dropout, off so that a model in training mode
@@ -75,6 +76,11 @@ MOE_DEFAULTS = {
     "exaone_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_group=1, topk_group=1),
     "granitemoeshared": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
                              shared_intermediate_size=128),
+    # Qwen3-Next's: a shared expert, and Gated DeltaNet linear attention in every layer but each second one
+    # (each fourth in the real ones), its heads a few
+    "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                       full_attention_interval=2, linear_num_value_heads=4, linear_num_key_heads=2,
+                       linear_key_head_dim=64, linear_value_head_dim=64),
 }
 
 # The rope table size (max_position_embeddings) of the random models the sections save: it is part of

@@ -70,10 +70,11 @@ def _awaited(awaitables: list) -> list:
         return pool.submit(asyncio.run, gather()).result()
 
 
-def check_reward_call(function, columns: list[str], dataset: str) -> None:
+def check_reward_call(function, columns: list[str], dataset: str, more_fields: bool = False) -> None:
     """Refuse, before any engine starts, a reward function TRL's call cannot reach: one whose parameters
     cannot take prompts=, completions=, completion_ids= and every column of the dataset by name, or one
-    needing a column the dataset lacks (the math and gsm8k rewards' `solution` / `answer`)."""
+    needing a column the dataset lacks (the math and gsm8k rewards' `solution` / `answer`). more_fields:
+    the call may bring more (a rollout_func's fields): a parameter no column fills is not refused."""
     import inspect
 
     from .rewards import reward_name
@@ -89,7 +90,7 @@ def check_reward_call(function, columns: list[str], dataset: str) -> None:
         return
     call = {k: [] for k in ("prompts", "completions", "completion_ids", *columns)}
     try:
-        signature.bind(**call)
+        (signature.bind_partial if more_fields else signature.bind)(**call)
     except TypeError as e:
         raise ValueError(f"reward function {name!r} cannot take TRL's call (prompts=, completions=, completion_ids= "
                          f"and each column of {dataset} by name: {', '.join(columns) or 'none'}): {e}; give it "
@@ -225,8 +226,8 @@ class DatasetTask(Task):
         if not all(math.isfinite(w) for w in weights):
             raise ValueError(f"reward weights must be finite numbers, got {weights}")
         given = [c for c in columns if c not in RESERVED] + (["environments"] if environment is not None else [])
-        for f in funcs:
-            check_reward_call(f, given, name)
+        for f in funcs:   # (a library user's rollout_func may bring more fields: TRL's extra keys)
+            check_reward_call(f, given, name, more_fields=True)
         self.reward_funcs = funcs
         self.reward_names = tuple(reward_name(f) for f in funcs)
         self.weights = torch.tensor(weights, dtype=torch.float32)

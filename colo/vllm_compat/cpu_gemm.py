@@ -6,6 +6,11 @@ vLLM's CPU MoE kernel does the same to a MoE layer's experts (`CPUUnquantizedExp
 replaced by `prepack_moe_weight`'s blocked layout, of the same shape): colo keeps the experts as loaded
 (what a trainer's `gate_up_proj` / `down_proj` are views of) and repacks them in place at publish
 (`CpuPackedExperts.repack`). On a GPU the fused-MoE kernels read w13 / w2 as loaded: nothing to repack.
+
+So does its causal-conv1d kernel (the linear-attention layers of Qwen3-Next and its kin, on CPUs with
+bf16 instructions): the conv weight is replaced by `causal_conv1d_weight_pack`'s layout and the weight
+as loaded is stashed as `_cpu_unpacked_conv_weight` (its fallbacks' copy); colo keeps that one as what a
+trainer's conv weight views, and repacks it into the served weight at publish (`CpuPackedConv.repack`).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from .layout import _is_lora_wrapper
 _PACKING_OPS = {"convert_weight_packed": "sgl", "create_onednn_mm_handler": "onednn",
                 "zentorch_weight_prepack_for_linear": "zentorch"}
 _MOE_PACKING_OP = "prepack_moe_weight"   # (weight, out, isa): the experts packed into `out`
+_CONV_PACKING_OP = "causal_conv1d_weight_pack"   # (dim, width) weight -> its packed copy
 
 
 class _LoadMode(AllocateIn):
@@ -120,6 +126,45 @@ class CpuPackedExperts:
     def repack(self) -> int:
         torch.ops._C.prepack_moe_weight(self.weight, self.packed.detach(), self.isa)
         return self.weight.nbytes
+
+
+@dataclass
+class CpuPackedConv:
+    """One causal-conv1d layer whose served weight vLLM's CPU kernel packed at load: `weight` is the
+    weight as loaded, shaped as the served one, over vLLM's stashed `_cpu_unpacked_conv_weight` (the
+    fallbacks' copy, kept in step), what a trainer's conv weight views; `repack()` rewrites the served
+    packed weight from it, in place."""
+    module: torch.nn.Module
+    weight: torch.Tensor
+    used: bool = True
+
+    kernel = "causal-conv1d"
+    stale_after_update = True
+
+    @property
+    def packed(self) -> torch.Tensor:
+        return self.module.weight
+
+    @property
+    def packed_bytes(self) -> int:
+        return self.weight.nbytes
+
+    def repack(self) -> int:
+        unpacked = self.weight.view(self.weight.shape[0], self.weight.shape[-1])
+        self.packed.data.copy_(torch.ops._C.causal_conv1d_weight_pack(unpacked).view_as(self.packed))
+        return self.weight.nbytes
+
+
+def _keep_conv_weights(model) -> list[CpuPackedConv]:
+    """Every causal-conv1d weight vLLM's CPU kernel packed at load, with the weight as loaded beside it."""
+    kept = []
+    for module in model.modules():
+        unpacked = getattr(module, "_cpu_unpacked_conv_weight", None)
+        weight = getattr(module, "weight", None)
+        if isinstance(unpacked, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.dim() in (2, 3) \
+                and unpacked.numel() == weight.numel():
+            kept.append(CpuPackedConv(module, unpacked.view(weight.shape)))
+    return kept
 
 
 def _keep_expert_weights(model, mode: _LoadMode) -> list[CpuPackedExperts]:

@@ -33,7 +33,8 @@ from ..regions import KV_CACHE, WEIGHTS, WEIGHTS_CHUNK_BYTES, region_for
 from ..sizes import round_up
 from .route_capture import install_capture
 from .trainer_models import remember_engine_config
-from .cpu_gemm import CpuLinear, CpuPackedExperts, _keep_expert_weights, _keep_linear_weights, _LoadMode
+from .cpu_gemm import (CpuLinear, CpuPackedConv, CpuPackedExperts, _keep_conv_weights, _keep_expert_weights,
+                       _keep_linear_weights, _LoadMode)
 
 
 class EnginePlacement:
@@ -41,7 +42,8 @@ class EnginePlacement:
 
     pool: the colo.Pool; `weights` and `kv_cache` regions are created in it on first use.
     After loading: `linears` (one CpuLinear per CPU linear layer, one CpuPackedExperts per MoE weight the
-    CPU MoE kernel packed; empty on a GPU), `kept` ({id(served packed tensor): the weights as loaded,
+    CPU MoE kernel packed, one CpuPackedConv per causal-conv1d weight its conv kernel packed; empty on a
+    GPU), `kept` ({id(served packed tensor): the weights as loaded,
     which colo keeps for trainers to view}), `adopted_bytes`
     (parameters vLLM made outside torch's factories, copied into the region once, before any
     compilation), `placed_bytes`, and what the weights region holds, apart: `model_bytes` (the
@@ -52,7 +54,7 @@ class EnginePlacement:
 
     def __init__(self, pool):
         self.pool = pool
-        self.linears: list[CpuLinear | CpuPackedExperts] = []
+        self.linears: list[CpuLinear | CpuPackedExperts | CpuPackedConv] = []
         self.kept: dict[int, torch.Tensor] = {}
         self.adopted_bytes = 0
         self.placed_bytes = 0
@@ -80,11 +82,11 @@ class EnginePlacement:
         model = worker.model_runner.get_model()
         vllm_config = getattr(worker, "vllm_config", None)
         self.routing = install_capture(model, vllm_config) if vllm_config is not None else None  # before compiling
-        experts = _keep_expert_weights(model, mode)
-        self.linears = [*_keep_linear_weights(model, mode), *experts]
-        self.kept = {id(e.packed): e.weight for e in experts}
+        repacked = [*_keep_expert_weights(model, mode), *_keep_conv_weights(model)]
+        self.linears = [*_keep_linear_weights(model, mode), *repacked]
+        self.kept = {id(e.packed): e.weight for e in repacked}
         region = self.weights_region()
-        self.adopted_bytes = adopt_into(region, [*model.parameters(), *(e.weight for e in experts)])
+        self.adopted_bytes = adopt_into(region, [*model.parameters(), *(e.weight for e in repacked)])
         self.placed_bytes = mode.placed_bytes
         self.model_bytes = _bytes_inside(region, [*model.parameters(), *model.buffers(), *self.kept.values()])
         self.runtime_bytes = max(0, region.stats()["allocated_bytes"] - self.model_bytes)

@@ -28,7 +28,10 @@ from helpers.logprobs import trainer_logprobs
 
 pytestmark = pytest.mark.slow
 
-CASES = [(arch, "float32") for arch in ARCHITECTURES] + [("qwen3_moe", "bfloat16"), ("gemma3", "bfloat16")]
+# Families vLLM's CPU backend serves in bf16 only (its linear attention computes in bf16).
+BF16_ONLY = ("qwen3_next",)
+CASES = [(arch, "float32") for arch in ARCHITECTURES if arch not in BF16_ONLY] + \
+    [("qwen3_moe", "bfloat16"), ("gemma3", "bfloat16"), ("qwen3_next", "bfloat16")]
 # The largest gap between the engine's and the trainer's log-probabilities, by dtype: rounding only.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.06}
 # Families whose checkpoints tie the LM head to the embedding (vLLM's Cohere always does).
@@ -38,6 +41,8 @@ TIED = ("gemma2", "gemma3", "gemma4", "gemma4_moe", "smollm3", "cohere", "bloom"
 THROUGH_LOADER = {"falcon": ("self_attention.query_key_value.weight",),
                   "bloom": ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias"),
                   "llama4": ("self_attn.q_proj.weight", "self_attn.k_proj.weight")}
+# The parameters (by name ending) the engine holds in another dtype than the trainer's, per family: copied.
+COPIED = {"qwen3_next": {"linear_attn.A_log": torch.float32}}
 # Config fields a family needs beside the tiny config: MLA has no grouped KV heads (each head's key and
 # value come from the shared latent), so transformers' DeepSeek-V3 wants as many KV heads as heads.
 FAMILY_FIELDS = {"deepseek_v3": dict(num_key_value_heads=2)}
@@ -72,12 +77,17 @@ def test_one_copy_serves_and_trains(arch, dtype, tiny_model_dir, build_engine, p
         through_loader = THROUGH_LOADER.get(arch, ())
         loaded = {n: p for n, p in model.named_parameters() if n.endswith(through_loader)}
         assert len(loaded) == model.config.num_hidden_layers * len(through_loader)
-        assert set(shared.copied) == set(loaded) and shared.copy_bytes == sum(p.nbytes for p in loaded.values())
-        assert all(region.contains(p) for n, p in model.named_parameters() if n not in loaded)
+        # Copied besides: what the engine keeps in another dtype than the trainer (Qwen3-Next's fp32 A_log).
+        in_engine = COPIED.get(arch, {})
+        copied = {n: p.numel() * in_engine[end].itemsize for n, p in model.named_parameters()
+                  for end in in_engine if n.endswith(end)}
+        assert set(shared.copied) == set(loaded) | set(copied)
+        assert shared.copy_bytes == sum(p.nbytes for p in loaded.values()) + sum(copied.values())
+        assert all(region.contains(p) for n, p in model.named_parameters() if n not in loaded and n not in copied)
         if arch in MOE_ARCHITECTURES:
             experts = [n for n, _ in model.named_parameters() if "experts" in n]
             assert experts and shared.aliased_bytes == sum(p.nbytes for n, p in model.named_parameters()
-                                                           if n not in loaded)
+                                                           if n not in loaded and n not in copied)
             assert is_moe(model)  # its routers found: routing replay and router_mismatch
 
         train_one_step(model)
@@ -218,5 +228,24 @@ def test_lora_adapter_is_the_engines_slot(arch, tiny_model_dir, build_engine, pr
         assert report["bytes_copied"] == 0
         assert (served - trainer_logprobs(model, PROMPTS)).abs().max() < TOLERANCE["float32"]
         assert (served - base).abs().max() > 10 * TOLERANCE["float32"]
+    finally:
+        release_llm(llm)
+
+
+def test_an_engine_copy_colo_does_not_refresh_is_refused_at_share_time(tiny_model_dir, build_engine):
+    """A copy of the weights an engine kernel keeps and colo does not refresh at publish (here: the oneDNN
+    linears' packed copies, their repacking dropped) serves the old values after the first step; the check
+    at share time publishes a changed model (every weight negated, then restored exactly) and refuses."""
+    from colo.share_check import check_engine_follows
+
+    llm = build_engine(tiny_model_dir("qwen2", vocab_size=1000), kernel="onednn")
+    try:
+        shared = colo.shared_model(llm)   # follows: the check passed
+        model = shared.hf_model
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        shared._repack = []   # what a kernel colo does not know would leave stale
+        with pytest.raises(ValueError, match="after a publish the engine does not serve what the trainer"):
+            check_engine_follows(shared, model, llm)
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())   # restored exactly
     finally:
         release_llm(llm)
