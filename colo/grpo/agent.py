@@ -24,11 +24,15 @@ from dataclasses import dataclass, field
 from ..errors import EnvironmentFailed
 from .overlap import GroupFailed
 from .rollout_engine import Completion
-from .tools import PendingCall, ToolCall, ToolRunner, environment_tools, parse_turn, tool_suffix_ids
+from .tools import (PendingCall, ToolCall, ToolRunner, describe_error, environment_tools, parse_turn,
+                    tool_suffix_ids)
 
 MALFORMED = "tool_call"      # the name a malformed call's error result goes under
 _TURN_SEED_STRIDE = 104_729  # each turn of a rollout samples with a seed of its own
 _SEEDS = 2**63 - 1           # vLLM takes a seed that fits an int64
+# A tool result's characters kept per token of max_new_tokens: a token rarely holds more, so a result cut
+# there would not have fitted the budget anyway, and what is kept renders and tokenizes quickly.
+RESULT_CHARS_PER_TOKEN = 8
 
 
 @dataclass
@@ -89,7 +93,7 @@ class AgentRollouts:
         self.engine, self.task, self.tools, self.environment = engine, task, dict(tools), environment
         self.max_turns, self.max_new_tokens, self.max_model_len = max_turns, max_new_tokens, max_model_len
         self.tool_timeout = tool_timeout
-        self.runner = ToolRunner(tool_timeout, workers=workers)
+        self.runner = ToolRunner(tool_timeout, workers=workers, result_chars=RESULT_CHARS_PER_TOKEN * max_new_tokens)
         self._instances: list = []   # environment instances, reused across steps (reset before each rollout)
         self.stats = AgentStats()
 
@@ -148,8 +152,19 @@ class AgentRollouts:
 
     def _instance(self, k: int):
         while len(self._instances) <= k:
-            self._instances.append(self.environment())
+            self._instances.append(self._construct())
         return self._instances[k]
+
+    def _construct(self):
+        """A new instance of the environment; its constructor failing is the user's code, not the engine's
+        (GroupFailed: no rebuild), and named."""
+        name = getattr(self.environment, "__name__", repr(self.environment))
+        try:
+            return self.environment()
+        except (Exception, SystemExit) as e:  # SystemExit too: it would end the run without a word
+            failed = EnvironmentFailed(f"environment {name}() raised {describe_error(e, with_type=True)} (each "
+                                       f"rollout's instance is made as {name}(), TRL's environment_factory contract)")
+            raise GroupFailed(str(failed)) from failed
 
     def _reset(self, environment, row: int) -> list[int]:
         """reset(**row) (TRL's contract): None, or a string appended to the last user message; the
@@ -158,8 +173,8 @@ class AgentRollouts:
         name = type(environment).__name__
         try:
             observation = environment.reset(**fields)
-        except Exception as e:
-            failed = EnvironmentFailed(f"environment {name}.reset raised {type(e).__name__}: {e} on "
+        except (Exception, SystemExit) as e:  # SystemExit too: it would end the run without a word
+            failed = EnvironmentFailed(f"environment {name}.reset raised {describe_error(e, with_type=True)} on "
                                        f"{self.task.describe_row(row)}")
             raise GroupFailed(str(failed)) from failed  # the user's code, not the engine: no rebuild
         if observation is not None and not isinstance(observation, str):
@@ -235,16 +250,19 @@ class AgentRollouts:
         return True
 
     def _wait_for_tools(self, rollouts: list[_Rollout]) -> None:
-        """The engine has nothing to decode: wait for the first tool call to return, or a deadline."""
-        pending = [p for r in rollouts for p in r.pending]
-        if not pending:
-            return
+        """The engine has nothing to decode: wait (blocked, not spinning) until a call not yet ready returns
+        or reaches its deadline. Calls already answered (an unknown tool, a fast one) do not count: their
+        rollout still waits for its others. No wait where a rollout can go on already."""
         started = time.perf_counter()
-        futures = [p.future for p in pending if p.future is not None and not p.future.done()]
-        deadlines = [p.deadline for p in pending if p.deadline is not None]
-        if futures and len(futures) == len(pending):
-            wait = max(0.0, min(deadlines) - started) if deadlines else None
-            concurrent.futures.wait(futures, timeout=wait, return_when=concurrent.futures.FIRST_COMPLETED)
+        if any(r.pending and all(p.ready(started) for p in r.pending) for r in rollouts):
+            return
+        waiting = [p for r in rollouts for p in r.pending if not p.ready(started)]
+        if not waiting:
+            return
+        deadlines = [p.deadline for p in waiting if p.deadline is not None]
+        wait = max(0.0, min(deadlines) - started) if deadlines else None
+        concurrent.futures.wait([p.future for p in waiting], timeout=wait,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
         self.stats.engine_idle_s += time.perf_counter() - started
 
     @staticmethod

@@ -569,12 +569,14 @@ class GRPOScheduler:
 def start_tool_workers(tools: list, isolation: str):
     """The worker processes the run's sync tools run in (colo.grpo.tool_workers), or None (thread isolation,
     no sync tools)."""
-    import inspect
-
     from .tool_workers import ToolWorkers
+    from .tools import check_picklable, is_async_tool
 
-    synchronous = {t.__name__: t for t in tools if not inspect.iscoroutinefunction(t)}
-    return ToolWorkers(synchronous) if synchronous and isolation == "process" else None
+    synchronous = {t.__name__: t for t in tools if not is_async_tool(t)}
+    if not synchronous or isolation != "process":
+        return None
+    check_picklable(synchronous)   # named here, not a bare pickling error from the worker's start
+    return ToolWorkers(synchronous)
 
 
 def global_clipped_norm(memory, optimizer, views, world, max_norm: float | None) -> float:

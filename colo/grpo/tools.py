@@ -11,7 +11,10 @@
   tokenizer has a response template (`tokenizer.parse_response`), and otherwise in the Hermes format,
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. A call that does not parse, an unknown
   tool, a tool that raises or one that runs past its timeout becomes an error in the tool's result
-  message (as TRL writes it, `{'error': '...'}`) and is counted; the run goes on.
+  message (as TRL writes it, `{'error': '...'}`) and is counted; the run goes on. That holds for whatever
+  a tool raises (SystemExit, KeyboardInterrupt, an exception whose str() raises) and whatever the model
+  writes (any JSON, any nesting, any length: calls are read by a linear scan). A result is cut to a bound
+  (ToolRunner's `result_chars`), saying so, before anything renders or tokenizes it.
 - `python` (`--tool colo.grpo.tools:python`) runs model-written Python in a sandbox (colo.grpo.sandbox).
 - The next turn's tokens are the previous ones plus the template's rendering of the tool messages
   (`tool_suffix_ids`, TRL's way: the difference between two renderings of a dummy conversation), so the
@@ -29,12 +32,15 @@ import queue
 import re
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+MAX_CALL_NESTING = 64       # JSON levels a tool call may nest: json.loads recurses once per level
+RESULT_CHARS = 16_000       # a tool result's characters kept where the caller gives no bound of its own
+_JSON_STRUCTURE = re.compile(r'[\[\]{}"\\]')   # the characters that open, close or escape JSON's levels and strings
 
 
 class ToolError(ValueError):
@@ -88,8 +94,38 @@ def check_tools(tools) -> dict:
         name = tool.__name__
         if name in by_name:
             raise ToolError(f"two tools are named {name!r}")
+        if inspect.isasyncgenfunction(_unwrapped(tool)):
+            raise ToolError(f"tool {name!r} is an async generator: a tool returns its result (give an async def that "
+                            "returns it)")
         by_name[name] = tool
     return by_name
+
+
+def check_picklable(tools: dict) -> None:
+    """Refuse, by name, a tool that cannot reach a worker process (--tool-isolation process): cloudpickle
+    cannot serialize what its closure or globals hold (a lock, a client, a tokenizer)."""
+    import cloudpickle
+
+    for name, tool in tools.items():
+        try:
+            cloudpickle.dumps(tool)
+        except Exception as e:  # noqa: BLE001 - pickling raises TypeError, PicklingError, or the object's own
+            raise ToolError(f"tool {name!r} cannot be sent to a worker process ({describe_error(e)}): make what it "
+                            "holds inside the function, or give --tool-isolation thread to run it in the trainer "
+                            "process") from e
+
+
+def is_async_tool(tool) -> bool:
+    """An `async def`, also behind a sync decorator (functools.wraps): its call returns a coroutine, which
+    the event loop awaits; a thread would hand the model the coroutine's repr."""
+    return inspect.iscoroutinefunction(tool) or inspect.iscoroutinefunction(_unwrapped(tool))
+
+
+def _unwrapped(tool):
+    try:
+        return inspect.unwrap(tool)
+    except ValueError:  # a __wrapped__ cycle: the tool as it is
+        return tool
 
 
 def environment_tools(cls) -> list[str]:
@@ -109,11 +145,25 @@ def check_environment(cls) -> None:
                         "returns None or a string appended to the prompt)")
     if inspect.iscoroutinefunction(cls.reset):
         raise ToolError(f"environment {name}: reset() must be synchronous (it runs before the rollout's prompt is made)")
+    needed = _required_arguments(cls)
+    if needed:
+        raise ToolError(f"environment {name}: its constructor needs {', '.join(needed)}; each rollout's instance is "
+                        f"made as {name}() (TRL's environment_factory contract), so give every argument a default")
     for method in environment_tools(cls):
         try:
             tool_schema(getattr(cls, method))
         except ToolError as e:
             raise ToolError(f"environment {name}: {e}") from None
+
+
+def _required_arguments(cls) -> list[str]:
+    """The arguments `cls()` would lack."""
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # a builtin's constructor: nothing known to check
+        return []
+    return [p.name for p in signature.parameters.values()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 def check_template_renders_tools(tokenizer, tools: list, template_name: str) -> None:
@@ -187,9 +237,9 @@ def parse_turn(tokenizer, turn_ids: list[int], prefix_ids: list[int], tools: lis
         try:
             message = tokenizer.parse_response(turn_ids, prefix=prefix_ids, tools=tools or None)
             calls = [_call(c) for c in message.get("tool_calls") or ()]
-        except (ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever the model wrote (RecursionError too) is a malformed call
             text = tokenizer.decode(turn_ids, skip_special_tokens=True)
-            return Turn({"role": "assistant", "content": text}, malformed=f"{type(e).__name__}: {e}")
+            return Turn({"role": "assistant", "content": text}, malformed=_malformed_because(e))
         message = {"role": "assistant", **{k: v for k, v in message.items() if k != "role"}}
         message["content"] = message.get("content") or ""  # as TRL: a turn of tool calls only has content ""
         if isinstance(message["content"], str) and tokenizer.eos_token:
@@ -201,28 +251,82 @@ def parse_turn(tokenizer, turn_ids: list[int], prefix_ids: list[int], tools: lis
 def parse_hermes(text: str) -> Turn:
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in `text` (Qwen's, Hermes')."""
     calls, problems = [], []
-    for block in HERMES_CALL.findall(text):
+    blocks, outside, unclosed = _hermes_blocks(text)
+    for block in blocks:
         try:
-            calls.append(_call({"function": json.loads(block)}))
-        except (ValueError, TypeError, KeyError) as e:
-            problems.append(f"{type(e).__name__}: {e} in {block[:80]!r}")
-    if "<tool_call>" in text and not HERMES_CALL.search(text):
+            calls.append(_call({"function": _json(block)}))
+        except Exception as e:  # noqa: BLE001 - whatever the model wrote (RecursionError too) is a malformed call
+            problems.append(f"{_malformed_because(e)} in {block[:80]!r}")
+    if unclosed and not blocks:
         problems.append("<tool_call> without </tool_call>")
-    content = HERMES_CALL.sub("", text).strip()
-    message = {"role": "assistant", "content": content}
+    message = {"role": "assistant", "content": outside.strip()}
     if calls:
         message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                                  for c in calls]
     return Turn(message, calls, "; ".join(problems) or None)
 
 
-def _call(raw: dict) -> ToolCall:
-    function = raw.get("function", raw)
+def _hermes_blocks(text: str) -> tuple[list[str], str, bool]:
+    """The bodies of the `<tool_call>...</tool_call>` blocks in `text` (stripped), the text outside them, and
+    whether a block was left open. A scan with str.find, linear in the text whatever the model wrote: a
+    regex skipping whitespace around a lazy group backtracks over a whitespace run after an unclosed tag
+    from each of its positions."""
+    blocks, outside, at = [], [], 0
+    while True:
+        start = text.find(HERMES_OPEN, at)
+        end = text.find(HERMES_CLOSE, start + len(HERMES_OPEN)) if start >= 0 else -1
+        if end < 0:  # no more blocks (or one never closed, which stays in the text, as the model wrote it)
+            outside.append(text[at:])
+            return blocks, "".join(outside), start >= 0
+        outside.append(text[at:start])
+        blocks.append(text[start + len(HERMES_OPEN):end].strip())
+        at = end + len(HERMES_CLOSE)
+
+
+def _json(text: str):
+    """json.loads, refusing text nested deeper than MAX_CALL_NESTING before the decoder's recursion gets there."""
+    if _nests_deeper(text, MAX_CALL_NESTING):
+        raise ValueError(f"the JSON nests deeper than {MAX_CALL_NESTING} levels")
+    return json.loads(text)
+
+
+def _nests_deeper(text: str, most: int) -> bool:
+    """Whether JSON `text` opens more than `most` levels at once (brackets inside strings do not count); one
+    pass over its structural characters."""
+    depth, in_string, escaped_at = 0, False, -1
+    for match in _JSON_STRUCTURE.finditer(text):
+        char, at = match.group(), match.start()
+        if in_string:
+            if at == escaped_at:
+                continue
+            if char == "\\":
+                escaped_at = at + 1
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > most:
+                return True
+        elif char in "]}":
+            depth -= 1
+    return False
+
+
+def _malformed_because(error: Exception) -> str:
+    return describe_error(error, with_type=True)
+
+
+def _call(raw) -> ToolCall:
+    function = raw.get("function", raw) if isinstance(raw, dict) else raw
+    if not isinstance(function, dict):
+        raise TypeError(f"a tool call must be a JSON object with a name and arguments, got {type(function).__name__}")
     name, arguments = function.get("name"), function.get("arguments")
     if not isinstance(name, str):
         raise TypeError(f"a tool call's name must be a string, got {name!r}")
     if isinstance(arguments, str):
-        arguments = json.loads(arguments)
+        arguments = _json(arguments)
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, dict):
@@ -270,8 +374,49 @@ class ToolResult:
         return {"role": "tool", "name": self.name, "content": self.content}
 
 
-def _error(name: str, text: str, **flags) -> ToolResult:
-    return ToolResult(name, str({"error": text}), failed=True, **flags)
+def _error(name: str, text: str, limit: int = RESULT_CHARS, **flags) -> ToolResult:
+    return ToolResult(name, str({"error": _cut(text, limit)}), failed=True, **flags)
+
+
+def describe_error(error: BaseException, with_type: bool = False) -> str:
+    """`error` in words, as the model (or the user) reads it: its message (after its type's name
+    `with_type`, and always for SystemExit and the like: "SystemExit: 3" says what "3" alone does not), or
+    its type's name where it has none; never an error of its own, since a __str__ that raises is the
+    tool's bug, not the run's."""
+    name = type(error).__name__
+    try:
+        text = str(error)
+    except BaseException:  # noqa: BLE001 - even a __str__ raising SystemExit: the type's name says enough
+        return name
+    if with_type or not isinstance(error, Exception):
+        return f"{name}: {text}" if text else name
+    return text or name
+
+
+def _cut(text: str, limit: int) -> str:
+    """`text`, or its start and a note saying it was cut: at most `limit` characters, the note included,
+    so that cutting it again changes nothing."""
+    if len(text) <= limit:
+        return text
+    note = f"\n[cut to {limit} characters: it had {len(text)}]"
+    return text[:max(0, limit - len(note))] + note
+
+
+def _content(value, limit: int):
+    """A tool's value as its result message's content: a list as it is (content parts), anything else as
+    its str(); cut to `limit` characters before anything renders or tokenizes it (tokenizing a huge result
+    on the trainer's thread would stall every rollout, and its memory could end the run)."""
+    if inspect.isasyncgen(value):
+        raise TypeError("the tool returned an async generator, not a result")
+    text = str(value)
+    if len(text) <= limit:
+        return value if isinstance(value, list) else text
+    return _cut(text, limit)
+
+
+class ToolFailed(Exception):
+    """A tool's call raised (anything, SystemExit and KeyboardInterrupt included); its message is what the
+    model reads, made where the tool ran."""
 
 
 class DaemonThreads:
@@ -330,13 +475,19 @@ class ToolRunner:
     (colo.grpo.tool_workers.ToolWorkers) runs them, else on a pool of daemon threads; async ones on an
     event loop of their own. Each call has a deadline (`timeout` seconds, None: none): one past it gives
     an error result at once, and its worker process is killed (and replaced), its thread abandoned
-    (Python cannot stop a thread: a new one takes its place in the pool), its coroutine cancelled."""
+    (Python cannot stop a thread: a new one takes its place in the pool), its coroutine cancelled.
+    Whatever a tool raises is an error result, and every result is cut to `result_chars` characters."""
 
-    def __init__(self, timeout: float | None = None, threads: int = 16, workers=None):
+    MIN_RESULT_CHARS = 200   # room for a result's start and the note saying it was cut
+
+    def __init__(self, timeout: float | None = None, threads: int = 16, workers=None,
+                 result_chars: int = RESULT_CHARS):
         self.timeout = timeout
         self.workers = workers
+        self.result_chars = max(result_chars, self.MIN_RESULT_CHARS)
         self._pool = DaemonThreads(threads, "colo-tool")
-        self._loop = None
+        self._loop = self._loop_thread = None
+        self._loop_calls: set = set()   # the calls in flight on the current event loop
 
     def submit(self, call: ToolCall, tools: dict) -> "PendingCall":
         """Start one call; `tools` maps names to the rollout's callables."""
@@ -345,26 +496,34 @@ class ToolRunner:
         if tool is None:
             return PendingCall.done(_error(call.name, f"Tool {call.name} not found."), started)
         deadline = started + self.timeout if self.timeout is not None else None
-        if inspect.iscoroutinefunction(tool):
-            future = asyncio.run_coroutine_threadsafe(self._run_async(tool, call), self._event_loop())
-            return PendingCall(call.name, future, started, deadline)
+        if is_async_tool(tool):
+            loop, calls = self._event_loop()
+            future = asyncio.run_coroutine_threadsafe(self._run_async(tool, call), loop)
+            calls.add(future)
+            future.add_done_callback(calls.discard)
+            return PendingCall(call.name, future, started, deadline, result_chars=self.result_chars)
         if self.workers is not None and self.workers.runs(call.name, tool):
             future = self.workers.submit(call.name, call.arguments)
-            return PendingCall(call.name, future, started, deadline, lambda: self.workers.kill(future))
-        future = self._pool.submit(_run_sync, tool, call)
-        return PendingCall(call.name, future, started, deadline, self._pool.abandon)
+            return PendingCall(call.name, future, started, deadline, lambda: self.workers.kill(future),
+                               result_chars=self.result_chars)
+        future = self._pool.submit(_run_sync, tool, call, self.result_chars)
+        return PendingCall(call.name, future, started, deadline, self._pool.abandon, result_chars=self.result_chars)
 
     async def _run_async(self, tool, call: ToolCall):
         try:
-            return await asyncio.wait_for(tool(**call.arguments), timeout=self.timeout)
+            return await asyncio.wait_for(_run_coroutine(tool, call, self.result_chars), timeout=self.timeout)
         except asyncio.TimeoutError:
             raise TimeoutError from None
 
     def _event_loop(self):
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-            threading.Thread(target=self._loop.run_forever, name="colo-tool-loop", daemon=True).start()
-        return self._loop
+        """The async tools' event loop and its calls in flight; a new one where a tool's own callback or
+        task ended the last one's thread (raising SystemExit or KeyboardInterrupt into the loop)."""
+        if self._loop is None or not self._loop_thread.is_alive():
+            self._loop, self._loop_calls = asyncio.new_event_loop(), set()
+            self._loop_thread = threading.Thread(target=_serve, args=(self._loop, self._loop_calls),
+                                                 name="colo-tool-loop", daemon=True)
+            self._loop_thread.start()
+        return self._loop, self._loop_calls
 
     def close(self) -> None:
         self._pool.shutdown()
@@ -373,8 +532,55 @@ class ToolRunner:
             self._loop = None
 
 
-def _run_sync(tool, call: ToolCall):
-    return tool(**call.arguments)
+def _serve(loop, calls: set) -> None:
+    """Run the async tools' event loop; should a tool end it, fail its calls in flight at once (nothing
+    would ever finish them: with no deadline the run would wait forever)."""
+    try:
+        loop.run_forever()
+    except BaseException as e:  # noqa: BLE001 - a tool's, raised into the loop by one of its callbacks or tasks
+        stopped = ToolFailed(f"the async tools' event loop stopped ({describe_error(e)}); later calls run on a new one")
+        for future in list(calls):
+            try:
+                future.set_exception(stopped)
+            except InvalidStateError:
+                pass  # it finished meanwhile
+
+
+def _run_sync(tool, call: ToolCall, result_chars: int):
+    """A sync tool's call on a pool thread: its result's content, or ToolFailed. Whatever the tool raises
+    is caught, SystemExit and KeyboardInterrupt too: on this thread they can only be the tool's (a Ctrl-C
+    reaches the main thread), and left alone they would end the run without a word."""
+    try:
+        return _content(_settled(tool(**call.arguments)), result_chars)
+    except BaseException as e:  # noqa: BLE001 - the model reads it
+        raise ToolFailed(describe_error(e)) from None
+
+
+def _settled(value):
+    """A sync tool's value; an awaitable (an async function behind a wrapper that is_async_tool cannot see
+    through) is run to its result on this thread, rather than handing the model its repr."""
+    if inspect.isawaitable(value):
+        return asyncio.run(_awaited(value))
+    return value
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+async def _run_coroutine(tool, call: ToolCall, result_chars: int):
+    """An async tool's call, in a task of its own: its result's content, or ToolFailed. Caught here, inside
+    the task: a task hands SystemExit and KeyboardInterrupt on to the event loop, which ends its thread
+    and with it every later async call."""
+    try:
+        value = tool(**call.arguments)
+        if inspect.isawaitable(value):   # an async def's coroutine (a sync wrapper may return it)
+            value = await value
+        return _content(value, result_chars)
+    except (asyncio.CancelledError, GeneratorExit):
+        raise  # its deadline (wait_for cancels it), or the coroutine closed unfinished (a stopped loop's, collected)
+    except BaseException as e:  # noqa: BLE001 - the model reads it
+        raise ToolFailed(describe_error(e)) from None
 
 
 @dataclass
@@ -385,11 +591,12 @@ class PendingCall:
     started: float
     deadline: float | None
     abandoned: Callable | None = None   # called when the call is given up while its thread still runs it
+    result_chars: int = RESULT_CHARS    # the most characters of the result (a worker's value arrives uncut)
     _result: ToolResult | None = None
 
     @classmethod
     def done(cls, result: ToolResult, started: float) -> "PendingCall":
-        return cls(result.name, None, started, None, None, result)
+        return cls(result.name, None, started, None, _result=result)
 
     def ready(self, now: float) -> bool:
         return (self._result is not None or self.future.done()
@@ -397,20 +604,28 @@ class PendingCall:
 
     def result(self, timeout_s: float | None) -> ToolResult:
         if self._result is None:
-            seconds = time.perf_counter() - self.started
-            if not self.future.done():
-                if not self.future.cancel() and self.abandoned is not None:
-                    self.abandoned()  # its thread is stuck in the call: the pool starts another
-                self._result = _error(self.name, f"Tool {self.name} timed out after {timeout_s:g} s.", timed_out=True,
-                                      seconds=seconds)
-            else:
-                try:
-                    value = self.future.result()
-                    content = value if isinstance(value, list) else str(value)
-                    self._result = ToolResult(self.name, content, seconds=seconds)
-                except TimeoutError:
-                    self._result = _error(self.name, f"Tool {self.name} timed out after {timeout_s:g} s.",
-                                          timed_out=True, seconds=seconds)
-                except Exception as e:  # noqa: BLE001 - a tool's failure is the model's to read, not a crash
-                    self._result = _error(self.name, str(e) or type(e).__name__, seconds=seconds)
+            self._result = self._outcome(timeout_s, time.perf_counter() - self.started)
         return self._result
+
+    def _outcome(self, timeout_s: float | None, seconds: float) -> ToolResult:
+        if not self.future.done():
+            if not self.future.cancel() and self.abandoned is not None:
+                self.abandoned()  # its thread is stuck in the call: the pool starts another
+            return self._timed_out(timeout_s, seconds)
+        if self.future.cancelled():
+            return _error(self.name, f"Tool {self.name} was cancelled.", seconds=seconds)
+        # Read, not raised: whatever the tool raised (SystemExit too) is the model's to read, not a crash.
+        error = self.future.exception()
+        if isinstance(error, TimeoutError):   # the event loop's deadline (a tool's own TimeoutError is a ToolFailed)
+            return self._timed_out(timeout_s, seconds)
+        if error is not None:
+            return _error(self.name, describe_error(error), self.result_chars, seconds=seconds)
+        try:
+            content = _content(self.future.result(), self.result_chars)
+        except Exception as e:  # noqa: BLE001 - a worker's value whose str() raises
+            return _error(self.name, describe_error(e), self.result_chars, seconds=seconds)
+        return ToolResult(self.name, content, seconds=seconds)
+
+    def _timed_out(self, timeout_s: float | None, seconds: float) -> ToolResult:
+        after = f" after {timeout_s:g} s" if timeout_s is not None else ""
+        return _error(self.name, f"Tool {self.name} timed out{after}.", timed_out=True, seconds=seconds)
