@@ -259,7 +259,7 @@ class AgentRollouts:
         waiting = [p for r in rollouts for p in r.pending if not p.ready(started)]
         if not waiting:
             return
-        deadlines = [p.deadline for p in waiting if p.deadline is not None]
+        deadlines = [d for d in (p.due() for p in waiting) if d is not None]
         wait = max(0.0, min(deadlines) - started) if deadlines else None
         concurrent.futures.wait([p.future for p in waiting], timeout=wait,
                                 return_when=concurrent.futures.FIRST_COMPLETED)

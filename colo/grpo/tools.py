@@ -504,8 +504,10 @@ class ToolRunner:
             return PendingCall(call.name, future, started, deadline, result_chars=self.result_chars)
         if self.workers is not None and self.workers.runs(call.name, tool):
             future = self.workers.submit(call.name, call.arguments)
-            return PendingCall(call.name, future, started, deadline, lambda: self.workers.kill(future),
-                               result_chars=self.result_chars)
+            # Its deadline counts from when a worker takes it: waiting for a free one is not the tool's time.
+            begun = (lambda: self.workers.started(future)) if self.timeout is not None else None
+            return PendingCall(call.name, future, started, None, lambda: self.workers.kill(future),
+                               result_chars=self.result_chars, timeout=self.timeout, begun=begun)
         future = self._pool.submit(_run_sync, tool, call, self.result_chars)
         return PendingCall(call.name, future, started, deadline, self._pool.abandon, result_chars=self.result_chars)
 
@@ -592,15 +594,24 @@ class PendingCall:
     deadline: float | None
     abandoned: Callable | None = None   # called when the call is given up while its thread still runs it
     result_chars: int = RESULT_CHARS    # the most characters of the result (a worker's value arrives uncut)
+    timeout: float | None = None        # with `begun`: the deadline is `timeout` after the call began
+    begun: Callable | None = None       # () -> when a worker took the call (perf_counter), None while it waits
     _result: ToolResult | None = None
 
     @classmethod
     def done(cls, result: ToolResult, started: float) -> "PendingCall":
         return cls(result.name, None, started, None, _result=result)
 
+    def due(self) -> float | None:
+        """When the call is given up: its deadline, or `timeout` after a worker took it (none while queued)."""
+        if self.begun is None:
+            return self.deadline
+        began = self.begun()
+        return None if began is None else began + self.timeout
+
     def ready(self, now: float) -> bool:
-        return (self._result is not None or self.future.done()
-                or (self.deadline is not None and now >= self.deadline))
+        due = self.due()
+        return self._result is not None or self.future.done() or (due is not None and now >= due)
 
     def result(self, timeout_s: float | None) -> ToolResult:
         if self._result is None:
@@ -627,5 +638,8 @@ class PendingCall:
         return ToolResult(self.name, content, seconds=seconds)
 
     def _timed_out(self, timeout_s: float | None, seconds: float) -> ToolResult:
+        if self.begun is not None and self.begun() is None:   # given up before any worker took it
+            return _error(self.name, f"Tool {self.name} timed out waiting for a free tool worker.", timed_out=True,
+                          seconds=seconds)
         after = f" after {timeout_s:g} s" if timeout_s is not None else ""
         return _error(self.name, f"Tool {self.name} timed out{after}.", timed_out=True, seconds=seconds)

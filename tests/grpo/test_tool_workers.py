@@ -180,12 +180,14 @@ def test_an_answer_that_does_not_unpickle_is_an_error_and_the_worker_goes_on():
         workers.close()
 
 
-def test_a_call_given_up_while_it_waits_never_runs(tmp_path):
+def test_a_calls_deadline_counts_from_when_a_worker_takes_it_and_one_given_up_while_it_waits_never_runs(tmp_path):
+    """Waiting for a free worker is not the tool's time: a call queued behind another runs its full timeout
+    once it starts. A call given up while it waits (killed) never runs."""
     marker = str(tmp_path / "ran")
 
     def slow() -> str:
         import time
-        time.sleep(1.0)
+        time.sleep(0.6)
         return "slow"
 
     def mark() -> str:
@@ -193,18 +195,19 @@ def test_a_call_given_up_while_it_waits_never_runs(tmp_path):
         return "marked"
 
     workers = ToolWorkers({"slow": slow, "mark": mark}, size=1)
-    runner = ToolRunner(timeout=0.3, workers=workers)
+    runner = ToolRunner(timeout=1.0, workers=workers)
     try:
-        first = workers.submit("slow", {})
-        wait_until(lambda: workers.started(first) is not None)
-        timed_out = runner.submit(ToolCall("mark", {}), {"mark": mark})   # past its deadline in the line
+        calls = [runner.submit(ToolCall("slow", {}), {"slow": slow}) for _ in range(2)]
+        wait_until(lambda: workers.started(calls[0].future) is not None)
         killed = workers.submit("mark", {})
-        assert workers.started(timed_out.future) is None and not killed.running()
-        wait_until(lambda: timed_out.ready(time.perf_counter()))
-        assert timed_out.result(0.3).timed_out
+        assert workers.started(calls[1].future) is None and calls[1].due() is None   # waiting: no deadline yet
         workers.kill(killed)
         assert killed.cancelled()
-        assert first.result(timeout=30) == "slow"
+        wait_until(lambda: all(c.ready(time.perf_counter()) for c in calls))
+        results = [c.result(1.0) for c in calls]
+        # the second finished more than a timeout after it was submitted, but within one of its start
+        assert [r.content for r in results] == ["slow", "slow"] and not any(r.timed_out for r in results)
+        assert results[1].seconds > 1.0
         fresh = workers.submit("slow", {})
         submitted = time.perf_counter()
         wait_until(lambda: workers.started(fresh) is not None)
