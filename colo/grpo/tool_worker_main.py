@@ -31,7 +31,18 @@ def serve(fd: int) -> None:
             value = tools[name](**arguments)
             connection.send(("ok", value if isinstance(value, (str, list)) else str(value)))
         except BaseException as e:  # noqa: BLE001 - the model reads it
-            connection.send(("error", f"{type(e).__name__}: {e}" if str(e) else type(e).__name__))
+            connection.send(("error", _described(e)))
+
+
+def _described(error: BaseException) -> str:
+    """The error in words, never an error of its own: a __str__ that raises is the tool's bug, not the
+    worker's end (colo.grpo.tools.describe_error's rule, here without importing colo)."""
+    name = type(error).__name__
+    try:
+        text = str(error)
+    except BaseException:  # noqa: BLE001
+        return name
+    return f"{name}: {text}" if text else name
 
 
 if __name__ == "__main__":

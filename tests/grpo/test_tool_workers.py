@@ -233,3 +233,23 @@ def test_a_crashed_worker_is_replaced_and_a_closed_pool_fails_what_waits():
     workers.close()
     with pytest.raises(WorkerDied, match="closed"):
         workers.submit("add", {"a": 1, "b": 1}).result(timeout=30)
+
+
+def test_a_tool_raising_an_error_whose_str_raises_is_named_by_its_type_and_the_worker_goes_on():
+    def broken() -> str:
+        class Unprintable(Exception):
+            def __str__(self):
+                raise RuntimeError("no words")
+
+        raise Unprintable()
+
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    workers = ToolWorkers({"broken": broken, "add": add}, size=1)
+    try:
+        with pytest.raises(Exception, match="Unprintable"):
+            workers.submit("broken", {}).result(timeout=30)
+        assert workers.submit("add", {"a": 2, "b": 3}).result(timeout=30) == "5"
+    finally:
+        workers.close()
