@@ -212,6 +212,11 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig, tuple | None]:
                 from ..hub import resolve_model
 
                 model_dir = resolve_model(args.model or saved["model"])
+                saved_dir = resolve_model(saved["model"]) if saved.get("model") else Path(saved["model_dir"])
+                if args.model and model_dir.resolve() != saved_dir.resolve():
+                    parser.error(f"--resume continues the run with its own model: --model {args.model} is "
+                                 f"{model_dir}, the run trains {saved.get('model') or saved_dir}; start a new run "
+                                 "in another --out to train another model")
             _refuse_changed_settings(args, saved, config, parser)
             for key, value in (saved.get("task") or {}).items():
                 setattr(args, key if key != "rewards" else "reward", value)
@@ -258,7 +263,7 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig, tuple | None]:
 
 def _refuse_changed_settings(args, saved: dict, config: GRPOConfig, parser) -> None:
     """A resumed run continues with run.json's settings and task: a flag asking for another one (another
-    learning rate, dataset, model) is refused naming it, not dropped; the same value is fine."""
+    learning rate, dataset, reward) is refused naming it, not dropped; the same value is fine."""
     def same(a, b):
         return list(a) == list(b) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
 
@@ -272,9 +277,6 @@ def _refuse_changed_settings(args, saved: dict, config: GRPOConfig, parser) -> N
             changed.append(f"--{field.replace('_', '-')} ({value!r}; the run has {task.get(field)!r})")
     if args.reward and args.reward != task.get("rewards"):
         changed.append(f"--reward ({args.reward!r}; the run has {task.get('rewards')!r})")
-    if args.model and args.model != saved.get("model") and \
-            str(Path(args.model).resolve()) != str(Path(saved.get("model_dir", "")).resolve()):
-        changed.append(f"--model ({args.model!r}; the run trains {saved.get('model') or saved.get('model_dir')!r})")
     if changed:
         parser.error("--resume continues the run with its own settings (OUT/run.json); these flags ask for others: "
                      + "; ".join(changed) + ". Start a new run in another --out to change them")

@@ -502,6 +502,8 @@ def test_cli_refuses_bad_input_before_any_engine_naming_it(smollm2_model_dir, tm
     resume = ["--steps", "2", "--json", str(tmp_path / "log.jsonl"), "--out", str(out), "--resume"]
     status, stderr = cli_in_this_process([*resume, "--lr", "5", "--num-generations", "3"], capsys)
     assert status == 2 and "--lr (5.0; the run has 0.003)" in stderr and "--num-generations (3; the run has 8)" in stderr
+    status, stderr = cli_in_this_process([*resume, "--model", str(smollm2_model_dir)], capsys)
+    assert status == 2 and "--resume continues the run with its own model" in stderr, stderr
     status, stderr = cli_in_this_process([*resume, "--lr", "0.003"], capsys)   # the same value: not a change
     assert status == 2 and "its own settings" not in stderr and "--resume" in stderr
 
