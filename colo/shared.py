@@ -312,6 +312,12 @@ class Reference:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def sync(self, policy, alpha: float) -> None:
+        """TRL's sync_ref_model (TR-DPO): the reference moves towards the policy, ref = (1 - alpha) ref +
+        alpha policy; only a reference of its own can."""
+        raise NotImplementedError(f"{type(self).__name__}: this reference has no weights of its own to move "
+                                  "(sync_ref_model needs full fine-tuning, as in TRL)")
+
 
 class FrozenCopy(Reference):
     """A reference of its own: a frozen copy of the model, as it was when copied (its memory is a
@@ -329,6 +335,11 @@ class FrozenCopy(Reference):
 
     def load_state_dict(self, state: dict) -> None:
         self.hf_model.load_state_dict(state)
+
+    @torch.no_grad()
+    def sync(self, policy, alpha: float) -> None:
+        for mine, theirs in zip(self.hf_model.parameters(), policy.parameters(), strict=True):
+            mine.mul_(1.0 - alpha).add_(theirs.to(mine.dtype), alpha=alpha)
 
 
 def check_model_config(config) -> None:

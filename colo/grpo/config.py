@@ -123,6 +123,14 @@ class GRPOConfig:
     beta: float = setting(0.0, "KL-to-reference weight (0: none). With LoRA the reference is the shared base, free; "
                           "with full fine-tuning a frozen second copy of the weights (colo.plan shows its bytes)",
                           group="loss", type=float, trl="beta")
+    sync_ref_model: bool = setting(
+        False, "move the KL reference towards the policy every --ref-model-sync-steps optimizer steps, ref = "
+        "(1 - alpha) ref + alpha policy (TR-DPO's; TRL's): needs --beta > 0 and full fine-tuning", group="loss",
+        action="store_true", trl="sync_ref_model")
+    ref_model_mixup_alpha: float = setting(0.6, "sync_ref_model's alpha", group="loss", type=float,
+                                           trl="ref_model_mixup_alpha")
+    ref_model_sync_steps: int = setting(512, "sync_ref_model's period, in optimizer steps", group="loss",
+                                        type=positive_int, metavar="N", trl="ref_model_sync_steps")
     off_policy_mask_threshold: float | None = setting(
         None, "off-policy sequence masking (OPSM, DeepSeek-V3.2's; TRL's): a completion with a negative advantage whose "
         "mean per-token KL from the engine's sampling log-probabilities to the trainer's exceeds this is left out of "
@@ -406,6 +414,14 @@ class GRPOConfig:
             raise ValueError(f"chat_template_kwargs must be a dict, got {self.chat_template_kwargs!r}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.sync_ref_model and not self.beta > 0:
+            raise ValueError("sync_ref_model with beta=0: there is no reference to move (as TRL refuses it)")
+        if self.sync_ref_model and self.lora_rank:
+            raise ValueError("sync_ref_model with lora_rank > 0: an adapter's reference is the shared base, which "
+                             "has no weights of its own to move (TRL refuses it with PEFT too)")
+        if not 0 <= self.ref_model_mixup_alpha <= 1:
+            raise ValueError(f"ref_model_mixup_alpha must be in [0, 1], got {self.ref_model_mixup_alpha}")
+        check_int(self.ref_model_sync_steps, "ref_model_sync_steps")
         if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold > 0:
             raise ValueError(f"off_policy_mask_threshold must be > 0 (a KL) or None, got {self.off_policy_mask_threshold}")
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:

@@ -166,6 +166,8 @@ class GRPOScheduler:
                                          lr_scheduler=self.lr_scheduler, reference=self.reference,
                                          timeline=self.timeline)
         self.step = self.checkpointer.restore(resume_state) if resume_state is not None else 0
+        # The optimizer steps taken so far, each step's as many (TRL's global_step: sync_ref_model's clock).
+        self.optimizer_steps = self.step * self.config.num_iterations * self.config.steps_per_generation
         self.log = StepLog(log_path if self.world.is_main else None,
                            resume_after_step=self.step if resume else None)
         self.trackers = self._open_trackers(log_path, resume) if self.world.is_main else None
@@ -451,6 +453,10 @@ class GRPOScheduler:
             self.optimizer.step()  # sharded: also all-gathers every rank's updated weights into the engine's
             self.memory.adopt_optimizer_state(self.optimizer)  # no-op after the first step
             self.lr_scheduler.step()
+        self.optimizer_steps += 1
+        cfg = self.config
+        if cfg.sync_ref_model and self.optimizer_steps % cfg.ref_model_sync_steps == 0:  # TRL's on_step_end
+            self.reference.sync(self.views.trainer_model, cfg.ref_model_mixup_alpha)
         return norm, skipped
 
     def _publish(self, step: int):

@@ -5,6 +5,7 @@ float tolerance. TRL's loss sits inside GRPOTrainer._compute_loss (a method need
 so `trl_loss` below transcribes it: trl/trainer/grpo_trainer.py, from `log_ratio = per_token_logps -
 old_per_token_logps` (line 3083) to the `luspo` branch (line 3175), one micro-batch, one process, no
 gradient accumulation, no vLLM importance-sampling ratio, no entropy mask."""
+import dataclasses
 import itertools
 import json
 
@@ -508,6 +509,21 @@ def test_a_kl_reference_is_the_frozen_starting_model_through_a_checkpoint_and_re
     assert any(not torch.equal(saved["model"][n], start[n]) for n in kept)
     (first, second), (third,) = runs
     assert first["kl"] == 0.0 and 0.0 < second["kl"] and third["step"] == 3 and third["kl"] > 0.0
+
+    # TRL's sync_ref_model: every ref_model_sync_steps optimizer steps, ref = (1 - alpha) ref + alpha policy.
+    synced = dataclasses.replace(config, sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.25)
+    scheduler = GRPOScheduler(model_dir, task.rewards, task.prompts, synced, out_dir=tmp_path / "synced")
+    try:
+        scheduler.run(1, progress=False)
+        with scheduler.reference.model() as reference:
+            assert all(torch.equal(p, start[n]) for n, p in reference.named_parameters())   # not yet
+        scheduler.run(2, progress=False)
+        policy = {n: p.detach() for n, p in scheduler.model.named_parameters()}
+        with scheduler.reference.model() as reference:
+            for name, value in reference.named_parameters():
+                torch.testing.assert_close(value, 0.75 * start[name] + 0.25 * policy[name], atol=1e-7, rtol=1e-6)
+    finally:
+        scheduler.close()
 
 
 def test_dynamic_sampling_keeps_a_group_whose_totals_tie_under_normalize_then_sum():

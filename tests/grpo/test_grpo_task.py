@@ -306,6 +306,12 @@ def test_config_rejects_bad_values():
         GRPOConfig(offload_optimizer="yes")
     with pytest.raises(ValueError, match="dtype must be one of bf16, fp32"):
         GRPOConfig(dtype="float16")
+    with pytest.raises(ValueError, match="sync_ref_model with beta=0: there is no reference to move"):
+        GRPOConfig(sync_ref_model=True)
+    with pytest.raises(ValueError, match="sync_ref_model with lora_rank > 0"):
+        GRPOConfig(sync_ref_model=True, beta=0.1, lora_rank=4)
+    with pytest.raises(ValueError, match="off_policy_mask_threshold must be > 0"):
+        GRPOConfig(off_policy_mask_threshold=0.0)
     assert GRPOConfig(dtype="fp32").resolve_dtype("unused").dtype == "fp32"
     assert GRPOConfig.from_dict(GRPOConfig(seed=4).to_dict()) == GRPOConfig(seed=4)
     assert GRPOConfig.from_dict(GRPOConfig(offload_optimizer=True).to_dict()).offload_optimizer is True
