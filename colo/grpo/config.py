@@ -82,7 +82,7 @@ class GRPOConfig:
         help="extra arguments of the chat template, e.g. '{\"enable_thinking\": false}'", group="task",
         default_factory=dict, type=json_object, metavar="JSON", trl="chat_template_kwargs", default_text="-")
     eval_every: int = setting(0, "greedy pass@1 on --eval-dataset every N steps (0: never)", group="task",
-                              type=non_negative_int, metavar="N", trl="eval_steps",
+                              type=non_negative_int, metavar="N", trl="eval_steps", aliases=("--eval-steps",),
                               not_trls_default="colo evaluates only when asked")
     eval_on_start: bool = setting(False, "evaluate once before the first step, the base model's pass@1 (logged as "
                                   "step 0)", group="task", action="store_true", trl="eval_on_start")
@@ -167,13 +167,16 @@ class GRPOConfig:
     importance_sampling: str = setting(
         "off", "correct for the engine's log-probabilities: off, token_truncate, token_mask, sequence_truncate or "
         "sequence_mask", group="loss", choices=IMPORTANCE_SAMPLING, trl="vllm_importance_sampling_mode",
+        aliases=("--vllm-importance-sampling-mode",),
         not_trls_default="TRL's correction is on (sequence_mask): it corrects for an engine serving other numbers "
         "than the trainer computes (a bf16 copy under an fp32 trainer); colo's engine serves the trainer's own "
         "weights, the gap is rounding (engine_logprob_max_abs_diff in every record)")
     importance_sampling_max: float | None = setting(3.0, "the importance-sampling ratio's cap", group="loss",
-                                                    type=float, metavar="C", trl="vllm_importance_sampling_clip_max")
+                                                    type=float, metavar="C", trl="vllm_importance_sampling_clip_max",
+                                                    aliases=("--vllm-importance-sampling-clip-max",))
     importance_sampling_min: float | None = setting(None, "the importance-sampling ratio's floor", group="loss",
-                                                    type=float, metavar="C", trl="vllm_importance_sampling_clip_min")
+                                                    type=float, metavar="C", trl="vllm_importance_sampling_clip_min",
+                                                    aliases=("--vllm-importance-sampling-clip-min",))
     # -- optimizer ------------------------------------------------------------------------------------
     learning_rate: float = setting(
         1e-3, "AdamW's learning rate", group="optimizer", type=float, flag="--lr", aliases=("--learning-rate",),

@@ -291,6 +291,12 @@ def test_cli_config_file_fills_flags_under_the_command_line(tmp_path):
     args = parse_args(build_parser(), ["--config", str(config), "--temperature", "0.9"])
     assert (args.steps, args.log, args.loss_type, args.reward, args.temperature, args.mask_truncated) == \
         (5, "log.jsonl", "grpo", ["math", "gsm8k"], 0.9, True)
+    # TRL's names of the settings both have, as a TRL config file writes them
+    config.write_text("vllm_importance_sampling_mode: token_truncate\nvllm_importance_sampling_clip_max: 2.0\n"
+                      "eval_steps: 5\nmax_completion_length: 64\nmask_truncated_completions: true\n")
+    args = parse_args(build_parser(), ["--config", str(config), "--steps", "1", "--json", "l", "--out", "o"])
+    assert (args.importance_sampling, args.importance_sampling_max, args.eval_every, args.max_new_tokens,
+            args.mask_truncated) == ("token_truncate", 2.0, 5, 64, True)
     config.write_text("stepz: 5\n")
     with pytest.raises(SystemExit):
         parse_args(build_parser(), ["--config", str(config), "--steps", "1", "--json", "l", "--out", "o"])
