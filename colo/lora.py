@@ -217,6 +217,16 @@ class SharedAdapter(EngineViews):
         `merged/`, the base with the adapter merged."""
         return write_adapter_dir(state, self.spec, base_dir, directory, dtype, merge=merge)
 
+    def load_trainer_checkpoint(self, directory, masters: dict | None = None) -> bool:
+        """The checkpoint's PEFT adapter written into the slot (and the masters): PEFT's own loading would
+        recast a bf16 adapter into new fp32 Parameters, cutting the trainer's adapter off the engine's slot."""
+        spec, state = read_adapter(directory)
+        if (spec.rank, spec.alpha) != (self.spec.rank, self.spec.alpha):
+            raise ValueError(f"{directory}: an adapter of rank {spec.rank}, alpha {spec.alpha}; this trainer's is "
+                             f"rank {self.spec.rank}, alpha {self.spec.alpha}")
+        self.load_peft_state_dict(state, masters)
+        return True
+
     def _check_served(self) -> None:
         if compat.adapter_slot(self.llm, ADAPTER_ID) != self.slot:
             raise RuntimeError(f"vLLM no longer serves colo's adapter from slot {self.slot} (it was removed or "

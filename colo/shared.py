@@ -289,6 +289,12 @@ class EngineViews:
         """Files this kind writes beside each checkpoint in `out_dir` (whole weights: none; the LoRA kind:
         the newest adapter in PEFT's format). `full`: the full_state_dict the checkpoint holds."""
 
+    def load_trainer_checkpoint(self, directory, masters: dict | None = None) -> bool:
+        """Restore the trained values from a Hugging Face Trainer checkpoint `directory` into these views
+        (and `masters`, {parameter: fp32 tensor}) where this kind must do it itself; False where the
+        Trainer's own loading does it in place (whole weights: their parameters are the views)."""
+        return False
+
     def _publish_copies(self) -> dict:
         """Order the trainer's work before the engine's and copy what does not alias; returns the
         PublishReport fields it sets (aliased_bytes at least)."""

@@ -454,20 +454,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         return optimizer
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        # transformers resumes a PEFT model with PEFT's load_adapter, which recasts a bf16 adapter into
-        # new fp32 Parameters: that would cut the trainer's adapter off the engine's slot. Write the
-        # checkpoint's adapter into the slot (and the masters) instead.
-        if not _is_peft(self.accelerator.unwrap_model(self.model)):
+        # The views restore what the Trainer's loading would cut off the engine (an adapter: its slot);
+        # whole weights load in place, their parameters being the engine's tensors.
+        views = self.vllm_generation.colo_views
+        if not views.load_trainer_checkpoint(resume_from_checkpoint, self.vllm_generation.colo_masters):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        from .lora import read_adapter
-
-        adapter = self.vllm_generation.colo_views
-
-        spec, state = read_adapter(resume_from_checkpoint)
-        if (spec.rank, spec.alpha) != (adapter.spec.rank, adapter.spec.alpha):
-            raise ValueError(f"{resume_from_checkpoint}: an adapter of rank {spec.rank}, alpha {spec.alpha}; "
-                             f"this trainer's is rank {adapter.spec.rank}, alpha {adapter.spec.alpha}")
-        adapter.load_peft_state_dict(state, self.vllm_generation.colo_masters)
 
     def _save(self, output_dir=None, state_dict=None):
         # With fp32 masters, the trained model is the masters (the bf16 weights are their rounding).
