@@ -19,9 +19,20 @@ def kv_bytes_per_token(hf_config, dtype: torch.dtype, tensor_parallel: int = 1) 
     """Bytes of K and V one token occupies over all layers, on one of `tensor_parallel` ranks (each
     holds its share of the KV heads, at least one: vLLM replicates a head over several ranks)."""
     text = getattr(hf_config, "text_config", hf_config)
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return kv_bytes(text.num_hidden_layers, heads, head_dim, dtype.itemsize, tensor_parallel)
+    return sum(kv_bytes(1, *_kv_shape(layer), dtype.itemsize, tensor_parallel) for layer in layer_configs(text))
+
+
+def layer_configs(config) -> list:
+    """Each decoder layer's config: the config itself for each, or a heterogeneous one's per-layer views
+    (Gemma 4's global layers have a head size of their own, which the config refuses to give globally)."""
+    if getattr(config, "is_heterogeneous", False):
+        return list(config.per_layer_config)
+    return [config] * config.num_hidden_layers
+
+
+def _kv_shape(config) -> tuple[int, int]:
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def parameter_bytes(hf_config, dtype: torch.dtype) -> int:

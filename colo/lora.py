@@ -126,13 +126,17 @@ def slot_bytes(hf_config, spec: LoraSpec, dtype: torch.dtype, tensor_parallel: i
     """Bytes of the engine's one adapter slot for a Llama/Qwen2-shaped model (on one rank of
     `tensor_parallel`): vLLM makes A and B slices of rank `max_lora_rank` for every linear layer of
     every decoder layer, targeted or not; each rank holds its part of the split B or A."""
-    c, t = hf_config.get_text_config(), tensor_parallel   # a vision-language model's language model
+    from .kv_sizing import layer_configs
+
+    t = tensor_parallel
     rank = spec.engine_options()["max_lora_rank"]
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    q, kv = c.num_attention_heads // t * head_dim, max(1, c.num_key_value_heads // t) * head_dim
-    h, i = c.hidden_size, c.intermediate_size // t
-    per_layer = (h + q) * 2 + (h + kv) * 2 + (h + i) * 2 + (i + h)  # q o, k v, gate up, down: in + out each
-    return rank * per_layer * c.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
+    elements = 0
+    for c in layer_configs(hf_config.get_text_config()):   # (a vision-language model's language model)
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        q, kv = c.num_attention_heads // t * head_dim, max(1, c.num_key_value_heads // t) * head_dim
+        h, i = c.hidden_size, c.intermediate_size // t
+        elements += (h + q) * 2 + (h + kv) * 2 + (h + i) * 2 + (i + h)  # q o, k v, gate up, down: in + out each
+    return rank * elements * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass

@@ -468,3 +468,21 @@ def test_the_weights_region_commits_the_weights_and_at_most_one_chunk_more(pool_
     assert chunk == round_up(WEIGHTS_CHUNK_BYTES, pool.granularity) <= 32 << 20
     weight_bytes = sum(round_up(p.nbytes, weights.alignment) for p in engine.engine_model(llm).parameters())
     assert 0 < stats["committed_bytes"] <= round_up(weight_bytes, chunk)
+
+
+def test_kv_bytes_per_token_sum_a_heterogeneous_models_layers():
+    """Gemma 4's global layers have a head size of their own (its config refuses to give one head_dim for
+    all layers): a token's KV bytes sum each layer's, and an adapter slot's each layer's shapes."""
+    import transformers
+
+    from colo.kv_sizing import kv_bytes_per_token
+    from colo.lora import LoraSpec, slot_bytes
+
+    config = transformers.Gemma4TextConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                           per_layer_config={"01": {"head_dim": 128}})
+    assert kv_bytes_per_token(config, torch.float32) == 2 * (64 + 128) * 4
+    same = transformers.Gemma4TextConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                         per_layer_config={"01": {"head_dim": 64}})
+    assert slot_bytes(config, LoraSpec(4, 8), torch.float32) > slot_bytes(same, LoraSpec(4, 8), torch.float32)
