@@ -487,7 +487,7 @@ class ToolRunner:
         self.result_chars = max(result_chars, self.MIN_RESULT_CHARS)
         self._pool = DaemonThreads(threads, "colo-tool")
         self._loop = self._loop_thread = None
-        self._loop_calls: set = set()   # the calls in flight on the current event loop
+        self._loop_calls = _InFlight()   # the calls in flight on the current event loop
 
     def submit(self, call: ToolCall, tools: dict) -> "PendingCall":
         """Start one call; `tools` maps names to the rollout's callables."""
@@ -500,7 +500,6 @@ class ToolRunner:
             loop, calls = self._event_loop()
             future = asyncio.run_coroutine_threadsafe(self._run_async(tool, call), loop)
             calls.add(future)
-            future.add_done_callback(calls.discard)
             return PendingCall(call.name, future, started, deadline, result_chars=self.result_chars)
         if self.workers is not None and self.workers.runs(call.name, tool):
             future = self.workers.submit(call.name, call.arguments)
@@ -521,7 +520,7 @@ class ToolRunner:
         """The async tools' event loop and its calls in flight; a new one where a tool's own callback or
         task ended the last one's thread (raising SystemExit or KeyboardInterrupt into the loop)."""
         if self._loop is None or not self._loop_thread.is_alive():
-            self._loop, self._loop_calls = asyncio.new_event_loop(), set()
+            self._loop, self._loop_calls = asyncio.new_event_loop(), _InFlight()
             self._loop_thread = threading.Thread(target=_serve, args=(self._loop, self._loop_calls),
                                                  name="colo-tool-loop", daemon=True)
             self._loop_thread.start()
@@ -534,18 +533,51 @@ class ToolRunner:
             self._loop = None
 
 
-def _serve(loop, calls: set) -> None:
+class _InFlight:
+    """The calls in flight on one event loop and, once a tool has ended the loop, why: a call added after
+    that (its coroutine may have run, and ended the loop, before it was added) fails at once too."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._futures: set = set()
+        self.stopped: BaseException | None = None
+
+    def add(self, future) -> None:
+        with self._lock:
+            stopped = self.stopped
+            if stopped is None:
+                self._futures.add(future)
+        if stopped is not None:
+            _fail(future, stopped)
+        else:
+            future.add_done_callback(self._discard)
+
+    def _discard(self, future) -> None:
+        with self._lock:
+            self._futures.discard(future)
+
+    def stop(self, error: BaseException) -> None:
+        with self._lock:
+            self.stopped, futures = error, list(self._futures)
+        for future in futures:
+            _fail(future, error)
+
+
+def _fail(future, error: BaseException) -> None:
+    try:
+        future.set_exception(error)
+    except InvalidStateError:
+        pass  # it finished meanwhile
+
+
+def _serve(loop, calls: _InFlight) -> None:
     """Run the async tools' event loop; should a tool end it, fail its calls in flight at once (nothing
     would ever finish them: with no deadline the run would wait forever)."""
     try:
         loop.run_forever()
     except BaseException as e:  # noqa: BLE001 - a tool's, raised into the loop by one of its callbacks or tasks
-        stopped = ToolFailed(f"the async tools' event loop stopped ({describe_error(e)}); later calls run on a new one")
-        for future in list(calls):
-            try:
-                future.set_exception(stopped)
-            except InvalidStateError:
-                pass  # it finished meanwhile
+        calls.stop(ToolFailed(f"the async tools' event loop stopped ({describe_error(e)}); later calls run on a "
+                              "new one"))
 
 
 def _run_sync(tool, call: ToolCall, result_chars: int):

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import os
+import re
 import threading
 
 import torch
@@ -134,7 +136,27 @@ def job_init_method(init_method: str) -> str:
     if init_method != "env://" or port is None or not torch.distributed.is_initialized():
         return init_method
     run_id = "".join(c if c.isalnum() else "-" for c in os.environ.get("TORCHELASTIC_RUN_ID", "none"))
-    return f"env://colo-{port}-{run_id}"
+    ident = f"colo-{port}-{run_id}"
+    remove_stale_segments(ident, torch.distributed.get_rank())
+    return f"env://{ident}"
+
+
+def remove_stale_segments(ident: str, rank: int, directory: str = "/dev/shm") -> list[str]:
+    """Remove the shared-memory segments named after `ident` that global rank `rank` is about to create
+    (vLLM's `{ident}-{group}-[{ranks}]-cpushm_{i}`, the i-th of those ranks being this one): a job that
+    died with the same rendezvous port left them, and vLLM's create would fail on them ("errno: 17").
+    A live job holding the port is this one, and no rank creates another's: none of them is in use."""
+    removed = []
+    for path in glob.glob(os.path.join(glob.escape(directory), glob.escape(ident) + "-*-cpushm_*")):
+        match = re.search(r"-\[([0-9-]+)\]-cpushm_([0-9]+)$", path)
+        if match is None:
+            continue
+        ranks, index = [int(r) for r in match.group(1).split("-")], int(match.group(2))
+        if index < len(ranks) and ranks[index] == rank:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(path)
+    return removed
 
 
 class _ColoWorkerMixin:

@@ -182,3 +182,20 @@ def test_two_tensor_parallel_jobs_on_one_host_at_once(tp_jobs):
     first, (second, status, stderr) = tp_jobs
     assert status == 0, failure_report(stderr)
     assert [r["step"] for r in records(first)] == [1, 2] and [r["step"] for r in records(second)] == [1]
+
+
+def test_a_dead_jobs_segments_on_the_same_port_are_removed_by_the_rank_that_would_create_them(tmp_path):
+    """A job that died with the same rendezvous port left its shared-memory segments, and vLLM's create
+    then failed on them (errno 17). Each rank removes those it is about to create, and no other rank's."""
+    from colo.vllm_compat.worker import remove_stale_segments
+
+    names = ["colo-29500-none-tp:0-[0-1]-cpushm_0", "colo-29500-none-tp:0-[0-1]-cpushm_1",
+             "colo-29500-none-tp:0-[2-3]-cpushm_0", "colo-29500-none-tp:0-[2-3]-cpushm_1",
+             "colo-29501-none-tp:0-[0-1]-cpushm_0", "other-file"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    removed = remove_stale_segments("colo-29500-none", 2, directory=str(tmp_path))
+    assert [p.rsplit("/", 1)[1] for p in removed] == ["colo-29500-none-tp:0-[2-3]-cpushm_0"]
+    remove_stale_segments("colo-29500-none", 1, directory=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        {*names} - {"colo-29500-none-tp:0-[2-3]-cpushm_0", "colo-29500-none-tp:0-[0-1]-cpushm_1"})

@@ -460,3 +460,17 @@ def test_a_tool_that_cannot_reach_a_worker_is_refused_by_name():
     with pytest.raises(ToolError, match=r"tool 'locked' cannot be sent to a worker process \(cannot pickle "
                                         r"'_thread.lock' object\).*--tool-isolation thread"):
         check_picklable({"add": add, "locked": locked})
+
+
+def test_a_call_added_after_its_loop_ended_fails_at_once():
+    """The race a loaded machine shows: the tool's coroutine runs, and ends the loop, before the call is
+    noted as in flight; noted after the loop's end, it fails at once rather than waiting for ever."""
+    from concurrent.futures import Future
+
+    from colo.grpo.tools import _InFlight
+
+    calls, before, after = _InFlight(), Future(), Future()
+    calls.add(before)
+    calls.stop(RuntimeError("the loop ended"))
+    calls.add(after)
+    assert str(before.exception(timeout=1)) == str(after.exception(timeout=1)) == "the loop ended"
