@@ -109,12 +109,12 @@ def target_modules(hf_model, spec: "LoraSpec") -> dict:
     return modules
 
 
-def check_targets(model_dir, spec: "LoraSpec") -> None:
-    """target_modules' refusal before any engine starts, on the model built on the meta device (no memory)."""
-    from .grpo.config import read_model_config
+def check_targets(config, spec: "LoraSpec") -> None:
+    """target_modules' refusal before any engine starts, on the model of transformers `config` built on
+    the meta device (no memory)."""
     from .shared import meta_model
 
-    target_modules(meta_model(read_model_config(model_dir), torch.float32), spec)
+    target_modules(meta_model(config, torch.float32), spec)
 
 
 def _in_projector(name: str) -> bool:

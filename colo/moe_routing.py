@@ -13,12 +13,12 @@ chosen experts' gates.
     replay.stats()                                # router mismatch: share of tokens whose top-k differed
 
 `measuring(routes)` leaves the routing alone and only counts the mismatch (replay off). A router is a
-transformers module returning (router_logits, routing_weights, expert_indices) (Qwen2/3-MoE, Mixtral,
-OLMoE, GPT-OSS, DeepSeek-V2), or Llama 4's (scores over every expert, 0 where not chosen; router_logits)
-with its `top_k`; how its weights follow from its logits is read off its own output the first time it
-runs (softmax, then top-k, renormalized or not; top-k, then softmax; top-k, then sigmoid) and applied to
-the engine's experts. A router whose weights follow none of these (DeepSeek's grouped, biased sigmoid)
-is refused by name.
+transformers module returning its scores over every expert, the chosen experts' weights and their
+indices, in any order (RouterOutput.read), or Llama 4's (scores over every expert, 0 where not chosen;
+router_logits) with its `top_k`. How its weights follow from its scores is read off its own output the
+first time it runs (_rule_of: a softmax over every expert or over the chosen, a sigmoid, or the scores
+themselves; renormalized or not; times the router's own scale or not) and applied to the engine's
+experts. A router whose weights follow none of these is refused by name.
 """
 from __future__ import annotations
 

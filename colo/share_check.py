@@ -85,8 +85,6 @@ def check_engine_follows(shared, hf_model, llm) -> float:
     published again. A tensor vLLM computed from the weights at load time and keeps (a kernel's private
     copy colo does not refresh) would keep serving the old values, which the check at share time alone
     cannot see (the values are still equal then). Returns the gap."""
-    from . import vllm_compat as compat
-
     parameters = [p for p in hf_model.parameters() if p.is_floating_point()]
     counted = shared.publish_count   # (the check's publishes are no user's)
     with torch.no_grad():
@@ -103,7 +101,7 @@ def check_engine_follows(shared, hf_model, llm) -> float:
                 p.neg_()
         shared.publish()
         shared.publish_count = counted
-    tolerance = TOLERANCE.get(compat.engine_dtype(llm), 0.1)
+    tolerance = _tolerance(llm)
     if torch.isfinite(trainer).all() and not gap <= tolerance:
         raise ValueError(
             f"after a publish the engine does not serve what the trainer's {type(hf_model).__name__} computes: mean "
@@ -117,13 +115,19 @@ def check_shared_logprobs(hf_model, llm) -> float:
     """Raise ValueError where the engine and the trainer disagree beyond rounding; returns the gap."""
     from . import vllm_compat as compat
 
-    dtype = compat.engine_dtype(llm)
     gap = logprob_gap(hf_model, llm)
-    tolerance = TOLERANCE.get(dtype, 0.1)
+    tolerance = _tolerance(llm)
     if not gap <= tolerance:
         raise ValueError(
             f"the engine and the trainer's {type(hf_model).__name__} share every weight but compute different "
             f"log-probabilities: mean gap {gap:.3g} over up to {PROBE_TOKENS - 1} tokens, beyond {tolerance:g} for "
-            f"{dtype} (vLLM and transformers implement this family differently, or a config field differs). "
-            "Training would not be on-policy; share_weights(check_logprobs=False) skips this check")
+            f"{compat.engine_dtype(llm)} (vLLM and transformers implement this family differently, or a config field "
+            "differs). Training would not be on-policy; share_weights(check_logprobs=False) skips this check")
     return gap
+
+
+def _tolerance(llm) -> float:
+    """The largest mean gap taken for rounding in the engine's dtype."""
+    from . import vllm_compat as compat
+
+    return TOLERANCE.get(compat.engine_dtype(llm), 0.1)

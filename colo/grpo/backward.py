@@ -55,18 +55,17 @@ def accumulate_gradients(model, batch: PackedBatch, advantages: torch.Tensor, co
                     ref = completion_logprobs(reference_model, part, config.temperature)
             old = logprobs.detach() if old_logprobs is None else padded(old_logprobs[start:start + micro],
                                                                        logprobs.shape, logprobs.device)
+            sampled = None if engine_logprobs is None else \
+                padded(engine_logprobs[start:start + micro], logprobs.shape, logprobs.device)
             if config.off_policy_mask_threshold is not None:
                 # (the engine's sampling log-probabilities where given, else the old policy's, as TRL)
-                sampled_with = old if engine_logprobs is None else \
-                    padded(engine_logprobs[start:start + micro], logprobs.shape, logprobs.device)
-                keep = off_policy_mask(advantages[start:start + micro], logprobs, sampled_with, part.completion_mask,
-                                       config.off_policy_mask_threshold)
+                keep = off_policy_mask(advantages[start:start + micro], logprobs, old if sampled is None else sampled,
+                                       part.completion_mask, config.off_policy_mask_threshold)
                 token_mask = keep if token_mask is None else token_mask * keep
             weights = None
-            if config.importance_sampling != "off" and engine_logprobs is not None:
+            if config.importance_sampling != "off" and sampled is not None:
                 # (the old policy's over the engine's, as TRL's: the loss's ratio carries the current policy's
                 # drift from the old one, which the weights must not count again)
-                sampled = padded(engine_logprobs[start:start + micro], logprobs.shape, logprobs.device)
                 weights, is_stats = importance_weights(old, sampled, part.completion_mask, config.importance_sampling,
                                                        config.importance_sampling_min, config.importance_sampling_max)
                 sampling.append((is_stats, float(part.completion_mask.sum())))

@@ -550,7 +550,7 @@ def check_model_dir(model_dir, tensor_parallel: int = 1, lora_spec=None) -> None
     if lora_spec is not None:   # the layers it names are there
         from ..lora import check_targets
 
-        check_targets(model_dir, lora_spec)
+        check_targets(config, lora_spec)
     if tensor_parallel > 1:
         from ..tensor_parallel import check_shardable
 

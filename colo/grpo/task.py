@@ -75,8 +75,6 @@ def check_reward_call(function, columns: list[str], dataset: str, more_fields: b
     cannot take prompts=, completions=, completion_ids= and every column of the dataset by name, or one
     needing a column the dataset lacks (the math and gsm8k rewards' `solution` / `answer`). more_fields:
     the call may bring more (a rollout_func's fields): a parameter no column fills is not refused."""
-    import inspect
-
     from .rewards import reward_name
 
     name = reward_name(function)

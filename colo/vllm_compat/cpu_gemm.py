@@ -26,7 +26,6 @@ from .layout import _is_lora_wrapper
 _PACKING_OPS = {"convert_weight_packed": "sgl", "create_onednn_mm_handler": "onednn",
                 "zentorch_weight_prepack_for_linear": "zentorch"}
 _MOE_PACKING_OP = "prepack_moe_weight"   # (weight, out, isa): the experts packed into `out`
-_CONV_PACKING_OP = "causal_conv1d_weight_pack"   # (dim, width) weight -> its packed copy
 
 
 class _LoadMode(AllocateIn):

@@ -160,7 +160,10 @@ def test_a_dead_worker_is_seen_though_a_process_it_forked_keeps_its_socket(tmp_p
         kill_all(holder)
 
 
-def test_an_answer_that_does_not_unpickle_is_an_error_and_the_worker_goes_on():
+@pytest.mark.parametrize("case", ["an answer that does not unpickle", "an error whose str() raises"])
+def test_what_cannot_be_read_is_an_error_and_the_worker_goes_on(case):
+    """An answer that pickles in the worker but not back in the trainer, and an error the tool raises whose
+    str() raises too (named by its type): an error result each, the worker alive for the next call."""
     class OnlyThere:
         def __reduce__(self):   # pickles in the worker; rebuilding it in the trainer raises
             return int, ("not a number",)
@@ -168,13 +171,23 @@ def test_an_answer_that_does_not_unpickle_is_an_error_and_the_worker_goes_on():
     def odd() -> list:
         return [OnlyThere()]
 
+    def broken() -> str:
+        class Unprintable(Exception):
+            def __str__(self):
+                raise RuntimeError("no words")
+
+        raise Unprintable()
+
     def add(a: int, b: int) -> int:
         return a + b
 
-    workers = ToolWorkers({"odd": odd, "add": add}, size=1)
+    tool, error, message = {"an answer that does not unpickle": (odd, RuntimeError, "could not be read in the trainer: "
+                                                                 "ValueError"),
+                            "an error whose str() raises": (broken, Exception, "Unprintable")}[case]
+    workers = ToolWorkers({"tool": tool, "add": add}, size=1)
     try:
-        with pytest.raises(RuntimeError, match="could not be read in the trainer: ValueError"):
-            workers.submit("odd", {}).result(timeout=30)
+        with pytest.raises(error, match=message):
+            workers.submit("tool", {}).result(timeout=30)
         assert workers.submit("add", {"a": 2, "b": 3}).result(timeout=30) == "5" and workers.replaced == 0
     finally:
         workers.close()
@@ -233,23 +246,3 @@ def test_a_crashed_worker_is_replaced_and_a_closed_pool_fails_what_waits():
     workers.close()
     with pytest.raises(WorkerDied, match="closed"):
         workers.submit("add", {"a": 1, "b": 1}).result(timeout=30)
-
-
-def test_a_tool_raising_an_error_whose_str_raises_is_named_by_its_type_and_the_worker_goes_on():
-    def broken() -> str:
-        class Unprintable(Exception):
-            def __str__(self):
-                raise RuntimeError("no words")
-
-        raise Unprintable()
-
-    def add(a: int, b: int) -> int:
-        return a + b
-
-    workers = ToolWorkers({"broken": broken, "add": add}, size=1)
-    try:
-        with pytest.raises(Exception, match="Unprintable"):
-            workers.submit("broken", {}).result(timeout=30)
-        assert workers.submit("add", {"a": 2, "b": 3}).result(timeout=30) == "5"
-    finally:
-        workers.close()
