@@ -90,12 +90,16 @@ class EngineViews:
     llm: the engine; hf_model: the Hugging Face module the trainer runs; shared_by: the call that
     made them (named in errors); repack: CPU linears whose packed copy the trainer's updates make stale
     (colo.vllm_compat.CpuLinear); group, rank: the tensor-parallel group and this rank in it (None, 0:
-    no tensor parallelism)."""
+    no tensor parallelism); logprob_checks: what colo.share_check measured when the views were made
+    ({"at_share": LogprobGap, "after_publish": LogprobGap}; {} where a kind is not checked)."""
+
+    copy_bytes: int = 0   # bytes each publish() copies into the engine (0: every tensor is a view); a kind's own
 
     def __init__(self, llm, hf_model, *, shared_by: str, repack=(), group=None, rank: int = 0):
         self.llm, self.hf_model, self.shared_by = llm, hf_model, shared_by
         self.group, self.rank = group, rank
         self.publish_count = 0
+        self.logprob_checks: dict = {}
         self._repack = list(repack)
         self.layout: dict[str, Placed] = {}
         self._storage: dict[int, torch.Tensor] = {}   # id(parameter) -> its storage when watched

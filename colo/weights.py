@@ -71,6 +71,7 @@ class _Engine(NamedTuple):
     layout: compat.EngineLayout
     model: torch.nn.Module
     device: torch.device
+    tied_heads: dict[str, str]   # engine LM head -> the trainer's embedding, which the trainer ties its head to
 
 
 class SharedWeights(EngineViews):
@@ -189,14 +190,17 @@ def _share(hf_model, llm, pool, *, alias: bool, bucket_bytes: int = 256 << 20, c
     sources, engine = _validate(hf_model, llm, alias, bucket_bytes, from_checkpoint=checkpoint is not None)
     pool, repack = _place_engine_weights(llm, engine, pool)
     once = _write_and_alias(hf_model, sources, engine, bucket_bytes, pool, checkpoint)
-    copies = _pairs([s for s in sources if not s.alias and not s.placement.through_loader], engine)
+    heads = _head_pairs(sources, engine)
+    copies = _pairs([s for s in sources if not s.alias and not s.placement.through_loader], engine) + heads
     loaded = [s for s in sources if s.placement.through_loader]
     copied = {s.name: _why_copied(s, alias, engine) for s in sources if not s.alias}
+    copied.update(_why_heads_copied(hf_model, engine))
     engine_state = dict(
         copies=_CopyPlan(copies, bucket_bytes), loads=_LoaderLoads(engine.model, hf_model, loaded),
         aliased_bytes=sum(s.param.nbytes for s in sources if s.alias),
         copy_bytes=sum(dst.nbytes for dst, _ in copies) + sum(s.param.nbytes for s in loaded), copied=copied,
-        packed_bytes=sum(linear.packed_bytes for linear in repack), shared_once_bytes=once, repack=repack)
+        packed_bytes=sum(linear.packed_bytes for linear in repack),
+        shared_once_bytes=once + sum(dst.nbytes for dst, _ in heads), repack=repack)
     if into is None:
         shared = SharedWeights(hf_model, llm, pool, alias=alias, **engine_state)
     else:
@@ -206,7 +210,9 @@ def _share(hf_model, llm, pool, *, alias: bool, bucket_bytes: int = 256 << 20, c
     if previous is not None and previous is not shared:
         previous.superseded = True
     llm.colo_shared_weights = shared
-    if once or shared._loads.count:
+    if heads:
+        _CopyPlan(heads, bucket_bytes).run(pool).synchronize()
+    if once or shared._loads.count or heads:
         if shared._loads.count:
             shared._loads.run()
         for linear in repack:
@@ -217,10 +223,14 @@ def _share(hf_model, llm, pool, *, alias: bool, bucket_bytes: int = 256 << 20, c
                        "publish copies them (%d bytes): %s", len(copied), shared.copy_bytes,
                        "; ".join(f"{name} ({why})" for name, why in list(copied.items())[:4]))
     if check_logprobs:
-        from .share_check import check_engine_follows, check_shared_logprobs
+        from .share_check import check_engine_follows, check_shared_logprobs, probe_sequences
 
-        check_shared_logprobs(hf_model, llm)
-        check_engine_follows(shared, hf_model, llm)
+        probe = probe_sequences(hf_model, llm)
+        at_share = check_shared_logprobs(hf_model, llm, probe)
+        shared.logprob_checks = {"at_share": at_share,
+                                 "after_publish": check_engine_follows(shared, hf_model, llm, probe)}
+        logger.info("colo.share_weights: %s; after a publish of changed weights, %s",
+                    at_share.describe(), shared.logprob_checks["after_publish"].describe())
     return shared
 
 
@@ -248,16 +258,31 @@ def _validate(hf_model, llm, alias: bool, bucket_bytes: int, from_checkpoint: bo
     layout = compat.engine_layout(model, hf_model, kept=placement.kept if placement is not None else None)
     device = next(t.param.device for t in layout.tensors.values() if t.param.numel())
     _, _, tp_size = compat.tensor_parallel_group(llm)
+    tied_heads = _tied_heads(hf_model, layout, model)
     sources = _match(hf_model, layout, alias=alias, device=device, sharded=tp_size > 1,
-                     from_checkpoint=from_checkpoint)
-    return sources, _Engine(placement, layout, model, device)
+                     from_checkpoint=from_checkpoint, tied_heads=tied_heads)
+    return sources, _Engine(placement, layout, model, device, tied_heads)
+
+
+def _tied_heads(hf_model, layout: compat.EngineLayout, model) -> dict[str, str]:
+    """{engine LM head: the trainer's embedding} for each LM head the engine keeps apart from its embedding
+    while the trainer ties its head to its embedding (vLLM's OLMoE ignores tie_word_embeddings): no trainer
+    parameter fills it, and publish() copies the embedding's rows into it."""
+    output, embedding = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
+    if output is None or embedding is None or output.weight is not embedding.weight:
+        return {}
+    name = next(n for n, p in hf_model.named_parameters() if p is embedding.weight)
+    rows, width = embedding.weight.shape
+    return {head: name for head in compat.lm_head_names(model) & set(layout.unfilled)
+            if layout.tensors[head].param.shape[1:] == (width,) and layout.tensors[head].param.shape[0] >= rows}
 
 
 def _match(hf_model, layout: compat.EngineLayout, alias: bool, device: torch.device, sharded: bool,
-           from_checkpoint: bool = False) -> list[_Source]:
+           from_checkpoint: bool = False, tied_heads: dict[str, str] | None = None) -> list[_Source]:
     """Every HF parameter with its placement; the first that does not fit raises ValueError naming it."""
-    if layout.unfilled:
-        name = layout.unfilled[0]
+    unfilled = [name for name in layout.unfilled if name not in (tied_heads or {})]
+    if unfilled:
+        name = unfilled[0]
         raise ValueError(f"{name} {tuple(layout.tensors[name].param.shape)}: the engine holds it but vLLM's loader "
                          "fills it from no parameter of the trainer's model (vLLM computes a tensor of its own from "
                          "the weights after loading, or the models differ: layer count, tie_word_embeddings)")
@@ -391,6 +416,25 @@ def _pairs(sources: list[_Source], engine: _Engine) -> list[tuple[torch.Tensor, 
         for piece in s.placement.pieces:
             pairs.append((piece.view.of(engine.layout.tensors[piece.engine].param.detach()), piece.part.of(trainer)))
     return pairs
+
+
+def _head_pairs(sources: list[_Source], engine: _Engine) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(the engine LM head's rows, the trainer's embedding) for each head of engine.tied_heads."""
+    embeddings = {s.name: s.param.detach() for s in sources}
+    pairs = []
+    for head, embedding in engine.tied_heads.items():
+        values = embeddings[embedding]
+        pairs.append((engine.layout.tensors[head].param.detach()[:values.shape[0]], values))
+    return pairs
+
+
+def _why_heads_copied(hf_model, engine: _Engine) -> dict[str, str]:
+    """{the trainer's head: why} for the tied heads the engine keeps apart (named as state_dict names it)."""
+    output = hf_model.get_output_embeddings()
+    name = next((n for n, p in hf_model.named_parameters(remove_duplicate=False)
+                 if p is getattr(output, "weight", None) and n not in engine.tied_heads.values()), None)
+    return {name or head: f"the trainer ties it to {embedding}; vLLM's {type(engine.model).__name__} keeps an LM "
+            f"head of its own ({head}), filled from it" for head, embedding in engine.tied_heads.items()}
 
 
 def _write_and_alias(hf_model, sources: list[_Source], engine: _Engine, bucket_bytes: int, pool,

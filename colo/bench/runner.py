@@ -18,6 +18,7 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..console import LogsToFile
 from . import ABOUT, FRESH_PROCESS_SECTIONS, SECTION_MODULES, SECTIONS, UNTIMED_SETUP_SECTIONS
 from .machine import describe, machine_info
 
@@ -210,39 +211,6 @@ def colo_build_info() -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-class LogsToFile:
-    """While active, this process's stdout and stderr (file descriptors 1 and 2: vLLM's and torch's logs,
-    C++ warnings, and child processes') go to `path`; `terminal` is the original stderr, for the run's own
-    lines. `path` None: nothing is redirected (--show-logs)."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        self.terminal = sys.stderr
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.terminal = os.fdopen(os.dup(2), "w", buffering=1)
-
-    def __enter__(self):
-        if self.path is not None:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            self._saved = (os.dup(1), os.dup(2))
-            log = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            os.dup2(log, 1)
-            os.dup2(log, 2)
-            os.close(log)
-        return self
-
-    def __exit__(self, *exc):
-        if self.path is not None:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            for fd, saved in zip((1, 2), self._saved):
-                os.dup2(saved, fd)
-                os.close(saved)
-        return False
-
-
 def run(sections: list[str], quick: bool, device: str, argv: list[str], json_path: Path | None = None,
         out=sys.stdout, logs: Path | None = None) -> tuple[dict, bool]:
     """Run `sections` in order; returns (result, any_section_failed). logs: where the sections' own
@@ -273,7 +241,7 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
     if logs is not None:
         print(f"# vLLM's and torch's logs go to {logs} (--show-logs prints them here)", file=out)
     print(header(details=logs is None), file=out, flush=True)
-    redirect = LogsToFile(logs)
+    redirect = LogsToFile(logs, colo_warnings=False)
     compile_ahead = fresh_process_plan(sections, quick)
     failed = False
     started = time.perf_counter()
@@ -281,7 +249,7 @@ def run(sections: list[str], quick: bool, device: str, argv: list[str], json_pat
         about, quick_s, full_s = ABOUT.get(name, ("", None, None))
         took = quick_s if quick else full_s
         print(f"[colo.bench] {number}/{len(sections)} {name}: {about}" + (f" (about {_rough(took)} on 2 CPU cores)"
-              if took else ""), file=redirect.terminal, flush=True)
+              if took else ""), file=redirect.err, flush=True)
         t0 = time.perf_counter()
         with redirect:
             # (its per-item progress lines go where its logs go; the fork server's output too)

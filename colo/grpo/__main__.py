@@ -3,4 +3,4 @@ import sys
 
 from .cli import run_cli
 
-sys.exit(run_cli())
+sys.exit(run_cli(keep_logs_until_exit=True))

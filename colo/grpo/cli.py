@@ -27,6 +27,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..console import LogsToFile
 from .checkpoint import CheckpointError, checkpoint_to_resume, list_checkpoints
 from .config import GRPOConfig, check_model_dir
 from .settings import GROUPS, add_flags, positive_int, preset_values, values_from_flags
@@ -37,11 +38,22 @@ LIBRARY_ONLY = {"ignore_eos": "the toy preset's (its completions run to max_new_
                 "memory_phases": "a switch for comparisons (the bench's), always on in a run"}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, its usage errors written to `logs`' terminal streams once the run's output goes to
+    its log file (run_cli: the settings are checked after that, vLLM's registry among them)."""
+    logs: LogsToFile | None = None
+
+    def _print_message(self, message, file=None):
+        if self.logs is not None and message:
+            file = self.logs.out if file is sys.stdout else self.logs.err
+        super()._print_message(message, file)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The run's own flags (what to train, on what, where to write), then one flag per GRPOConfig
     setting (colo.grpo.settings: its help, type and default are the config field's)."""
-    p = argparse.ArgumentParser(prog="python -m colo.grpo", description=__doc__.split("\n", 1)[1].strip(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="python -m colo.grpo", description=__doc__.split("\n", 1)[1].strip(),
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=positive_int, required=True, help="total steps of the run (a resumed run counts those done)")
     p.add_argument("--json", dest="log", required=True, metavar="LOG", help="JSON-lines file, one record per step")
     p.add_argument("--out", required=True, metavar="CKPT_DIR", help="directory for checkpoints, run.json and the trained model")
@@ -54,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager", action="store_true", help="run the engine without compiling it (starts faster, "
                    "generates slower; vLLM's enforce_eager)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--show-logs", action="store_true", help="print vLLM's, torch's and transformers' own output here "
+                   "(default: appended to OUT/logs.txt, the terminal showing colo's lines only)")
     groups = {key: p.add_argument_group(title) for key, title in GROUPS.items()}
     task = groups["task"]
     task.add_argument("--dataset", metavar="PATH|ORG/NAME", help="training prompts: .jsonl/.json/.parquet/.csv, a "
@@ -388,9 +402,15 @@ def task_settings(args) -> dict:
             "reward_weights": args.reward_weights, "tool": args.tool, "environment": args.environment}
 
 
-def main(argv=None) -> int:
+def main(argv=None, logs: LogsToFile | None = None) -> int:
+    """The run, its errors raised (run_cli reports them); `logs` says where the libraries' output goes
+    (default: where it would go anyway) and where colo's lines go."""
     parser = build_parser()
-    args = parse_args(parser, argv)
+    return _run(parser, parse_args(parser, argv), logs or LogsToFile(None))
+
+
+def _run(parser, args, logs: LogsToFile) -> int:
+    say = logs.out
     model_dir, config, resume_from = _settings(args, parser)
 
     from ..engine import quiet_vllm_logs
@@ -416,15 +436,16 @@ def main(argv=None) -> int:
         why = f"auto: {fastest_dtype(world.device).reason}; --dtype to choose"
     config = config.resolve_dtype(world.device, world)  # rank 0's choice, which `why` gives
     if world.is_main:
-        print(f"colo.grpo: weights in {config.dtype} ({why})", flush=True)
+        print(f"colo.grpo: {_model_line(model_dir, args)}", file=say, flush=True)
+        print(f"colo.grpo: weights in {config.dtype} ({why})", file=say, flush=True)
         if config.tensor_parallel > 1:
             print(f"colo.grpo: tensor parallel {config.tensor_parallel} x data parallel "
                   f"{world.size // config.tensor_parallel}: each rank trains its shards of the weights, views of "
-                  "its engine's", flush=True)
+                  "its engine's", file=say, flush=True)
         if config.lora_rank:
             print(f"colo.grpo: LoRA rank {config.lora_rank}, alpha {config.lora_alpha:g} on "
                   f"{', '.join(config.lora_spec.targets)}; the base is frozen; adapter in PEFT's format in {out / 'adapter'}",
-                  flush=True)
+                  file=say, flush=True)
         if config.beta > 0 and not config.lora_rank:
             from transformers import AutoConfig
 
@@ -433,7 +454,10 @@ def main(argv=None) -> int:
             copy_bytes = parameter_bytes(AutoConfig.from_pretrained(model_dir), config.torch_dtype)
             print(f"colo.grpo: --beta {config.beta:g} with full fine-tuning keeps a frozen reference copy of the "
                   f"weights ({copy_bytes / 2**20:.0f} MiB in {config.dtype}, outside the pool) beside the shared one; "
-                  "with --lora-rank the reference is the shared base itself, free", flush=True)
+                  "with --lora-rank the reference is the shared base itself, free", file=say, flush=True)
+        if logs.path is not None:
+            print(f"colo.grpo: starting the engine; vLLM's and torch's own output goes to {logs.path} "
+                  "(--show-logs prints it here)", file=say, flush=True)
         if not args.resume:
             (out / "run.json").write_text(json.dumps({"model": args.model, "model_dir": str(model_dir),
                                                       "config": config.to_dict(),
@@ -464,24 +488,42 @@ def main(argv=None) -> int:
                               engine_options={"enforce_eager": True} if args.eager else None,
                               checked=CheckedRun(model_dir, out, resume_from))
     if world.is_main:
+        print(f"colo.grpo: {scheduler.engine.describe()}", file=say, flush=True)
         print("colo.grpo: " + ("each step trains a prompt's group as soon as its completions are done, while the "
                                "engine decodes the others (--overlap)" if scheduler.serial_reason is None else
-                               f"serial steps ({scheduler.serial_reason})"), flush=True)
+                               f"serial steps ({scheduler.serial_reason})"), file=say, flush=True)
     records = []
     try:
         if scheduler.step >= args.steps:
             if world.is_main:
-                print(f"colo.grpo: the run in {out} has already done {scheduler.step} steps (--steps {args.steps})")
+                print(f"colo.grpo: the run in {out} has already done {scheduler.step} steps (--steps {args.steps})",
+                      file=say)
         else:
-            records = scheduler.run(args.steps, progress=not args.no_progress)
+            records = scheduler.run(args.steps, progress=not args.no_progress, progress_file=logs.err)
     finally:
         scheduler.close()
     distributed.leave_world()  # every rank got here: nothing is left to say to the others
     if world.is_main and records:
         first, last = records[0], records[-1]
         print(f"colo.grpo: steps {first['step']}-{last['step']} done; reward {first['reward_mean']:.3f} -> "
-              f"{last['reward_mean']:.3f}; checkpoints in {out}; the model in Hugging Face format in {out / 'final'}")
+              f"{last['reward_mean']:.3f}; checkpoints in {out}; the model in Hugging Face format in {out / 'final'}",
+              file=say)
     return 0
+
+
+def _model_line(model_dir: Path, args) -> str:
+    """What is trained, on what: the model's architecture and size, and the task."""
+    import torch
+    from transformers import AutoConfig
+
+    from ..kv_sizing import parameter_bytes
+
+    model_config = AutoConfig.from_pretrained(model_dir)
+    architecture = (getattr(model_config, "architectures", None) or [type(model_config).__name__])[0]
+    size = parameter_bytes(model_config, torch.float32) / 4
+    size = f"{size / 1e9:.1f}B" if size >= 1e9 else f"{size / 1e6:.0f}M"
+    task = f"{args.dataset}, rewards {', '.join(map(str, args.reward or ()))}" if args.dataset else "the toy task"
+    return f"{args.model or 'a small random Qwen2'} ({architecture}, {size} parameters) on {task}"
 
 
 def _cuda() -> bool:
@@ -490,25 +532,60 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def run_cli(argv=None) -> int:
-    """main() with failures turned into a one-line message and exit status 1 (2 for bad checkpoints)."""
+def run_log_path(args) -> Path | None:
+    """Where a run's libraries write (vLLM, torch, transformers): OUT/logs.txt, a rank's own beside it under
+    torchrun; None with --show-logs (the terminal)."""
+    if args.show_logs:
+        return None
+    rank = int(os.environ.get("RANK", "0"))
+    return Path(args.out) / ("logs.txt" if rank == 0 else f"logs.rank{rank}.txt")
+
+
+def run_cli(argv=None, keep_logs_until_exit: bool = False) -> int:
+    """main() with failures turned into a one-line message and exit status 1 (2 for bad arguments and
+    checkpoints), the last line on the terminal; the libraries' output in OUT/logs.txt (run_log_path).
+    keep_logs_until_exit: what prints after (at interpreter exit) goes to that file too (`python -m colo.grpo`)."""
+    parser = build_parser()
+    args = parse_args(parser, argv)  # (a usage error exits 2 here, on the terminal)
+    try:
+        logs = LogsToFile(run_log_path(args))
+    except OSError as e:
+        parser.error(f"--out {args.out}: cannot write its log there: {e}")
+    parser.logs = logs
+    try:
+        with logs:
+            return _reported(lambda: _run(parser, args, logs), logs.err)
+    finally:
+        if keep_logs_until_exit:
+            logs.keep_until_exit()
+
+
+def _reported(run, err) -> int:
     from ..errors import EnvironmentFailed, NonFiniteGradients
+    from ..share_check import EngineMismatch
     from .rollout_engine import EngineFailure
     from .scheduler import Terminated
 
     try:
-        return main(argv)
+        return run()
     except CheckpointError as e:
-        print(f"colo.grpo: error: {e}", file=sys.stderr)
+        print(f"colo.grpo: error: {e}", file=err)
         return 2
+    except EngineMismatch as e:
+        print(f"colo.grpo: error: {e.message}; --no-share-check trains anyway", file=err)
+        return 1
     except (EngineFailure, EnvironmentFailed, NonFiniteGradients, FileNotFoundError, ValueError, MemoryError,
             NotImplementedError, ImportError) as e:
-        print(f"colo.grpo: error: {e}", file=sys.stderr)
+        print(f"colo.grpo: error: {e}", file=err)
         return 1
     except Terminated as e:
-        print(f"colo.grpo: {e}; continue with --resume", file=sys.stderr)
+        print(f"colo.grpo: {e}; continue with --resume", file=err)
         return 143
     except KeyboardInterrupt:
-        print("colo.grpo: interrupted; the last finished step is checkpointed, continue with --resume",
-              file=sys.stderr)
+        print("colo.grpo: interrupted; the last finished step is checkpointed, continue with --resume", file=err)
         return 130
+    except Exception:  # a failure colo has no words for: its traceback where the user sees it
+        import traceback
+
+        traceback.print_exc(file=err)
+        return 1

@@ -241,6 +241,10 @@ class GRPOConfig:
         "(bf16 on GPUs since Ampere, CPUs with AMX, and CPUs with AVX512_BF16 where a bf16 matmul times faster "
         "than fp32; fp32 elsewhere)", group="memory", choices=("auto", *DTYPES),
         from_flag=lambda value: None if value == "auto" else value, default_text="`auto`")
+    share_check: bool = setting(
+        True, "before the first step, compare the engine's and the trainer's log-probabilities of a probe text and "
+        "refuse a model they compute differently beyond the dtype's rounding (colo.share_check), and again after a "
+        "publish of changed weights", group="memory", action="store_false", flag="--no-share-check")
     shard_optimizer: bool = setting(
         False, "ZeRO-1: each rank keeps 1/world of the fp32 master weights and AdamW moments; gradients are "
         "reduce-scattered to their shard and the updated weights all-gathered straight into every rank's engine "

@@ -124,12 +124,12 @@ def rank_path(path, rank: int):
 class ProgressBar:
     """tqdm's bar over a run's steps with the last reward and step time; a no-op when not enabled."""
 
-    def __init__(self, steps: int, done: int, enabled: bool):
+    def __init__(self, steps: int, done: int, enabled: bool, file=None):
         self._bar = None
         if enabled:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=steps, initial=done, desc="colo.grpo", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=steps, initial=done, desc="colo.grpo", unit="step", dynamic_ncols=True, file=file)
 
     def update(self, record: dict) -> None:
         if self._bar is not None:

@@ -70,8 +70,8 @@ def serial_reason(config, *, device_type: str, groups: int, stop_tokens: bool = 
         measured = (device_kind(device_type), config.dtype or fastest_dtype(device_type).name)
         if not MEASURED_FASTER.get(measured, (False, None))[0]:
             return (f"overlap=auto: an overlapped step has not measured faster than a serial one on this device "
-                    f"kind in this dtype ({measured[0]}, {measured[1]}; colo.grpo.overlap.MEASURED_FASTER); use "
-                    "overlap='on' to run it anyway")
+                    f"kind in this dtype ({measured[0]}, {measured[1]}; colo.grpo.overlap.MEASURED_FASTER); "
+                    "--overlap on (overlap='on') runs it anyway")
         if config.ignore_eos and not stop_tokens:
             return ("overlap=auto: ignore_eos and no stop tokens: every completion decodes max_new_tokens tokens, "
                     "so the groups finish together and none could train early")

@@ -111,10 +111,11 @@ class RolloutEngine:
     def __init__(self, model_dir, pool, *, seed: int, max_num_seqs: int, sequence_tokens: int = 1,
                  max_model_len: int | None = None, dtype: torch.dtype = torch.float32, alias: bool = True,
                  trainer_dtype: torch.dtype | None = None, lora: LoraSpec | None = None, workdir=None,
-                 tensor_parallel: int = 1, **llm_kwargs):
+                 tensor_parallel: int = 1, share_check: bool = True, **llm_kwargs):
         from transformers import AutoConfig
 
         self.model_dir, self.pool, self.seed, self.alias, self.dtype = model_dir, pool, seed, alias, dtype
+        self.share_check = share_check
         if alias and trainer_dtype not in (None, dtype):
             raise ValueError("a trainer that shares the engine's weights has the engine's dtype; trainer_dtype "
                              "needs alias=False")
@@ -164,6 +165,26 @@ class RolloutEngine:
         self.adapter = share_adapter(self.hf_model, self.llm, lora, workdir, seed=seed,
                                      tp=self.shared if tensor_parallel > 1 else None) if lora else None
 
+    def describe(self) -> str:
+        """One line for a run's first screen: the engine, and what the trainer holds of it."""
+        from ..bench.machine import vllm_version
+
+        kernels = colo_engine.cpu_kernels(self.llm)
+        engine = (f"vLLM {vllm_version()} on {self.pool.device.type}, "
+                  f"{'compiled' if compat.is_compiled(self.llm) else 'eager'}"
+                  + (f" ({', '.join(f'{n} {k}' for k, n in sorted(kernels.items()))} linears)" if kernels else ""))
+        copied = self.views.copy_bytes
+        held = "the trainer's weights are views of its tensors (0 bytes copied per publish)" if not copied else \
+            f"each publish copies {copied} bytes of the trainer's into it (the copy path)"
+        checked = self.shared.logprob_checks
+        if checked:
+            check = f"log-probabilities {checked['at_share'].summary()} (after a publish: " \
+                    f"{checked['after_publish'].summary()})"
+        else:
+            check = "log-probabilities not compared (--no-share-check)" if not self.share_check else \
+                "log-probabilities not compared for this kind of views"
+        return f"engine: {engine}; {held}; {check}"
+
     @property
     def views(self):
         """What the trainer trains, a colo.shared.EngineViews: the adapter with LoRA, else the weights
@@ -191,20 +212,20 @@ class RolloutEngine:
 
     def _share(self, hf_model=None):
         if hf_model is not None:
-            return share_weights(hf_model, self.llm, alias=self.alias)
+            return share_weights(hf_model, self.llm, alias=self.alias, check_logprobs=self.share_check)
         if self.tp_size > 1:
             from ..tensor_parallel import shared_tp_model
 
             return shared_tp_model(self.llm)
         if self.alias:
-            return shared_model(self.llm, self.dtype)
+            return shared_model(self.llm, self.dtype, check_logprobs=self.share_check)
         from transformers import AutoConfig
 
         with compat.building_trainer_models():
             auto = trainer_auto_class(AutoConfig.from_pretrained(self.model_dir))
             own = auto.from_pretrained(self.model_dir, dtype=self.trainer_dtype)
         own = own.to(self.pool.device).train()
-        return share_weights(own, self.llm, alias=False)
+        return share_weights(own, self.llm, alias=False, check_logprobs=self.share_check)
 
     @property
     def kv_region(self):

@@ -200,7 +200,8 @@ class GRPOScheduler:
                                     max_num_seqs=self._sequences_per_rank(),
                                     sequence_tokens=self.sequence_tokens, lora=lora,
                                     workdir=self._workdir.name if lora else None,
-                                    tensor_parallel=self.config.tensor_parallel, **engine_options)
+                                    tensor_parallel=self.config.tensor_parallel,
+                                    share_check=self.config.share_check, **engine_options)
         refusal = compat.decode_refusal(self.engine.llm)  # a run generates: said before anything trains
         if refusal is not None:
             raise NotImplementedError(f"{self.model_dir}: {refusal}")
@@ -497,11 +498,12 @@ class GRPOScheduler:
         return record
 
     # -- the run -----------------------------------------------------------------------------------
-    def run(self, steps: int, progress: bool = True) -> list[dict]:
-        """Train until `steps` steps are done in total (a resumed run counts the steps already done)."""
+    def run(self, steps: int, progress: bool = True, progress_file=None) -> list[dict]:
+        """Train until `steps` steps are done in total (a resumed run counts the steps already done).
+        progress_file: where the progress bar goes (default: stderr)."""
         check_int(steps, "steps")
         records = []
-        bar = ProgressBar(steps, self.step, enabled=progress and self.world.is_main)
+        bar = ProgressBar(steps, self.step, enabled=progress and self.world.is_main, file=progress_file)
         terminate = _TerminationRequest()
         if self.config.eval_on_start and self.eval_task is not None and self.step == 0:
             start = {"step": 0, **self.evaluate()}  # the base model's pass@1; not a step's record

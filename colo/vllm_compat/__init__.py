@@ -41,15 +41,16 @@ from .version import SUPPORTED_VLLM_VERSIONS, check_version, import_vllm
 from .worker import WORKER_CLS, EnginePlacement, job_init_method, placing
 from .cpu_gemm import CpuLinear, CpuPackedExperts, cpu_linear_modules, restore_emptied_weights
 from .load_trace import Strided, checkpoint_tensors, persistent_buffers
-from .layout import EngineLayout, EngineTensor, Piece, Placement, engine_layout, lora_base_name, solve_view
+from .layout import (EngineLayout, EngineTensor, Piece, Placement, engine_layout, lm_head_names, lora_base_name,
+                     solve_view)
 from .trainer_models import building_trainer_models, run_as_plain_modules
 from .routing import engine_routing_options, recording_routes, routed_experts
 from .engine_access import (
     FIXED_KV_MEMORY_FRACTION, STARTUP_HEADROOM_BYTES, VLLM_DEFAULT_MEMORY_FRACTION, RequestHooks, decode_refusal,
     engine_config_as_saved,
     engine_dtype, engine_hf_config, engine_kv_caches, engine_model, engine_model_source, engine_placement,
-    engine_worker, external_request_id, is_compiled, keep_process_groups, kv_cache_block_count, native_rope_options,
-    platform_device_type,
+    engine_tokenizer, engine_worker, external_request_id, is_compiled, keep_process_groups, kv_cache_block_count,
+    native_rope_options, platform_device_type,
     quiet_chat_warmup_without_tokenizer, release_engine, request_errors, request_guard, request_hooks, served_dtype,
     startup_memory_fraction, tensor_parallel_group, whole_prefill_options,
 )
@@ -65,12 +66,13 @@ __all__ = [
     "WORKER_CLS", "EnginePlacement", "job_init_method", "placing",
     "CpuLinear", "CpuPackedExperts", "cpu_linear_modules", "restore_emptied_weights",
     "Strided", "checkpoint_tensors", "persistent_buffers",
-    "EngineLayout", "EngineTensor", "Piece", "Placement", "engine_layout", "lora_base_name", "solve_view",
+    "EngineLayout", "EngineTensor", "Piece", "Placement", "engine_layout", "lm_head_names", "lora_base_name",
+    "solve_view",
     "building_trainer_models", "run_as_plain_modules", "engine_routing_options", "recording_routes", "routed_experts",
     "FIXED_KV_MEMORY_FRACTION", "STARTUP_HEADROOM_BYTES", "VLLM_DEFAULT_MEMORY_FRACTION", "RequestHooks",
     "decode_refusal",
     "engine_config_as_saved", "engine_dtype", "engine_hf_config", "engine_kv_caches", "engine_model", "engine_model_source",
-    "engine_placement", "engine_worker",
+    "engine_placement", "engine_tokenizer", "engine_worker",
     "external_request_id", "is_compiled", "keep_process_groups", "kv_cache_block_count", "native_rope_options",
     "platform_device_type",
     "quiet_chat_warmup_without_tokenizer", "release_engine", "request_guard", "request_hooks", "served_dtype",

@@ -46,6 +46,21 @@ def engine_dtype(llm) -> torch.dtype:
     return llm.llm_engine.model_config.dtype
 
 
+def engine_tokenizer(llm):
+    """The engine's tokenizer: vLLM's own, or, for an engine started without one (skip_tokenizer_init),
+    transformers' from the directory or hub name vLLM would have loaded it from; None where there is none."""
+    if not llm.llm_engine.model_config.skip_tokenizer_init:
+        return llm.get_tokenizer()
+    from transformers import AutoTokenizer
+
+    config = llm.llm_engine.model_config
+    try:
+        return AutoTokenizer.from_pretrained(config.tokenizer, revision=config.tokenizer_revision,
+                                             trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError, KeyError):   # a model saved without one (tiny test models)
+        return None
+
+
 def tensor_parallel_group(llm) -> tuple[object, int, int]:
     """(the torch.distributed group of the engine's tensor-parallel ranks, this rank in it, its size).
     vLLM keeps it process-wide (`parallel_state.get_tp_group()`); its `device_group` is the one for

@@ -239,6 +239,14 @@ def _overlaps(piece: Piece, writes) -> bool:
     return any(max(lo, a) < min(hi, b) for a, b in (_span(w.dst) for w in writes))
 
 
+def lm_head_names(model) -> set[str]:
+    """The engine tensors that are LM heads (vLLM's ParallelLMHead weights), by their layout names."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    return {lora_base_name_of_param(f"{name}.weight") for name, module in model.named_modules()
+            if isinstance(module, ParallelLMHead)}
+
+
 def lora_base_name_of_param(name: str) -> str:
     """An engine parameter's name without vLLM's LoRA wrapper: `...qkv_proj.base_layer.weight` ->
     `...qkv_proj.weight`."""

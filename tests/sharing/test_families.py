@@ -30,12 +30,24 @@ pytestmark = pytest.mark.slow
 
 # Families vLLM's CPU backend serves in bf16 only (its linear attention computes in bf16).
 BF16_ONLY = ("qwen3_next",)
-CASES = [(arch, "float32") for arch in ARCHITECTURES if arch not in BF16_ONLY] + \
-    [("qwen3_moe", "bfloat16"), ("gemma3", "bfloat16"), ("qwen3_next", "bfloat16")]
-# The largest gap between the engine's and the trainer's log-probabilities, by dtype: rounding only.
-TOLERANCE = {"float32": 1e-4, "bfloat16": 0.06}
 # Families whose checkpoints tie the LM head to the embedding (vLLM's Cohere always does).
 TIED = ("gemma2", "gemma3", "gemma4", "gemma4_moe", "smollm3", "cohere", "bloom")
+# Families vLLM does not serve with the embeddings tied the other way, and what refuses them: vLLM itself
+# (Gemma 2's and BLOOM's heads are always the embedding, so an untied checkpoint's lm_head has no place in
+# their loaders; GPT-J asserts untied embeddings) or colo (vLLM's Cohere would serve its embedding as the
+# head, ignoring the checkpoint's lm_head: another model than the trainer's).
+UNSERVED_OTHER_TIE = {"gemma2": "There is no module or parameter named 'lm_head'",
+                      "bloom": "There is no module or parameter named 'lm_head'", "gptj": "",
+                      "cohere": "lm_head.weight: the Hugging Face model has this parameter .* the engine has no place"}
+# (family, dtype, tie_word_embeddings): every family as its checkpoints come, then with the embeddings tied
+# the other way (where vLLM keeps an LM head of its own beside a tied one, OLMoE's, publish() fills it from
+# the embedding).
+CASES = [(arch, "float32", arch in TIED) for arch in ARCHITECTURES if arch not in BF16_ONLY] + \
+    [("qwen3_moe", "bfloat16", False), ("gemma3", "bfloat16", True), ("qwen3_next", "bfloat16", False)] + \
+    [(arch, "bfloat16" if arch in BF16_ONLY else "float32", arch not in TIED) for arch in ARCHITECTURES
+     if arch not in UNSERVED_OTHER_TIE]
+# The largest gap between the engine's and the trainer's log-probabilities, by dtype: rounding only.
+TOLERANCE = {"float32": 1e-4, "bfloat16": 0.06}
 # The parameters (by name ending) whose engine values vLLM's loader computes, per family: the copy path
 # (Falcon's and BLOOM's fused QKV, reordered per KV group / head; Llama 4's q and k, permuted for vLLM's rope).
 THROUGH_LOADER = {"falcon": ("self_attention.query_key_value.weight",),
@@ -61,11 +73,22 @@ def test_every_family_is_tested():
     assert len(dense) >= 10 and len(MOE_ARCHITECTURES) >= 4
 
 
-@pytest.mark.parametrize("arch,dtype", CASES, ids=[f"{a}-{d}" for a, d in CASES])
-def test_one_copy_serves_and_trains(arch, dtype, tiny_model_dir, build_engine, prompt_logprobs, tmp_path):
+def engine_keeps_its_own_head(llm) -> bool:
+    """Whether the engine's LM head is a tensor of its own, not its embedding's."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    modules = list(colo.vllm_compat.engine_model(llm).modules())
+    heads = [m.weight for m in modules if isinstance(m, ParallelLMHead)]
+    embeddings = [m.weight for m in modules if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
+    return bool(heads) and all(h.data_ptr() != e.data_ptr() for h in heads for e in embeddings)
+
+
+@pytest.mark.parametrize("arch,dtype,tied", CASES,
+                         ids=[f"{a}-{d}" + ("" if t == (a in TIED) else "-tied" if t else "-untied") for a, d, t in CASES])
+def test_one_copy_serves_and_trains(arch, dtype, tied, tiny_model_dir, build_engine, prompt_logprobs, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    path = tiny_model_dir(arch, vocab_size=1000, tie_word_embeddings=arch in TIED, **FAMILY_FIELDS.get(arch, {}))
+    path = tiny_model_dir(arch, vocab_size=1000, tie_word_embeddings=tied, **FAMILY_FIELDS.get(arch, {}))
     llm = build_engine(path, dtype=dtype)
     try:
         shared = colo.shared_model(llm)   # checks the log-probabilities itself (colo.share_check)
@@ -81,6 +104,8 @@ def test_one_copy_serves_and_trains(arch, dtype, tiny_model_dir, build_engine, p
         in_engine = COPIED.get(arch, {})
         copied = {n: p.numel() * in_engine[end].itemsize for n, p in model.named_parameters()
                   for end in in_engine if n.endswith(end)}
+        if tied and engine_keeps_its_own_head(llm):   # filled from the tied embedding (vLLM's OLMoE)
+            copied["lm_head.weight"] = model.get_input_embeddings().weight.nbytes
         assert set(shared.copied) == set(loaded) | set(copied)
         assert shared.copy_bytes == sum(p.nbytes for p in loaded.values()) + sum(copied.values())
         assert all(region.contains(p) for n, p in model.named_parameters() if n not in loaded and n not in copied)
@@ -109,6 +134,19 @@ def test_one_copy_serves_and_trains(arch, dtype, tiny_model_dir, build_engine, p
     finally:
         release_llm(llm)
 
+
+
+@pytest.mark.parametrize("arch", sorted(UNSERVED_OTHER_TIE))
+def test_a_tie_vllm_does_not_serve_is_refused(arch, tiny_model_dir, build_engine):
+    """A family tied the other way than vLLM's model of it can be is refused before training: by vLLM's own
+    loader, or by colo where vLLM would serve another model (its embedding as the head)."""
+    path = tiny_model_dir(arch, vocab_size=1000, tie_word_embeddings=arch not in TIED)
+    with pytest.raises((ValueError, AssertionError), match=UNSERVED_OTHER_TIE[arch]):
+        llm = build_engine(path)
+        try:
+            colo.shared_model(llm)
+        finally:
+            release_llm(llm)
 
 
 def test_a_routers_saved_score_correction_is_the_engines(build_engine, tmp_path):
