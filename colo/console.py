@@ -15,7 +15,9 @@ from __future__ import annotations
 import io
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -37,12 +39,20 @@ class LogsToFile:
     logger) unless `colo_warnings` is False. `path` None: nothing is redirected (--show-logs). Re-entered
     as often as needed."""
 
-    def __init__(self, path: Path | None, colo_warnings: bool = True):
+    def __init__(self, path: Path | None, colo_warnings: bool = True, create: bool = True):
+        """create=False: where `path`'s directory does not exist yet, the output goes to a temporary file
+        until `settle()` (a command that refuses its arguments leaves no directory behind)."""
         self.path, self.colo_warnings = path, colo_warnings
         self.out, self.err = sys.stdout, sys.stderr
+        self._writing_to = path
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))   # writable: said here
+            if create:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.parent.is_dir():
+                fd, name = tempfile.mkstemp(prefix="colo-logs-", suffix=".txt")
+                os.close(fd)
+                self._writing_to = Path(name)
+            os.close(os.open(self._writing_to, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))   # writable: said here
             self.out, self.err = _terminal(sys.stdout), _terminal(sys.stderr)
         self._saved: tuple[int, int] | None = None
         self._handler = logging.StreamHandler(self.err)
@@ -69,18 +79,35 @@ class LogsToFile:
             self._saved = None
         return False
 
+    def settle(self) -> None:
+        """Once `path`'s directory exists: what went to the temporary file so far is appended to `path`, and
+        the output goes there from now on."""
+        if self.path is None or self._writing_to == self.path:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with open(self._writing_to, "rb") as written, open(self.path, "ab") as log:
+            shutil.copyfileobj(written, log)
+        os.unlink(self._writing_to)
+        self._writing_to = self.path
+        if self._saved is not None:
+            self._point_at_file()
+
     def keep_until_exit(self) -> None:
         """Point file descriptors 1 and 2 at the file for the rest of the process, after the command's last
-        line: what libraries print while the interpreter exits lands there, not under that line."""
+        line: what libraries print while the interpreter exits lands there, not under that line (a
+        temporary file no directory took is removed, its output going nowhere)."""
         if self.path is not None:
             self.out.flush()
             self.err.flush()
             sys.stdout.flush()
             sys.stderr.flush()
             self._point_at_file()
+            if self._writing_to != self.path:
+                os.unlink(self._writing_to)
 
     def _point_at_file(self) -> None:
-        log = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        log = os.open(self._writing_to, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)

@@ -281,8 +281,41 @@ def moe_router_replay(device: torch.device) -> dict:
             "rules": sorted(set(replay._rules.values()))}
 
 
+def share_check_rounding(device: torch.device) -> dict:
+    """colo.share_check's statistic on the device's own kernels, without vLLM: a bf16 Llama whose head is
+    scaled to a real model's logits (log-probabilities over tens of nats) computed by two implementations
+    of the same function, transformers' SDPA attention standing for the engine and its eager attention for
+    the trainer, is within the check's bound of the fp32 computation; and the same model with another
+    rms_norm_eps on the trainer's side is refused."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from colo.share_check import gap_to, probe_ids, trainer_logprobs
+
+    def llama(attention: str, eps: float = 1e-6):
+        config = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+                             tie_word_embeddings=False, rms_norm_eps=eps, attn_implementation=attention)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(60)
+        return model.to(device=device, dtype=torch.bfloat16).eval()
+
+    generator = torch.Generator().manual_seed(1)
+    sequences = [probe_ids(4096, 64), torch.randint(0, 4096, (64,), generator=generator).tolist()]
+    engine = trainer_logprobs(llama("sdpa"), sequences)
+    same = gap_to(engine, torch.bfloat16, llama("eager"), sequences)
+    other = gap_to(engine, torch.bfloat16, llama("eager", eps=1e-2), sequences)
+    if not same.within:
+        raise AssertionError(f"two implementations of the same function refused: {same.describe()}")
+    if other.within:
+        raise AssertionError(f"another rms_norm_eps passed: {other.describe()}")
+    return {"same_function": {"engine": same.engine, "rounding": same.rounding, "tolerance": same.tolerance},
+            "other_eps": {"engine": other.engine, "rounding": other.rounding, "tolerance": other.tolerance}}
+
+
 CHECKS = (pool_sleep_wake, mempool_routing, streams_and_events, overlap_handover, zero1_math, chunked_logprobs,
-          moe_router_replay)
+          moe_router_replay, share_check_rounding)
 
 
 def run_checks(device: torch.device, checks=CHECKS) -> list[dict]:

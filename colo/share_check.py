@@ -50,11 +50,13 @@ ROUNDING_FACTOR = 3.0       # how many times the trainer's own rounding a 16-bit
 
 class EngineMismatch(ColoError, ValueError):
     """The engine does not compute what the trainer's model computes of the same weights, beyond what
-    rounding makes (`gap`); at share time, or after a publish (`after_publish`)."""
+    rounding makes (`gap`); at share time, or after a publish (`after_publish`). `message` says so; the
+    exception's text adds `how_to_skip` (the library's switch; a command says its own flag instead)."""
 
-    def __init__(self, message: str, gap: "LogprobGap", after_publish: bool = False):
-        super().__init__(message)
-        self.gap, self.after_publish = gap, after_publish
+    def __init__(self, message: str, gap: "LogprobGap", after_publish: bool = False,
+                 how_to_skip: str | None = "share_weights(check_logprobs=False) trains anyway"):
+        super().__init__(f"{message}; {how_to_skip}" if how_to_skip else message)
+        self.message, self.gap, self.after_publish = message, gap, after_publish
 
 
 @dataclass(frozen=True)
@@ -243,9 +245,13 @@ def measure_gap(hf_model, llm, sequences: list[list[int]]) -> LogprobGap:
     trainer's weights, and the rounding of the lower-precision of the trainer's and the engine's dtypes."""
     from . import vllm_compat as compat
 
-    engine_dtype = compat.engine_dtype(llm)
+    return gap_to(engine_logprobs(llm, sequences), compat.engine_dtype(llm), hf_model, sequences)
+
+
+def gap_to(engine: torch.Tensor, engine_dtype: torch.dtype, hf_model, sequences: list[list[int]]) -> LogprobGap:
+    """measure_gap for log-probabilities `engine` of `sequences` that another implementation computed in
+    `engine_dtype` (what colo.gpu_check measures of two of transformers' on a GPU, where vLLM is not)."""
     trainer_dtype = next(p.dtype for p in hf_model.parameters() if p.is_floating_point())
-    engine = engine_logprobs(llm, sequences)
     trainer = trainer_logprobs(hf_model, sequences)
     reference = trainer_logprobs(hf_model, sequences, torch.float32)
     if trainer_dtype.itemsize < 4:

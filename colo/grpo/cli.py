@@ -428,6 +428,7 @@ def _run(parser, args, logs: LogsToFile) -> int:
 
             build_toy_model(model_dir, seed=config.seed)
     distributed.barrier(world)
+    logs.settle()   # OUT exists now: the libraries' output goes to OUT/logs.txt
     if config.dtype:
         why = "as in run.json" if args.resume else "as asked"
     else:
@@ -547,8 +548,8 @@ def run_cli(argv=None, keep_logs_until_exit: bool = False) -> int:
     keep_logs_until_exit: what prints after (at interpreter exit) goes to that file too (`python -m colo.grpo`)."""
     parser = build_parser()
     args = parse_args(parser, argv)  # (a usage error exits 2 here, on the terminal)
-    try:
-        logs = LogsToFile(run_log_path(args))
+    try:  # (OUT is made once the run's settings are checked: a refused run leaves none behind)
+        logs = LogsToFile(run_log_path(args), create=False)
     except OSError as e:
         parser.error(f"--out {args.out}: cannot write its log there: {e}")
     parser.logs = logs

@@ -12,11 +12,6 @@ from colo import gemma3
 from colo.real_models import converted
 
 
-@pytest.fixture(scope="session")
-def gemma3_model_dir():
-    return gemma3.gemma3_dir()
-
-
 @pytest.fixture(scope="module")
 def tokenizer(gemma3_model_dir):
     from transformers import AutoTokenizer

@@ -21,7 +21,7 @@ def test_the_gpu_check_runs_its_checks_on_the_host_pool_and_writes_one_report(tm
     status = {c["check"]: c["status"] for c in report["checks"]}
     assert status == {"pool_sleep_wake": "passed", "mempool_routing": "skipped", "streams_and_events": "passed",
                       "overlap_handover": "passed", "zero1_math": "passed", "chunked_logprobs": "passed",
-                      "moe_router_replay": "passed"}
+                      "moe_router_replay": "passed", "share_check_rounding": "passed"}
     details = {c["check"]: c["details"] for c in report["checks"]}
     assert details["pool_sleep_wake"]["backend"].startswith("host")
     assert details["overlap_handover"]["largest_relative_gradient_gap"] <= 1e-5

@@ -1,0 +1,92 @@
+"""The README's GRPO example and docs/families.md's Gemma 3 example, run as written (read from the docs:
+an edit there is what runs here), in the dtype `--dtype auto` picks on this machine, with only the step
+count cut to one (and the evaluation moved to it) to fit CI. A user on a bf16 machine gets bf16 here,
+and the SmolLM2 case is marked cpu_kind, so .ci/run runs it again as the kinds this machine is not
+(fp32 there). Each run must: exit 0 with colo's lines alone on the terminal (vLLM's and torch's in
+OUT/logs.txt, what Triton prints at exit too), train in the picked dtype with 0 bytes per publish and
+the engine's log-probabilities within rounding of the trainer's, and leave OUT/final, which transformers
+loads."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+# The engine's mean gap to the trainer on the sampled tokens, by dtype (seen here: about 1e-5 in fp32,
+# 0.03 to 0.06 in bf16 for SmolLM2 and Gemma 3 270M); a stale or mis-laid weight is O(1).
+GAP = {"fp32": 1e-3, "bf16": 0.15}   # (the mean; tests/helpers/logprobs.py has both bounds)
+
+
+def bash_block(doc: Path, heading: str) -> str:
+    """The first ```bash block after `heading` in `doc`, continuation lines joined."""
+    text = doc.read_text()
+    start = text.index(heading)
+    block = re.search(r"```bash\n(.*?)```", text[start:], re.S).group(1)
+    return block.replace("\\\n", " ")
+
+
+def cut_to_fit(commands: str, steps: int = 1) -> str:
+    """The commands as written but for the step count (`steps`) and the evaluation (every `steps` steps)."""
+    commands = re.sub(r"--steps \d+", f"--steps {steps}", commands)
+    return re.sub(r"--eval-every \d+", f"--eval-every {steps}", commands)
+
+
+def run_as_written(commands: str, workdir: Path) -> subprocess.CompletedProcess:
+    lines = [line for line in commands.splitlines() if line.strip() and not line.strip().startswith(". ")]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)   # as in a user's shell
+    return subprocess.run(["bash", "-e", "-c", "\n".join(lines)], cwd=workdir, env=env, capture_output=True,
+                          text=True, timeout=1200)
+
+
+def check_run(done: subprocess.CompletedProcess, workdir: Path, model_class: str) -> list[dict]:
+    from colo.dtype_choice import fastest_dtype
+
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    stdout, stderr = ([line for line in text.replace("\r", "\n").splitlines() if line.strip()]
+                      for text in (done.stdout, done.stderr))
+    ours = [line for line in stdout + stderr if line.startswith("colo.grpo")]   # (stderr: the progress bar)
+    # colo's lines and the files the commands say they wrote (the data, the plot): no vLLM, torch or Triton
+    # line (nanobind's leak report at exit included)
+    others = [line for line in stdout + stderr if line not in ours and not re.fullmatch(r"[\w./-]+\.(jsonl|png)", line)]
+    assert not others, others[:20]
+    grpo = [line for line in stdout if line.startswith("colo.grpo")]
+    assert grpo[-1].startswith("colo.grpo: steps 1-1 done"), grpo[-5:]
+    assert any("engine: vLLM" in line for line in ours) and any("weights in" in line for line in ours)
+    logs = (workdir / "ckpt" / "logs.txt").read_text()
+    assert "Loading safetensors" in logs or "WARNING" in logs
+    records = [json.loads(line) for line in (workdir / "log.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1]
+    dtype = fastest_dtype("cpu").name
+    for r in steps:
+        assert r["dtype"] == dtype and r["publish_bytes_copied"] == 0
+        assert r["engine_logprob_mean_abs_diff"] < GAP[dtype], r
+    assert any(key.startswith("eval/") for r in records for key in r)
+    loaded = subprocess.run([sys.executable, "-c", "import sys, transformers; m = transformers.AutoModelForCausalLM"
+                             ".from_pretrained(sys.argv[1]); print(type(m).__name__)", str(workdir / "ckpt" / "final")],
+                            capture_output=True, text=True, timeout=300)
+    assert loaded.stdout.strip() == model_class, loaded.stderr[-2000:]
+    return records
+
+
+@pytest.mark.cpu_kind
+def test_the_readme_grpo_example_runs_as_written(tmp_path, smollm2_model_dir):
+    commands = cut_to_fit(bash_block(REPO / "README.md", "### GRPO on a real model"))
+    assert "python -m colo.grpo --model $(python -m colo.smollm2)" in commands and "--dtype" not in commands
+    check_run(run_as_written(commands, tmp_path), tmp_path, "LlamaForCausalLM")
+    assert (tmp_path / "curve.png").stat().st_size > 10_000   # colo.grpo.plot's curve
+
+
+def test_the_gemma3_example_runs_as_written(tmp_path, gemma3_model_dir):
+    commands = cut_to_fit(bash_block(REPO / "docs" / "families.md", "## A second real model: Gemma 3 270M"))
+    assert "python -m colo.grpo --model $(python -m colo.gemma3)" in commands and "--dtype" not in commands
+    records = check_run(run_as_written(commands, tmp_path), tmp_path, "Gemma3ForCausalLM")
+    assert records[0]["step"] == 0 and "eval/first_number" in records[0]   # --eval-on-start
