@@ -3,6 +3,7 @@
     python -m colo.cpu_persona avx2 -- python -m pytest tests/sharing/test_cpu_gemm_paths.py
     python -m colo.cpu_persona avx2 -- python -m colo.grpo --steps 4 --out /tmp/run
     python -m colo.cpu_persona avx512 -- COMMAND   # an AVX-512 CPU without bf16 units, on one with them
+    python -m colo.cpu_persona avx512_bf16 -- COMMAND   # AVX-512-BF16 without AMX, on an AMX machine
 
 CI lands on whichever CPU kind comes (AMD EPYC with AVX2 only, AMD EPYC with AVX-512-BF16, Intel
 Xeon with AVX-512F and no bf16 units, Intel Xeon with AVX-512-BF16 or AMX), and they differ where
@@ -39,7 +40,16 @@ PERSONAS = {
     # An AVX-512 Xeon without bf16 units (Skylake-SP, Cascade Lake): vLLM loads its `_C_AVX512` build.
     "avx512": ({"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
                ("avx512_bf16", "avx512_fp16", "amx", "avx10"), "avx512f"),
+    # AVX-512 with bf16 units and no AMX (AMD Zen 4/5, a Xeon whose VM hides AMX): vLLM's `_C` build, and
+    # --dtype auto decides by the matmul it times; on an AMX machine, AMX hidden.
+    "avx512_bf16": ({"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+                    ("amx", "avx10"), "avx512_bf16"),
 }
+
+
+def dispatch_capability(persona: str) -> str:
+    """What torch.backends.cpu.get_cpu_capability() says under the persona."""
+    return PERSONAS[persona][0]["ATEN_CPU_CAPABILITY"].upper()
 PERSONA_VARIABLE = "COLO_CPU_PERSONA"
 _HIDES_VARIABLE = "COLO_CPU_PERSONA_HIDES"
 _SITE_DIR = Path(__file__).resolve().parent / "_persona"

@@ -107,7 +107,8 @@ class MasterWeightOptimizer(MainGradientOptimizer):
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, *, master_region=None, grad_region=None,
-                 scales: dict | None = None, **optimizer_kwargs):
+                 scales: dict | None = None, rounding: str = "nearest", seed: int = 0, **optimizer_kwargs):
+        self.rounding = MasterRounding(rounding, seed)
         groups = param_groups(params)
         dtypes = (*_SIXTEEN_BIT, torch.float32) if scales else _SIXTEEN_BIT
         self.params = checked_params(groups, "MasterWeightOptimizer", dtypes)
@@ -166,11 +167,13 @@ class MasterWeightOptimizer(MainGradientOptimizer):
 
     def _write_params(self) -> None:
         masters = torch._foreach_mul(self.masters, self.param_scales) if self.param_scales else self.masters
-        torch._foreach_copy_([p.data for p in self.params], masters)
+        self.rounding.write([p.data for p in self.params], masters)
 
     def state_dict(self) -> dict:
-        """The inner optimizer's state and the fp32 master weights (what resuming needs exactly)."""
-        return {"optimizer": self.optimizer.state_dict(), "master_weights": self.master_flat.detach().clone()}
+        """The inner optimizer's state and the fp32 master weights (what resuming needs exactly), and the
+        stochastic rounding's random state."""
+        return {"optimizer": self.optimizer.state_dict(), "master_weights": self.master_flat.detach().clone(),
+                **self.rounding.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         masters = state.get("master_weights") if isinstance(state, dict) else None
@@ -178,9 +181,61 @@ class MasterWeightOptimizer(MainGradientOptimizer):
             raise ValueError(f"not a MasterWeightOptimizer state for these parameters (expected master_weights of "
                              f"shape {tuple(self.master_flat.shape)})")
         self.optimizer.load_state_dict(state["optimizer"])
+        self.rounding.load_state_dict(state)
         with torch.no_grad():
             self.master_flat.copy_(masters)
             self._write_params()
+
+ROUNDINGS = ("nearest", "stochastic")
+
+
+class MasterRounding:
+    """How fp32 masters are written into their 16-bit parameters: rounded to nearest (even), or, for bf16,
+    stochastically: each value rounded up with the probability of its distance from the bf16 value below,
+    so the served weight is the master in expectation. At a small learning rate an update is a fraction of
+    a bf16 step (at 1e-5, a weight of 0.05 moves 1/25 of one), and rounding to nearest serves the old
+    weight until the master has drifted half a step away; stochastic rounding serves the drift as it comes.
+    fp16 parameters are rounded to nearest either way.
+
+    The random bits of the k-th write of parameter i are drawn from a generator seeded with (seed, k, i), so
+    they depend on neither the process nor how the parameters are sharded: data-parallel replicas round
+    alike, ZeRO-1's ranks round their pieces as one process would, and a restored state (`writes`) repeats
+    the last write's draw, giving back the weights as they were saved."""
+
+    def __init__(self, mode: str = "nearest", seed: int = 0):
+        if mode not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {mode!r}")
+        self.mode, self.seed = mode, seed
+        self.writes = 0   # stochastic writes so far
+
+    def write(self, params: list[torch.Tensor], masters: list[torch.Tensor], pieces=None) -> None:
+        """Round `masters` into `params`; pieces: (parameter index, offset, the parameter's numel) of each
+        pair where they are pieces of parameters (ZeRO-1's shards), else each pair is parameter i whole."""
+        if self.mode == "nearest":
+            torch._foreach_copy_(params, masters)
+            return
+        self.writes += 1
+        for i, (param, master) in enumerate(zip(params, masters)):
+            if param.dtype != torch.bfloat16:
+                param.copy_(master)
+                continue
+            index, offset, numel = pieces[i] if pieces is not None else (i, 0, param.numel())
+            generator = torch.Generator(param.device).manual_seed(hash((self.seed, self.writes, index)) & (2 ** 63 - 1))
+            noise = torch.randint(0, 1 << 16, (numel,), dtype=torch.int32, device=param.device, generator=generator)
+            # bf16 is the top half of fp32's bits: add a random 16-bit number to the bottom half, then cut it
+            # off (the carry rounds up with the right probability; for negative values, away from zero alike).
+            bits = master.contiguous().view(torch.int32)
+            noise = noise[offset:offset + bits.numel()].view(bits.shape)
+            param.copy_(((bits + noise) & -65536).view(torch.float32))   # exact: the low bits are zero
+
+    def state_dict(self) -> dict:
+        return {"rounding_writes": self.writes} if self.mode == "stochastic" else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Before the write that restores the saved masters: it draws what the saved weights were drawn with."""
+        if self.mode == "stochastic" and "rounding_writes" in state:
+            self.writes = int(state["rounding_writes"]) - 1
+
 
 def checked_params(groups: list[dict], owner: str, dtypes) -> list[torch.Tensor]:
     """The parameters of `groups`, in order; TypeError/ValueError naming the first one that is not a

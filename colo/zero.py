@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .clipping import clip_
-from .mixed_precision import MainGradientOptimizer, checked_params, fp32_buffer, param_groups
+from .mixed_precision import MainGradientOptimizer, MasterRounding, checked_params, fp32_buffer, param_groups
 from .sizes import round_up
 
 FORMAT = "colo.zero/1"
@@ -112,7 +112,8 @@ class ShardedMasterWeightOptimizer(MainGradientOptimizer):
     """
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, *, group=None, store_region=None,
-                 master_region=None, grad_region=None, layout: ShardLayout | None = None, **optimizer_kwargs):
+                 master_region=None, grad_region=None, layout: ShardLayout | None = None, rounding: str = "nearest",
+                 seed: int = 0, **optimizer_kwargs):
         groups = param_groups(params)
         self.params = checked_params(groups, "ShardedMasterWeightOptimizer", _TRAINABLE)
         self.group = group
@@ -122,6 +123,9 @@ class ShardedMasterWeightOptimizer(MainGradientOptimizer):
             raise ValueError(f"the layout is for rank {self.layout.rank} of {self.layout.world_size}, this process is "
                              f"rank {rank} of {world_size}")
         lay = self.layout
+        self.rounding = MasterRounding(rounding, seed)
+        starts = _prefix_sums(lay.param_numels)   # (each piece rounded as the part of its parameter it is)
+        self._rounded_pieces = [(p.param, p.param_space - starts[p.param], lay.param_numels[p.param]) for p in lay.pieces]
         self.store = self._build_store()
         self.grad_flat = fp32_buffer(grad_region, lay.numel, lay.device).zero_()
         self.main_grads = [self.grad_flat[s:s + p.numel()].view_as(p) for s, p in zip(lay.starts, self.params)]
@@ -254,7 +258,7 @@ class ShardedMasterWeightOptimizer(MainGradientOptimizer):
     def _publish_shard(self) -> None:
         lay = self.layout
         if self.master_weights:
-            torch._foreach_copy_(self.store_pieces, self.masters)
+            self.rounding.write(self.store_pieces, self.masters, self._rounded_pieces)
         if lay.world_size > 1 and lay.shard_numel:
             mine = self.store[lay.rank * lay.shard_numel:(lay.rank + 1) * lay.shard_numel]
             _all_gather_into(self.store[:lay.tail_start], mine, self.group)
@@ -275,6 +279,7 @@ class ShardedMasterWeightOptimizer(MainGradientOptimizer):
                                    dtype=torch.int64).reshape(-1, 2),
             "master_weights": masters.detach().to(torch.float32, copy=True).cpu(),
             "state": per_element, "scalars": scalars, "param_groups": _group_settings(self.optimizer.param_groups),
+            **self.rounding.state_dict(),
         }
 
     def load_state_dict(self, shards) -> None:
@@ -313,6 +318,7 @@ class ShardedMasterWeightOptimizer(MainGradientOptimizer):
             raise ValueError(f"the shards given cover {filled[short[0]]} of the {lay.pieces[short[0]].numel} elements "
                              f"of parameter {lay.pieces[short[0]].param} that rank {lay.rank} steps: pass every "
                              "rank's state_dict() of the run")
+        self.rounding.load_state_dict(shards[0])   # (every rank's count of writes is the same)
         self._load_pieces(masters, state, shards[0]["scalars"], shards[0]["param_groups"])
 
     @torch.no_grad()

@@ -96,14 +96,14 @@ def pytest_collection_modifyitems(config, items):
 def pytest_sessionstart(session):
     """Under a CPU persona (python -m colo.cpu_persona), fail at once if it does not take: the whole
     pass would otherwise test the machine as it is and say nothing about the persona's CPU kind."""
-    from colo.cpu_persona import active, hidden_features
+    from colo.cpu_persona import active, dispatch_capability, hidden_features
 
     persona = active()
     if persona is None:
         return
     leaked = [k for k, v in torch.cpu.get_capabilities().items() if v is True and k.startswith(hidden_features(persona))]
     dispatch = torch.backends.cpu.get_cpu_capability()
-    if leaked or dispatch != persona.upper():
+    if leaked or dispatch != dispatch_capability(persona):
         raise pytest.UsageError(f"CPU persona {persona} is not in force: torch dispatches at {dispatch} and still "
                                 f"reports {leaked}; run the tests with python -m colo.cpu_persona {persona} -- ...")
 

@@ -114,8 +114,8 @@ def measure(model: str, dtype: str, workdir: Path, compiled: bool, wrong: bool) 
     from colo.share_check import EngineMismatch, check_engine_follows, check_shared_logprobs, probe_sequences
 
     real = model in REAL_MODELS
-    llm = build_llm(_model_dir(model, workdir), dtype=dtype, enforce_eager=not compiled, max_model_len=512 if real else 256,
-                    kv_cache_bytes=64 << 20, skip_tokenizer_init=not real)
+    llm = build_llm(_model_dir(model, workdir), dtype=dtype, enforce_eager=not compiled,
+                    max_model_len=512 if real else 256, kv_cache_bytes=64 << 20, skip_tokenizer_init=not real)
     rows = []
     try:
         try:
@@ -138,6 +138,8 @@ def measure(model: str, dtype: str, workdir: Path, compiled: bool, wrong: bool) 
                 rows.append(_row(model, dtype, change, check_shared_logprobs(other, llm, probe), False))
             except EngineMismatch as e:
                 rows.append(_row(model, dtype, change, e.gap, True))
+        if compiled:   # (a compiled engine's kernels cannot be swapped: compiled code holds them)
+            return rows
         with stale_kernel_copies(llm):
             try:
                 rows.append(_row(model, dtype, "stale kernel copies",

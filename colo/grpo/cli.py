@@ -30,7 +30,7 @@ from pathlib import Path
 from ..console import LogsToFile
 from .checkpoint import CheckpointError, checkpoint_to_resume, list_checkpoints
 from .config import GRPOConfig, check_model_dir
-from .settings import GROUPS, add_flags, positive_int, preset_values, values_from_flags
+from .settings import GROUPS, add_flags, as_flags, positive_int, preset_values, values_from_flags
 
 # GRPOConfig fields no flag sets, and why (tests/grpo/test_grpo_loss_variants.py checks every other has one).
 LIBRARY_ONLY = {"ignore_eos": "the toy preset's (its completions run to max_new_tokens)",
@@ -254,7 +254,7 @@ def _settings(args, parser) -> tuple[Path, GRPOConfig, tuple | None]:
     try:
         config = GRPOConfig(**values)
     except (ValueError, NotImplementedError) as e:
-        parser.error(str(e))
+        parser.error(as_flags(str(e), GRPOConfig))
     _check_task_flags(args, parser)
     if args.model:
         from ..hub import pinned, resolve_model
@@ -402,11 +402,10 @@ def task_settings(args) -> dict:
             "reward_weights": args.reward_weights, "tool": args.tool, "environment": args.environment}
 
 
-def main(argv=None, logs: LogsToFile | None = None) -> int:
-    """The run, its errors raised (run_cli reports them); `logs` says where the libraries' output goes
-    (default: where it would go anyway) and where colo's lines go."""
+def main(argv=None) -> int:
+    """The run, its errors raised (run_cli reports them), everything printed where it would be anyway."""
     parser = build_parser()
-    return _run(parser, parse_args(parser, argv), logs or LogsToFile(None))
+    return _run(parser, parse_args(parser, argv), LogsToFile(None))
 
 
 def _run(parser, args, logs: LogsToFile) -> int:
@@ -577,7 +576,7 @@ def _reported(run, err) -> int:
         return 1
     except (EngineFailure, EnvironmentFailed, NonFiniteGradients, FileNotFoundError, ValueError, MemoryError,
             NotImplementedError, ImportError) as e:
-        print(f"colo.grpo: error: {e}", file=err)
+        print(f"colo.grpo: error: {as_flags(str(e), GRPOConfig)}", file=err)
         return 1
     except Terminated as e:
         print(f"colo.grpo: {e}; continue with --resume", file=err)

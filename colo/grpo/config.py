@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ..checks import check_int
+from ..mixed_precision import ROUNDINGS
 from .schedules import SCHEDULES
 from .settings import (int_at_least, json_object, non_negative_int, positive_float, positive_int, save_dtype_name,
                        setting, thread_pair)
@@ -241,6 +242,11 @@ class GRPOConfig:
         "(bf16 on GPUs since Ampere, CPUs with AMX, and CPUs with AVX512_BF16 where a bf16 matmul times faster "
         "than fp32; fp32 elsewhere)", group="memory", choices=("auto", *DTYPES),
         from_flag=lambda value: None if value == "auto" else value, default_text="`auto`")
+    master_rounding: str = setting(
+        "stochastic", "how bf16 weights take the fp32 masters' values after each optimizer step: stochastic (rounded "
+        "up with the probability of the master's distance from the bf16 value below: the served weights are the "
+        "masters in expectation, so updates smaller than a bf16 step reach them) or nearest", group="memory",
+        choices=ROUNDINGS)
     share_check: bool = setting(
         True, "before the first step, compare the engine's and the trainer's log-probabilities of a probe text and "
         "refuse a model they compute differently beyond the dtype's rounding (colo.share_check), and again after a "

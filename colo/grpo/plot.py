@@ -1,5 +1,9 @@
 """`python -m colo.grpo.plot log.jsonl -o curve.png`: a run's learning curve from its step log.
 
+`python -m colo.grpo.plot a.jsonl b.jsonl --labels bf16 fp32 -o compare.png`: several runs side by side,
+their reward per step (a 5-step running mean over the raw values) with their eval pass@1 points, and
+their seconds per step.
+
 Top: the reward per step (mean, with the std as a band) and each reward function's mean, with the
 eval pass@1 points where the run evaluated. Then completion length per step (mean, min-max band) and
 the share of completions cut by max_new_tokens (clipped_ratio, right axis). An agentic run (tools,
@@ -89,16 +93,54 @@ def plot(records: list[dict], out: str | Path, title: str | None = None) -> Path
     return out
 
 
+def compare(runs: dict[str, list[dict]], out: str | Path, title: str | None = None) -> Path:
+    """Runs' step logs ({label: records}) on one figure: reward and eval pass@1, then seconds per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    for (label, records), color in zip(runs.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4):
+        steps = [r for r in records if "reward_mean" in r]
+        x, reward = [r["step"] for r in steps], [r["reward_mean"] for r in steps]
+        running = [sum(reward[max(0, i - 4):i + 1]) / len(reward[max(0, i - 4):i + 1]) for i in range(len(reward))]
+        top.plot(x, reward, color=color, alpha=0.25)
+        top.plot(x, running, color=color, label=f"{label}: reward (5-step mean)")
+        for key in sorted({k for r in records for k in r if k.startswith("eval/")}):
+            points = [(r["step"], r[key]) for r in records if key in r]
+            top.plot(*zip(*points), "o--", color=color, label=f"{label}: {key} (greedy pass@1)")
+        bottom.plot(x, [r["step_s"] for r in steps], color=color, label=label)
+    top.set_ylabel("reward")
+    top.legend(fontsize=7)
+    top.grid(alpha=0.3)
+    bottom.set_ylabel("seconds per step")
+    bottom.set_xlabel("step")
+    bottom.legend(fontsize=8)
+    bottom.grid(alpha=0.3)
+    fig.suptitle(title or "colo.grpo")
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m colo.grpo.plot", description=__doc__.split("\n\n")[0])
-    parser.add_argument("log", help="the step log of a run (--json)")
+    parser.add_argument("log", nargs="+", help="the step log of a run (--json); several: compared")
+    parser.add_argument("--labels", nargs="+", help="one label per log (default: the file names)")
     parser.add_argument("-o", "--out", default="curve.png", help="PNG to write (default %(default)s)")
     parser.add_argument("--title")
     args = parser.parse_args(argv)
+    labels = args.labels or [Path(log).stem for log in args.log]
+    if len(labels) != len(args.log):
+        parser.error(f"--labels: {len(labels)} labels for {len(args.log)} logs")
     try:
-        print(plot(read_log(args.log), args.out, args.title))
+        runs = {label: read_log(log) for label, log in zip(labels, args.log)}
+        print(plot(runs[labels[0]], args.out, args.title) if len(runs) == 1 else compare(runs, args.out, args.title))
     except (OSError, ValueError, KeyError) as e:
-        parser.error(f"{args.log}: {e}")
+        parser.error(f"{' '.join(args.log)}: {e}")
     return 0
 
 

@@ -167,10 +167,8 @@ class RolloutEngine:
 
     def describe(self) -> str:
         """One line for a run's first screen: the engine, and what the trainer holds of it."""
-        from ..bench.machine import vllm_version
-
         kernels = colo_engine.cpu_kernels(self.llm)
-        engine = (f"vLLM {vllm_version()} on {self.pool.device.type}, "
+        engine = (f"vLLM {compat.import_vllm().__version__} on {self.pool.device.type}, "
                   f"{'compiled' if compat.is_compiled(self.llm) else 'eager'}"
                   + (f" ({', '.join(f'{n} {k}' for k, n in sorted(kernels.items()))} linears)" if kernels else ""))
         copied = self.views.copy_bytes

@@ -254,8 +254,11 @@ class GRPOScheduler:
                                      shard_group=self.world.dp_group, scales=self.views.scales())
         # fp32 parameters: AdamW itself; bf16: a colo.MasterWeightOptimizer stepping fp32 masters in the
         # optimizer region; sharded: a colo.ShardedMasterWeightOptimizer.
-        self.optimizer = self.memory.build_optimizer(torch.optim.AdamW, lr=cfg.learning_rate, betas=cfg.adam_betas,
-                                                     eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+        # (every data-parallel rank rounds its replica alike: the same seed; ZeRO-1's ranks their own shards)
+        self.optimizer = self.memory.build_optimizer(torch.optim.AdamW, rounding=cfg.master_rounding,
+                                                     seed=cfg.seed, lr=cfg.learning_rate,
+                                                     betas=cfg.adam_betas, eps=cfg.adam_epsilon,
+                                                     weight_decay=cfg.weight_decay)
         warmup = warmup_of(cfg.warmup_steps, cfg.warmup_ratio, cfg.max_steps)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             getattr(self.optimizer, "optimizer", self.optimizer),

@@ -128,6 +128,29 @@ def flag_of(name: str, about: Setting) -> str:
     return about.flag or "--" + name.replace("_", "-")
 
 
+def as_flags(message: str, config_class) -> str:
+    """A library error in the command line's words: each `field=value` of `config_class` as its flag and
+    value (`overlap='on'` -> `--overlap on`, a switch's own value -> the switch), and a field named at the
+    start of a sentence as its flag."""
+    import re
+
+    about = flagged(config_class)
+
+    def assignment(match) -> str:
+        name, value = match.group(1), match.group(2).strip("'\"")
+        if name not in about:
+            return match.group(0)
+        flag, action = flag_of(name, about[name]), about[name].action
+        if (action, value) in (("store_true", "True"), ("store_false", "False")):
+            return flag
+        return f"{flag} {value}"
+
+    message = re.sub(r"\b([a-z][a-z0-9_]*)=('[^']*'|\"[^\"]*\"|[^\s,;:)]+)", assignment, message)
+    return re.sub(r"(^|; |\. )([a-z][a-z0-9_]*)(?= must | needs )",
+                  lambda m: m.group(1) + (flag_of(m.group(2), about[m.group(2)]) if m.group(2) in about else m.group(2)),
+                  message)
+
+
 def field_default(config_class, name: str):
     f = next(f for f in dataclasses.fields(config_class) if f.name == name)
     return f.default_factory() if f.default is dataclasses.MISSING else f.default

@@ -103,17 +103,19 @@ class TrainingMemory:
         generating = sum(r.budget for r in self.pool.regions.values() if r not in (self.grads, self.optimizer_region))
         return self.optimizer_region.budget > self.pool.capacity - self.pool.outside_bytes - generating
 
-    def build_optimizer(self, optimizer_class=torch.optim.AdamW, **kwargs):
+    def build_optimizer(self, optimizer_class=torch.optim.AdamW, rounding: str = "nearest", seed: int = 0, **kwargs):
         """The optimizer over these parameters: `optimizer_class` itself for fp32 parameters; for
         16-bit ones a colo.MasterWeightOptimizer with its masters in the optimizer region and its fp32
-        main gradients in the grads region."""
+        main gradients in the grads region, writing the masters into the weights by `rounding`
+        (colo.mixed_precision.MasterRounding, seeded with `seed`)."""
         if self.shard is not None:
             optimizer = ShardedMasterWeightOptimizer(self.params, optimizer_class, layout=self.shard, group=self.shard_group,
                                                      master_region=self.optimizer_region, grad_region=self.grads,
-                                                     **kwargs)
+                                                     rounding=rounding, seed=seed, **kwargs)
         elif self.master_weights:
             optimizer = MasterWeightOptimizer(self.params, optimizer_class, master_region=self.optimizer_region,
-                                              grad_region=self.grads, scales=self.scales, **kwargs)
+                                              grad_region=self.grads, scales=self.scales, rounding=rounding, seed=seed,
+                                              **kwargs)
         else:  # the scheduler steps only on finite gradients; the guard holds the optimizer to it too
             optimizer = optimizer_class(self.params, **kwargs)
             refuse_non_finite_steps(optimizer)

@@ -282,6 +282,19 @@ def test_cli_refuses_bad_task_flags_up_front(smollm2_model_dir, tmp_path, capsys
     assert done.returncode == 2 and "--reward needs --dataset" in done.stderr, done.stderr[-800:]
 
 
+def test_a_library_error_is_said_in_the_command_lines_words():
+    from colo.grpo.settings import as_flags
+
+    assert as_flags("num_iterations=2 with overlap='on': a rollout", GRPOConfig) == \
+        "--num-iterations 2 with --overlap on: a rollout"
+    assert as_flags("beta must be >= 0, got -1; temperature must be > 0", GRPOConfig) == \
+        "--beta must be >= 0, got -1; --temperature must be > 0"
+    assert as_flags("learning_rate must be > 0", GRPOConfig) == "--lr must be > 0"   # the flag, not the field
+    assert as_flags("with share_check=False and mask_truncated=True", GRPOConfig) == \
+        "with --no-share-check and --mask-truncated"
+    assert as_flags("the overlap is off; x=3 and seed_of=2", GRPOConfig) == "the overlap is off; x=3 and seed_of=2"
+
+
 def test_cli_config_file_fills_flags_under_the_command_line(tmp_path):
     from colo.grpo.cli import build_parser, parse_args
 
@@ -430,6 +443,14 @@ def test_plot_draws_a_run_log(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(SystemExit):
         main([str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "d.png")])
+    for record in records[1:]:
+        record["step_s"] = 1.5
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main([str(other), str(other), "--labels", "bf16", "fp32", "-o", str(tmp_path / "both.png")]) == 0
+    assert (tmp_path / "both.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit):   # a label per log
+        main([str(other), str(other), "--labels", "bf16", "-o", str(tmp_path / "e.png")])
 
 
 def _model_copy(source: Path, target: Path, weights: bytes | None = None, **config) -> Path:
@@ -490,7 +511,7 @@ def test_cli_refuses_bad_input_before_any_engine_naming_it(smollm2_model_dir, tm
          "reward function 'gsm8k' needs a 'answer' column"),
         ([*task, "--reward", "math", "--reward-weights", "nan"], "every weight must be a finite number"),
         (["--beta", "nan"], "beta must be a finite number"),
-        (["--lr", "inf"], "learning_rate must be a finite number"),
+        (["--lr", "inf"], "--lr must be a finite number"),   # (the flag, not the config field)
         (["--importance-sampling", "token_truncate", "--importance-sampling-max", "-1"], "importance_sampling_max > 0"),
         (["--generation-kwargs", '{"presence_penalty": 5}'], "vLLM's SamplingParams refuses them"),
         ([*task[:2], "--dataset", str(empty), "--reward", "math"], "the file is empty"),

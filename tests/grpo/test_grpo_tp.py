@@ -171,7 +171,7 @@ def test_what_tensor_parallelism_cannot_take_is_refused_before_any_engine(tmp_pa
     # Without torchrun there is one rank: --tensor-parallel 2 is refused (exit 1) saying why.
     done = launch(tmp_path / "alone", "--steps", "1", "--tensor-parallel", "2", timeout=120)
     assert done.returncode == 1
-    assert "tensor_parallel=2 must divide the number of ranks (1)" in done.stderr
+    assert "--tensor-parallel 2 must divide the number of ranks (1)" in done.stderr
     assert "data parallel" not in done.stdout  # refused before the plan ("tensor parallel 2 x data parallel 0")
 
 

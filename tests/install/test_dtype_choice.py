@@ -104,13 +104,16 @@ def test_the_choice_agrees_with_the_native_build_vllm_loads():
 
 
 @pytest.mark.parametrize("persona,expected", [("avx2", ["AVX2", False, False, False, "fp32", True]),
-                                               ("avx512", ["AVX512", True, False, False, "fp32", True])])
+                                               ("avx512", ["AVX512", True, False, False, "fp32", True]),
+                                               ("avx512_bf16", ["AVX512", True, True, False, None, False])])
 def test_a_persona_takes_in_every_process_it_starts(persona, expected):
     """python -m colo.cpu_persona avx2: torch dispatches at AVX2, reports no AVX-512 or AMX, vLLM loads
     its AVX2 build, and auto picks fp32; avx512: AVX-512 without bf16 units or AMX, vLLM's AVX-512 build
-    (no sgl kernels), fp32. In the command and in a Python process it starts in turn."""
-    if persona == "avx512" and not torch.cpu.get_capabilities().get("avx512_f"):
-        pytest.skip("this CPU has no AVX-512F: the avx512 persona cannot add it")
+    (no sgl kernels), fp32; avx512_bf16: bf16 units without AMX, vLLM's full build (sgl kernels), auto
+    by the matmul it times (None: either). In the command and in a Python process it starts in turn."""
+    needed = {"avx512": "avx512_f", "avx512_bf16": "avx512_bf16"}.get(persona)
+    if needed and not torch.cpu.get_capabilities().get(needed):
+        pytest.skip(f"this CPU has no {needed.upper()}: the {persona} persona cannot add it")
     probe = ("import json, torch; from colo.dtype_choice import fastest_dtype; "
              "from colo.vllm_compat.forced_kernels import sgl_unavailable_reason; "
              "print(json.dumps([torch.backends.cpu.get_cpu_capability(), torch.cpu._is_avx512_supported(), "
@@ -121,7 +124,8 @@ def test_a_persona_takes_in_every_process_it_starts(persona, expected):
         done = subprocess.run([sys.executable, "-m", "colo.cpu_persona", persona, "--", sys.executable, "-c", code],
                               capture_output=True, text=True, timeout=120, cwd=REPO)
         assert done.returncode == 0, done.stderr[-2000:]
-        assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
+        seen = json.loads(done.stdout.strip().splitlines()[-1])
+        assert seen[4] in ("fp32", "bf16") and [s if e is not None else None for s, e in zip(seen, expected)] == expected
 
 
 def test_persona_refuses_unknown_names_and_missing_commands(tmp_path):

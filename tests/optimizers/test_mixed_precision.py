@@ -151,3 +151,74 @@ def test_fp32_masters_for_an_optimizer_built_elsewhere_step_save_and_restore():
     other = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="not float32 of the same shape"):
         FP32Masters(torch.optim.SGD([other], lr=1), {other: torch.ones(3)})
+
+
+def test_stochastic_rounding_serves_the_masters_in_expectation_and_resumes_exactly():
+    """master_rounding="stochastic": a bf16 weight whose master sits 1/8 of a bf16 step above it is served as
+    the step above one time in eight (rounding to nearest: never), unbiased for negative values alike, within
+    one bf16 step of the master; the random state is checkpointed, so a resumed run rounds as it would
+    have; fp16 parameters round to nearest."""
+    from colo.mixed_precision import MasterRounding
+
+    rounding = MasterRounding("stochastic", seed=0)
+    master = torch.full((100_000,), 1.0 + 2 ** -10)   # 1 and a 1/8 of bf16's step at 1 (2^-7)
+    up, down = torch.empty(100_000, dtype=torch.bfloat16), torch.empty(100_000, dtype=torch.bfloat16)
+    rounding.write([up, down], [master, -master])
+    assert set(up.float().unique().tolist()) == {1.0, 1.0 + 2 ** -7}
+    assert float((up.float() == 1.0 + 2 ** -7).float().mean()) == pytest.approx(1 / 8, abs=0.01)
+    assert float(down.float().mean()) == pytest.approx(-(1.0 + 2 ** -10), abs=1e-4)
+    values = torch.randn(100_000, generator=torch.Generator().manual_seed(1))
+    served = torch.empty(100_000, dtype=torch.bfloat16)
+    rounding.write([served], [values])
+    assert float((served.float() - values).abs().max()) < float(values.abs().max()) * 2 ** -7
+    assert abs(float((served.float() - values).mean())) < 1e-4
+    nearest = torch.empty(100_000, dtype=torch.bfloat16)
+    MasterRounding("nearest").write([nearest], [master])
+    assert torch.equal(nearest, master.to(torch.bfloat16))
+    half = torch.empty(4, dtype=torch.float16)
+    rounding.write([half], [values[:4]])
+    assert torch.equal(half, values[:4].half())
+
+    model = tiny_model(torch.bfloat16)
+    opt = MasterWeightOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, rounding="stochastic", seed=3)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+
+    def step():
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+    step()
+    saved = copy.deepcopy(opt.state_dict())
+    step()
+    after_two = [p.detach().clone() for p in model.parameters()]
+    opt.load_state_dict(saved)
+    step()
+    assert all(torch.equal(p.detach(), expected) for p, expected in zip(model.parameters(), after_two))
+    # rounded stochastically, not to nearest: some weights sit a bf16 step from their masters' nearest
+    assert any(not torch.equal(p.detach(), m.to(torch.bfloat16)) for p, m in zip(model.parameters(), opt.masters))
+    with pytest.raises(ValueError, match="rounding must be one of nearest, stochastic"):
+        MasterWeightOptimizer(model.parameters(), rounding="up")
+
+
+def test_zero1_rounds_as_one_process_does():
+    """ShardedMasterWeightOptimizer(rounding="stochastic") draws each parameter's rounding as the unsharded
+    optimizer does (from the seed, the write and the parameter): on one rank the two give the same weights
+    after the same steps, which are not the masters' nearest bf16 values."""
+    from colo.zero import ShardedMasterWeightOptimizer
+
+    models = [tiny_model(torch.bfloat16) for _ in range(2)]
+    optimizers = [MasterWeightOptimizer(models[0].parameters(), torch.optim.AdamW, lr=1e-4, rounding="stochastic",
+                                        seed=7),
+                  ShardedMasterWeightOptimizer(models[1].parameters(), torch.optim.AdamW, lr=1e-4,
+                                               rounding="stochastic", seed=7)]
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    for _ in range(2):
+        for model, opt in zip(models, optimizers):
+            opt.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(p.detach(), m.to(torch.bfloat16))
+               for p, m in zip(models[0].parameters(), optimizers[0].masters))

@@ -79,12 +79,16 @@ def engine_keeps_its_own_head(llm) -> bool:
 
     modules = list(colo.vllm_compat.engine_model(llm).modules())
     heads = [m.weight for m in modules if isinstance(m, ParallelLMHead)]
-    embeddings = [m.weight for m in modules if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
+    embeddings = [m.weight for m in modules
+                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
     return bool(heads) and all(h.data_ptr() != e.data_ptr() for h in heads for e in embeddings)
 
 
-@pytest.mark.parametrize("arch,dtype,tied", CASES,
-                         ids=[f"{a}-{d}" + ("" if t == (a in TIED) else "-tied" if t else "-untied") for a, d, t in CASES])
+def case_id(arch: str, dtype: str, tied: bool) -> str:
+    return f"{arch}-{dtype}" + ("" if tied == (arch in TIED) else "-tied" if tied else "-untied")
+
+
+@pytest.mark.parametrize("arch,dtype,tied", CASES, ids=[case_id(*case) for case in CASES])
 def test_one_copy_serves_and_trains(arch, dtype, tied, tiny_model_dir, build_engine, prompt_logprobs, tmp_path):
     from transformers import AutoModelForCausalLM
 

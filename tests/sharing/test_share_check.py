@@ -71,8 +71,8 @@ def test_a_different_function_of_the_same_weights_is_refused(shared_engines, dty
     other = changed_function(shared.hf_model, change)
     with pytest.raises(EngineMismatch, match="compute different functions of them") as refused:
         check_shared_logprobs(other, llm, probe)
-    # well beyond the bound, not at its edge (seen here: 4 to 20 times the rounding in bf16)
-    assert refused.value.gap.engine > 2 * refused.value.gap.tolerance
+    # beyond the bound, not at its edge (seen: 5.6 to 23 times the rounding in bf16, under every persona)
+    assert refused.value.gap.engine > 1.5 * refused.value.gap.tolerance
 
 
 @pytest.mark.cpu_kind
