@@ -80,9 +80,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The files whose tests take longest first (tests/file_seconds.json, measured; a slow file not
-    measured yet counts a minute), each file's tests together and in their order."""
-    measured = json.loads((Path(__file__).parent / "file_seconds.json").read_text())["seconds"]
+    """The files whose tests take longest first (tests/file_seconds.json, measured: in a whole pass, or
+    in a pass of the cpu_kind tests alone where that is the selection; a slow file not measured yet
+    counts a minute), each file's tests together and in their order."""
+    recorded = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
+    measured = recorded.get("cpu_kind_seconds" if config.option.markexpr == "cpu_kind" else "seconds", recorded["seconds"])
     root = Path(__file__).resolve().parents[1]
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
 

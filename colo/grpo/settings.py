@@ -131,7 +131,7 @@ def flag_of(name: str, about: Setting) -> str:
 def as_flags(message: str, config_class) -> str:
     """A library error in the command line's words: each `field=value` of `config_class` as its flag and
     value (`overlap='on'` -> `--overlap on`, a switch's own value -> the switch), and a field named at the
-    start of a sentence as its flag."""
+    start of a sentence, or as what one needs, as its flag."""
     import re
 
     about = flagged(config_class)
@@ -145,10 +145,13 @@ def as_flags(message: str, config_class) -> str:
             return flag
         return f"{flag} {value}"
 
+    def named(match) -> str:
+        name = match.group(2)
+        return match.group(1) + (flag_of(name, about[name]) if name in about else name)
+
     message = re.sub(r"\b([a-z][a-z0-9_]*)=('[^']*'|\"[^\"]*\"|[^\s,;:)]+)", assignment, message)
-    return re.sub(r"(^|; |\. )([a-z][a-z0-9_]*)(?= must | needs )",
-                  lambda m: m.group(1) + (flag_of(m.group(2), about[m.group(2)]) if m.group(2) in about else m.group(2)),
-                  message)
+    message = re.sub(r"(^|; |\. )([a-z][a-z0-9_]*)(?= must | needs )", named, message)
+    return re.sub(r"( needs )([a-z][a-z0-9_]*)\b", named, message)
 
 
 def field_default(config_class, name: str):

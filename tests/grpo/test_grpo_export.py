@@ -155,7 +155,7 @@ def test_cli_refuses_bad_output_settings_before_anything_loads(tmp_path, capsys,
 
     base = ["--steps", "2", "--json", str(tmp_path / "log.jsonl")]
     assert "'fp8' is not a dtype" in error([*base, "--out", str(tmp_path / "o"), "--save-dtype", "fp8"])
-    assert "merge_lora needs lora_rank" in error([*base, "--out", str(tmp_path / "o"), "--merge-lora"])
+    assert "--merge-lora needs --lora-rank > 0" in error([*base, "--out", str(tmp_path / "o"), "--merge-lora"])
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     assert f"--out {blocker / 'out'}: cannot write there" in error([*base, "--out", str(blocker / "out")])

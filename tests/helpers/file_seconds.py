@@ -1,6 +1,8 @@
-"""`python tests/helpers/file_seconds.py PYTEST_LOG COMMIT`: write tests/file_seconds.json, the seconds of
-each test file's tests in a `python -m pytest -n 2 --durations=0` pass (its log), which tests/conftest.py
-reads to start the longest files first."""
+"""`python tests/helpers/file_seconds.py PYTEST_LOG COMMIT [CPU_KIND_LOG]`: write tests/file_seconds.json,
+the seconds of each test file's tests in a `python -m pytest -n 2 --durations=0` pass (its log), and in a
+persona pass of the cpu_kind tests alone (`python -m colo.cpu_persona avx2 -- python -m pytest -n 2
+-m cpu_kind --durations=0`, as .ci/run runs them), which tests/conftest.py reads to start the longest
+files first."""
 from __future__ import annotations
 
 import collections
@@ -24,7 +26,7 @@ def file_seconds(log_text: str) -> dict[str, float]:
     return {name: round(value, 1) for name, value in seconds.most_common() if value >= 1.0}
 
 
-def main(log_path: str, commit: str) -> None:
+def main(log_path: str, commit: str, cpu_kind_log_path: str | None = None) -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     OUT.write_text(json.dumps({
@@ -32,8 +34,11 @@ def main(log_path: str, commit: str) -> None:
                 "tests/conftest.py starts the longest files first",
         "command": f"python tests/helpers/file_seconds.py {Path(log_path).name} {commit}",
         "machine": f"{cpu}, {len(__import__('os').sched_getaffinity(0))} cores", "commit": commit,
-        "date": time.strftime("%Y-%m-%d"), "seconds": file_seconds(Path(log_path).read_text())}, indent=1) + "\n")
+        "date": time.strftime("%Y-%m-%d"), "seconds": file_seconds(Path(log_path).read_text()),
+        **({"cpu_kind_command": "python -m colo.cpu_persona avx2 -- python -m pytest -n 2 -m cpu_kind --durations=0",
+            "cpu_kind_seconds": file_seconds(Path(cpu_kind_log_path).read_text())} if cpu_kind_log_path else {}),
+    }, indent=1) + "\n")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])
