@@ -85,6 +85,12 @@ def plot(records: list[dict], out: str | Path, title: str | None = None) -> Path
         turns.plot(steps, [r["turns_mean"] for r in records], color="tab:purple", label="turns per rollout")
         turns.set_ylabel("turns per rollout", color="tab:purple")
     axes[-1].set_xlabel("step")
+    return _saved(fig, out, title)
+
+
+def _saved(fig, out: str | Path, title: str | None) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title or "colo.grpo")
     fig.tight_layout()
     out = Path(out)
@@ -118,12 +124,7 @@ def compare(runs: dict[str, list[dict]], out: str | Path, title: str | None = No
     bottom.set_xlabel("step")
     bottom.legend(fontsize=8)
     bottom.grid(alpha=0.3)
-    fig.suptitle(title or "colo.grpo")
-    fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _saved(fig, out, title)
 
 
 def main(argv=None) -> int:
