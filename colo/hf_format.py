@@ -32,6 +32,7 @@ import torch
 from .dtype_choice import BY_NAME
 from .errors import CheckpointError
 from .files import staged_directory
+from .hf_names import checkpoint_keys, keep_checkpoint_names
 from .model_classes import trainer_auto_class
 from .peft_format import peft_adapter_state, write_adapter_files
 
@@ -118,6 +119,9 @@ def write_model(state: dict, base_dir: Path, directory: Path, dtype: torch.dtype
     if tied:
         model.tie_weights()
     model.config.dtype = dtype
+    keys = checkpoint_keys(base_dir)
+    if keys:   # the base checkpoint's names, which vLLM loaded (colo.hf_names)
+        keep_checkpoint_names(model, keys)
     with staged_directory(directory) as staging:
         model.save_pretrained(staging)
         _copy_generation_and_tokenizer(base_dir, staging)

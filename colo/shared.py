@@ -35,6 +35,7 @@ import copy
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 
@@ -379,14 +380,21 @@ def check_model_config(config) -> None:
                                       f"head); {WHAT_COLO_TRAINS}")
 
 
-def meta_model(config, dtype: torch.dtype):
+def meta_model(config, dtype: torch.dtype, checkpoint: str | None = None):
     """The Hugging Face model of `config` on the meta device (no memory), whose parameters are then
-    pointed at engine tensors: a causal LM, or an image-text-to-text model for a vision-language one."""
+    pointed at engine tensors: a causal LM, or an image-text-to-text model for a vision-language one.
+    checkpoint: the model directory the engine loaded, whose weight names the model keeps for saving
+    and for vLLM's loader (colo.hf_names; a hub name keeps transformers' defaults)."""
+    from .hf_names import checkpoint_keys, keep_checkpoint_names
     from .vllm_compat.trainer_models import building_trainer_models
 
     check_model_config(config)
     with torch.device("meta"), building_trainer_models():
-        return trainer_auto_class(config).from_config(config, dtype=dtype)
+        model = trainer_auto_class(config).from_config(config, dtype=dtype)
+    keys = checkpoint_keys(checkpoint) if checkpoint is not None and Path(checkpoint).is_dir() else []
+    if keys:
+        keep_checkpoint_names(model, keys)
+    return model
 
 
 def no_parameter_for(name: str, engine_tensor: str, shape) -> ValueError:
@@ -444,7 +452,9 @@ def gather_whole(local: torch.Tensor, placed: Placed, group, first: bool) -> tor
 def materialize_buffers(hf_model, device) -> None:
     """A meta-device model's buffers (rotary frequencies, an embedding's scale) computed for real, by the
     model's own initialisation, as transformers does when it loads a checkpoint onto the meta device;
-    the parameters are marked initialised first, so nothing else is touched."""
+    the parameters are marked initialised first, so nothing else is touched. Each module is initialised
+    by the innermost transformers model holding it (a LLaVA's CLIP tower computes its own position ids)."""
+    owners = _initialising_models(hf_model)
     modules = [m for m in hf_model.modules() if any(b is not None and b.is_meta for b in m._buffers.values())]
     if not modules:
         return
@@ -454,4 +464,20 @@ def materialize_buffers(hf_model, device) -> None:
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.is_meta:
                 module._buffers[name] = torch.empty_like(buffer, device=device)
-        hf_model._init_weights(module)
+        owners[id(module)]._init_weights(module)
+
+
+def _initialising_models(hf_model) -> dict:
+    """{id(module): the innermost transformers PreTrainedModel holding it (itself if it is one)}."""
+    from transformers import PreTrainedModel
+
+    owners = {}
+
+    def walk(module, owner):
+        owner = module if isinstance(module, PreTrainedModel) else owner
+        owners[id(module)] = owner
+        for child in module.children():
+            walk(child, owner)
+
+    walk(hf_model, hf_model)
+    return owners

@@ -273,7 +273,8 @@ def shared_tp_model(llm) -> TensorParallelModel:
     if placement is None:
         raise RuntimeError("shared_tp_model needs an engine built by colo.engine.build_llm (its weights in a pool)")
     group, rank, size = compat.tensor_parallel_group(llm)
-    whole = meta_model(config, compat.engine_dtype(llm))   # the whole model's names and shapes
+    checkpoint = compat.engine_model_source(llm)["pretrained_model_name_or_path"]
+    whole = meta_model(config, compat.engine_dtype(llm), checkpoint)   # the whole model's names and shapes
     layout = compat.engine_layout(compat.engine_model(llm), whole, kept=placement.kept)
     buffers = [name for name in compat.persistent_buffers(whole) if name in layout.placements]
     if buffers:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -43,7 +44,8 @@ import torch.nn.functional as F
 from . import vllm_compat as compat
 from .checks import check_int
 from .engine import reset_prefix_cache
-from .model_classes import trainer_auto_class
+from .hf_names import read_checkpoint_tensors
+from .model_classes import trainer_auto_class, vision_tower_parameters
 from .regions import WEIGHTS, region_for
 from .shared import (EngineViews, Placed, PublishReport, check_model_config, materialize_buffers,  # noqa: F401
                      meta_model, no_parameter_for, no_place_for, shape_mismatch)
@@ -151,9 +153,11 @@ def shared_model(llm, dtype: torch.dtype | None = None, *, bucket_bytes: int = 2
     dtype: the trainer's dtype (default: the engine's). Parameters in another dtype than the
     engine's cannot alias; they are the engine's values cast once, and publish() casts them back.
     """
-    hf_model = meta_model(compat.engine_config_as_saved(llm), dtype or compat.engine_dtype(llm))
+    source = compat.engine_model_source(llm)
+    hf_model = meta_model(compat.engine_config_as_saved(llm), dtype or compat.engine_dtype(llm),
+                          checkpoint=source["pretrained_model_name_or_path"])
     return _share(hf_model.train(), llm, None, alias=True, bucket_bytes=bucket_bytes, check_logprobs=check_logprobs,
-                  checkpoint=compat.engine_model_source(llm))
+                  checkpoint=source)
 
 
 def share_weights(hf_model, llm, pool=None, *, alias: bool = True, bucket_bytes: int = 256 << 20,
@@ -188,6 +192,8 @@ def _share(hf_model, llm, pool, *, alias: bool, bucket_bytes: int = 256 << 20, c
     """share_weights; `into`: the views to bind to `llm` instead of new ones (SharedWeights.rebind);
     `checkpoint`: from_pretrained's arguments for the meta parameters the engine cannot give back."""
     sources, engine = _validate(hf_model, llm, alias, bucket_bytes, from_checkpoint=checkpoint is not None)
+    _keep_unserved(hf_model, [s for s in sources if s.placement.unserved], checkpoint, engine.device)
+    sources = [s for s in sources if not s.placement.unserved]
     pool, repack = _place_engine_weights(llm, engine, pool)
     once = _write_and_alias(hf_model, sources, engine, bucket_bytes, pool, checkpoint)
     heads = _head_pairs(sources, engine)
@@ -287,10 +293,14 @@ def _match(hf_model, layout: compat.EngineLayout, alias: bool, device: torch.dev
                          "fills it from no parameter of the trainer's model (vLLM computes a tensor of its own from "
                          "the weights after loading, or the models differ: layer count, tie_word_embeddings)")
     sources, seen = [], set()
+    tower = {id(p) for p in vision_tower_parameters(hf_model)}
     for name, param in hf_model.named_parameters():
         placement = layout.placements.get(name)
-        if placement is None:
+        if placement is None or (placement.unserved and id(param) not in tower):
             raise no_place_for(name, param.shape)
+        if placement.unserved:
+            sources.append(_Source(name, param, placement, False))
+            continue
         if not sharded and not placement.through_loader and \
                 sum(piece.part.numel for piece in placement.pieces) != param.numel():   # vLLM's loader took part of it
             engines = sorted({piece.engine for piece in placement.pieces})
@@ -493,6 +503,37 @@ def _share_buffers(hf_model, engine: _Engine) -> None:
         module_name, _, attr = name.rpartition(".")
         module = hf_model.get_submodule(module_name)
         module._buffers[attr] = view if view.dtype == buffer.dtype else view.to(buffer.dtype)
+
+
+def _keep_unserved(hf_model, unserved: list[_Source], checkpoint: dict | None, device: torch.device) -> None:
+    """The vision tower's parameters vLLM does not build (the layers after the one a LLaVA reads its image
+    features from, which the trainer's forward computes and does not use either): the trainer keeps
+    them, frozen, with the checkpoint's values, saved with the model and never published."""
+    if not unserved:
+        return
+    meta = [s for s in unserved if s.param.is_meta]
+    if meta and checkpoint is None:
+        raise NotImplementedError(f"{meta[0].name}: the engine does not keep it, so a meta-device model cannot be "
+                                  "filled from the engine; load the trainer's model from disk and call colo.share_weights")
+    model_dir = Path(checkpoint["pretrained_model_name_or_path"]) if meta else None
+    if meta and model_dir.is_dir():
+        saved = read_checkpoint_tensors(model_dir, [n for s in meta for n in s.placement.checkpoint_names])
+        values = {s.name: saved[s.placement.checkpoint_names[0]] for s in meta
+                  if len(s.placement.checkpoint_names) == 1 and s.placement.checkpoint_names[0] in saved}
+    else:
+        values = {}
+    missing = [s for s in meta if s.name not in values]
+    if missing:
+        values.update(_checkpoint_values(hf_model, missing, checkpoint, device))
+    replaced = {id(s.param): torch.nn.Parameter(values[s.name].to(device=device, dtype=s.param.dtype),
+                                                requires_grad=False) for s in meta}
+    if replaced:
+        _replace_parameters(hf_model, replaced)
+    for s in unserved:
+        if not s.param.is_meta:
+            s.param.requires_grad_(False)
+    logger.info("colo.share_weights: %d vision-tower tensors the engine does not build stay the trainer's, frozen "
+                "(%s)", len(unserved), ", ".join(s.name for s in unserved[:3]))
 
 
 def _checkpoint_values(hf_model, sources: list[_Source], checkpoint: dict, device: torch.device) -> dict:

@@ -102,7 +102,7 @@ class ImagePrompts:
             processor = load_processor(model_dir)
         self.processor = processor
         self.tokenizer = processor.tokenizer
-        self.placeholder_ids = placeholder_token_ids(processor)
+        self.placeholder_ids = placeholder_token_ids(processor, _model_config(model_dir))
 
     def render(self, messages: list[dict], images: list, where: str, template_kwargs: dict) -> ImagePrompt:
         messages = with_image_parts(messages, len(images)) if count_image_parts(messages) == 0 else messages
@@ -133,10 +133,27 @@ def load_processor(model_dir):
     return processor
 
 
-def placeholder_token_ids(processor) -> list[int]:
-    """The tokens a processor puts in place of an image (the engine must not sample them)."""
+def _model_config(model_dir):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return None
+
+
+# The model config's names of the tokens around and in place of an image (Qwen2-VL's vision start and
+# end, which its processor does not name; Gemma 3's begin and end of image; LLaVA's image index).
+CONFIG_IMAGE_TOKENS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
+                       "vision_start_token_id", "vision_end_token_id", "boi_token_index", "eoi_token_index")
+
+
+def placeholder_token_ids(processor, config=None) -> list[int]:
+    """The tokens a processor puts in place of an image, or around it, and those the model's config
+    names so (the engine must not sample them)."""
     tokenizer = processor.tokenizer
-    ids = set()
+    ids = {value for name in CONFIG_IMAGE_TOKENS if isinstance(value := getattr(config, name, None), int)
+           and 0 <= value < len(tokenizer)}
     # The names transformers' processors and multimodal tokenizers give them (Idefics3's fake token and
     # global tag, Gemma 3's begin/end of image, Qwen-VL's vision start/end and pads).
     names = ("image_token_id", "image_token", "video_token", "boi_token", "eoi_token", "image_start_token",

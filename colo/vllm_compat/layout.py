@@ -36,7 +36,9 @@ class Placement:
     view: (engine tensor name, Strided) holding what this rank has of it as one view, else None;
     covered: None when the engine holds all of it, else (dim, segments): this tensor-parallel rank holds
     the (start, stop) segments along `dim`, one after another (the view's shape is theirs);
-    through_loader: the engine's values are computed from it by vLLM's loader (not a copy)."""
+    through_loader: the engine's values are computed from it by vLLM's loader (not a copy);
+    unserved: vLLM's loader takes it and keeps none of it (a vision tower's layers past the one the
+    model reads its image features from, which vLLM does not build)."""
     hf_name: str
     hf_shape: tuple[int, ...]
     pieces: list[Piece] = field(default_factory=list)
@@ -44,6 +46,7 @@ class Placement:
     covered: tuple[int, tuple[tuple[int, int], ...]] | None = None
     through_loader: bool = False
     checkpoint_names: tuple[str, ...] = ()
+    unserved: bool = False
 
 
 @dataclass
@@ -102,13 +105,15 @@ def engine_layout(model, hf_model, kept: dict | None = None) -> EngineLayout:
             raise NotImplementedError(f"{write.engine}: vLLM's loader computes it from {write.checkpoint}, which colo "
                                       "cannot follow back to one parameter of the trainer's model")
         placement_of(source).through_loader = True
+    for source in {s for s in trace.sources.values() if s is not None} - set(placements):
+        placements[source] = Placement(source, shapes[source], unserved=True)
     for checkpoint, source in trace.sources.items():
         if source in placements:
             placements[source].checkpoint_names += (checkpoint,)
     for placement in placements.values():
         if any(_overlaps(piece, fills.get(piece.engine, ())) for piece in placement.pieces):
             placement.through_loader = True
-        if placement.through_loader:
+        if placement.through_loader or placement.unserved:
             continue
         solved = solve_view(placement.pieces, placement.hf_shape)
         if solved is not None:
