@@ -229,6 +229,22 @@ def smollm2_two_layers_dir(smollm2_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vision_dir(tmp_path_factory):
+    """Factory: tiny_vision_dir(family) -> a tiny random vision-language model of that family with its
+    processor (colo.bench.tiny_vision), made once a session."""
+    from colo.bench.tiny_vision import tiny_vision_model
+
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            made[family] = tiny_vision_model(family, tmp_path_factory.mktemp(family))
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def idefics3_dir(tmp_path_factory):
     """A tiny random Idefics3 (SmolVLM's architecture) with SmolLM2's tokenizer and its processor
     (colo.bench.vision_models): 56x56 images, 4 image tokens each."""

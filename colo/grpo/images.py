@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 IMAGE_COLUMNS = ("image", "images")
+VIDEO_COLUMNS = ("video", "videos")   # TRL's names; refused (not supported yet)
 
 
 class ImagePrompt(list):
@@ -65,10 +66,11 @@ def load_image(value, where: str):
 
 
 def row_images(value, column: str, where: str) -> list:
-    """The row's images as a list (an `image` column holds one, an `images` column a list)."""
-    values = [value] if column == "image" else list(value or [])
-    if not values:
-        raise ValueError(f"{where}: no image in the `{column}` column")
+    """The row's images as a list (an `image` column holds one, an `images` column a list); none (None,
+    an empty list) for a text-only row, which trains beside the rows with images."""
+    if value is None:
+        return []
+    values = [value] if column == "image" else list(value)
     return [load_image(v, f"{where}, {column}") for v in values]
 
 
@@ -111,6 +113,9 @@ class ImagePrompts:
             raise ValueError(f"{where}: {len(images)} images for {placeholders} image placeholders in the messages")
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                                   **template_kwargs)
+        if not images:   # a text-only row: the processor's tokens, no image for the engine
+            inputs = self.processor(text=[text], return_tensors="pt")
+            return ImagePrompt(inputs["input_ids"][0].tolist(), {"prompt": text}, {})
         inputs = self.processor(text=[text], images=[images], return_tensors="pt")
         ids = inputs.pop("input_ids")[0].tolist()
         inputs.pop("attention_mask", None)
@@ -189,15 +194,18 @@ def batched_vision(visions: list) -> dict[str, torch.Tensor]:
     """The processor tensors of several prompts as one forward's keyword arguments: each concatenated
     along its first dimension (a batch of prompts, or of images or patches), trailing dimensions padded
     with zeros where the prompts' differ (an Idefics3 row with fewer images: an all-zero image is the
-    processor's own padding, which the model skips)."""
+    processor's own padding, which the model skips). Text-only rows (no tensors) add no image; their
+    per-token fields are all text (0), so each row still has one."""
     present = [v for v in visions if v]
     if not present:
         return {}
-    if len(present) != len(visions):
-        raise ValueError("a batch mixes prompts with and without images")
     out = {}
-    for key in present[0]:
-        tensors = [v[key] for v in present]
+    for key in dict.fromkeys(k for v in present for k in v):
+        if key in PER_TOKEN_FIELDS:
+            like = next(v[key] for v in present if key in v)
+            tensors = [v[key] if v and key in v else like.new_zeros(like.shape) for v in visions]
+        else:
+            tensors = [v[key] for v in present if key in v]
         if tensors[0].dim() > 1 and len({t.shape[1:] for t in tensors}) > 1:
             shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
             padded = []

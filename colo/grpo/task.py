@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from . import distributed
-from .images import ImagePrompt, ImagePrompts, image_column, row_images
+from .images import VIDEO_COLUMNS, ImagePrompt, ImagePrompts, image_column, row_images
 from .rewards import reward_name
 
 PROMPT = "prompt"
@@ -240,6 +240,10 @@ class DatasetTask(Task):
             raise ValueError(f"{name}'s prompts are text: tools and environments need chat prompts ({{role, content}} "
                              "messages), which the chat template renders with the tools' descriptions")
         self.image_column, self.vision_model_dir = image_column(columns), vision_model_dir
+        videos = [c for c in VIDEO_COLUMNS if c in columns]
+        if videos and vision_model_dir is not None:
+            raise NotImplementedError(f"{name} has a `{videos[0]}` column: video rows are not supported yet (images "
+                                      "only, in an `image` or `images` column)")
         self._check_images(truncate)
         self.image_prompts = ImagePrompts(vision_model_dir) if self.image_column is not None else None
         self.max_prompt_length, self.truncate = max_prompt_length, truncate
@@ -375,8 +379,8 @@ class DatasetTask(Task):
             completions = self.decode(completion_ids)
         columns = {name: [values[r] for r in rows] for name, values in self.columns.items()}
         if self.image_column is not None:  # PIL images, as TRL's reward functions get them
-            columns[self.image_column] = [self._images(r) if self.image_column == "images" else self._images(r)[0]
-                                          for r in rows]
+            images = [self._images(r) for r in rows]   # an `image` column's text-only rows: None
+            columns[self.image_column] = images if self.image_column == "images" else [(i or [None])[0] for i in images]
         if environments is not None:
             columns["environments"] = environments
         columns.update(extra_columns or {})
@@ -576,7 +580,8 @@ def fit_model_length(config, model_dir, tasks, engine_options: dict) -> dict:
             continue
         for row, ids in enumerate(task.prompt_token_ids):
             if limit and len(ids) + config.max_new_tokens > limit:
-                raise ValueError(f"{task.describe_row(row)}: prompt of {len(ids)} tokens + max_new_tokens="
+                images = " (its images' tokens included)" if getattr(task, "image_column", None) else ""
+                raise ValueError(f"{task.describe_row(row)}: prompt of {len(ids)} tokens{images} + max_new_tokens="
                                  f"{config.max_new_tokens} exceeds the model's {limit} positions "
                                  "(shorten it, set max_prompt_length with truncate_prompts='left', or lower "
                                  "max_new_tokens)")

@@ -8,6 +8,7 @@ trainer's model).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,7 +103,7 @@ def config_image_tokens(config) -> set[int]:
     return {v for name in CONFIG_IMAGE_TOKENS if isinstance(v := getattr(config, name, None), int)}
 
 
-def check_family(family: str, build_engine, tmp_path, several_images: bool = True) -> dict:
+def check_family(path, build_engine, tmp_path, several_images: bool = True) -> dict:
     """Everything issue 72 asks of a family through one engine (in the dtype `auto` picks here):
     - every trainer parameter is a view of the engine's tensors, but the vision tower's that vLLM does
       not build (frozen, never served);
@@ -115,12 +116,11 @@ def check_family(family: str, build_engine, tmp_path, several_images: bool = Tru
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     import colo
-    from colo.bench.tiny_vision import tiny_vision_model
     from colo.dtype_choice import fastest_dtype
     from colo.engine import release_llm, weights_region
     from colo.grpo.images import placeholder_token_ids
 
-    path = tiny_vision_model(family, tmp_path / family)
+    family = json.loads((path / "config.json").read_text())["model_type"]
     processor = AutoProcessor.from_pretrained(path)
     dtype = fastest_dtype("cpu").dtype
     rows = [ONE_IMAGE, TWO_SIZES] if several_images else [ONE_IMAGE]
@@ -143,6 +143,8 @@ def check_family(family: str, build_engine, tmp_path, several_images: bool = Tru
             assert not set(row.sampled) & set(banned)
         at_share = gap_of(before, dtype)
         assert at_share.within, at_share.describe()
+        packed = packed_gap(model, path, processor, rows, before, dtype)
+        assert packed.within, packed.describe()
 
         trained = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trained, lr=1e-2)
@@ -175,7 +177,26 @@ def check_family(family: str, build_engine, tmp_path, several_images: bool = Tru
             torch.testing.assert_close(engine, row.engine, atol=1e-5, rtol=0)
     finally:
         release_llm(served)
-    return {"family": family, "dtype": str(dtype), "at_share": at_share.summary(),
+    return {"family": family, "dtype": str(dtype), "at_share": at_share.summary(), "packed": packed.summary(),
             "after_publish": after_publish.summary(), "direct": max(at_share.direct, after_publish.direct),
             "frozen_apart": len(apart)}
 
+
+
+def packed_gap(model, path, processor, rows: list[list], compared: list[Row], dtype: torch.dtype):
+    """colo.grpo's own trainer path on the same rows: each prompt rendered as the task renders it
+    (ImagePrompts), the rows left-packed into one batch with the engine's completions (colo.grpo.batch),
+    one forward; its log-probabilities against the fp32 reference of each row alone."""
+    from colo.grpo.batch import completion_logprobs, pack
+    from colo.grpo.images import ImagePrompts
+
+    prompts = ImagePrompts(path, processor)
+    rendered = [prompts.render([{"role": "user", "content": "What is drawn here?"}], images, f"row {i}", {})
+                for i, images in enumerate(rows)]
+    assert [list(p) for p in rendered] == [r.engine_prompt for r in compared]
+    batch = pack(rendered, [r.sampled for r in compared])
+    with torch.no_grad():
+        logprobs = completion_logprobs(model, batch)
+    packed = [logprobs[i, :len(r.sampled)] for i, r in enumerate(compared)]
+    return gap_of([Row(r.engine_prompt, r.trainer_prompt, r.sampled, p, r.trainer, r.reference)
+                   for p, r in zip(packed, compared)], dtype)

@@ -13,12 +13,12 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("family", ["internvl", "gemma3", "llava", "mistral3"])
-def test_family_through_the_engine_with_one_copy(family, build_engine, tmp_path):
-    print(check_family(family, build_engine, tmp_path))
+def test_family_through_the_engine_with_one_copy(family, tiny_vision_dir, build_engine, tmp_path):
+    print(check_family(tiny_vision_dir(family), build_engine, tmp_path))
 
 
-def test_llava_onevision_through_the_engine_with_one_copy(build_engine, tmp_path):
+def test_llava_onevision_through_the_engine_with_one_copy(tiny_vision_dir, build_engine, tmp_path):
     """One image a prompt: vLLM 0.32 expands a prompt of several images with each image's "anyres"
     tiles, transformers 5.19 with each image's base view only (colo.grpo refuses such rows, naming them:
     test_llava_onevision_several_images_are_refused)."""
-    print(check_family("llava_onevision", build_engine, tmp_path, several_images=False))
+    print(check_family(tiny_vision_dir("llava_onevision"), build_engine, tmp_path, several_images=False))
