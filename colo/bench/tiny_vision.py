@@ -5,7 +5,8 @@ format (ChatML) and the family's image tokens added, so prompts, EOS and the voc
 `tiny_vision_model(family, directory)` writes the model and its processor (returned: the directory);
 `FAMILIES` names them (transformers' model types). Each takes images of any size: the processors resize
 or tile them to a few image tokens (4 to 40), small enough for a 2-core CPU engine. Idefics3 (SmolVLM's
-architecture) is colo.bench.vision_models'.
+architecture) is colo.bench.vision_models'. transformers and torch are imported inside the builders,
+so that importing colo.bench stays light.
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ PATCH = 14
 VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
 
 
-def _tokenizer(extra_special_tokens: dict | None = None, added: tuple = (), base: Path | None = None):
-    """SmolLM2's tokenizer (or `base`'s) with a family's image tokens: `added` as plain special tokens,
+def _tokenizer(extra_special_tokens: dict | None = None, added: tuple = ()):
+    """SmolLM2's tokenizer with a family's image tokens: `added` as plain special tokens,
     `extra_special_tokens` ({attribute: token}) also as the tokenizer's named attributes, which some
     processors read (InternVL's `start_image_token`, Gemma 3's `boi_token`)."""
     from transformers import AutoTokenizer
@@ -47,7 +48,7 @@ def _tokenizer(extra_special_tokens: dict | None = None, added: tuple = (), base
     from ..smollm2 import smollm2_dir
 
     kwargs = {"extra_special_tokens": extra_special_tokens} if extra_special_tokens else {}
-    tokenizer = AutoTokenizer.from_pretrained(base or smollm2_dir(), **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), **kwargs)
     if added:
         tokenizer.add_special_tokens({"additional_special_tokens": list(added)})
     return tokenizer
@@ -117,14 +118,15 @@ def _internvl(hidden_size: int, layers: int):
 
 
 def _gemma3(hidden_size: int, layers: int):
+    from tokenizers import AddedToken
     from transformers import Gemma3Config, Gemma3ImageProcessor, Gemma3Processor
 
-    from ..gemma3 import gemma3_dir
-
-    # Gemma 3's own tokenizer (Gemma 3 270M's): vLLM's Gemma 3 processor merges the newlines around an
-    # image with Gemma's "\n\n\n" tokens; its image soft token is added, as Gemma 3 4B's tokenizer has it.
+    # vLLM's Gemma 3 processor merges the newlines around an image into Gemma's tokenizer's "\n\n\n" and
+    # "\n\n\n\n" tokens: SmolLM2's tokenizer gets Gemma's newline tokens (Gemma 3's own tokenizer,
+    # 262144 tokens, takes 3 s a load, which vLLM does several times an engine).
     tokenizer = _tokenizer({"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
-                            "image_token": "<image_soft_token>"}, base=gemma3_dir())
+                            "image_token": "<image_soft_token>"})
+    tokenizer.add_tokens([AddedToken("\n" * n, normalized=False, special=False) for n in (1, 2, 3, 4)])
     side = 4 * PATCH   # 16 patches, pooled to 4 image tokens
     text = _text_config(tokenizer, hidden_size, layers, sliding_window=64, query_pre_attn_scalar=64,
                         layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"])

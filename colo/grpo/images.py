@@ -96,8 +96,23 @@ def count_image_parts(messages: list[dict]) -> int:
                for part in m["content"] if isinstance(part, dict) and part.get("type") == "image")
 
 
+# Processor outputs that make transformers attend both ways among an image's tokens (Gemma 3's).
+BOTH_WAYS_FIELDS = ("token_type_ids",)
+
+
+def attending_causally(vision: dict) -> dict:
+    """A prompt's processor tensors for a trainer that attends among an image's tokens causally, as an
+    engine without bidirectional image attention does (vLLM's CPU backend on Gemma 3): its both-ways
+    fields all text (0)."""
+    return {k: v.new_zeros(v.shape) if k in BOTH_WAYS_FIELDS else v for k, v in vision.items()}
+
+
 class ImagePrompts:
-    """Renders a dataset's chat prompts with their images through the model's processor."""
+    """Renders a dataset's chat prompts with their images through the model's processor.
+    causal_images: the trainer attends causally among an image's tokens, as the engine does
+    (colo.vllm_compat.image_attention_is_causal), so it trains on what the engine sampled from."""
+
+    causal_images = False
 
     def __init__(self, model_dir, processor=None):
         if processor is None:
@@ -120,6 +135,8 @@ class ImagePrompts:
         ids = inputs.pop("input_ids")[0].tolist()
         inputs.pop("attention_mask", None)
         vision = {key: value for key, value in inputs.items() if isinstance(value, torch.Tensor)}
+        if self.causal_images:
+            vision = attending_causally(vision)
         return ImagePrompt(ids, {"prompt": text, "multi_modal_data": {"image": images}}, vision)
 
 

@@ -134,8 +134,11 @@ class GRPOScheduler:
                                                 reward_weights, eval_dataset, tokenizer, prompt_fn, reward_fn,
                                                 tools=self.tools, environment=environment_factory)
         if getattr(self.task, "image_column", None) and self.config.tensor_parallel > 1:
-            # A tensor-parallel trainer computes its log-probabilities from token ids alone.
-            raise NotImplementedError("images (a vision-language model's prompts) with tensor_parallel > 1")
+            raise NotImplementedError(
+                "images (a vision-language model's prompts) with tensor_parallel > 1: colo's tensor-parallel trainer "
+                "is the language model's shards and takes token ids alone, while vLLM shards the vision tower over "
+                "the ranks too, as no transformers tower runs; train it on one device per engine (ZeRO-1, "
+                "--shard-optimizer, shards the optimizer state instead; docs/vision.md)")
         engine_options = fit_model_length(self.config, self.model_dir, (self.task, self.eval_task),
                                           dict(engine_options or {}))
         if processed_logprobs(self.config):  # the log-probabilities of what the engine sampled from
@@ -191,6 +194,19 @@ class GRPOScheduler:
             raise ValueError(f"prompts_per_step={self.config.prompts_per_step} leaves ranks without prompts: "
                              f"it must be at least the number of data-parallel ranks ({self.world.dp_size})")
 
+    def _attend_images_as_the_engine(self) -> None:
+        """Where the engine attends causally among an image's tokens and transformers both ways (Gemma 3
+        on vLLM's CPU backend), the trainer attends as the engine does: it trains on what was sampled."""
+        if not compat.image_attention_is_causal(self.engine.llm):
+            return
+        for task in (self.task, self.eval_task):
+            if getattr(task, "image_prompts", None) is not None:
+                task.image_prompts.causal_images = True
+        logger.warning("%s: this engine attends causally among an image's tokens, where transformers attends "
+                       "both ways (vLLM's backend here has no bidirectional image attention); the trainer "
+                       "attends as the engine does, so training is on-policy, and OUT/final attends both ways "
+                       "again where it is served", self.model_dir)
+
     def _start_engine(self, engine_options: dict) -> None:
         """The engine first: vLLM loads the weights into the pool, and the trainer's model is a view of them."""
         lora = self.config.lora_spec
@@ -205,6 +221,7 @@ class GRPOScheduler:
         refusal = compat.decode_refusal(self.engine.llm)  # a run generates: said before anything trains
         if refusal is not None:
             raise NotImplementedError(f"{self.model_dir}: {refusal}")
+        self._attend_images_as_the_engine()
         self.views = self.engine.views  # what the optimizer trains, whichever kind (colo.shared)
         self.model = self.engine.hf_model
         if is_moe(self.model):  # the routing the engine sampled with: replayed, or compared (router_mismatch)

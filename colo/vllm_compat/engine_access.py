@@ -42,6 +42,17 @@ def kv_cache_block_count(llm) -> tuple[int, int]:
     return cache.num_gpu_blocks, cache.block_size
 
 
+def image_attention_is_causal(llm) -> bool:
+    """Whether the engine attends causally among an image's tokens where the model attends both ways
+    (a prefix-LM's images, vLLM's `is_mm_prefix_lm`: Gemma 3, PaliGemma): vLLM attends both ways only in
+    attention backends that say `supports_mm_prefix` (its GPU ones); its CPU backend (0.32) is causal."""
+    if not llm.llm_engine.model_config.is_mm_prefix_lm:
+        return False
+    # The decoder's attention layers hold their backend's class (a vision tower's, an enum of its own kind).
+    backends = {m.attn_backend for m in engine_model(llm).modules() if isinstance(getattr(m, "attn_backend", None), type)}
+    return not backends or not all(backend.supports_mm_prefix() for backend in backends)
+
+
 def engine_dtype(llm) -> torch.dtype:
     return llm.llm_engine.model_config.dtype
 

@@ -50,22 +50,24 @@ def generate(llm, processor, rows: list[list], banned: list[int], seed: int = 0,
 
 
 def trainer_logprobs(model, processor, images: list, ids: list[int], prompt_tokens: int,
-                     dtype: torch.dtype | None = None, grad: bool = False) -> torch.Tensor:
+                     dtype: torch.dtype | None = None, grad: bool = False, causal: bool = False) -> torch.Tensor:
     """The trainer's log-probabilities of ids[prompt_tokens:] after the prompt with `images` (computed in
     `dtype`: None, the model's own), its processor's tensors laid out as colo.grpo lays them
-    (vision_at_columns)."""
-    from colo.grpo.images import vision_at_columns
+    (vision_at_columns); causal: attending causally among an image's tokens, as colo.grpo's trainer does
+    where the engine does (colo.grpo.images.attending_causally)."""
+    from colo.grpo.images import attending_causally, vision_at_columns
     from colo.share_check import computed_in
 
     inputs = processor(text=[prompt_text(processor, len(images))], images=[images], return_tensors="pt")
     vision = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask") and isinstance(v, torch.Tensor)}
-    vision = vision_at_columns(vision, prompt_tokens, prompt_tokens, len(ids))
+    vision = vision_at_columns(attending_causally(vision) if causal else vision, prompt_tokens, prompt_tokens, len(ids))
     with torch.set_grad_enabled(grad), computed_in(model, dtype):
         logits = model(input_ids=torch.tensor([ids]), **vision).logits[0, prompt_tokens - 1:-1].double()
     return logits.log_softmax(-1).gather(1, torch.tensor(ids[prompt_tokens:])[:, None])[:, 0].float()
 
 
-def compare_on_images(llm, model, processor, rows: list[list], banned: list[int], seed: int = 0) -> list[Row]:
+def compare_on_images(llm, model, processor, rows: list[list], banned: list[int], seed: int = 0,
+                      causal: bool = False) -> list[Row]:
     out = []
     for images, result in zip(rows, generate(llm, processor, rows, banned, seed)):
         engine_prompt = list(result.prompt_token_ids)
@@ -77,8 +79,8 @@ def compare_on_images(llm, model, processor, rows: list[list], banned: list[int]
         if engine_prompt != trainer_prompt:
             out.append(Row(engine_prompt, trainer_prompt, sampled, engine, engine * np.nan, engine * np.nan))
             continue
-        trainer = trainer_logprobs(model, processor, images, ids, len(engine_prompt))
-        reference = trainer_logprobs(model, processor, images, ids, len(engine_prompt), torch.float32)
+        trainer = trainer_logprobs(model, processor, images, ids, len(engine_prompt), causal=causal)
+        reference = trainer_logprobs(model, processor, images, ids, len(engine_prompt), torch.float32, causal=causal)
         out.append(Row(engine_prompt, trainer_prompt, sampled, engine, trainer, reference))
     return out
 
@@ -137,27 +139,33 @@ def check_family(path, build_engine, tmp_path, several_images: bool = True) -> d
         assert all(id(named[n]) in tower and not named[n].requires_grad for n in apart), apart
         assert shared.copy_bytes == 0
 
-        before = compare_on_images(llm, model, processor, rows, banned)
+        # vLLM's CPU attention has no bidirectional image attention (Gemma 3's): colo.grpo's trainer then
+        # attends as the engine does, and so do these comparisons.
+        causal = colo.vllm_compat.image_attention_is_causal(llm)
+        assert causal == (family == "gemma3")
+        before = compare_on_images(llm, model, processor, rows, banned, causal=causal)
         for row in before:
             assert row.engine_prompt == row.trainer_prompt, "vLLM's and transformers' processors expand alike"
             assert not set(row.sampled) & set(banned)
         at_share = gap_of(before, dtype)
         assert at_share.within, at_share.describe()
-        packed = packed_gap(model, path, processor, rows, before, dtype)
+        packed = packed_gap(model, path, processor, rows, before, dtype, causal)
         assert packed.within, packed.describe()
 
         trained = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trained, lr=1e-2)
         ids = before[0].engine_prompt + before[0].sampled
-        logprobs = trainer_logprobs(model, processor, ONE_IMAGE, ids, len(before[0].engine_prompt), grad=True)
+        logprobs = trainer_logprobs(model, processor, ONE_IMAGE, ids, len(before[0].engine_prompt), grad=True,
+                                    causal=causal)
         (-logprobs.sum()).backward()
         optimizer.step()
         report = shared.publish()
         assert report["bytes_copied"] == 0
-        after = compare_on_images(llm, model, processor, rows, banned)
+        after = compare_on_images(llm, model, processor, rows, banned, causal=causal)
         after_publish = gap_of(after, dtype)
         assert after_publish.within, after_publish.describe()
-        moved = trainer_logprobs(model, processor, ONE_IMAGE, ids, len(before[0].engine_prompt)) - before[0].trainer
+        moved = trainer_logprobs(model, processor, ONE_IMAGE, ids, len(before[0].engine_prompt), causal=causal) \
+            - before[0].trainer
         assert moved.abs().max() > 1e-2, "the step changed the model the engine now serves"
 
         final = shared.write_pretrained(tmp_path / "final", shared.full_state_dict(), base_dir=path)
@@ -183,7 +191,7 @@ def check_family(path, build_engine, tmp_path, several_images: bool = True) -> d
 
 
 
-def packed_gap(model, path, processor, rows: list[list], compared: list[Row], dtype: torch.dtype):
+def packed_gap(model, path, processor, rows: list[list], compared: list[Row], dtype: torch.dtype, causal: bool):
     """colo.grpo's own trainer path on the same rows: each prompt rendered as the task renders it
     (ImagePrompts), the rows left-packed into one batch with the engine's completions (colo.grpo.batch),
     one forward; its log-probabilities against the fp32 reference of each row alone."""
@@ -191,6 +199,7 @@ def packed_gap(model, path, processor, rows: list[list], compared: list[Row], dt
     from colo.grpo.images import ImagePrompts
 
     prompts = ImagePrompts(path, processor)
+    prompts.causal_images = causal
     rendered = [prompts.render([{"role": "user", "content": "What is drawn here?"}], images, f"row {i}", {})
                 for i, images in enumerate(rows)]
     assert [list(p) for p in rendered] == [r.engine_prompt for r in compared]
