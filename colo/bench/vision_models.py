@@ -3,10 +3,8 @@ classes: what the vision-language tests and the worked example (docs/vision.md) 
 
 Idefics3 (SmolVLM's architecture: a SigLIP vision tower, a pixel-shuffle projector, a Llama language
 model) gets SmolLM2-135M-Instruct's tokenizer and chat format (colo.smollm2); 56x56
-images of 14-pixel patches, 4 image tokens each. The families whose vLLM or transformers image code
-needs torchvision (Qwen2-VL, Qwen2.5-VL, InternVL, Gemma 3, SmolVLM: their processors or vLLM's model
-modules import it) have no builder here yet: until 2026-12-02 no torchvision loaded beside the CPU
-torch these machines installed (docs/install.md, torchvision).
+images of 14-pixel patches, 4 image tokens each. The other families' tiny models (Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL, InternVL, Gemma 3, LLaVA, LLaVA-OneVision, Mistral 3): colo.bench.tiny_vision.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""What colo builds for each vision-language family, without an engine (their vLLM modules or
-processors need torchvision, which the CPU install lacked until 2026-12-02; not yet run through the
-engine: docs/vision.md): the trainer's class
-from the config, and the vision tower that is frozen by default, its projector left to train."""
+"""What colo builds for each vision-language family, without an engine: the trainer's class from the
+config, and the vision tower that is frozen by default, its projector left to train; and the M-RoPE
+trainer path on a packed batch. The families through the engine: test_vision_engine_qwen.py and
+test_vision_engine_families.py."""
 from __future__ import annotations
 
 import pytest
