@@ -203,17 +203,80 @@ def tiny_config_and_processor(family: str, *, hidden_size: int = 128, layers: in
     return config, processor
 
 
-def tiny_vision_model(family: str, directory: Path, *, hidden_size: int = 128, layers: int = 2, seed: int = 0) -> Path:
-    """A random vision-language model of `family` saved with its processor at `directory` (returned)."""
+# Families whose language model is Llama's with q/k/v biases (Qwen2's), so a Llama model's weights fit it.
+TAKES_A_LLAMA = ("qwen2_vl", "qwen2_5_vl")
+
+
+def tiny_vision_model(family: str, directory: Path, *, hidden_size: int = 128, layers: int = 2, seed: int = 0,
+                      language_model: Path | None = None) -> Path:
+    """A random vision-language model of `family` saved with its processor at `directory` (returned).
+    language_model: a Llama-family causal LM directory (SmolLM2-135M-Instruct) whose shape and weights the
+    language model takes (Qwen2-VL and Qwen2.5-VL: their q/k/v biases 0); the vision tower stays random."""
     import torch
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config, processor = tiny_config_and_processor(family, hidden_size=hidden_size, layers=layers)
+    trained = None
+    if language_model is not None:
+        if family not in TAKES_A_LLAMA:
+            raise ValueError(f"language_model: {family}'s language model is not Llama's; one of {', '.join(TAKES_A_LLAMA)}")
+        trained = AutoModelForCausalLM.from_pretrained(language_model, dtype=torch.float32)
+        config = _with_language_model(config, trained.config)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
+    if trained is not None:   # its vocabulary grows by the image tokens (their rows left random)
+        state = trained.model.state_dict()
+        embed = state.pop("embed_tokens.weight")
+        missing, unexpected = model.model.language_model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k != "embed_tokens.weight"]   # (set below)
+        if unexpected or not all(k.endswith("_proj.bias") for k in missing):
+            raise ValueError(f"{language_model}: its weights do not fit {family}'s language model (unexpected "
+                             f"{unexpected[:3]}, missing {[k for k in missing if not k.endswith('_proj.bias')][:3]})")
+        with torch.no_grad():
+            model.model.language_model.embed_tokens.weight[:embed.shape[0]] = embed
+            for name, p in model.model.language_model.named_parameters():
+                if name in missing:
+                    p.zero_()
     model.config.architectures = [type(model).__name__]
     keep_checkpoint_names(model, None)   # the names of the family's checkpoints, which vLLM loads
     directory = Path(directory)
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
     return directory
+
+
+def _with_language_model(config, llama):
+    """`config` with its language model in the shape of the Llama config `llama` (the M-RoPE sections
+    kept: a head of 64 has 32 rotary pairs either way)."""
+    text = config.text_config.to_dict()
+    head_dim = getattr(llama, "head_dim", None) or llama.hidden_size // llama.num_attention_heads
+    if head_dim != 64:
+        raise ValueError(f"the language model's heads are {head_dim} wide; the tiny M-RoPE sections need 64")
+    rope = {**text["rope_parameters"], "rope_theta": llama.rope_parameters["rope_theta"]}
+    text.update(hidden_size=llama.hidden_size, intermediate_size=llama.intermediate_size,
+                num_hidden_layers=llama.num_hidden_layers, num_attention_heads=llama.num_attention_heads,
+                num_key_value_heads=llama.num_key_value_heads, head_dim=head_dim, rms_norm_eps=llama.rms_norm_eps,
+                max_position_embeddings=llama.max_position_embeddings, rope_parameters=rope, layer_types=None)
+    vision = config.vision_config.to_dict()
+    vision["out_hidden_size" if "out_hidden_size" in vision else "hidden_size"] = llama.hidden_size
+    fields = {k: getattr(config, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                              "vision_end_token_id")}
+    return type(config)(text_config=text, vision_config=vision, **fields)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m colo.bench.tiny_vision",
+                                     description="Write a tiny random vision-language model of a family with its processor.")
+    parser.add_argument("family", choices=FAMILIES)
+    parser.add_argument("directory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--language-model", metavar="DIR", help="take this Llama-family model's shape and weights for "
+                        f"the language model ({', '.join(TAKES_A_LLAMA)}; e.g. SmolLM2-135M-Instruct: python -m colo.smollm2)")
+    args = parser.parse_args(argv)
+    print(tiny_vision_model(args.family, Path(args.directory), seed=args.seed, language_model=args.language_model))
+
+
+if __name__ == "__main__":
+    main()
