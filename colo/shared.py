@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from .hf_names import checkpoint_keys, keep_checkpoint_names
 from .model_classes import is_vision_language, trainer_auto_class, trainer_class_name  # noqa: F401
 
 WHAT_COLO_TRAINS = ("colo trains decoder-only language models that transformers and vLLM both implement "
@@ -385,7 +386,6 @@ def meta_model(config, dtype: torch.dtype, checkpoint: str | None = None):
     pointed at engine tensors: a causal LM, or an image-text-to-text model for a vision-language one.
     checkpoint: the model directory the engine loaded, whose weight names the model keeps for saving
     and for vLLM's loader (colo.hf_names; a hub name keeps transformers' defaults)."""
-    from .hf_names import checkpoint_keys, keep_checkpoint_names
     from .vllm_compat.trainer_models import building_trainer_models
 
     check_model_config(config)
