@@ -18,16 +18,21 @@ import json
 from pathlib import Path
 
 
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """A model directory's weight files: those its index names, else every *.safetensors."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    return sorted(model_dir.glob("*.safetensors"))
+
+
 def checkpoint_keys(model_dir: Path) -> list[str]:
     """The weight names in a model directory's safetensors files (their headers only)."""
     from safetensors import safe_open
 
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    files = (sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
-             if index.exists() else sorted(model_dir.glob("*.safetensors")))
     keys = []
-    for file in files:
+    for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt") as weights:
             keys.extend(weights.keys())
     return keys
@@ -54,8 +59,8 @@ def read_checkpoint_tensors(model_dir: Path, names: list[str]) -> dict:
     """{name: tensor} of the named weights of a model directory's safetensors files, only those read."""
     from safetensors import safe_open
 
-    model_dir, wanted, found = Path(model_dir), set(names), {}
-    for file in sorted(model_dir.glob("*.safetensors")):
+    wanted, found = set(names), {}
+    for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt") as weights:
             for name in wanted & set(weights.keys()):
                 found[name] = weights.get_tensor(name)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..hf_names import keep_checkpoint_names
-from .vision_models import CHAT_TEMPLATE
+from .vision_models import CHAT_TEMPLATE, take_language_model
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl", "gemma3", "llava", "llava_onevision", "mistral3")
 
@@ -224,19 +224,8 @@ def tiny_vision_model(family: str, directory: Path, *, hidden_size: int = 128, l
         config = _with_language_model(config, trained.config)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
-    if trained is not None:   # its vocabulary grows by the image tokens (their rows left random)
-        state = trained.model.state_dict()
-        embed = state.pop("embed_tokens.weight")
-        missing, unexpected = model.model.language_model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if k != "embed_tokens.weight"]   # (set below)
-        if unexpected or not all(k.endswith("_proj.bias") for k in missing):
-            raise ValueError(f"{language_model}: its weights do not fit {family}'s language model (unexpected "
-                             f"{unexpected[:3]}, missing {[k for k in missing if not k.endswith('_proj.bias')][:3]})")
-        with torch.no_grad():
-            model.model.language_model.embed_tokens.weight[:embed.shape[0]] = embed
-            for name, p in model.model.language_model.named_parameters():
-                if name in missing:
-                    p.zero_()
+    if trained is not None:
+        take_language_model(model.model.language_model, trained)
     model.config.architectures = [type(model).__name__]
     keep_checkpoint_names(model, None)   # the names of the family's checkpoints, which vLLM loads
     directory = Path(directory)

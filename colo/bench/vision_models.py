@@ -60,16 +60,32 @@ def tiny_idefics3(directory: Path, *, tokenizer_dir: Path | None = None, hidden_
     config.architectures = ["Idefics3ForConditionalGeneration"]
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config)
-    if trained is not None:   # its vocabulary grows by the processor's image tokens (rows left random)
-        state = trained.model.state_dict()
-        embed = state.pop("embed_tokens.weight")
-        model.model.text_model.load_state_dict(state, strict=False)
-        with torch.no_grad():
-            model.model.text_model.embed_tokens.weight[:embed.shape[0]] = embed
+    if trained is not None:
+        take_language_model(model.model.text_model, trained)
     directory = Path(directory)
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
     return directory
+
+
+def take_language_model(text_model, trained) -> None:
+    """The weights of the Llama-family causal LM `trained` in a vision-language model's language model
+    `text_model`: its vocabulary grows by the image tokens (their rows stay random), and q/k/v biases
+    the Llama has not (Qwen2's) are 0; a ValueError where the rest does not fit."""
+    import torch
+
+    state = trained.model.state_dict()
+    embed = state.pop("embed_tokens.weight")
+    missing, unexpected = text_model.load_state_dict(state, strict=False)
+    biases = [k for k in missing if k.endswith("_proj.bias")]
+    others = [k for k in missing if k != "embed_tokens.weight" and k not in biases]
+    if unexpected or others:
+        raise ValueError(f"the language model's weights do not fit (unexpected {unexpected[:3]}, missing {others[:3]})")
+    with torch.no_grad():
+        text_model.embed_tokens.weight[:embed.shape[0]] = embed
+        parameters = dict(text_model.named_parameters())
+        for name in biases:
+            parameters[name].zero_()
 
 
 def main(argv: list[str] | None = None) -> None:

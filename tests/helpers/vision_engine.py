@@ -125,8 +125,9 @@ def check_family(path, build_engine, tmp_path, several_images: bool = True) -> d
     family = json.loads((path / "config.json").read_text())["model_type"]
     processor = AutoProcessor.from_pretrained(path)
     dtype = fastest_dtype("cpu").dtype
+    dtype_name = str(dtype).removeprefix("torch.")
     rows = [ONE_IMAGE, TWO_SIZES] if several_images else [ONE_IMAGE]
-    llm = build_engine(path, dtype=str(dtype).split(".")[1], skip_tokenizer_init=False)
+    llm = build_engine(path, dtype=dtype_name, skip_tokenizer_init=False)
     try:
         shared = colo.shared_model(llm)
         model = shared.hf_model
@@ -176,7 +177,7 @@ def check_family(path, build_engine, tmp_path, several_images: bool = True) -> d
     finally:
         release_llm(llm)
     del shared, model
-    served = build_engine(final, dtype=str(dtype).split(".")[1], skip_tokenizer_init=False)
+    served = build_engine(final, dtype=dtype_name, skip_tokenizer_init=False)
     try:
         again = generate(served, processor, rows, banned)
         for result, row in zip(again, after):
