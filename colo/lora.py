@@ -38,6 +38,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -402,11 +404,13 @@ def _piece(tp, name: str, split: str, rank: int) -> tuple | None:
 def _activate(llm, spec: LoraSpec, modules, request) -> dict[str, compat.AdapterSlice]:
     """Load the adapter into the engine's slot and return {HF module name: its slice, views of the slot}."""
     slot = compat.activate_adapter(llm, request)
-    by_name = {s.hf_module: s for s in compat.adapter_slices(llm, slot, spec.rank)}
-    missing = [name for name in modules if name not in by_name]
+    engine_slices = {s.module: s for s in compat.adapter_slices(llm, slot, spec.rank)}
+    engine_names = compat.engine_module_names(llm, modules)
+    missing = [name for name in modules if engine_names[name] not in engine_slices]
     if missing:
         raise NotImplementedError(f"the engine has no adapter slot for {missing[0]} (vLLM adapts "
-                                  f"{sorted(by_name)[:4]}...)")
+                                  f"{sorted(engine_slices)[:4]}...)")
+    by_name = {name: engine_slices[engine_names[name]] for name in modules}
     region = compat.engine_placement(llm).pool.regions[WEIGHTS] if compat.engine_placement(llm) else None
     for name, module in modules.items():
         s = by_name[name]
@@ -417,7 +421,7 @@ def _activate(llm, spec: LoraSpec, modules, request) -> dict[str, compat.Adapter
         if (tuple(s.lora_a.shape), tuple(s.lora_b.shape)) != expected:
             raise RuntimeError(f"{name}: the engine's adapter slot holds A {tuple(s.lora_a.shape)} and B "
                                f"{tuple(s.lora_b.shape)}, the layer needs {expected[0]} and {expected[1]}")
-    return {name: by_name[name] for name in modules}
+    return by_name
 
 
 class AdapterOff(Reference):
@@ -488,8 +492,28 @@ def peft_lora_spec(peft_model, adapter_name: str = "default") -> LoraSpec:
         raise NotImplementedError(f"colo shares plain LoRA adapters of linear layers with vLLM's adapter slots; "
                                   f"this adapter sets {', '.join(refused)}, which colo does not support")
     layers = _peft_layers(peft_model, adapter_name)
+    _refuse_tower_layers(peft_model.get_base_model(), layers)
     return LoraSpec(int(c.r), float(c.lora_alpha), tuple({n.rpartition(".")[2] for n in layers}),
                     float(c.lora_dropout or 0.0))
+
+
+def _refuse_tower_layers(hf_model, layers: dict) -> None:
+    """NotImplementedError where a PEFT adapter adapts a vision tower's or projector's layer: vLLM's
+    adapter slots are the language model's (a plain `target_modules=["q_proj"]` also matches a SigLIP
+    or CLIP tower's q_proj). The message gives a `target_modules` that keeps the language model's."""
+    tower = {id(p) for p in vision_tower_parameters(hf_model)}
+    outside = [name for name, m in layers.items() if id(m.base_layer.weight) in tower or _in_projector(name)]
+    if not outside:
+        return
+    inside = [name for name in layers if name not in outside]
+    shorts = "|".join(sorted({n.rpartition(".")[2] for n in layers}))
+    prefix = os.path.commonprefix(inside).rpartition(".layers.")[0] if inside else ""
+    suggestion = (f"target_modules=r\"{re.escape(prefix)}\\..*\\.({shorts})\"" if prefix
+                  else "target_modules naming the language model's layers only")
+    raise NotImplementedError(
+        f"the PEFT adapter adapts {len(outside)} layer(s) of the vision tower or projector ({outside[0]}, ...); "
+        f"vLLM serves adapters of the language model's layers only, so colo shares those: use {suggestion} "
+        "in the LoraConfig (a regular expression PEFT matches against the whole name)")
 
 
 def _peft_layers(peft_model, adapter_name: str) -> dict[str, torch.nn.Module]:

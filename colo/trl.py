@@ -38,8 +38,9 @@ is served base + adapter. TRL's optimizer steps fp32 masters of the adapter in P
 checkpoints and `save_model` save in PEFT's format. A sync is the adapter's publish(): 0 bytes, no
 merge, no load_weights, no adapter reload. Supported: LoRA (rslora, dropout, any init) on the linear
 layers of the base, one adapter (and TRL's frozen "ref" copy for beta > 0 with a pretrained one).
-Refused with a NotImplementedError before the engine starts: an adapter on a vision-language model,
-DoRA, bias, lora_bias, modules_to_save, rank/alpha patterns, trainable tokens, layers_to_transform,
+On a vision-language model the adapter is the language model's (vLLM has adapter slots there only; an
+adapter of a tower or projector layer is refused, its message giving a target_modules that keeps the
+language model's). Refused with a NotImplementedError before the engine starts: DoRA, bias, lora_bias, modules_to_save, rank/alpha patterns, trainable tokens, layers_to_transform,
 targets other than nn.Linear (embeddings, Conv1D, quantized layers, target_parameters), several
 adapters, tensor parallelism. On a CPU, vLLM
 runs a LoRA engine eager (its CPU platform turns compilation off when LoRA is enabled); colo gives its
@@ -404,15 +405,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.use_vllm = True
         args = self.args
         model = self.accelerator.unwrap_model(self.model)
-        from .shared import check_model_config, is_vision_language
+        from .shared import check_model_config
 
         # What colo does not train is refused here, before any engine starts; whether each weight is
         # shared or copied is read from the engine once it is up (colo.share_weights).
         check_model_config(model.config)
-        if is_vision_language(model.config) and _is_peft(model):
-            raise NotImplementedError(f"colo.trl with a PEFT adapter on a vision-language model "
-                                      f"({model.config.model_type}): not yet; colo.grpo "
-                                      "--lora-rank trains one (docs/vision.md)")
         self.colo_router_replay = self._colo_check_routing_replay(model, args) if colo_routing_replay else None
         if self.colo_router_replay is not None:
             from .vllm_compat import engine_routing_options

@@ -28,7 +28,8 @@ def lora_engine_options(rank: int) -> dict:
 
 @dataclass
 class AdapterSlice:
-    """One Hugging Face linear layer's place in the engine's adapter slot.
+    """One linear layer's place in the engine's adapter slot; `module` is the layer's name in the engine
+(after vLLM's renaming of the Hugging Face name, engine_module_names).
 
     A is lora_a_stacked[slice][slot, 0, :rank, :] (rank x in) and B is lora_b_stacked[slice][slot, 0, :, :rank]
     (out x rank): vLLM's layers compute `out += (x @ A.T) @ B.T` (PunicaWrapper.add_lora_linear with
@@ -42,7 +43,7 @@ class AdapterSlice:
     RowParallelLinearWithLoRA.slice_lora_a; the layer adds B (A_r x_r) to its partial output before
     its all-reduce). None: one rank, the whole adapter.
     """
-    hf_module: str
+    module: str
     lora_a: torch.Tensor
     lora_b: torch.Tensor
     split: str | None = None
@@ -169,6 +170,18 @@ def adapter_slices(llm, slot: int, rank: int) -> list[AdapterSlice]:
             slices.append(AdapterSlice(f"{prefix}.{part}" if prefix else part, a[slot, 0, :rank, :], b[slot, 0, :, :rank],
                                        split))
     return slices
+
+
+def engine_module_names(llm, hf_modules) -> dict[str, str]:
+    """{Hugging Face module name: the engine's name of it}, renamed as vLLM renames a PEFT adapter's
+    module names when it loads one (LoRAModel.from_local_checkpoint with the model's
+    `hf_to_vllm_mapper`, renames only: a vision-language model's `model.language_model.layers.0...`
+    is vLLM's `language_model.model.layers.0...` in Qwen2.5-VL)."""
+    mapper = getattr(engine_model(llm), "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return {name: name for name in hf_modules}
+    mapper = mapper.get_rename_mapper()
+    return {name: mapper._map_name(name) or name for name in hf_modules}
 
 
 def _tensor_parallel_split(name: str, module) -> str | None:

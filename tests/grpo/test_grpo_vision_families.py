@@ -57,6 +57,31 @@ def test_grpo_trains_qwen2_5_vl_on_mixed_rows_with_one_copy(tiny_vision_dir, tmp
     assert AutoProcessor.from_pretrained(tmp_path / "out" / "final").image_token == "<|image_pad|>"
 
 
+def test_grpo_trains_a_lora_adapter_of_qwen2_5_vls_language_model_in_the_engines_slot(tiny_vision_dir, tmp_path):
+    """vLLM names Qwen2.5-VL's language model `language_model.model.*` where transformers 5 has
+    `model.language_model.*`: the adapter's layers find their slots under vLLM's renaming."""
+    import datasets
+
+    from colo.grpo import GRPOConfig
+    from colo.grpo.scheduler import GRPOScheduler
+
+    config = GRPOConfig(prompts_per_step=4, num_generations=2, max_new_tokens=8, learning_rate=1e-2, seed=0,
+                        lora_rank=4)
+    scheduler = GRPOScheduler(tiny_vision_dir("qwen2_5_vl"), config=config,
+                              dataset=datasets.Dataset.from_list(mixed_rows(8)), out_dir=tmp_path / "out",
+                              reward_funcs=[lambda completion_ids, **kw: [float(ids[0] % 2) if ids else 0.0
+                                                                          for ids in completion_ids]])
+    fp32 = scheduler.config.torch_dtype == torch.float32
+    try:
+        trained = {n for n, p in scheduler.model.named_parameters() if p.requires_grad}
+        records = scheduler.run(2, progress=False)
+    finally:
+        scheduler.close()
+    assert trained and all(".language_model." in n and n.endswith(("lora_A", "lora_B")) for n in trained)
+    assert records[0]["grad_norm"] > 0 and all(r["publish_bytes_copied"] == 0 for r in records)
+    assert records[1]["engine_logprob_max_abs_diff"] < (1e-4 if fp32 else 0.1)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bad_image_input_is_refused_before_any_engine(family, tiny_vision_dir, monkeypatch):
     import datasets
