@@ -29,7 +29,7 @@ def lora_engine_options(rank: int) -> dict:
 @dataclass
 class AdapterSlice:
     """One linear layer's place in the engine's adapter slot; `module` is the layer's name in the engine
-(after vLLM's renaming of the Hugging Face name, engine_module_names).
+    (after vLLM's renaming of the Hugging Face name, engine_module_names).
 
     A is lora_a_stacked[slice][slot, 0, :rank, :] (rank x in) and B is lora_b_stacked[slice][slot, 0, :, :rank]
     (out x rank): vLLM's layers compute `out += (x @ A.T) @ B.T` (PunicaWrapper.add_lora_linear with
