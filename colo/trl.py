@@ -41,8 +41,9 @@ layers of the base, one adapter (and TRL's frozen "ref" copy for beta > 0 with a
 On a vision-language model the adapter is the language model's (vLLM has adapter slots there only; an
 adapter of a tower or projector layer is refused, its message giving a target_modules that keeps the
 language model's). Refused with a NotImplementedError before the engine starts: DoRA, bias, lora_bias,
-modules_to_save, rank/alpha patterns, trainable tokens, layers_to_transform, targets other than nn.Linear (embeddings, Conv1D, quantized layers, target_parameters), several
-adapters, tensor parallelism. On a CPU, vLLM
+modules_to_save, rank/alpha patterns, trainable tokens, layers_to_transform, targets other than
+nn.Linear (embeddings, Conv1D, quantized layers, target_parameters), several adapters, tensor
+parallelism. On a CPU, vLLM
 runs a LoRA engine eager (its CPU platform turns compilation off when LoRA is enabled); colo gives its
 punica wrapper a one-adapter fast path (colo.vllm_compat), without which LoRA doubled a generate.
 
