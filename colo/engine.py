@@ -104,6 +104,8 @@ def build_llm(model_dir, pool=None, *, dtype="auto", seed: int = 0, kv_cache_byt
         llm = vllm.LLM(model=path, dtype=dtype, seed=seed, enforce_eager=enforce_eager, worker_cls=worker_cls,
                        **llm_kwargs)
     compat.keep_process_groups(llm)  # several engines share them in one process (rebuilds, comparisons)
+    if compat.has_lora_slots(llm):
+        compat.one_adapter_fast_path(llm)   # before any request (vLLM's CPU path fails on some families' LM heads)
     placement.wake_on_demand = bool(wake_on_demand)
     if KV_CACHE in pool.regions:  # models without attention layers have no KV cache to guard
         _guard_the_sleeping_kv_cache(llm, pool.regions[KV_CACHE], placement)

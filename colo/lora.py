@@ -100,10 +100,10 @@ class LoraSpec:
 def target_modules(hf_model, spec: "LoraSpec") -> dict:
     """{name: linear layer} the adapter adapts: those named one of spec.targets, in the language model
     only (vLLM adapts no vision tower or projector layer); a ValueError where there is none."""
-    tower = {id(p) for p in vision_tower_parameters(hf_model)} if hasattr(hf_model, "config") else set()
+    outside = outside_language_model(hf_model)
     modules = {name: m for name, m in hf_model.named_modules()
                if name.rpartition(".")[2] in spec.targets and isinstance(m, torch.nn.Linear)
-               and id(m.weight) not in tower and not _in_projector(name)}
+               and not outside(name, m.weight)}
     if not modules:
         names = sorted({n.rpartition(".")[2] for n, m in hf_model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise ValueError(f"no linear layer of the model is named one of {list(spec.targets)} (its linear layers: "
@@ -113,15 +113,27 @@ def target_modules(hf_model, spec: "LoraSpec") -> dict:
 
 def check_targets(config, spec: "LoraSpec") -> None:
     """target_modules' refusal before any engine starts, on the model of transformers `config` built on
-    the meta device (no memory)."""
+    the meta device (no memory), and check_engine_takes_lora's."""
     from .shared import meta_model
 
+    check_engine_takes_lora(config)
     target_modules(meta_model(config, torch.float32), spec)
 
 
-def _in_projector(name: str) -> bool:
-    """Whether a module of a vision-language model is its projector's (no adapter slot in vLLM)."""
-    return any(part in PROJECTORS for part in name.split("."))
+def check_engine_takes_lora(config) -> None:
+    """NotImplementedError, before any engine starts, for a model whose vLLM class takes no adapter
+    (LLaVA-OneVision's): vLLM would refuse it only after loading the weights."""
+    refusal = compat.lora_refusal(config)
+    if refusal is not None:
+        raise NotImplementedError(refusal)
+
+
+def outside_language_model(hf_model):
+    """A test `(name, weight) -> bool`: whether a layer is a vision tower's (its weight is among
+    vision_tower_parameters) or a projector's (a part of its name is one), where vLLM has no adapter
+    slot; False for every layer of a text-only model."""
+    tower = {id(p) for p in vision_tower_parameters(hf_model)} if hasattr(hf_model, "config") else set()
+    return lambda name, weight: id(weight) in tower or any(part in PROJECTORS for part in name.split("."))
 
 
 def slot_bytes(hf_config, spec: LoraSpec, dtype: torch.dtype, tensor_parallel: int = 1) -> int:
@@ -492,6 +504,7 @@ def peft_lora_spec(peft_model, adapter_name: str = "default") -> LoraSpec:
         raise NotImplementedError(f"colo shares plain LoRA adapters of linear layers with vLLM's adapter slots; "
                                   f"this adapter sets {', '.join(refused)}, which colo does not support")
     layers = _peft_layers(peft_model, adapter_name)
+    check_engine_takes_lora(peft_model.get_base_model().config)
     _refuse_tower_layers(peft_model.get_base_model(), layers)
     return LoraSpec(int(c.r), float(c.lora_alpha), tuple({n.rpartition(".")[2] for n in layers}),
                     float(c.lora_dropout or 0.0))
@@ -501,8 +514,8 @@ def _refuse_tower_layers(hf_model, layers: dict) -> None:
     """NotImplementedError where a PEFT adapter adapts a vision tower's or projector's layer: vLLM's
     adapter slots are the language model's (a plain `target_modules=["q_proj"]` also matches a SigLIP
     or CLIP tower's q_proj). The message gives a `target_modules` that keeps the language model's."""
-    tower = {id(p) for p in vision_tower_parameters(hf_model)}
-    outside = [name for name, m in layers.items() if id(m.base_layer.weight) in tower or _in_projector(name)]
+    outside_lm = outside_language_model(hf_model)
+    outside = [name for name, m in layers.items() if outside_lm(name, m.base_layer.weight)]
     if not outside:
         return
     inside = [name for name in layers if name not in outside]

@@ -55,11 +55,12 @@ from .engine_access import (
     quiet_chat_warmup_without_tokenizer, release_engine, request_errors, request_guard, request_hooks, served_dtype,
     startup_memory_fraction, tensor_parallel_group, whole_prefill_options,
 )
-from .model_info import inspect_in_this_process, unserved_architectures
+from .model_info import inspect_in_this_process, lora_refusal, unserved_architectures
 from .runner_memory import sampler_buffer_bytes, uses_model_runner_v2
 from .lora_slots import (
     LORA_SLOT_RANKS, AdapterSlice, activate_adapter, adapter_slices, adapter_slot, check_shareable_lora,
-    engine_module_names, has_lora_slots, lora_engine_options, punica_wrappers, serve_adapter_by_default,
+    engine_module_names, has_lora_slots, lora_engine_options, one_adapter_fast_path, punica_wrappers,
+    serve_adapter_by_default,
 )
 
 __all__ = [
@@ -80,8 +81,9 @@ __all__ = [
     "quiet_chat_warmup_without_tokenizer", "release_engine", "request_guard", "request_hooks", "served_dtype",
     "startup_memory_fraction", "request_errors", "tensor_parallel_group", "whole_prefill_options",
     "LORA_SLOT_RANKS", "AdapterSlice", "activate_adapter", "adapter_slices", "adapter_slot", "check_shareable_lora",
-    "engine_module_names", "has_lora_slots", "lora_engine_options", "punica_wrappers", "serve_adapter_by_default",
-    "inspect_in_this_process", "unserved_architectures", "sampler_buffer_bytes", "uses_model_runner_v2",
+    "engine_module_names", "has_lora_slots", "lora_engine_options", "one_adapter_fast_path", "punica_wrappers",
+    "serve_adapter_by_default",
+    "inspect_in_this_process", "lora_refusal", "unserved_architectures", "sampler_buffer_bytes", "uses_model_runner_v2",
 ]
 
 

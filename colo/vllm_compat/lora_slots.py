@@ -59,7 +59,7 @@ def activate_adapter(llm, lora_request) -> int:
                          llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
     llm.llm_engine.add_lora(lora_request)
     llm.llm_engine.pin_lora(lora_request.lora_int_id)
-    _one_adapter_fast_path(llm)
+    one_adapter_fast_path(llm)
     return adapter_slot(llm, lora_request.lora_int_id)
 
 
@@ -78,7 +78,7 @@ def has_lora_slots(llm) -> bool:
     return bool(llm.llm_engine.vllm_config.lora_config)
 
 
-def _one_adapter_fast_path(llm) -> None:
+def one_adapter_fast_path(llm) -> None:
     """On CPU, give the engine's punica wrappers the one-adapter fast path below. vLLM's CPU wrapper
     (`PunicaWrapperCPU`, the torch ops in lora/ops/torch_ops) gathers a copy of A and B per token at
     every LoRA layer and multiplies them with einsum: at 0.36B parameters that doubled a generate
@@ -89,12 +89,17 @@ def _one_adapter_fast_path(llm) -> None:
     for wrapper in punica_wrappers(llm):
         if type(wrapper) is PunicaWrapperCPU:
             wrapper.__class__ = _one_adapter_punica_cpu()
-            wrapper.single_slot = None
+            wrapper.single_slot = wrapper.batch_slot = None
 
 
 def punica_wrappers(llm) -> list:
     """The engine's punica wrappers (one per model part; each LoRA layer holds its part's wrapper)."""
-    return list(engine_worker(llm).model_runner.lora_manager._adapter_manager.punica_wrapper_mapping.values())
+    return list(_adapter_manager(llm).punica_wrapper_mapping.values())
+
+
+def _adapter_manager(llm):
+    """vLLM's LoRA model manager of this engine (its slots, packing and punica wrappers)."""
+    return engine_worker(llm).model_runner.lora_manager._adapter_manager
 
 
 @functools.cache
@@ -111,7 +116,9 @@ def _one_adapter_punica_cpu():
             super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
             indices = self.token_lora_indices
             first = int(indices[0]) if indices.numel() else -1
-            self.single_slot = first if first >= 0 and bool((indices == first).all()) else None
+            # the batch's one slot, -1 for a batch of no adapter, None for mixed slots
+            self.batch_slot = first if bool((indices == first).all()) else None
+            self.single_slot = self.batch_slot if self.batch_slot != -1 else None
 
         def _one_slot(self, x: torch.Tensor) -> int | None:
             slot = self.single_slot
@@ -126,6 +133,22 @@ def _one_adapter_punica_cpu():
                 out = out.view(-1, out.shape[-1])
                 torch.mm(x.to(out.dtype), a[slot, 0].to(out.dtype).t(), out=out)
                 out.mul_(scale)
+
+        def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None, **kwargs):
+            # vLLM's path indexes A and B by `sampler_indices` (one per sampled token) and fails on
+            # prompt logprobs' hidden states (one per prompt token) of a model whose LM head has an
+            # adapter slot (LLaVA's, Qwen3-VL's); with one slot (or none) for the whole batch, every row
+            # takes that slot
+            slot = self.batch_slot
+            if slot is None:
+                return super().add_lora_logits(y, x, lora_a_stacked, lora_b_stacked, scale, buffer=buffer, **kwargs)
+            if slot < 0:
+                return
+            flat, x = y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1])
+            shrunk = scale * (x.float() @ lora_a_stacked[slot, 0].float().t())
+            update = shrunk.to(flat.dtype) @ lora_b_stacked[slot, 0].to(flat.dtype).t()
+            width = min(update.shape[1], flat.shape[1])   # the adapter and the model may pad the vocabulary apart
+            flat[:, :width].add_(update[:, :width])
 
         def add_expand(self, y, x, lora_b_stacked, output_slices, offset_start=0, add_inputs=True, **kwargs):
             flat = y.view(-1, y.shape[-1])
@@ -144,7 +167,7 @@ def _one_adapter_punica_cpu():
 
 def adapter_slot(llm, lora_id: int) -> int | None:
     """The slot that serves adapter `lora_id` now, or None if it is not active."""
-    slots = engine_worker(llm).model_runner.lora_manager._adapter_manager.lora_index_to_id
+    slots = _adapter_manager(llm).lora_index_to_id
     return slots.index(lora_id) if lora_id in slots else None
 
 
@@ -153,22 +176,23 @@ def adapter_slices(llm, slot: int, rank: int) -> list[AdapterSlice]:
     tensor parallelism: this rank's parts, `AdapterSlice.split`)."""
     from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
 
-    model = engine_model(llm)
-    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    # {fused layer's full name: its parts' full names}, what vLLM's LoRA manager packs an adapter's
+    # layers by (a model class's own packed_modules_mapping can be empty, Qwen2-VL's: vLLM then takes
+    # its submodules')
+    packed = _adapter_manager(llm).packed_modules
     slices = []
-    for name, module in model.named_modules():
+    for name, module in engine_model(llm).named_modules():
         if not _is_lora_wrapper(module):
             continue
         if not isinstance(module, BaseLinearLayerWithLoRA):
             continue  # an embedding's or LM head's slot (some families have one): colo leaves it at zero
         split = _tensor_parallel_split(name, module)
-        prefix, _, short = name.rpartition(".")
-        parts = packed.get(short, [short]) if module.n_slices > 1 else [short]
+        parts = packed.get(name, [name]) if module.n_slices > 1 else [name]
         if len(parts) != module.n_slices:
-            raise NotImplementedError(f"{name}: {module.n_slices} fused adapter slices but the mapping names {parts}")
+            raise NotImplementedError(f"{name}: {module.n_slices} fused adapter slices but vLLM's LoRA manager "
+                                      f"packs {parts} into it")
         for part, a, b in zip(parts, module.lora_a_stacked, module.lora_b_stacked):
-            slices.append(AdapterSlice(f"{prefix}.{part}" if prefix else part, a[slot, 0, :rank, :], b[slot, 0, :, :rank],
-                                       split))
+            slices.append(AdapterSlice(part, a[slot, 0, :rank, :], b[slot, 0, :, :rank], split))
     return slices
 
 

@@ -69,3 +69,22 @@ def unserved_architectures(config) -> str | None:
             return None
     return (f"vLLM serves none of its architectures ({', '.join(architectures)}): it implements none of them, and "
             "transformers' implementation is not one its Transformers backend can run")
+
+
+def lora_refusal(config) -> str | None:
+    """Why vLLM's engine takes no LoRA adapter for a model of transformers `config` (its model class is
+    not SupportsLoRA: vLLM refuses it once the weights are loaded), in words, or None where it takes one
+    or colo cannot tell (an architecture it does not implement is the Transformers backend's, remote
+    code is vLLM's to judge)."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_lora
+
+    architectures = list(getattr(config, "architectures", None) or ())
+    if not architectures or getattr(config, "auto_map", None):
+        return None
+    for arch in architectures:
+        model_class = ModelRegistry._try_load_model_cls(arch)
+        if model_class is None or supports_lora(model_class):
+            return None
+    return (f"vLLM's {', '.join(architectures)} takes no LoRA adapter (its model class does not support LoRA), so "
+            "colo has no adapter slot to train: train it without an adapter (full fine-tuning)")

@@ -57,9 +57,13 @@ def test_grpo_trains_qwen2_5_vl_on_mixed_rows_with_one_copy(tiny_vision_dir, tmp
     assert AutoProcessor.from_pretrained(tmp_path / "out" / "final").image_token == "<|image_pad|>"
 
 
-def test_grpo_trains_a_lora_adapter_of_qwen2_5_vls_language_model_in_the_engines_slot(tiny_vision_dir, tmp_path):
-    """vLLM names Qwen2.5-VL's language model `language_model.model.*` where transformers 5 has
-    `model.language_model.*`: the adapter's layers find their slots under vLLM's renaming."""
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_grpo_trains_a_lora_adapter_of_the_language_model_in_the_engines_slot(family, tiny_vision_dir, tmp_path):
+    """vLLM names the language model `language_model.model.*` where transformers 5 has
+    `model.language_model.*`: the adapter's layers find their slots under vLLM's renaming, and Qwen2-VL's
+    fused q/k/v slot its three parts by vLLM's LoRA manager's packing (the model's own mapping names the
+    tower's qkv only). LLaVA's LM head has an adapter slot, which vLLM's CPU path could not apply to
+    prompt logprobs."""
     import datasets
 
     from colo.grpo import GRPOConfig
@@ -67,7 +71,7 @@ def test_grpo_trains_a_lora_adapter_of_qwen2_5_vls_language_model_in_the_engines
 
     config = GRPOConfig(prompts_per_step=4, num_generations=2, max_new_tokens=8, learning_rate=1e-2, seed=0,
                         lora_rank=4)
-    scheduler = GRPOScheduler(tiny_vision_dir("qwen2_5_vl"), config=config,
+    scheduler = GRPOScheduler(tiny_vision_dir(family), config=config,
                               dataset=datasets.Dataset.from_list(mixed_rows(8)), out_dir=tmp_path / "out",
                               reward_funcs=[lambda completion_ids, **kw: [float(ids[0] % 2) if ids else 0.0
                                                                           for ids in completion_ids]])
@@ -106,4 +110,7 @@ def test_bad_image_input_is_refused_before_any_engine(family, tiny_vision_dir, m
         build([{**row, "video": "clip.mp4"} for row in mixed_rows(2)])
     with pytest.raises(ValueError, match=r"dataset row 0: prompt of \d+ tokens \(its images' tokens included\)"):
         build([mixed_rows(2)[1]], max_new_tokens=4096 - 20)
+    if family == "llava_onevision":   # vLLM's class takes no adapter (it says so after loading the weights)
+        with pytest.raises(NotImplementedError, match="LlavaOnevisionForConditionalGeneration takes no LoRA"):
+            build(mixed_rows(2), lora_rank=4)
     assert not started

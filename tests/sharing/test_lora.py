@@ -167,6 +167,41 @@ def test_the_one_adapter_fast_path_computes_what_vllms_cpu_lora_ops_compute(pref
         assert torch.equal(fallback, lora_linear(PunicaWrapperCPU, mixed)[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_one_adapter_fast_path_adds_an_lm_heads_adapter_to_prompt_logprobs_rows(dtype):
+    """vLLM's CPU LM-head LoRA indexes its slots by sampled token, so a prefill's prompt-logprobs rows
+    (one per prompt token) fail there; with one slot for the batch, every row takes that slot, as
+    vLLM computes a decode's rows; a batch of no adapter adds nothing."""
+    from vllm.lora.layers.utils import LoRAMapping
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    from colo.vllm_compat.lora_slots import _one_adapter_punica_cpu
+
+    generator = torch.Generator().manual_seed(0)
+    slot_ids, rank, hidden, vocab = [10, 20], 8, 32, 48
+    lora_a = torch.randn(2, 1, rank, hidden, generator=generator).to(dtype)
+    lora_b = torch.randn(2, 1, vocab - 2, rank, generator=generator).to(dtype)   # the adapter pads less
+    x = torch.randn(6, hidden, generator=generator).to(dtype)
+    logits_before = torch.randn(6, vocab, generator=generator).to(dtype)
+
+    def lm_head_lora(wrapper_class, token_ids, sampled_ids, rows):
+        wrapper = wrapper_class(16, 4, "cpu")
+        wrapper.update_metadata(LoRAMapping(token_ids, sampled_ids, is_prefill=True), slot_ids, 2, vocab)
+        logits = logits_before[:rows].clone()
+        wrapper.add_lora_logits(logits, x[:rows], lora_a, lora_b, 1.0)
+        return logits
+
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+    # two requests of three prompt tokens on slot 20, their prompt logprobs: six rows, two sampled tokens
+    fast = lm_head_lora(_one_adapter_punica_cpu(), (20,) * 6, (20, 20), 6)
+    with pytest.raises(RuntimeError):
+        lm_head_lora(PunicaWrapperCPU, (20,) * 6, (20, 20), 6)
+    torch.testing.assert_close(fast, lm_head_lora(PunicaWrapperCPU, (20,) * 6, (20,) * 6, 6), **tolerance)
+    assert torch.equal(fast[:, vocab - 2:], logits_before[:, vocab - 2:])
+    assert not torch.allclose(fast, logits_before)
+    assert torch.equal(lm_head_lora(_one_adapter_punica_cpu(), (0,) * 6, (0, 0), 6), logits_before)
+
+
 def test_scales_must_name_every_parameter():
     a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match="scales must name every parameter"):
