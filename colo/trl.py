@@ -440,6 +440,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             from .vllm_compat import run_as_plain_modules
 
             run_as_plain_modules(self.ref_model)
+        from .trl_vision import attend_images_as_the_engine
+
+        self.colo_causal_images = attend_images_as_the_engine(
+            self.vllm_generation.llm, [model] + ([self.ref_model] if getattr(self, "ref_model", None) else []))
         self.vllm_generation.colo_record_routes = self.colo_router_replay is not None
         self._last_loaded_step = -1  # as TRL: sync once per optimizer step, not per micro-batch
 

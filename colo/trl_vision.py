@@ -64,3 +64,28 @@ class EnginePrompts:
                     f"{len(theirs)} prompt tokens, the processor into {len(ours)}; the engine would generate "
                     "from another prompt than the one trained on. The chat template's image placeholder and "
                     "vLLM's for this model must agree (its processor files, e.g. image_seq_len, as vLLM reads them)")
+
+
+def attend_images_as_the_engine(llm, models: list) -> bool:
+    """Where the engine attends causally among an image's tokens and transformers both ways (Gemma 3 on
+    vLLM's CPU backend: colo.vllm_compat.image_attention_is_causal), every forward of `models` (the
+    policy, TRL's reference model) gets its both-ways fields (token_type_ids) as all text, so TRL trains
+    on the attention the engine sampled with, as colo.grpo does. Returns whether it did."""
+    import logging
+
+    from .grpo.images import attending_causally
+    from .vllm_compat import image_attention_is_causal
+
+    if not image_attention_is_causal(llm):
+        return False
+
+    def causal(module, args, kwargs):
+        return args, attending_causally(kwargs)
+
+    for model in models:
+        model.register_forward_pre_hook(causal, with_kwargs=True)
+    logging.getLogger("colo.trl").warning(
+        "colo.trl: this engine attends causally among an image's tokens, where transformers attends both ways "
+        "(vLLM's backend here has no bidirectional image attention); the trainer's forwards attend as the "
+        "engine does, so training is on-policy, and the saved model attends both ways again where it is served")
+    return True

@@ -101,10 +101,11 @@ BOTH_WAYS_FIELDS = ("token_type_ids",)
 
 
 def attending_causally(vision: dict) -> dict:
-    """A prompt's processor tensors for a trainer that attends among an image's tokens causally, as an
-    engine without bidirectional image attention does (vLLM's CPU backend on Gemma 3): its both-ways
-    fields all text (0)."""
-    return {k: v.new_zeros(v.shape) if k in BOTH_WAYS_FIELDS else v for k, v in vision.items()}
+    """A prompt's processor tensors (or a forward's keywords) for a trainer that attends among an image's
+    tokens causally, as an engine without bidirectional image attention does (vLLM's CPU backend on
+    Gemma 3): its both-ways fields all text (0)."""
+    return {k: v.new_zeros(v.shape) if k in BOTH_WAYS_FIELDS and isinstance(v, torch.Tensor) else v
+            for k, v in vision.items()}
 
 
 class ImagePrompts:
