@@ -8,7 +8,6 @@ engine's log-probabilities of what it sampled equal the trainer's.
 """
 from __future__ import annotations
 
-import contextlib
 import re
 
 import pytest
@@ -17,47 +16,7 @@ import torch
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl", reason="colo.trl's tests need the trl extra: pip install -e '.[cpu,test]'")
 from helpers.images import squares  # noqa: E402 - after the trl check
-
-from colo.vllm_compat.forced_kernels import forced_cpu_gemm  # noqa: E402
-
-
-def run(side: str, model_dir, tmp_path):
-    """Two TRL steps on 16 image rows; what the reward function saw and the trainer."""
-    import datasets
-
-    trainer_class = trl.GRPOTrainer
-    if side == "colo":
-        from colo.trl import GRPOTrainer as trainer_class
-    rows = [{"prompt": [{"role": "user", "content": "How many squares?"}], "image": squares(i % 4 + 1)}
-            for i in range(16)]
-    seen = []
-
-    def first_token_parity(prompts, completion_ids, image, **kwargs):
-        seen.extend(i.tobytes() for i in image)
-        return [float(ids[0] % 2) if ids else 0.0 for ids in completion_ids]
-
-    args = trl.GRPOConfig(output_dir=str(tmp_path / side), per_device_train_batch_size=4, num_generations=4,
-                          max_completion_length=8, max_steps=2, logging_steps=1, report_to="none", learning_rate=1e-2,
-                          vllm_max_model_length=128, save_strategy="no", use_cpu=True, bf16=False, seed=0,
-                          use_vllm=True, vllm_mode="colocate")
-    # Stock vLLM packs fp32 linears into oneDNN's layout where its build takes them (AVX-512 CPUs), and then
-    # stock TRL's weight sync has nowhere to load into: stock TRL runs on the F.linear variant there.
-    with forced_cpu_gemm("plain") if side == "stock" else contextlib.nullcontext():
-        trainer = trainer_class(model=str(model_dir), reward_funcs=first_token_parity,
-                                train_dataset=datasets.Dataset.from_list(rows), args=args)
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    if side == "colo":
-        from colo.vllm_compat import engine_model
-
-        engine = engine_model(trainer.vllm_generation.llm)
-        real_load_weights = engine.load_weights
-        trainer.colo_test_loads = []
-        engine.load_weights = lambda *a, **k: trainer.colo_test_loads.append(1) or real_load_weights(*a, **k)
-    trainer.train()
-    history = [h for h in trainer.state.log_history if "reward" in h]
-    changed = {name for name, p in model.named_parameters() if not torch.equal(before[name], p)}
-    return trainer, history, seen, changed
+from helpers.trl_vision_runs import image_digests, run, stock_in_own_process  # noqa: E402
 
 
 @pytest.fixture
@@ -79,11 +38,17 @@ def stock_trl_in_this_process(monkeypatch):
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-@pytest.mark.usefixtures("stock_trl_in_this_process")
-def test_trls_vision_language_path_runs_on_colos_engine_with_one_copy(idefics3_dir, tmp_path):
-    stock, stock_history, stock_seen, _ = run("stock", idefics3_dir, tmp_path)
-    del stock
-    trainer, history, seen, changed = run("colo", idefics3_dir, tmp_path)
+# Each family's vision tower and projector, by a part of their parameters' names.
+TOWER_AND_PROJECTOR = {"idefics3": (".vision_model.", ".connector."), "qwen2_5_vl": (".visual.blocks.", ".visual.merger.")}
+
+
+@pytest.mark.parametrize("family", ["idefics3", "qwen2_5_vl"])
+def test_trls_vision_language_path_runs_on_colos_engine_with_one_copy(family, idefics3_dir, tiny_vision_dir,
+                                                                      tmp_path):
+    model_dir = idefics3_dir if family == "idefics3" else tiny_vision_dir(family)
+    stock_history, stock_seen = stock_in_own_process(model_dir, tmp_path)
+    trainer, history, seen, changed = run("colo", model_dir, tmp_path)
+    seen = image_digests(seen)
 
     # The same rows, images and metrics reach TRL's reward function and logs on both.
     assert seen == stock_seen and len(seen) == 8
@@ -99,8 +64,13 @@ def test_trls_vision_language_path_runs_on_colos_engine_with_one_copy(idefics3_d
     assert len(reports) == 2 and all(r["bytes_copied"] == 0 for r in reports) and reports[1]["reshared_bytes"] == 0
     assert trainer.colo_test_loads == []
     # The engine generated from the prompt the trainer trains on, under the weights step 1 published.
+    # (stock TRL's engine expands the images of its token prompts again: 0.14 and 0.05 measured on the
+    # tiny Qwen2.5-VL, shown here, not asserted)
+    print(f"{family}: sampling_logp_difference/max stock TRL",
+          [h["sampling/sampling_logp_difference/max"] for h in stock_history],
+          "colo.trl", [h["sampling/sampling_logp_difference/max"] for h in history])
     assert max(h["sampling/sampling_logp_difference/max"] for h in history) < 1e-4
-    assert any(".vision_model." in name for name in changed) and any(".connector." in name for name in changed)
+    assert all(any(part in name for name in changed) for part in TOWER_AND_PROJECTOR[family])
 
 
 def test_an_engine_prompt_other_than_the_trainers_is_refused():
