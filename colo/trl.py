@@ -201,11 +201,12 @@ class ColoVLLMGeneration(_VLLMGeneration):
             memory_fraction=self.gpu_memory_utilization, device_bytes=device_memory_bytes(pool.device),
             weight_bytes=sum(p.numel() for p in model.parameters()) * dtype.itemsize // self.tensor_parallel_size)
         if held < sequences:
-            logger.warning("colo.trl: the KV cache holds %d of the %d sequences of a generation at %d tokens "
-                           "(vllm_gpu_memory_utilization=%s of this device's memory, less the weights); vLLM "
-                           "runs the rest when those end. Set vllm_max_model_length to the longest prompt plus "
-                           "max_completion_length to hold them all", held, sequences, max_model_len,
-                           self.gpu_memory_utilization)
+            # vLLM gives a sequence blocks as it grows, so shorter sequences than the full length share it
+            # and run together; only sequences that outgrow it are preempted (recomputed later)
+            logger.info("colo.trl: the KV cache holds %d of the %d sequences of a generation at their full %d "
+                        "tokens (vllm_gpu_memory_utilization=%s of this device's memory, less the weights); shorter "
+                        "ones share it. vllm_max_model_length (the longest prompt plus max_completion_length) sizes "
+                        "it for the whole batch", held, sequences, max_model_len, self.gpu_memory_utilization)
         self.llm = build_llm(
             model.name_or_path, pool, dtype=dtype, kv_cache_bytes=kv_cache_bytes, block_size=block,
             tensor_parallel_size=self.tensor_parallel_size, max_model_len=max_model_len,
