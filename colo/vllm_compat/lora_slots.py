@@ -89,7 +89,7 @@ def one_adapter_fast_path(llm) -> None:
     for wrapper in punica_wrappers(llm):
         if type(wrapper) is PunicaWrapperCPU:
             wrapper.__class__ = _one_adapter_punica_cpu()
-            wrapper.single_slot = wrapper.batch_slot = None
+            wrapper.batch_slot = None
 
 
 def punica_wrappers(llm) -> list:
@@ -118,7 +118,11 @@ def _one_adapter_punica_cpu():
             first = int(indices[0]) if indices.numel() else -1
             # the batch's one slot, -1 for a batch of no adapter, None for mixed slots
             self.batch_slot = first if bool((indices == first).all()) else None
-            self.single_slot = self.batch_slot if self.batch_slot != -1 else None
+
+        @property
+        def single_slot(self) -> int | None:
+            """The slot every token of the batch uses, None where they use several or none."""
+            return self.batch_slot if self.batch_slot != -1 else None
 
         def _one_slot(self, x: torch.Tensor) -> int | None:
             slot = self.single_slot
