@@ -22,6 +22,9 @@ What changes (everything else is TRL's: rewards, datasets, logging, callbacks, c
 - TRL's optimizer skips a step whose gradients hold an inf or a NaN (colo.clipping.NonFiniteStepGuard),
   since the weights it steps are the ones the engine serves; TRL's metrics get `colo/skipped_steps`,
   the count so far;
+- where TRL's steps are aligned (its default), its vLLM importance-sampling ratio and `sampling/*`
+  metrics come from the training forward's log-probabilities, not from a no-grad pass of their own
+  (colo.trl_importance): one log-probability pass a step instead of two;
 - the KV cache sleeps (memory released) from the end of each generation until the next one; a
   request that reaches the engine outside TRL's generation (a user's `llm.generate`, an eval
   callback) wakes it, and it sleeps again when TRL next computes a loss;
@@ -69,6 +72,7 @@ import torch
 
 from .clipping import refuse_non_finite_steps
 from .share_check import EngineMismatch
+from .trl_importance import DEFERRED_KEYS, SamplingMetrics, importance_ratio, steps_are_aligned, token_mask
 from .trl_vision import EnginePrompts, unexpanded_prompt_ids
 
 TESTED_TRL_VERSION = "1.16.0"
@@ -387,15 +391,21 @@ class GRPOTrainer(trl.GRPOTrainer):
     TRL's log-probability passes route each token to the experts the engine routed it to, as
     colo.grpo's --routing-replay; TRL's metrics get `colo/router_mismatch`) and colo_share_check
     (False: the engine's and the trainer's log-probabilities are not compared at share time,
-    colo.share_check).
+    colo.share_check) and colo_one_logprob_pass (False: TRL's no-grad log-probability pass for its vLLM
+    importance-sampling ratio runs even where its steps are aligned; by default the ratio comes from
+    the training forward there, colo.trl_importance).
     """
 
     def __init__(self, *args, colo_pool=None, colo_engine_dtype=None, colo_engine_options=None,
-                 colo_routing_replay: bool = False, colo_share_check: bool = True, **kwargs):
+                 colo_routing_replay: bool = False, colo_share_check: bool = True, colo_one_logprob_pass: bool = True,
+                 **kwargs):
         config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
         if config is None or not config.use_vllm or config.vllm_mode != "colocate":
             raise ValueError("colo.trl.GRPOTrainer is TRL's colocate mode: pass args=trl.GRPOConfig(use_vllm=True, "
                              "vllm_mode='colocate', ...)")
+        self.colo_one_logprob_pass = colo_one_logprob_pass
+        self._colo_ratio_inputs = None  # the batch whose importance-sampling ratio its training forward gives
+        self._colo_sampling_metrics = SamplingMetrics()
         self.colo_fp32_masters = None  # colo.optimizer_masters.FP32Masters, once TRL's optimizer exists
         self.colo_step_guard = None    # colo.clipping.NonFiniteStepGuard on TRL's optimizer (skipped_steps)
         # TRL builds its own engine in __init__ when use_vllm is set; build colo's instead, after it.
@@ -518,11 +528,21 @@ class GRPOTrainer(trl.GRPOTrainer):
         return RouterReplay.attach(model)
 
     def _generate_and_score_completions(self, inputs):
+        self._colo_log_sampling_metrics()  # the batch trained before this one
         self._colo_generating = self.colo_router_replay is not None
+        # Aligned steps: TRL's no-grad pass would compute the training forward's log-probabilities
+        # again; the ratio comes from that forward instead (colo.trl_importance). TRL reads the flag
+        # below only to decide on that pass, its ratio and their metrics.
+        one_pass = (self.colo_one_logprob_pass and self.vllm_importance_sampling_correction
+                    and steps_are_aligned(self.args, self.num_iterations))
+        if one_pass:
+            self.vllm_importance_sampling_correction = False
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._colo_generating = False
+            if one_pass:
+                self.vllm_importance_sampling_correction = True
         if self.colo_router_replay is not None:   # carried with the rows through TRL's split and shuffle
             output["colo_routes"] = _aligned_routes(self.vllm_generation.colo_routes, output["prompt_mask"],
                                                     output["completion_ids"].shape[1])
@@ -550,7 +570,33 @@ class GRPOTrainer(trl.GRPOTrainer):
         # TRL trains now: a KV cache woken outside TRL's generate (a user's llm.generate, an eval
         # callback: colo's engine wakes it on demand) is released again for the training memory.
         self.vllm_generation.sleep_kv_cache()
-        return super().compute_loss(model, inputs, *args, **kwargs)
+        if self.vllm_importance_sampling_correction and not any(key in inputs for key in DEFERRED_KEYS):
+            self._colo_ratio_inputs = inputs  # its ratio, from the forward TRL's loss runs first
+        try:
+            return super().compute_loss(model, inputs, *args, **kwargs)
+        finally:
+            self._colo_ratio_inputs = None
+
+    def _colo_fill_importance_ratio(self, per_token_logps) -> None:
+        """TRL's vLLM importance-sampling ratio of the batch being trained, from its training forward."""
+        inputs, self._colo_ratio_inputs = self._colo_ratio_inputs, None
+        mask, mode = token_mask(inputs), self.vllm_importance_sampling_mode
+        trainer_logps, sampling_logps = per_token_logps.detach(), inputs["sampling_per_token_logps"]
+        ratio = importance_ratio(trainer_logps, sampling_logps, mask, mode,
+                                 self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max)
+        inputs["importance_sampling_ratio"] = ratio
+        self._colo_sampling_metrics.add("train" if self.model.training else "eval", trainer_logps, sampling_logps,
+                                        mask, ratio, mode)
+
+    def _colo_log_sampling_metrics(self) -> None:
+        gather = lambda t: self.accelerator.gather(t.to(self.accelerator.device))  # noqa: E731
+        for mode, values in self._colo_sampling_metrics.flush(gather).items():
+            for name, value in values.items():
+                self._metrics[mode][name].append(value)
+
+    def log(self, logs, start_time=None):
+        self._colo_log_sampling_metrics()  # every micro-batch of the step has trained
+        return super().log(logs, start_time)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            **kwargs):
@@ -561,8 +607,16 @@ class GRPOTrainer(trl.GRPOTrainer):
             prompt_mask = attention_mask[:, :input_ids.shape[1] - logits_to_keep]
             routes = _aligned_routes(self.vllm_generation.colo_routes, prompt_mask, logits_to_keep).to(input_ids.device)
         if routes is None or self.colo_router_replay is None:
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                              batch_size, **kwargs)
+            result = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                                batch_size, **kwargs)
+        else:
+            result = self._colo_logps_on_routes(routes, model, input_ids, attention_mask, logits_to_keep,
+                                                batch_size, **kwargs)
+        if getattr(self, "_colo_ratio_inputs", None) is not None:
+            self._colo_fill_importance_ratio(result[0])
+        return result
+
+    def _colo_logps_on_routes(self, routes, model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs):
         if any(value is not None for value in kwargs.values() if not isinstance(value, bool)):
             raise NotImplementedError("colo_routing_replay with images in the batch")
         size = batch_size or input_ids.shape[0]

@@ -122,6 +122,64 @@ def test_a_model_given_new_storage_is_shared_again_at_the_next_sync(tmp_path, tr
     assert_engine_serves_the_trained_model(trainer, trl_model_dir, "float32", 1e-4, prompt_logprobs)
 
 
+def test_trls_importance_sampling_ratio_comes_from_the_training_forward_without_its_own_pass(tmp_path, trl_model_dir):
+    """TRL runs a no-grad log-probability pass over each generation for its vLLM importance-sampling
+    ratio; where its steps are aligned colo.trl takes the ratio from the training forward instead.
+    Against TRL's own pass on the same rows and weights, in TRL's default mode and a token mode: the
+    same ratio, loss and `sampling/*` metrics. The engine's log-probabilities reach TRL shifted by a
+    seeded noise, so that ratios spread and clip bounds act. fp32 is the subject: the two forwards
+    agree to ~1e-7 there, so what is compared is TRL's formula."""
+    from colo.trl import GRPOTrainer
+    from colo.trl_importance import DEFERRED_KEYS, steps_are_aligned
+
+    trainer = GRPOTrainer(model=str(trl_model_dir), reward_funcs=even_digits, train_dataset=dataset(),
+                          args=trl_config(tmp_path, "float32", max_steps=1))
+    assert trainer.vllm_importance_sampling_correction and steps_are_aligned(trainer.args, trainer.num_iterations)
+    assert not steps_are_aligned(trainer.args, 2)  # num_iterations=2: TRL's pass runs, as TRL wrote it
+    no_grad_passes = []
+    real_pass, real_generate = trainer._get_per_token_logps_and_entropies, trainer.vllm_generation.generate
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (  # spies, for this test
+        no_grad_passes.append(1) if not torch.is_grad_enabled() else None) or real_pass(*a, **k)
+    noise = torch.Generator().manual_seed(0)
+
+    def generate_with_shifted_logprobs(*args, **kwargs):
+        prompt_ids, completion_ids, logprobs, token_ids = real_generate(*args, **kwargs)
+        shifted = [[[lp[0] + 0.6 * torch.randn((), generator=noise).item(), *lp[1:]] for lp in seq] for seq in logprobs]
+        return prompt_ids, completion_ids, shifted, token_ids
+
+    trainer.vllm_generation.generate = generate_with_shifted_logprobs
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # what the Trainer's loop sets
+    rows = [dataset()[i // 4] for i in range(8)]     # 2 prompts x num_generations
+    assert not set(DEFERRED_KEYS) & set(trainer._generate_and_score_completions(rows)) and no_grad_passes == []
+    metrics = trainer._metrics["train"]
+    assert not [n for n in metrics if n.startswith("sampling/")]  # given once its micro-batches have trained
+
+    # TRL's default mode (a row past the bound: 0), then a token mode (a token past it: the bound)
+    for mode, bound in [("sequence_mask", 0.0), ("token_truncate", trainer.vllm_importance_sampling_clip_max)]:
+        trainer.vllm_importance_sampling_mode = mode
+        trainer.colo_one_logprob_pass = False
+        theirs = trainer._generate_and_score_completions(rows)  # TRL's pass, its ratio and metrics
+        trainer.colo_one_logprob_pass = True
+        assert set(DEFERRED_KEYS) <= set(theirs) and len(no_grad_passes) == 1
+        no_grad_passes.clear()
+        names = [n for n in metrics if n.startswith("sampling/")]
+        trl_metrics = {n: metrics[n][-1] for n in names}
+        ours = {key: value for key, value in theirs.items() if key not in DEFERRED_KEYS}
+        loss_ours = trainer.compute_loss(trainer.model, ours)
+        loss_theirs = trainer.compute_loss(trainer.model, theirs)
+
+        ratio = theirs["importance_sampling_ratio"]
+        kept = ratio[ratio > 0]
+        assert kept.std() > 0.1 and (ratio == bound).any(), "the noise no longer spreads the ratios to the clip bound"
+        torch.testing.assert_close(ours["importance_sampling_ratio"], ratio, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(loss_ours, loss_theirs, atol=1e-6, rtol=1e-5)
+        trainer._colo_log_sampling_metrics()
+        assert len(names) == 5 and trl_metrics["sampling/sampling_logp_difference/mean"] > 0.1
+        for name in names:
+            assert metrics[name][-1] == pytest.approx(trl_metrics[name], rel=1e-5, abs=1e-6), (mode, name)
+
+
 def test_unsupported_setups_are_refused_with_what_is_supported(tmp_path, trl_model_dir, monkeypatch):
     from colo.trl import GRPOTrainer
 
