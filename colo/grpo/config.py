@@ -22,6 +22,7 @@ DTYPES = ("bf16", "fp32")
 # TRL's loss types (colo.grpo.loss: the per-token objective and how token losses are averaged).
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo", "cispo", "sapo", "vespo")
 SCALES = ("group", "batch", "none")           # what advantages are divided by (colo.grpo.loss)
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")   # verl's names (colo.grpo.advantages)
 OVERLAP_MODES = ("auto", "on", "off")         # training during generation (colo.grpo.overlap)
 # Importance sampling against the engine's log-probabilities (colo.grpo.loss; TRL's modes).
 IMPORTANCE_SAMPLING = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -144,6 +145,14 @@ class GRPOConfig:
     use_bias_correction_kl: bool = setting(True, "the KL term without the ratio", group="loss",
                                            action="store_false", flag="--no-bias-correction-kl",
                                            trl="use_bias_correction_kl", default_text="the correction on")
+    advantage_estimator: str = setting(
+        "grpo", "how a completion's reward becomes its advantage (verl's adv_estimator names): grpo (the group's "
+        "mean taken off, --scale-rewards), rloo (the mean of its scorable siblings taken off, TRL's RLOOTrainer; "
+        "--normalize-advantages) or reinforce_plus_plus (REINFORCE++: the rewards whitened over every model token "
+        "of the batch, verl's; the KL stays in the loss, --beta)", group="loss", choices=ADVANTAGE_ESTIMATORS)
+    normalize_advantages: bool = setting(
+        False, "rloo: the advantages normalized over the whole batch, every rank's (TRL's RLOOConfig "
+        "normalize_advantages)", group="loss", action="store_true")
     # Advantages divided by the std of the group ("group", or True), of the whole batch ("batch"), or
     # not at all ("none", or False: Dr. GRPO).
     scale_rewards: str = setting("group", "divide advantages by the group's std, the batch's, or not at all "
@@ -400,6 +409,7 @@ class GRPOConfig:
         if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
             raise ValueError("multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum', got "
                              f"{self.multi_objective_aggregation!r}")
+        self._check_advantage_estimator()
         if self.multi_objective_aggregation == "normalize_then_sum" and self.overlap == "on":
             raise ValueError("multi_objective_aggregation='normalize_then_sum' normalizes over the whole batch: "
                              "it needs serial steps (overlap='auto' or 'off')")
@@ -483,6 +493,24 @@ class GRPOConfig:
             raise ValueError(f"importance_sampling_min ({low}) must be below importance_sampling_max ({high})")
         if self.dtype not in (None, *DTYPES):
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or None (the fastest here), got {self.dtype!r}")
+
+    def _check_advantage_estimator(self) -> None:
+        """Each estimator's own normalization: --scale-rewards and GDPO's aggregation are GRPO's,
+        --normalize-advantages RLOO's; REINFORCE++ always whitens over the batch."""
+        estimator = self.advantage_estimator
+        if estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage_estimator must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, got {estimator!r}")
+        if estimator != "grpo" and self.scale_rewards != "group":
+            raise ValueError(f"scale_rewards={self.scale_rewards!r} is GRPO's normalization; advantage_estimator="
+                             f"{estimator!r} has its own (rloo: normalize_advantages; reinforce_plus_plus: always "
+                             "whitened over the batch)")
+        if estimator != "grpo" and self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError(f"multi_objective_aggregation={self.multi_objective_aggregation!r} (GDPO) normalizes "
+                             f"GRPO's way; with advantage_estimator={estimator!r} the weighted sum of the rewards is used")
+        if self.normalize_advantages and estimator != "rloo":
+            raise ValueError(f"normalize_advantages is RLOO's (advantage_estimator='rloo'); with {estimator!r} "
+                             + ("scale_rewards normalizes" if estimator == "grpo" else "the advantages are whitened "
+                                "over the batch already"))
 
     def _refuse_non_finite_numbers(self) -> None:
         """NaN or inf in any numeric setting is refused naming it: the comparisons below pass NaN (a NaN

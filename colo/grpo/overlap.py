@@ -34,7 +34,8 @@ import torch
 
 from ..dtype_choice import fastest_dtype
 from .batch import rollout_of
-from .loss import batch_total, group_advantages
+from .advantages import advantages_of, needs_the_whole_batch
+from .loss import batch_total
 from .backward import MICRO_BATCH_POSITIONS, merge_stats
 
 
@@ -83,10 +84,9 @@ def serial_reason(config, *, device_type: str, groups: int, stop_tokens: bool = 
     if config.tensor_parallel > 1:
         return ("tensor parallelism: the trainer's collectives would interleave with the engine's on the same "
                 "ranks")
-    if config.multi_objective_aggregation == "normalize_then_sum":
-        return "multi_objective_aggregation='normalize_then_sum': every advantage needs the whole batch's rewards"
-    if config.scale_rewards == "batch":
-        return "scale_rewards='batch': every advantage needs the std of the whole batch's rewards"
+    whole_batch = needs_the_whole_batch(config)
+    if whole_batch:
+        return whole_batch
     if groups < 2:
         return "one prompt per rank: its group is the last to finish, so nothing could train early"
     return None
@@ -345,7 +345,7 @@ def start_overlapped_step(task, step: int, config, dp_size: int, backward: Calla
     def score(rows, prompts, completions):
         group = rollout_of(rows, prompts, completions, n)
         scores = task.score(step, group.rows, group.prompts, group.completions, **group.reward_inputs())
-        return scores, (group, group_advantages(scores.total, n, scale=config.scale_rewards, allow_unscorable=True))
+        return scores, (group, advantages_of(scores, config, None))  # one group's (needs_the_whole_batch: None)
 
     def train(i, work):
         group, advantages = work

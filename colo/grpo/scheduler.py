@@ -419,7 +419,7 @@ class GRPOScheduler:
     def _completion_samples(self, step: int, rollout: Rollout, scores) -> list[dict]:
         """The step's first num_completions_to_print completions with their rewards and the advantages the
         step trained with (the strategy's: a collective with scale_rewards='batch', on every rank alike)."""
-        advantages = self.strategy.advantages(scores)
+        advantages = self.strategy.advantages(scores, rollout)
         return completion_samples(self.task, step, rollout, scores, advantages, self.config.num_completions_to_print)
 
     def _train(self, rollout: Rollout, scores, generated):
@@ -438,7 +438,7 @@ class GRPOScheduler:
         old_per_token_logps), each slice's loss over its own tokens; the engine is published to once, after
         the last. Returns the first step's (trained, grad norm, skipped) and the last's record fields."""
         cfg = self.config
-        advantages = self.strategy.advantages(scores)
+        advantages = self.strategy.advantages(scores, rollout)
         rollout.old_logprobs = self.trainer.old_logprobs(rollout)
         groups = len(rollout.rows) // cfg.num_generations
         cuts = [round(k * groups / cfg.steps_per_generation) * cfg.num_generations

@@ -25,8 +25,7 @@ import torch
 
 from . import distributed, dynamic_sampling
 from .batch import concatenated_scores, loss_tokens
-from .loss import batch_advantages, group_advantages, normalized_sum
-from .metrics import scored_mean_std
+from .advantages import advantages_of
 from .overlap import GroupFailed, OverlappedStep, finish_overlap, memory_refusal, start_overlapped_step
 from .rollout_engine import GenerationTrace
 
@@ -103,23 +102,16 @@ class SerialSteps:
             generate=generate,
             score=lambda more: SerialSteps.score(self, step, more, None)[0])
 
-    def advantages(self, scores) -> torch.Tensor:
-        """Each completion's advantage (a collective with scale_rewards='batch' or normalize_then_sum)."""
-        cfg = self.config
-        if cfg.multi_objective_aggregation == "normalize_then_sum":  # TRL's GDPO aggregation
-            sums = normalized_sum(scores.per_function, scores.weights, cfg.num_generations)
-            return batch_advantages(sums, *scored_mean_std(sums, self.world))
-        # scale_rewards="batch": the std of every rank's rewards
-        batch_std = scored_mean_std(scores.total, self.world)[1] if cfg.scale_rewards == "batch" else None
-        return group_advantages(scores.total, cfg.num_generations, scale=cfg.scale_rewards,
-                                allow_unscorable=True, batch_std=batch_std)
+    def advantages(self, scores, rollout) -> torch.Tensor:
+        """Each completion's advantage (colo.grpo.advantages; a collective where it needs the batch's statistics)."""
+        return advantages_of(scores, self.config, self.world, rollout.model_tokens())
 
     def train(self, rollout, scores, generated: Generated, advantages: torch.Tensor | None = None) -> Trained:
         """Forward, loss and backward over `rollout` (advantages: given, e.g. a slice of a larger
         rollout's, or computed from `scores`)."""
         global_tokens, global_sequences = self._batch_totals(rollout)
         if advantages is None:
-            advantages = self.advantages(scores)
+            advantages = self.advantages(scores, rollout)
         return Trained(self.trainer.backward(rollout, advantages, global_tokens=global_tokens,
                                              global_sequences=global_sequences))
 
