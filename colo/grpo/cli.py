@@ -32,12 +32,6 @@ from .checkpoint import CheckpointError, checkpoint_to_resume, list_checkpoints
 from .config import GRPOConfig, check_model_dir
 from .settings import GROUPS, add_flags, as_flags, positive_int, preset_values, values_from_flags
 
-# GRPOConfig fields no flag sets, and why (tests/grpo/test_grpo_loss_variants.py checks every other has one).
-LIBRARY_ONLY = {"ignore_eos": "the toy preset's (its completions run to max_new_tokens)",
-                "max_steps": "set from --steps (x --steps-per-generation x --num-iterations)",
-                "memory_phases": "a switch for comparisons (the bench's), always on in a run"}
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, its usage errors written to `logs`' terminal streams once the run's output goes to
     its log file (run_cli: the settings are checked after that, vLLM's registry among them)."""

@@ -213,8 +213,9 @@ class GRPOConfig:
     max_skipped_steps: int = setting(
         3, "a step whose gradient norm is inf or NaN skips its update (counted in the step record); N such steps "
         "in a row stop the run, the last checkpoint intact", group="optimizer", type=positive_int, metavar="N")
-    # The schedule's length in optimizer steps (colo.grpo's CLI sets it from --steps).
-    max_steps: int | None = None
+    max_steps: int | None = setting(
+        None, "the schedule's length in optimizer steps (the command line sets it from --steps x "
+        "--steps-per-generation x --num-iterations)", group="optimizer", cli=False)
     # -- memory, precision, parallelism -----------------------------------------------------------------
     # None: on a GPU, where activations bound the completion length, off on a CPU (checkpointing_on).
     gradient_checkpointing: bool | None = setting(
@@ -227,7 +228,9 @@ class GRPOConfig:
         None, "sequences per forward and backward (their gradients add up to the step's): bounds the activations' "
         "memory", group="memory", type=positive_int, metavar="N",
         default_text="rows of similar length together, 4096 positions at most")
-    memory_phases: bool = True         # KV cache asleep while training, gradients asleep while generating
+    memory_phases: bool = setting(
+        True, "the KV cache asleep while training, the gradients asleep while generating: a switch for "
+        "comparisons (the bench's), always on in a run", group="memory", cli=False)
     # Train each prompt's group while the engine decodes the others' (colo.grpo.overlap). Exactly
     # on-policy either way.
     overlap: str = setting("auto", "train each prompt's group while the engine still decodes the others, exactly "

@@ -395,17 +395,20 @@ def test_vespo_takes_the_importance_sampling_weights_into_its_gamma_weights():
 
 
 def test_every_setting_is_defined_once_with_its_flag_and_its_line_in_the_docs():
-    """A GRPOConfig field is a setting with its flag (colo.grpo.settings), unless LIBRARY_ONLY says why not;
-    docs/grpo.md's table is the one the settings make; every other flag has its line there."""
+    """Every GRPOConfig field is a setting (colo.grpo.settings) with its flag, or with cli=False and a help
+    saying why no flag sets it; docs/grpo.md's table is the one the settings make; every other flag has
+    its line there."""
     import dataclasses
     from pathlib import Path
 
-    from colo.grpo.cli import LIBRARY_ONLY, build_parser
-    from colo.grpo.settings import flagged
+    from colo.grpo.cli import build_parser
+    from colo.grpo.settings import flagged, settings
     from colo.grpo.settings_docs import TABLE_BEGIN, TABLE_END, docs_table
 
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
-    assert fields - set(flagged(GRPOConfig)) == set(LIBRARY_ONLY)
+    library_only = {name: about for name, about in settings(GRPOConfig).items() if not about.cli}
+    assert fields == set(settings(GRPOConfig)) and fields - set(flagged(GRPOConfig)) == set(library_only)
+    assert all(about.help for about in library_only.values()) and "memory_phases" in library_only
     docs = (Path(__file__).parents[2] / "docs" / "grpo.md").read_text()
     table = docs[docs.index(TABLE_BEGIN) + len(TABLE_BEGIN):docs.index(TABLE_END)].strip()
     assert table == docs_table(GRPOConfig).strip(), "docs/grpo.md: run python -m colo.grpo.settings_docs --write"
