@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import torch
+from trl.trainer.utils import nanmax, nanmin
 
 DEFERRED_KEYS = ("old_per_token_logps", "importance_sampling_ratio")  # what TRL's pass would have put in a batch
 
@@ -89,14 +90,10 @@ class SamplingMetrics:
             out[mode] = {
                 "sampling/sampling_logp_difference/mean": ranks[:, 0].mean().item(),
                 "sampling/sampling_logp_difference/max": ranks[:, 1].max().item(),
-                "sampling/importance_sampling_ratio/min": _nan_reduce(ranks[:, 3], torch.min),
+                "sampling/importance_sampling_ratio/min": nanmin(ranks[:, 3]).item(),
                 "sampling/importance_sampling_ratio/mean": ranks[:, 2].nanmean().item(),
-                "sampling/importance_sampling_ratio/max": _nan_reduce(ranks[:, 4], torch.max),
+                "sampling/importance_sampling_ratio/max": nanmax(ranks[:, 4]).item(),
             }
         self.pending.clear()
         return out
 
-
-def _nan_reduce(values: torch.Tensor, reduce) -> float:
-    kept = values[~torch.isnan(values)]
-    return float("nan") if kept.numel() == 0 else reduce(kept).item()
