@@ -177,8 +177,12 @@ def sleep_kv_cache(llm) -> None:
 
 
 def wake_kv_cache(llm) -> None:
-    """Bring the KV cache memory back at the same addresses and drop the prefixes it no longer holds."""
-    kv_cache_region(llm).wake()
+    """Bring the KV cache memory back at the same addresses and drop the prefixes it no longer holds.
+
+    Not faulted in ahead: the engine writes only the blocks it hands out, often a small part of a
+    cache sized for full-length sequences, and faulting in the rest would take the cores from the
+    generation itself (on a CPU, a worker thread zeroing gigabytes beside vLLM's threads)."""
+    kv_cache_region(llm).wake(fault_in=False)
     reset_prefix_cache(llm)
 
 

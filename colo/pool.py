@@ -251,14 +251,19 @@ class Region:
             raise TypeError(f"Region.sleep: offload must be True or False, not {offload!r}")
         self._native.sleep(offload)
 
-    def wake(self) -> None:
-        """Map fresh physical memory at the same addresses and restore offloaded bytes. The memory is
-        faulted in on the region's own copy stream, asynchronously, so first touches after wake are cheap.
+    def wake(self, fault_in: bool = True) -> None:
+        """Map fresh physical memory at the same addresses and restore offloaded bytes. With fault_in,
+        the memory is faulted in on the region's own copy stream, asynchronously, so first touches after
+        wake are cheap; without it (for memory of which the caller uses a small part, such as a KV cache
+        sized for full-length sequences), host pages come in where they are first touched, and no thread
+        spends the cores on the rest. (CUDA maps physical memory at wake either way.)
 
         Raises OutOfMemoryError, and stays asleep, when this region's budget does not fit in the
         pool's capacity beside the regions awake now (asleep regions lend their budgets to others),
         or, on CUDA, in what the driver reports free (after torch's cached blocks are given back).
         """
+        if not isinstance(fault_in, bool):
+            raise TypeError(f"Region.wake: fault_in must be True or False, not {fault_in!r}")
         with self.pool._lock:
             if not self.asleep:
                 return
@@ -273,7 +278,7 @@ class Region:
                     f"the awake regions ({self.pool._describe_awake(exclude=self)}), which leave {left} of the "
                     f"pool's {self.pool.capacity} bytes; put one of them to sleep first")
             self._check_device_has_room()
-            self._native.wake()
+            self._native.wake(fault_in)
 
     def trim(self) -> None:
         """Release committed memory that holds no live allocation."""

@@ -122,7 +122,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("bits") = static_cast<uint8_t>(8), py::arg("stream") = py::none())
       .def("contains", [](const Region& r, uintptr_t ptr) { return r.contains(reinterpret_cast<void*>(ptr)); })
       .def("sleep", &Region::sleep, py::arg("offload") = false, py::call_guard<py::gil_scoped_release>())
-      .def("wake", &Region::wake, py::call_guard<py::gil_scoped_release>())
+      .def("wake", &Region::wake, py::arg("fault_in") = true, py::call_guard<py::gil_scoped_release>())
       .def("trim", &Region::trim, py::call_guard<py::gil_scoped_release>())
       .def("set_budget", &Region::set_budget, py::arg("bytes"))
       .def("stats", [](const Region& r) { return stats_dict(r.stats()); });

@@ -369,7 +369,7 @@ void Region::unpark_live_chunks() {
   }
 }
 
-void Region::wake() {
+void Region::wake(bool fault_in) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!asleep_) return;
   auto start = std::chrono::steady_clock::now();
@@ -382,7 +382,7 @@ void Region::wake() {
   // Populated a huge page at a time before anything copies back into it: a copy that faults the
   // pages in itself waits on the kernel's huge-page compaction as it goes. The copy back is queued
   // after the populate on the same copy stream.
-  prefault(runs);
+  if (fault_in) prefault(runs);
   if (offload_bytes_ > 0) restore_offloaded();
   asleep_ = false;
   last_wake_s_ = seconds_since(start);

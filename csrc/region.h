@@ -67,9 +67,10 @@ class Region : public std::enable_shared_from_this<Region> {
   // Host backends, or an asleep region (nothing runs on released memory): the same as free().
   void free_after(void* ptr, uintptr_t stream);
   void sleep(bool offload);
-  // Commits only the chunks that hold live allocations, and faults them in on the copy stream
-  // (asynchronously) so the first touch after wake does not pay for it.
-  void wake();
+  // Commits only the chunks that hold live allocations and, with `fault_in`, faults them in on the
+  // copy stream (asynchronously) so the first touch after wake does not pay for it. Without it, pages
+  // come in where they are first touched: for memory of which a caller will use a small part.
+  void wake(bool fault_in = true);
   // Release committed chunks that hold no live allocation, and a kept offload buffer.
   void trim();
   // Change the budget (e.g. fit it to what a model's load left committed, so the rest of the pool

@@ -120,6 +120,24 @@ def test_wake_faults_the_memory_in_without_a_touch(pool):
     assert region.stats()["resident_bytes"] == 0
 
 
+def test_wake_without_fault_in_brings_in_only_what_is_touched(pool):
+    region = pool.region("kv_cache", budget=64 * MiB)
+    t = region.empty((32 * MiB,), dtype=torch.uint8).fill_(5)
+    region.sleep()
+    region.wake(fault_in=False)
+    time.sleep(0.2)  # time enough for a prefault, had one been queued
+    if pool.device.type == "cpu":
+        assert region.stats()["resident_bytes"] == 0
+    t[: 4 * MiB].fill_(7)  # usable at once; a touch brings its pages in
+    assert int(t[4 * MiB - 1]) == 7
+    resident = region.stats()["resident_bytes"]
+    assert 4 * MiB <= resident and (pool.device.type != "cpu" or resident < 32 * MiB)
+    region.sleep()
+    with pytest.raises(TypeError, match="fault_in"):
+        region.wake(fault_in="no")
+    assert region.asleep  # refused before anything was mapped
+
+
 def test_offload_round_trip_is_bit_exact(pool):
     region = pool.region("weights", budget=128 * MiB)
     sizes = [1, 255, 256, 4097, 3 * MiB + 5, 17]
