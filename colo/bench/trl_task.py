@@ -2,9 +2,10 @@
 real task, phase by phase.
 
 The script of issue 46: SmolLM2-135M-Instruct on chat arithmetic with a TRL-signature reward, 8 prompts
-x 8 completions a step, at most 32 new tokens, lr 1e-5, `bf16=False` (`--bf16`: TRL's bf16=True, as a TRL
-script is typed), one micro-batch of 64, and no `vllm_max_model_length` (the model's own 8192 tokens, as
-a user who sets nothing gets). `--model gemma3`: Gemma 3 270M (a base model, no chat template) on the same
+x 8 completions a step, at most 32 new tokens, lr 1e-5, TRL's fp32 model, `bf16=False` (`--bf16`: TRL's
+bf16=True, as a TRL script is typed: colo.trl's engine then takes the dtype `auto` picks, stock vLLM the
+checkpoint's), one micro-batch of 64, and no `vllm_max_model_length` (the model's own 8192 tokens, as a
+user who sets nothing gets). `--model gemma3`: Gemma 3 270M (a base model, no chat template) on the same
 problems as 4-shot plain text, at most 8 new tokens, scored by the first number it writes
 (colo.grpo.arithmetic.first_number), lr 5e-6, `vllm_max_model_length` 256 (its own 32768 tokens of 18
 layers would not fit the KV cache on 24 GiB).
@@ -53,8 +54,7 @@ def run_side(side: str, out: str, steps: int, model: str = "smollm2", bf16: bool
     model_dir, rows, reward, settings = task(model)
     args = trl.GRPOConfig(output_dir=out, per_device_train_batch_size=64, num_generations=8, max_steps=steps,
                           logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=bf16, seed=0,
-                          disable_tqdm=True, use_vllm=True, vllm_mode="colocate", model_init_kwargs={"dtype": "float32"},
-                          **settings)
+                          disable_tqdm=True, use_vllm=True, vllm_mode="colocate", **settings)  # TRL's model dtype: fp32
     if side == "colo":
         from colo.trl import GRPOTrainer
     else:
@@ -68,6 +68,7 @@ def run_side(side: str, out: str, steps: int, model: str = "smollm2", bf16: bool
     measured = clock.steps[1:]
     result = phase_medians(measured)
     result["steps_measured"] = len(measured)
+    result["engine_dtype"] = str(trainer.vllm_generation.llm.llm_engine.model_config.dtype).removeprefix("torch.")
     result["reward_per_step"] = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     for name in ("mean", "max"):   # |TRL's log-probabilities - the engine's| of the sampled tokens, per step
         key = f"sampling/sampling_logp_difference/{name}"
@@ -137,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             sides[side] = in_fresh_process(run_side, side, f"{tmp}/{side}", args.steps, args.model, args.bf16)
             print(side, {k: round(v, 3) if isinstance(v, float) else v for k, v in sides[side].items()}, file=sys.stderr,
                   flush=True)
-    peak = gemm_peak_flops(torch.float32)
+    peak_dtype = torch.bfloat16 if args.bf16 else torch.float32  # what TRL's autocast trains in
+    peak = gemm_peak_flops(peak_dtype)
     for values in sides.values():
         values["train_vs_gemm_peak"] = values["train_flops_per_s"] / peak
     colo, base = sides["colo"], sides[baseline]
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_and_sync_s": train_and_sync,
         "train_and_sync_vs_baseline": train_and_sync["colo"] / train_and_sync[baseline],
         "step_vs_baseline": colo["wall_s"] / base["wall_s"], "gemm_peak_flops_per_s": peak,
+        "gemm_peak_dtype": str(peak_dtype).removeprefix("torch."),
         "seconds": time.time() - started,
     }
     args.json.write_text(json.dumps(record, indent=1) + "\n")
