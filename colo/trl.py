@@ -66,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import warnings
 
 import torch
@@ -287,6 +288,14 @@ class ColoVLLMGeneration(_VLLMGeneration):
             sleep_kv_cache(self.llm)
 
 
+def _frames_in_this_module() -> int:
+    """How many frames up from the caller's are this module's (a trainer's __init__ and its bases')."""
+    frame, count = sys._getframe(1), 0
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        count, frame = count + 1, frame.f_back
+    return count
+
+
 def _aligned_routes(routes: list, prompt_mask: torch.Tensor, completion_columns: int) -> torch.Tensor:
     """TRL's layout of the routes (prompts left-padded to the prompt columns, completions after): one row
     per completion, [rows, prompt + completion columns, MoE layers, top_k], -1 where no token is."""
@@ -381,31 +390,26 @@ def choose_engine_dtype(model, args, asked=None, device="cpu") -> tuple[torch.dt
     return trained, False, f"auto: {choice.reason}"
 
 
-class GRPOTrainer(trl.GRPOTrainer):
-    """trl.GRPOTrainer whose colocated vLLM engine is colo's (see the module docstring).
+class _ColocatedEngine:
+    """What colo changes in any TRL trainer that generates through VLLMGeneration in colocate mode
+    (GRPOTrainer, RLOOTrainer): colo's engine built after TRL's own set-up, its optimizer over the
+    engine's weights (fp32 masters where the engine is 16-bit), checkpoints of the masters, the KV
+    cache asleep while TRL trains. Keyword arguments: colo_pool (a colo.Pool; default: a new one on the
+    model's device), colo_engine_dtype (default: choose_engine_dtype's choice, said at start and kept
+    in `colo_engine_dtype_reason`), colo_engine_options (more vllm.LLM options, e.g.
+    {"enforce_eager": True}: TRL's config has no field for them) and colo_share_check (False: the
+    engine's and the trainer's log-probabilities are not compared at share time, colo.share_check)."""
 
-    Extra keyword arguments: colo_pool (a colo.Pool; default: a new one on the model's device),
-    colo_engine_dtype (default: choose_engine_dtype's choice, said at start and kept in
-    `colo_engine_dtype_reason`), colo_engine_options (more vllm.LLM options, e.g.
-    {"enforce_eager": True}: TRL's config has no field for them), colo_routing_replay (MoE models:
-    TRL's log-probability passes route each token to the experts the engine routed it to, as
-    colo.grpo's --routing-replay; TRL's metrics get `colo/router_mismatch`) and colo_share_check
-    (False: the engine's and the trainer's log-probabilities are not compared at share time,
-    colo.share_check) and colo_one_logprob_pass (False: TRL's no-grad log-probability pass for its vLLM
-    importance-sampling ratio runs even where its steps are aligned; by default the ratio comes from
-    the training forward there, colo.trl_importance).
-    """
+    _colo_engine_logprobs: int | None = 0  # what TRL's trainer asks the engine for (its VLLMGeneration's)
 
     def __init__(self, *args, colo_pool=None, colo_engine_dtype=None, colo_engine_options=None,
-                 colo_routing_replay: bool = False, colo_share_check: bool = True, colo_one_logprob_pass: bool = True,
-                 **kwargs):
+                 colo_share_check: bool = True, **kwargs):
         config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
+        trl_class = next(c for c in type(self).__mro__ if c.__module__.startswith("trl."))
+        trainer, config_class = type(self).__name__, trl_class.__name__.replace("Trainer", "Config")
         if config is None or not config.use_vllm or config.vllm_mode != "colocate":
-            raise ValueError("colo.trl.GRPOTrainer is TRL's colocate mode: pass args=trl.GRPOConfig(use_vllm=True, "
+            raise ValueError(f"colo.trl.{trainer} is TRL's colocate mode: pass args=trl.{config_class}(use_vllm=True, "
                              "vllm_mode='colocate', ...)")
-        self.colo_one_logprob_pass = colo_one_logprob_pass
-        self._colo_ratio_inputs = None  # the batch whose importance-sampling ratio its training forward gives
-        self._colo_sampling_metrics = SamplingMetrics()
         self.colo_fp32_masters = None  # colo.optimizer_masters.FP32Masters, once TRL's optimizer exists
         self.colo_step_guard = None    # colo.clipping.NonFiniteStepGuard on TRL's optimizer (skipped_steps)
         # TRL builds its own engine in __init__ when use_vllm is set; build colo's instead, after it.
@@ -422,19 +426,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         # What colo does not train is refused here, before any engine starts; whether each weight is
         # shared or copied is read from the engine once it is up (colo.share_weights).
         check_model_config(model.config)
-        self.colo_router_replay = self._colo_check_routing_replay(model, args) if colo_routing_replay else None
-        if self.colo_router_replay is not None:
-            from .vllm_compat import engine_routing_options
-
-            colo_engine_options = {**engine_routing_options(self.accelerator.device.type), **(colo_engine_options or {})}
-        self._colo_routes = None   # the routes of the rows being computed (routing replay)
+        colo_engine_options = self._colo_engine_options(model, args, colo_engine_options or {})
         engine_dtype, fp32_masters, self.colo_engine_dtype_reason = choose_engine_dtype(
             model, args, colo_engine_dtype, self.accelerator.device)
         if self.accelerator.is_main_process:
             print(f"colo.trl: engine weights in {engine_dtype} ({self.colo_engine_dtype_reason})", flush=True)
             warning = autocast_warning(args, self.accelerator.device)
             if warning:
-                warnings.warn(warning, stacklevel=2)
+                warnings.warn(warning, stacklevel=_frames_in_this_module() + 1)  # the user's line
         self.vllm_generation = ColoVLLMGeneration(
             model=self.model, accelerator=self.accelerator, processing_class=self.processing_class,
             pool=colo_pool, engine_dtype=engine_dtype, fp32_masters=fp32_masters, engine_options=colo_engine_options,
@@ -446,17 +445,17 @@ class GRPOTrainer(trl.GRPOTrainer):
             enable_sleep_mode=args.vllm_enable_sleep_mode, model_impl=args.vllm_model_impl,
             trust_remote_code=args.trust_remote_code, repetition_penalty=self.repetition_penalty,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            max_completion_length=self.max_completion_length, logprobs=0, generation_kwargs=args.generation_kwargs)
+            max_completion_length=self.max_completion_length, logprobs=self._colo_engine_logprobs,
+            generation_kwargs=args.generation_kwargs)
         if getattr(self, "ref_model", None) is not None:  # built before the engine, as the policy was
             from .vllm_compat import run_as_plain_modules
 
             run_as_plain_modules(self.ref_model)
-        from .trl_vision import attend_images_as_the_engine
-
-        self.colo_causal_images = attend_images_as_the_engine(
-            self.vllm_generation.llm, [model] + ([self.ref_model] if getattr(self, "ref_model", None) else []))
-        self.vllm_generation.colo_record_routes = self.colo_router_replay is not None
         self._last_loaded_step = -1  # as TRL: sync once per optimizer step, not per micro-batch
+
+    def _colo_engine_options(self, model, args, options: dict) -> dict:
+        """The engine's vllm.LLM options beyond TRL's, from the user's colo_engine_options."""
+        return dict(options)
 
     def create_optimizer(self, model=None):
         """TRL's optimizer, as TRL builds it; with a bf16 engine for an fp32 model, stepping the
@@ -496,6 +495,65 @@ class GRPOTrainer(trl.GRPOTrainer):
         if masters and self.args.should_save and not _is_peft(self.accelerator.unwrap_model(self.model)):
             _say_fp32_in_config(output_dir or self.args.output_dir)
 
+    def _generate(self, prompts):
+        # TRL's tool loop calls generate() once per turn: the KV cache stays awake for the whole round,
+        # so vLLM's prefix cache keeps the earlier turns (it sleeps after, as after any generation).
+        with self.vllm_generation.generation_round():
+            return super()._generate(prompts)
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.colo_step_guard is not None and self.model.training:
+            self._metrics["train"]["colo/skipped_steps"].append(self.colo_step_guard.skipped_steps)
+        return output
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        # TRL trains now: a KV cache woken outside TRL's generate (a user's llm.generate, an eval
+        # callback: colo's engine wakes it on demand) is released again for the training memory.
+        self.vllm_generation.sleep_kv_cache()
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+    @property
+    def colo_shared(self):
+        """The SharedWeights between the trainer's model and the engine (copy_bytes, aliased_bytes, ...;
+        with PEFT, the base's)."""
+        return self.vllm_generation.colo_views.weights
+
+
+class GRPOTrainer(_ColocatedEngine, trl.GRPOTrainer):
+    """trl.GRPOTrainer whose colocated vLLM engine is colo's (see the module docstring).
+
+    Extra keyword arguments: those of _ColocatedEngine (colo_pool, colo_engine_dtype, colo_engine_options,
+    colo_share_check), colo_routing_replay (MoE models: TRL's log-probability passes route each token
+    to the experts the engine routed it to, as colo.grpo's --routing-replay; TRL's metrics get
+    `colo/router_mismatch`) and colo_one_logprob_pass (False: TRL's no-grad log-probability pass for
+    its vLLM importance-sampling ratio runs even where its steps are aligned; by default the ratio comes
+    from the training forward there, colo.trl_importance).
+    """
+
+    def __init__(self, *args, colo_routing_replay: bool = False, colo_one_logprob_pass: bool = True, **kwargs):
+        self.colo_one_logprob_pass = colo_one_logprob_pass
+        self._colo_ratio_inputs = None  # the batch whose importance-sampling ratio its training forward gives
+        self._colo_sampling_metrics = SamplingMetrics()
+        self._colo_wants_routing_replay = colo_routing_replay
+        self.colo_router_replay = None
+        self._colo_routes = None   # the routes of the rows being computed (routing replay)
+        super().__init__(*args, **kwargs)
+        from .trl_vision import attend_images_as_the_engine
+
+        model = self.accelerator.unwrap_model(self.model)
+        self.colo_causal_images = attend_images_as_the_engine(
+            self.vllm_generation.llm, [model] + ([self.ref_model] if getattr(self, "ref_model", None) else []))
+        self.vllm_generation.colo_record_routes = self.colo_router_replay is not None
+
+    def _colo_engine_options(self, model, args, options: dict) -> dict:
+        if not self._colo_wants_routing_replay:
+            return dict(options)
+        from .vllm_compat import engine_routing_options
+
+        self.colo_router_replay = self._colo_check_routing_replay(model, args)
+        return {**engine_routing_options(self.accelerator.device.type), **options}
+
     def _tokenize_prompts(self, prompts: list):
         prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
         if images is not None:
@@ -505,13 +563,6 @@ class GRPOTrainer(trl.GRPOTrainer):
                 self.processing_class, prompts, tools_per_prompt=tools, chat_template=self.chat_template,
                 chat_template_kwargs=self.chat_template_kwargs))
         return prompt_ids, images, multimodal_fields
-
-    def _generate(self, prompts):
-        # TRL's tool loop calls generate() once per turn: the KV cache stays awake for the whole round,
-        # so vLLM's prefix cache keeps the earlier turns (it sleeps after, as after any generation).
-        with self.vllm_generation.generation_round():
-            return super()._generate(prompts)
-
 
     # -- routing replay ------------------------------------------------------------------------------
     @staticmethod
@@ -548,8 +599,6 @@ class GRPOTrainer(trl.GRPOTrainer):
                                                     output["completion_ids"].shape[1])
             self.vllm_generation.colo_routes = None
             self._metrics["train"]["colo/router_mismatch"].append(self.colo_router_replay.stats()["router_mismatch"])
-        if self.colo_step_guard is not None and self.model.training:
-            self._metrics["train"]["colo/skipped_steps"].append(self.colo_step_guard.skipped_steps)
         return output
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -567,9 +616,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         if routes is not None and getattr(self, "_colo_step_routing", None) is not None:
             self._colo_routes = routes
             self._colo_step_routing.enter_context(self.colo_router_replay.forcing(routes))
-        # TRL trains now: a KV cache woken outside TRL's generate (a user's llm.generate, an eval
-        # callback: colo's engine wakes it on demand) is released again for the training memory.
-        self.vllm_generation.sleep_kv_cache()
         if self.vllm_importance_sampling_correction and not any(key in inputs for key in DEFERRED_KEYS):
             self._colo_ratio_inputs = inputs  # its ratio, from the forward TRL's loss runs first
         try:
@@ -632,11 +678,25 @@ class GRPOTrainer(trl.GRPOTrainer):
         return (torch.cat(logps), None if entropies[0] is None else torch.cat(entropies),
                 None if aux[0] is None else torch.stack(aux).mean())
 
-    @property
-    def colo_shared(self):
-        """The SharedWeights between the trainer's model and the engine (copy_bytes, aliased_bytes, ...;
-        with PEFT, the base's)."""
-        return self.vllm_generation.colo_views.weights
+
+
+class RLOOTrainer(_ColocatedEngine, trl.RLOOTrainer):
+    """trl.RLOOTrainer whose colocated vLLM engine is colo's: the same one copy of the weights, 0 bytes
+    per sync, fp32 masters, KV cache sleep and non-finite step guard as colo.trl.GRPOTrainer (keyword
+    arguments: colo_pool, colo_engine_dtype, colo_engine_options, colo_share_check). TRL's RLOO asks the
+    engine for no log-probabilities (it has no importance-sampling correction), so there is no
+    log-probability pass to save. A vision-language model is refused: its image prompts would reach the
+    engine as TRL's processor expanded them (colo.trl_vision is GRPOTrainer's)."""
+
+    _colo_engine_logprobs = None
+
+    def _colo_engine_options(self, model, args, options: dict) -> dict:
+        from .model_classes import is_vision_language
+
+        if is_vision_language(model.config):
+            raise NotImplementedError("colo.trl.RLOOTrainer trains text models; a vision-language model trains "
+                                      "with colo.trl.GRPOTrainer")
+        return dict(options)
 
 
 def _load_format(config) -> str:

@@ -45,7 +45,8 @@ TRL_FULL = "cpu-trl-full.json"
 LORA_FULL = "cpu-lora-full.json"
 LOGPROB_FULL = "cpu-logprob-memory-full.json"
 # colo.trl against stock TRL on the real task (python -m colo.bench.trl_task), in the dtype auto picks there.
-TRL_TASK = "trl-task-smollm2-fp32-avx2-one-pass.json"
+# The real task in each dtype `auto` picks somewhere: fp32 (a CPU without bf16 units), bf16 (one with them).
+TRL_TASKS = ("trl-task-smollm2-fp32-avx2-one-pass.json", "trl-task-smollm2-bf16-zen5.json")
 OVERLAP_FILES = ("cpu-overlap-full.json", "cpu-overlap-zen5-full.json", "cpu-overlap-avx2-persona-full.json")
 # A colo.grpo step in both dtypes on the two AVX512_BF16 CPUs without AMX measured (a Zen 5, a Xeon whose VM
 # hides AMX): why `--dtype auto` times a matmul there (colo.dtype_choice).
@@ -391,6 +392,15 @@ def logprob_memory(results: Results) -> str:
     return caption(results, (LOGPROB_FULL,)) + "\n\n" + markdown_table(header, rows)
 
 
+def _real_task_row(task: dict, file: str) -> list[str]:
+    colo, stock = task["sides"]["colo"], task["sides"][task["baseline"]]
+    stock_name = "stock TRL" + (" (its F.linear variant)" if task["baseline"] == "stock-variant" else "")
+    return [f"the same on SmolLM2-135M, the real task (8 x 8, 32 new tokens, {'bf16' if task['bf16'] else 'fp32'})",
+            f"{seconds(colo['wall_s'])} a step, {size(colo['sync_bytes_copied'])} per sync",
+            f"{seconds(stock['wall_s'])}, {stock_name} ({ratio(stock['wall_s'] / colo['wall_s'])})",
+            f"`{file}`"]
+
+
 def headlines(results: Results) -> str:
     """README.md, Measured: a few of the figures above. From cpu-quick.json: memory `colo bf16 (bf16 engine)`
     and `usual way (bf16 engine)` (bytes_per_param_generate, usual_way_ratio_generate); publish
@@ -399,7 +409,7 @@ def headlines(results: Results) -> str:
     `sleep+wake offload=False (host-anon)` against the host copy (region_bytes, colo_s, returned_fraction,
     baseline_s, ratio). From cpu-trl-full.json: each size's `colo.trl` row (params, colo_sync_bytes, ratio).
     From cpu-logprob-memory-full.json: the largest vocabulary's row (peak_bytes, baseline_peak_bytes,
-    memory_ratio). From TRL_TASK: both sides' step (sides.*.wall_s, the colo side's sync_bytes_copied)."""
+    memory_ratio). From each of TRL_TASKS: both sides' step (sides.*.wall_s, the colo side's sync_bytes_copied)."""
     colo_memory = find_row(results, QUICK, "memory", case="colo bf16 (bf16 engine)")
     usual_memory = find_row(results, QUICK, "memory", case="usual way (bf16 engine)")
     sync = find_row(results, QUICK, "publish", case=f"publish {PUBLISH_MODEL}", baseline_prefix="TRL sync_weights")
@@ -409,9 +419,6 @@ def headlines(results: Results) -> str:
                      baseline_prefix="host copy round trip")
     full_trl = find_rows(results, TRL_FULL, "trl", case_suffix=": colo.trl")
     logprob = max(find_rows(results, LOGPROB_FULL, "logprob_memory"), key=_vocab)
-    task = results[TRL_TASK]
-    task_colo, task_stock = task["sides"]["colo"], task["sides"][task["baseline"]]
-    stock_name = "stock TRL" + (" (its F.linear variant)" if task["baseline"] == "stock-variant" else "")
 
     trl_sizes = " / ".join(count(r["params"]) for r in full_trl)
     sync_sizes = [size(r["colo_sync_bytes"]) for r in full_trl]
@@ -441,17 +448,14 @@ def headlines(results: Results) -> str:
          f"{trl_sync} per sync",
          f"stock TRL: {trl_ratios}",
          f"`{TRL_FULL}`"],
-        [f"the same on SmolLM2-135M, the real task (8 x 8, 32 new tokens, {'bf16' if task['bf16'] else 'fp32'})",
-         f"{seconds(task_colo['wall_s'])} a step, {size(task_colo['sync_bytes_copied'])} per sync",
-         f"{seconds(task_stock['wall_s'])}, {stock_name} ({ratio(task_stock['wall_s'] / task_colo['wall_s'])})",
-         f"`{TRL_TASK}`"],
+        *(_real_task_row(results[file], file) for file in TRL_TASKS),
         [f"log-probabilities + loss + backward, vocab {_vocab(logprob)}",
          size(logprob["peak_bytes"]),
          f"{size(logprob['baseline_peak_bytes'])}, all logits at once ({ratio(logprob['memory_ratio'])} less)",
          f"`{LOGPROB_FULL}`"],
     ]
     table = markdown_table(["what", "colo", "baseline", "file"], rows)
-    return caption(results, (QUICK, TRL_FULL, TRL_TASK, LOGPROB_FULL)) + "\n\n" + table
+    return caption(results, (QUICK, TRL_FULL, *TRL_TASKS, LOGPROB_FULL)) + "\n\n" + table
 
 
 TABLES = {
