@@ -1,9 +1,13 @@
-"""colo as the colocate backend of TRL's GRPOTrainer: one copy of the weights, 0 bytes per sync.
+"""colo as the colocate backend of TRL's GRPOTrainer and RLOOTrainer: one copy of the weights, 0 bytes
+per sync.
 
     from colo.trl import GRPOTrainer           # instead of: from trl import GRPOTrainer
     trainer = GRPOTrainer(model=model_dir_or_model, reward_funcs=reward, train_dataset=dataset,
                           args=trl.GRPOConfig(use_vllm=True, vllm_mode="colocate", ...))
     trainer.train()
+
+RLOOTrainer (with trl.RLOOConfig) gets everything below but the log-probability pass, routing replay
+and vision-language models, which are GRPOTrainer's.
 
 What changes (everything else is TRL's: rewards, datasets, logging, callbacks, checkpoints):
 - the engine is built by colo.engine.build_llm: its weights in the pool's `weights` region, its KV
