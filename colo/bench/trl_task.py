@@ -40,7 +40,12 @@ def task(model: str) -> tuple:
     return smollm2_dir(), arithmetic.problems(256, 0), math_reward, dict(max_completion_length=32, learning_rate=1e-5)
 
 
-def run_side(side: str, out: str, steps: int, model: str = "smollm2", bf16: bool = False) -> dict:
+# --trainer: TRL's trainer and its config, both of which colo.trl has
+TRAINERS = {"grpo": ("GRPOConfig", "GRPOTrainer"), "rloo": ("RLOOConfig", "RLOOTrainer")}
+
+
+def run_side(side: str, out: str, steps: int, model: str = "smollm2", bf16: bool = False,
+             trainer_name: str = "grpo") -> dict:
     """One TRL run of `steps` steps (the first is a warm-up); median seconds per phase, colo's syncs, and
     TRL's own engine-against-trainer log-probability difference per step. bf16: TRL's `bf16=True` (the fp32
     model trained under bf16 autocast, as a TRL script is typed), else `bf16=False`."""
@@ -52,15 +57,18 @@ def run_side(side: str, out: str, steps: int, model: str = "smollm2", bf16: bool
     from .trl_colocate import PhaseClock, phase_medians
 
     model_dir, rows, reward, settings = task(model)
-    args = trl.GRPOConfig(output_dir=out, per_device_train_batch_size=64, num_generations=8, max_steps=steps,
+    config_class, class_name = TRAINERS[trainer_name]
+    args = getattr(trl, config_class)(output_dir=out, per_device_train_batch_size=64, num_generations=8, max_steps=steps,
                           logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=bf16, seed=0,
                           disable_tqdm=True, use_vllm=True, vllm_mode="colocate", **settings)  # TRL's model dtype: fp32
     if side == "colo":
-        from colo.trl import GRPOTrainer
+        import colo.trl
+
+        trainer_class = getattr(colo.trl, class_name)
     else:
-        GRPOTrainer = trl.GRPOTrainer
+        trainer_class = getattr(trl, class_name)
     with forced_cpu_gemm("plain") if side == "stock-variant" else contextlib.nullcontext():
-        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[reward], train_dataset=Dataset.from_list(rows),
+        trainer = trainer_class(model=str(model_dir), reward_funcs=[reward], train_dataset=Dataset.from_list(rows),
                               args=args)
     clock = PhaseClock(trainer, side == "colo")
     flops = _count_train_flops(trainer, clock)
@@ -118,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2",
                         help="SmolLM2-135M-Instruct on chat arithmetic (default), or Gemma 3 270M on 4-shot arithmetic")
     parser.add_argument("--bf16", action="store_true", help="TRL's bf16=True on both sides (default: bf16=False)")
+    parser.add_argument("--trainer", choices=sorted(TRAINERS), default="grpo",
+                        help="TRL's GRPOTrainer (default) or RLOOTrainer, with TRL's defaults for the rest")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first is a warm-up)")
@@ -135,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     sides = {}
     with tempfile.TemporaryDirectory(prefix="colo-trl-task-") as tmp:
         for side in ("colo", baseline):
-            sides[side] = in_fresh_process(run_side, side, f"{tmp}/{side}", args.steps, args.model, args.bf16)
+            sides[side] = in_fresh_process(run_side, side, f"{tmp}/{side}", args.steps, args.model, args.bf16,
+                                          args.trainer)
             print(side, {k: round(v, 3) if isinstance(v, float) else v for k, v in sides[side].items()}, file=sys.stderr,
                   flush=True)
     peak_dtype = torch.bfloat16 if args.bf16 else torch.float32  # what TRL's autocast trains in
@@ -147,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "command": "python -m colo.bench.trl_task " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "model": args.model, "bf16": args.bf16, "cpu_kernels": kernels, "baseline": baseline,
+        "machine": machine_info(), "model": args.model, "trainer": args.trainer, "bf16": args.bf16, "cpu_kernels": kernels, "baseline": baseline,
         "sides": sides,
         "train_and_sync_s": train_and_sync,
         "train_and_sync_vs_baseline": train_and_sync["colo"] / train_and_sync[baseline],
