@@ -19,6 +19,7 @@ import trl
 if __name__ == "__main__":   # a script: tests/ on the path, as conftest.py puts it there for the tests
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.images import squares  # noqa: E402
+from helpers.spies import count_calls  # noqa: E402
 
 from colo.vllm_compat.forced_kernels import forced_cpu_gemm  # noqa: E402
 
@@ -52,10 +53,7 @@ def run(side: str, model_dir, tmp_path):
     if side == "colo":
         from colo.vllm_compat import engine_model
 
-        engine = engine_model(trainer.vllm_generation.llm)
-        real_load_weights = engine.load_weights
-        trainer.colo_test_loads = []
-        engine.load_weights = lambda *a, **k: trainer.colo_test_loads.append(1) or real_load_weights(*a, **k)
+        trainer.colo_test_loads = count_calls(engine_model(trainer.vllm_generation.llm), "load_weights")
     trainer.train()
     history = [h for h in trainer.state.log_history if "reward" in h]
     changed = {name for name, p in model.named_parameters() if not torch.equal(before[name], p)}

@@ -16,6 +16,7 @@ from colo.vllm_compat.forced_kernels import forced_cpu_gemm, sgl_unavailable_rea
 from conftest import PROMPTS
 from helpers.cpu_gemm import forced_kernel_outcome
 from helpers.logprobs import trainer_logprobs
+from helpers.spies import count_calls
 
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl", reason="colo.trl's tests need the trl extra: pip install -e '.[cpu,test]'")
@@ -60,10 +61,7 @@ def test_trl_grpo_trains_with_the_engine_sharing_its_weights(kernel, dtype, tmp_
     blocks, tokens_per_block = kv_cache_block_count(llm)
     max_model_len = llm.llm_engine.model_config.max_model_len
     assert blocks - 1 >= trainer.vllm_generation.max_num_seqs * -(-max_model_len // tokens_per_block)
-    loads = []
-    engine = engine_model(llm)
-    real_load_weights = engine.load_weights
-    engine.load_weights = lambda *a, **k: loads.append(1) or real_load_weights(*a, **k)  # a spy, for this test
+    loads = count_calls(engine_model(llm), "load_weights")
     trainer.train()
 
     assert loads == [], "TRL's sync went through vLLM's load_weights"

@@ -11,6 +11,7 @@ import colo
 from colo.vllm_compat import engine_model, engine_worker
 from conftest import PROMPTS
 from helpers.logprobs import trainer_logprobs
+from helpers.spies import count_calls
 
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl", reason="colo.trl's tests need the trl extra: pip install -e '.[cpu,test]'")
@@ -56,13 +57,8 @@ def test_a_trl_script_with_a_peft_lora_config_trains_the_engines_adapter_slot(dt
     assert {id(p) for p in trainable} == {id(p) for p in adapter.parameters()}
     assert all(weights.contains(p) for p in trainable)
     base_before = {n: p.detach().clone() for n, p in base.items()}
-    loads, adapter_loads = [], []
-    engine = engine_model(llm)
-    real_load_weights = engine.load_weights
-    engine.load_weights = lambda *a, **k: loads.append(1) or real_load_weights(*a, **k)  # spies, for this test
-    manager = engine_worker(llm).model_runner.lora_manager
-    real_load_adapter = manager._load_adapter
-    manager._load_adapter = lambda *a, **k: adapter_loads.append(1) or real_load_adapter(*a, **k)
+    loads = count_calls(engine_model(llm), "load_weights")
+    adapter_loads = count_calls(engine_worker(llm).model_runner.lora_manager, "_load_adapter")
     ptrs = [p.data_ptr() for p in trainable]
     trainer.train()
 

@@ -14,6 +14,7 @@ from colo.vllm_compat import engine_model
 from colo.vllm_compat.forced_kernels import forced_cpu_gemm
 from conftest import PROMPTS
 from helpers.logprobs import trainer_logprobs
+from helpers.spies import count_calls
 
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl", reason="colo.trl's tests need the trl extra: pip install -e '.[cpu,test]'")
@@ -59,10 +60,7 @@ def test_rloo_trains_on_the_engines_weights_as_stock_trl_does(rloo_model_dir, tm
                               train_dataset=prompts().select(range(64)), args=rloo_config(tmp_path))
     assert trainer.ref_model is not None  # beta 0.05, TRL's default: its reference model beside the engine
     llm = trainer.vllm_generation.llm
-    loads = []
-    engine = engine_model(llm)
-    real_load_weights = engine.load_weights
-    engine.load_weights = lambda *a, **k: loads.append(1) or real_load_weights(*a, **k)  # a spy, for this test
+    loads = count_calls(engine_model(llm), "load_weights")
     trainer.train()
 
     assert loads == [], "TRL's sync went through vLLM's load_weights"
