@@ -15,6 +15,7 @@ from colo.vllm_compat.forced_kernels import forced_cpu_gemm
 from conftest import PROMPTS
 from helpers.logprobs import trainer_logprobs
 from helpers.spies import count_calls
+from helpers.stock_trl import stock_trl_environment
 
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl", reason="colo.trl's tests need the trl extra: pip install -e '.[cpu,test]'")
@@ -40,13 +41,14 @@ def rloo_config(tmp_path, **overrides):
 
 @pytest.fixture(scope="module")
 def stock_history(rloo_model_dir, tmp_path_factory):
-    with forced_cpu_gemm("plain"):
-        trainer = trl.RLOOTrainer(model=str(rloo_model_dir), reward_funcs=even_digits,
-                                  train_dataset=prompts().select(range(64)),
-                                  args=rloo_config(tmp_path_factory.mktemp("stock-rloo")))
-    trainer.train()
-    history = [h for h in trainer.state.log_history if "reward" in h]
-    del trainer
+    with stock_trl_environment():
+        with forced_cpu_gemm("plain"):
+            trainer = trl.RLOOTrainer(model=str(rloo_model_dir), reward_funcs=even_digits,
+                                      train_dataset=prompts().select(range(64)),
+                                      args=rloo_config(tmp_path_factory.mktemp("stock-rloo")))
+        trainer.train()
+        history = [h for h in trainer.state.log_history if "reward" in h]
+        del trainer
     return history
 
 

@@ -16,26 +16,14 @@ import torch
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl", reason="colo.trl's tests need the trl extra: pip install -e '.[cpu,test]'")
 from helpers.images import squares  # noqa: E402 - after the trl check
+from helpers.stock_trl import stock_trl_environment  # noqa: E402
 from helpers.trl_vision_runs import image_digests, run, stock_in_own_process  # noqa: E402
 
 
 @pytest.fixture
-def stock_trl_in_this_process(monkeypatch):
-    """Stock TRL's colocate engine leaves RANK/LOCAL_RANK/WORLD_SIZE in the environment, so the next TRL
-    config in this process makes accelerate start a process group (at MASTER_PORT or 29500, which the
-    other pytest worker may hold: a free port here) and place the model on "cpu:N". Afterwards the
-    environment and accelerate's state are as they were, for the tests this worker runs next."""
-    import os
-
-    from accelerate.state import AcceleratorState
-    from conftest import free_port
-
-    saved = dict(os.environ)
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-    AcceleratorState._reset_state(reset_partial_state=True)
+def stock_trl_in_this_process():
+    with stock_trl_environment():
+        yield
 
 
 # Each family's vision tower and projector, by a part of their parameters' names.
