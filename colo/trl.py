@@ -1,13 +1,14 @@
-"""colo as the colocate backend of TRL's GRPOTrainer and RLOOTrainer: one copy of the weights, 0 bytes
-per sync.
+"""colo as the colocate backend of TRL's GRPOTrainer, RLOOTrainer and DistillationTrainer: one copy of
+the weights, 0 bytes per sync.
 
     from colo.trl import GRPOTrainer           # instead of: from trl import GRPOTrainer
     trainer = GRPOTrainer(model=model_dir_or_model, reward_funcs=reward, train_dataset=dataset,
                           args=trl.GRPOConfig(use_vllm=True, vllm_mode="colocate", ...))
     trainer.train()
 
-RLOOTrainer (with trl.RLOOConfig) gets everything below but the log-probability pass, routing replay
-and vision-language models, which are GRPOTrainer's.
+RLOOTrainer (with trl.RLOOConfig) and DistillationTrainer (trl.DistillationConfig; its frozen teacher
+is TRL's, beside the engine) get everything below but the log-probability pass, routing replay and
+vision-language models, which are GRPOTrainer's.
 
 What changes (everything else is TRL's: rewards, datasets, logging, callbacks, checkpoints):
 - the engine is built by colo.engine.build_llm: its weights in the pool's `weights` region, its KV
@@ -396,9 +397,9 @@ def choose_engine_dtype(model, args, asked=None, device="cpu") -> tuple[torch.dt
 
 class _ColocatedEngine:
     """What colo changes in any TRL trainer that generates through VLLMGeneration in colocate mode
-    (GRPOTrainer, RLOOTrainer): colo's engine built after TRL's own set-up, its optimizer over the
-    engine's weights (fp32 masters where the engine is 16-bit), checkpoints of the masters, the KV
-    cache asleep while TRL trains. Keyword arguments: colo_pool (a colo.Pool; default: a new one on the
+    (GRPOTrainer, RLOOTrainer, DistillationTrainer): colo's engine built after TRL's own set-up, its
+    optimizer over the engine's weights (fp32 masters where the engine is 16-bit), checkpoints of the
+    masters, the KV cache asleep while TRL trains. Keyword arguments: colo_pool (a colo.Pool; default: a new one on the
     model's device), colo_engine_dtype (default: choose_engine_dtype's choice, said at start and kept
     in `colo_engine_dtype_reason`), colo_engine_options (more vllm.LLM options, e.g.
     {"enforce_eager": True}: TRL's config has no field for them) and colo_share_check (False: the
@@ -445,21 +446,26 @@ class _ColocatedEngine:
             mode=args.vllm_mode, structured_outputs_regex=args.vllm_structured_outputs_regex,
             tensor_parallel_size=args.vllm_tensor_parallel_size, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             max_model_length=args.vllm_max_model_length,
-            max_num_seqs=args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation,
+            max_num_seqs=self._colo_generation_rows(args),
             enable_sleep_mode=args.vllm_enable_sleep_mode, model_impl=args.vllm_model_impl,
             trust_remote_code=args.trust_remote_code, repetition_penalty=self.repetition_penalty,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             max_completion_length=self.max_completion_length, logprobs=self._colo_engine_logprobs,
             generation_kwargs=args.generation_kwargs)
-        if getattr(self, "ref_model", None) is not None:  # built before the engine, as the policy was
-            from .vllm_compat import run_as_plain_modules
+        from .vllm_compat import run_as_plain_modules
 
-            run_as_plain_modules(self.ref_model)
+        for frozen in ("ref_model", "teacher_model"):  # TRL's, built before the engine as the policy was
+            if getattr(self, frozen, None) is not None:
+                run_as_plain_modules(self.accelerator.unwrap_model(getattr(self, frozen)))
         self._last_loaded_step = -1  # as TRL: sync once per optimizer step, not per micro-batch
 
     def _colo_engine_options(self, model, args, options: dict) -> dict:
         """The engine's vllm.LLM options beyond TRL's, from the user's colo_engine_options."""
         return dict(options)
+
+    def _colo_generation_rows(self, args) -> int:
+        """The sequences one of TRL's generations holds (the max_num_seqs TRL's trainer gives its engine)."""
+        return args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation
 
     def create_optimizer(self, model=None):
         """TRL's optimizer, as TRL builds it; with a bf16 engine for an fp32 model, stepping the
@@ -695,12 +701,36 @@ class RLOOTrainer(_ColocatedEngine, trl.RLOOTrainer):
     _colo_engine_logprobs = None
 
     def _colo_engine_options(self, model, args, options: dict) -> dict:
-        from .model_classes import is_vision_language
-
-        if is_vision_language(model.config):
-            raise NotImplementedError("colo.trl.RLOOTrainer trains text models; a vision-language model trains "
-                                      "with colo.trl.GRPOTrainer")
+        _refuse_vision_language(model, type(self).__name__)
         return dict(options)
+
+
+class DistillationTrainer(_ColocatedEngine, trl.DistillationTrainer):
+    """trl.DistillationTrainer (on-policy distillation: the student samples completions, and learns the
+    frozen teacher's next-token distribution on them, TRL's generalized JSD) whose colocated engine is
+    colo's: the student's one copy of the weights, 0 bytes per sync, fp32 masters, KV cache sleep and
+    non-finite step guard as colo.trl.GRPOTrainer (keyword arguments: colo_pool, colo_engine_dtype,
+    colo_engine_options, colo_share_check). The teacher is TRL's: a model beside the engine, resident
+    through the step (it is not in the pool and does not sleep while the student generates). A
+    vision-language student is refused, as RLOOTrainer refuses one."""
+
+    _colo_engine_logprobs = None  # TRL's distillation asks the engine for none: the teacher scores
+
+    def _colo_generation_rows(self, args) -> int:
+        # One completion per prompt, a generation for every optimizer step (TRL's DistillationTrainer).
+        return args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.gradient_accumulation_steps
+
+    def _colo_engine_options(self, model, args, options: dict) -> dict:
+        _refuse_vision_language(model, type(self).__name__)
+        return dict(options)
+
+
+def _refuse_vision_language(model, trainer: str) -> None:
+    from .model_classes import is_vision_language
+
+    if is_vision_language(model.config):
+        raise NotImplementedError(f"colo.trl.{trainer} trains text models; a vision-language model trains with "
+                                  "colo.trl.GRPOTrainer")
 
 
 def _load_format(config) -> str:

@@ -197,6 +197,13 @@ def run_trl(side: str, model_dir: Path, out: Path, steps: int, lora: dict | None
 PHASES = ("generate", "kv_wake_sleep", "sync", "rewards", "logprob_passes", "loss", "backward", "optimizer")
 
 
+def model_passes(trainer) -> str:
+    """The name of the trainer's method that runs its models on a batch (student and reference, or
+    teacher): GRPO's and RLOO's log-probability passes, the distillation's backbone passes."""
+    return ("_get_per_token_logps_and_entropies" if hasattr(trainer, "_get_per_token_logps_and_entropies")
+            else "_get_last_hidden_state")
+
+
 class PhaseClock:
     """Where each TRL step's wall time goes, on both sides alike: wrappers on the trainer's own
     methods (and, for colo.trl, its KV cache wake and sleep) add their exclusive time (nested
@@ -213,9 +220,10 @@ class PhaseClock:
         generation = trainer.vllm_generation
         for owner, attr, phase in ((generation, "generate", "generate"), (generation, "sync_weights", "sync"),
                                    (trainer, "_calculate_rewards", "rewards"),
-                                   (trainer, "_get_per_token_logps_and_entropies", "logprob_passes"),
+                                   (trainer, model_passes(trainer), "logprob_passes"),
                                    (trainer, "compute_loss", "loss"), (trainer.accelerator, "backward", "backward")):
-            self._wrap(owner, attr, phase)
+            if hasattr(owner, attr):  # (TRL's distillation scores no rewards)
+                self._wrap(owner, attr, phase)
         if colo_side:
             import colo.engine
 

@@ -9,6 +9,8 @@ user who sets nothing gets). `--model gemma3`: Gemma 3 270M (a base model, no ch
 problems as 4-shot plain text, at most 8 new tokens, scored by the first number it writes
 (colo.grpo.arithmetic.first_number), lr 5e-6, `vllm_max_model_length` 256 (its own 32768 tokens of 18
 layers would not fit the KV cache on 24 GiB).
+`--trainer rloo|distillation`: TRL's RLOOTrainer on the same batch, or its DistillationTrainer on 64
+prompts a step, one completion each, the model its own teacher (trainer_inputs).
 Each side runs in a fresh process, in turn; the phases are colo.bench.trl_colocate.PhaseClock's (the same
 wrappers on both sides). Stock TRL runs on its F.linear variant where stock vLLM cannot take new weights
 (colo.bench.baselines.UPDATABLE_VARIANT). A record, not a test: minutes per side.
@@ -41,7 +43,17 @@ def task(model: str) -> tuple:
 
 
 # --trainer: TRL's trainer and its config, both of which colo.trl has
-TRAINERS = {"grpo": ("GRPOConfig", "GRPOTrainer"), "rloo": ("RLOOConfig", "RLOOTrainer")}
+TRAINERS = {"grpo": ("GRPOConfig", "GRPOTrainer"), "rloo": ("RLOOConfig", "RLOOTrainer"),
+            "distillation": ("DistillationConfig", "DistillationTrainer")}
+
+
+def trainer_inputs(trainer_name: str, model_dir, reward) -> tuple[dict, dict]:
+    """(the trainer's keyword arguments beyond model, dataset and config; its config's). TRL's
+    distillation samples one completion per prompt and scores it by a teacher: here the model itself
+    (no other model of its vocabulary is at hand), which costs what a same-sized teacher costs."""
+    if trainer_name == "distillation":
+        return {"teacher_model": str(model_dir)}, {}
+    return {"reward_funcs": [reward]}, {"num_generations": 8}
 
 
 def run_side(side: str, out: str, steps: int, model: str = "smollm2", bf16: bool = False,
@@ -58,9 +70,11 @@ def run_side(side: str, out: str, steps: int, model: str = "smollm2", bf16: bool
 
     model_dir, rows, reward, settings = task(model)
     config_class, class_name = TRAINERS[trainer_name]
-    args = getattr(trl, config_class)(output_dir=out, per_device_train_batch_size=64, num_generations=8, max_steps=steps,
+    inputs, group = trainer_inputs(trainer_name, model_dir, reward)
+    args = getattr(trl, config_class)(output_dir=out, per_device_train_batch_size=64, max_steps=steps,
                           logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=bf16, seed=0,
-                          disable_tqdm=True, use_vllm=True, vllm_mode="colocate", **settings)  # TRL's model dtype: fp32
+                          disable_tqdm=True, use_vllm=True, vllm_mode="colocate", **group,
+                          **settings)  # TRL's model dtype: fp32
     if side == "colo":
         import colo.trl
 
@@ -68,8 +82,7 @@ def run_side(side: str, out: str, steps: int, model: str = "smollm2", bf16: bool
     else:
         trainer_class = getattr(trl, class_name)
     with forced_cpu_gemm("plain") if side == "stock-variant" else contextlib.nullcontext():
-        trainer = trainer_class(model=str(model_dir), reward_funcs=[reward], train_dataset=Dataset.from_list(rows),
-                              args=args)
+        trainer = trainer_class(model=str(model_dir), train_dataset=Dataset.from_list(rows), args=args, **inputs)
     clock = PhaseClock(trainer, side == "colo")
     flops = _count_train_flops(trainer, clock)
     trainer.train()
@@ -78,6 +91,7 @@ def run_side(side: str, out: str, steps: int, model: str = "smollm2", bf16: bool
     result["steps_measured"] = len(measured)
     result["engine_dtype"] = str(trainer.vllm_generation.llm.llm_engine.model_config.dtype).removeprefix("torch.")
     result["reward_per_step"] = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    result["loss_per_step"] = [h["loss"] for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
     for name in ("mean", "max"):   # |TRL's log-probabilities - the engine's| of the sampled tokens, per step
         key = f"sampling/sampling_logp_difference/{name}"
         result[f"sampling_logp_difference_{name}"] = [h[key] for h in trainer.state.log_history if key in h]
@@ -95,18 +109,20 @@ def run_side(side: str, out: str, steps: int, model: str = "smollm2", bf16: bool
 
 
 def _count_train_flops(trainer, clock) -> dict[int, float]:
-    """{step index: matmul FLOPs of TRL's model passes}, counted from the shapes TRL gives
-    _get_per_token_logps_and_entropies: the body on every position, the head on the kept ones; x2 a
+    """{step index: matmul FLOPs of TRL's model passes}, counted from the shapes TRL gives them
+    (colo.bench.trl_colocate.model_passes): the body on every position, the head on the kept ones; x2 a
     forward, x3 with its backward (grad enabled). Attention's products are left out (an understatement)."""
     import torch
 
     from .measure import matmul_parameters
+    from .trl_colocate import model_passes
 
     config = trainer.accelerator.unwrap_model(trainer.model).config
     head = config.hidden_size * config.vocab_size
     body = matmul_parameters(config) - head
     flops: dict[int, float] = {}
-    passes = trainer._get_per_token_logps_and_entropies
+    name = model_passes(trainer)   # (distillation: the head runs in its loss, on the same kept positions)
+    passes = getattr(trainer, name)
 
     def counted(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         rows = input_ids.shape[0]
@@ -115,7 +131,7 @@ def _count_train_flops(trainer, clock) -> dict[int, float]:
         flops[step] = flops.get(step, 0.0) + forward * (3 if torch.is_grad_enabled() else 1)
         return passes(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
-    trainer._get_per_token_logps_and_entropies = counted
+    setattr(trainer, name, counted)
     return flops
 
 
@@ -127,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="SmolLM2-135M-Instruct on chat arithmetic (default), or Gemma 3 270M on 4-shot arithmetic")
     parser.add_argument("--bf16", action="store_true", help="TRL's bf16=True on both sides (default: bf16=False)")
     parser.add_argument("--trainer", choices=sorted(TRAINERS), default="grpo",
-                        help="TRL's GRPOTrainer (default) or RLOOTrainer, with TRL's defaults for the rest")
+                        help="TRL's GRPOTrainer (default), RLOOTrainer or DistillationTrainer (the model its own "
+                             "teacher), with TRL's defaults for the rest")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first is a warm-up)")
