@@ -272,10 +272,12 @@ class GRPOScheduler:
         # fp32 parameters: AdamW itself; bf16: a colo.MasterWeightOptimizer stepping fp32 masters in the
         # optimizer region; sharded: a colo.ShardedMasterWeightOptimizer.
         # (every data-parallel rank rounds its replica alike: the same seed; ZeRO-1's ranks their own shards)
+        # torch's fused AdamW, as TRL's Trainer steps (transformers' adamw_torch_fused default): one kernel
+        # per tensor on a CPU as on a GPU (bench/results/cpu-adamw-fused-zen5.json).
         self.optimizer = self.memory.build_optimizer(torch.optim.AdamW, rounding=cfg.master_rounding,
                                                      seed=cfg.seed, lr=cfg.learning_rate,
                                                      betas=cfg.adam_betas, eps=cfg.adam_epsilon,
-                                                     weight_decay=cfg.weight_decay)
+                                                     weight_decay=cfg.weight_decay, fused=True)
         warmup = warmup_of(cfg.warmup_steps, cfg.warmup_ratio, cfg.max_steps)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             getattr(self.optimizer, "optimizer", self.optimizer),
