@@ -43,10 +43,10 @@ def distillation_config(tmp_path, **overrides):
     return trl.DistillationConfig(output_dir=str(tmp_path / "out"), **{**settings, **overrides})
 
 
-def new_trainer(trainer_class, model_dirs, args):
+def new_trainer(trainer_class, model_dirs, args, **kwargs):
     student, teacher = model_dirs
     return trainer_class(model=str(student), teacher_model=str(teacher), train_dataset=prompts().select(range(32)),
-                         args=args)
+                         args=args, **kwargs)
 
 
 def trained_history(trainer) -> list[dict]:
@@ -124,6 +124,17 @@ def test_distillation_as_typed_trains_in_the_dtype_auto_picks(model_dirs, tmp_pa
     history = assert_trains_on_the_engines_weights(trainer, prompt_logprobs,
                                                    tolerance=1e-4 if picked == torch.float32 else 5e-2)
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+
+
+def test_distillation_with_a_peft_lora_config_trains_the_engines_adapter_slot(model_dirs, tmp_path, prompt_logprobs):
+    pytest.importorskip("peft", reason="colo.trl's LoRA tests need PEFT: pip install -e '.[cpu,test]'")
+    from colo.trl import DistillationTrainer
+    from helpers.peft_runs import assert_trains_the_engines_adapter_slot, lora_config
+
+    # As typed (bf16=True, the dtype auto picks), a learning rate that moves the adapter in two steps.
+    args = distillation_config(tmp_path, bf16=True, model_init_kwargs=None, learning_rate=2e-2)
+    trainer = new_trainer(DistillationTrainer, model_dirs, args, peft_config=lora_config())
+    assert_trains_the_engines_adapter_slot(trainer, prompt_logprobs)
 
 
 def test_distillation_refuses_what_it_does_not_run(model_dirs, tmp_path):

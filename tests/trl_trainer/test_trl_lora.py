@@ -17,9 +17,8 @@ pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl", reason="colo.trl's tests need the trl extra: pip install -e '.[cpu,test]'")
 peft = pytest.importorskip("peft", reason="colo.trl's LoRA tests need PEFT: pip install -e '.[cpu,test]'")
 from colo.bench.trl_colocate import SIZES, build_model_dir, even_digits, prompts  # noqa: E402 - after the checks
+from helpers.peft_runs import TARGETS, lora_config  # noqa: E402
 from test_trl import trl_config  # noqa: E402
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +32,7 @@ def trl_model_dir(tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_trl_script_with_a_peft_lora_config_trains_the_engines_adapter_slot(dtype, tmp_path, trl_model_dir,
                                                                                prompt_logprobs):
-    from peft import LoraConfig, PeftModel
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from colo.trl import GRPOTrainer
@@ -41,8 +40,7 @@ def test_a_trl_script_with_a_peft_lora_config_trains_the_engines_adapter_slot(dt
     # beta > 0: TRL's reference is the PEFT model with its adapter disabled (the shared base).
     config = trl_config(tmp_path, "auto", learning_rate=2e-2, beta=0.04, save_strategy="steps", save_steps=3)
     trainer = GRPOTrainer(model=str(trl_model_dir), reward_funcs=even_digits, train_dataset=prompts().select(range(64)),
-                          args=config, colo_engine_dtype=dtype,
-                          peft_config=LoraConfig(r=4, lora_alpha=16, target_modules=TARGETS, task_type="CAUSAL_LM"))
+                          args=config, colo_engine_dtype=dtype, peft_config=lora_config())
     generation = trainer.vllm_generation
     llm, adapter = generation.llm, generation.colo_views
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -105,7 +103,7 @@ def test_a_trl_script_with_a_peft_lora_config_trains_the_engines_adapter_slot(dt
     resumed = GRPOTrainer(model=str(trl_model_dir), reward_funcs=even_digits,
                           train_dataset=prompts().select(range(64)), colo_engine_dtype=dtype,
                           args=trl_config(tmp_path, "auto", learning_rate=2e-2, beta=0.04, max_steps=4),
-                          peft_config=LoraConfig(r=4, lora_alpha=16, target_modules=TARGETS, task_type="CAUSAL_LM"))
+                          peft_config=lora_config())
     at_start = []
 
     class Inspect(transformers.TrainerCallback):

@@ -85,6 +85,18 @@ def test_rloo_trains_on_the_engines_weights_as_stock_trl_does(rloo_model_dir, tm
     torch.testing.assert_close(prompt_logprobs(llm), trainer_logprobs(model, PROMPTS), atol=1e-4, rtol=0)
 
 
+def test_rloo_with_a_peft_lora_config_trains_the_engines_adapter_slot(rloo_model_dir, tmp_path, prompt_logprobs):
+    pytest.importorskip("peft", reason="colo.trl's LoRA tests need PEFT: pip install -e '.[cpu,test]'")
+    from colo.trl import RLOOTrainer
+    from helpers.peft_runs import assert_trains_the_engines_adapter_slot, lora_config
+
+    # As typed (bf16=True, the dtype auto picks; TRL's beta: the reference is the base, adapter disabled).
+    args = rloo_config(tmp_path, bf16=True, model_init_kwargs=None, learning_rate=2e-2)
+    trainer = RLOOTrainer(model=str(rloo_model_dir), reward_funcs=even_digits, train_dataset=prompts().select(range(64)),
+                          args=args, peft_config=lora_config())
+    assert_trains_the_engines_adapter_slot(trainer, prompt_logprobs)
+
+
 def test_rloo_refuses_what_it_does_not_run(rloo_model_dir, tmp_path):
     from colo.trl import RLOOTrainer
 
