@@ -69,6 +69,7 @@ KV cache itself and never moves the weights).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import sys
@@ -91,11 +92,47 @@ def _import_trl():
         from trl.generation.vllm_generation import VLLMGeneration
     except ImportError as e:
         raise ImportError(f"colo.trl needs TRL {TESTED_TRL_VERSION}: pip install -e \".[trl]\" ({e})") from e
-    if trl.__version__.split("+")[0] != TESTED_TRL_VERSION and os.environ.get("COLO_ALLOW_UNTESTED_TRL") != "1":
-        raise ImportError(f"colo.trl is tested with TRL {TESTED_TRL_VERSION}, found {trl.__version__}: it replaces "
-                          "TRL's vLLM engine and weight sync, which change between releases. Install "
-                          f"trl=={TESTED_TRL_VERSION}, or set COLO_ALLOW_UNTESTED_TRL=1 to try")
     return trl, VLLMGeneration
+
+
+# TRL's private methods colo.trl overrides, and why (its own helpers are named _colo_*). A release that
+# renames one would leave colo's override unused: check_trl_surface refuses it at import.
+TRL_PRIVATE_OVERRIDES = {
+    "_init_vllm": "VLLMGeneration: colo's engine (colo.engine.build_llm, share_weights) instead of vllm.LLM",
+    "_generate": "the KV cache awake through a tool loop's turns, asleep after the round",
+    "_generate_and_score_completions": "colo/skipped_steps in TRL's metrics; GRPO: its importance ratio from the "
+                                       "training forward (one log-probability pass) and the engine's routes",
+    "_load_from_checkpoint": "a PEFT adapter's checkpoint written into the engine's LoRA slot",
+    "_save": "the fp32 masters saved, not their 16-bit rounding",
+    "_tokenize_prompts": "GRPO: image prompts kept as the chat template wrote them, for the engine to expand",
+    "_get_per_token_logps_and_entropies": "GRPO: routing replay, and the importance ratio from its result",
+}
+# TRL's private attributes colo.trl reads or sets: _metrics (its metrics), _last_loaded_step (one sync an
+# optimizer step), _dist (VLLMGeneration's ZeRO-3/FSDP state), _env_tools and _batch_environments (GRPO's
+# tools per prompt, for image prompts).
+
+
+def trl_private_overrides(cls) -> list[str]:
+    """The private methods of TRL's that colo's class `cls` (and its colo bases) override."""
+    return sorted({name for klass in cls.__mro__ if klass.__module__ == __name__ for name in vars(klass)
+                   if name.startswith("_") and not name.startswith(("__", "_colo"))})
+
+
+def check_trl_surface(classes) -> None:
+    """Refuse a TRL that lacks a private method colo overrides (ImportError naming it); warn, naming
+    what to check, on a release other than the tested one."""
+    missing = []
+    for cls in classes:
+        trl_class = next(c for c in cls.__mro__ if c.__module__.startswith("trl."))
+        missing += [f"{trl_class.__name__}.{name}" for name in trl_private_overrides(cls) if not hasattr(trl_class, name)]
+    if missing:
+        raise ImportError(f"colo.trl overrides {', '.join(missing)}, which TRL {trl.__version__} does not have: this "
+                          f"release changed what colo.trl replaces. Install trl=={TESTED_TRL_VERSION}")
+    if trl.__version__.split("+")[0] != TESTED_TRL_VERSION:
+        warnings.warn(f"colo.trl is tested with TRL {TESTED_TRL_VERSION}, found {trl.__version__}. Its overrides of "
+                      f"TRL's {', '.join(sorted(TRL_PRIVATE_OVERRIDES))} (colo.trl.TRL_PRIVATE_OVERRIDES) still "
+                      "exist here; check that their signatures and TRL's VLLMGeneration keyword arguments did not "
+                      f"change, or install trl=={TESTED_TRL_VERSION}", stacklevel=3)
 
 
 trl, _VLLMGeneration = _import_trl()
@@ -173,7 +210,7 @@ class ColoVLLMGeneration(_VLLMGeneration):
                 # 16-bit, and then views of the engine's tensors.
                 self.colo_masters = {p: p.data for p in model.parameters()}
                 model.to(dtype)
-            self._build_llm(base, dtype, device, lora, extra)
+            self._colo_build_llm(base, dtype, device, lora, extra)
             try:
                 self.colo_views = colo.share_weights(base, self.llm, check_logprobs=self.colo_share_check)
             except EngineMismatch as e:
@@ -190,7 +227,7 @@ class ColoVLLMGeneration(_VLLMGeneration):
         sleep_kv_cache(self.llm)  # training comes first in TRL's loop only after a generation
         accelerator.wait_for_everyone()
 
-    def _build_llm(self, model, dtype, device, lora, extra) -> None:
+    def _colo_build_llm(self, model, dtype, device, lora, extra) -> None:
         import colo
         from colo.engine import build_llm
         from colo.kv_sizing import default_block_size, kv_bytes_per_token, kv_cache_budget
@@ -246,17 +283,17 @@ class ColoVLLMGeneration(_VLLMGeneration):
             wake_kv_cache(self.llm)
         try:
             if images is None:
-                return self._generate_recording_routes(prompts, images, *args, **kwargs)
+                return self._colo_generate_recording_routes(prompts, images, *args, **kwargs)
             # The engine expands the images of the template's prompt itself (colo.trl_vision).
             sent = [self.colo_engine_prompts.for_engine(p) for p in prompts]
-            result = self._generate_recording_routes(sent, images, *args, **kwargs)
+            result = self._colo_generate_recording_routes(sent, images, *args, **kwargs)
             EnginePrompts.check(prompts, result[0], images)
             return (list(prompts), *result[1:])
         finally:
             if not self.colo_generation_round:
-                self._end_generation()
+                self._colo_end_generation()
 
-    def _generate_recording_routes(self, prompts, images, *args, **kwargs):
+    def _colo_generate_recording_routes(self, prompts, images, *args, **kwargs):
         if not self.colo_record_routes:
             return super().generate(prompts, images, *args, **kwargs)
         from colo.vllm_compat import recording_routes
@@ -270,7 +307,7 @@ class ColoVLLMGeneration(_VLLMGeneration):
         self.colo_routes = [routes[:len(p) + len(c) - 1] for routes, p, c in zip(held, prompt_ids, completion_ids)]
         return result
 
-    def _end_generation(self) -> None:
+    def _colo_end_generation(self) -> None:
         self.colo_engine_prompts.clear()
         self.sleep_kv_cache()  # TRL trains next: the KV cache's memory is released until then
 
@@ -283,7 +320,7 @@ class ColoVLLMGeneration(_VLLMGeneration):
             yield
         finally:
             self.colo_generation_round = False
-            self._end_generation()
+            self._colo_end_generation()
 
     def sleep_kv_cache(self) -> None:
         """Release the KV cache's memory if it is awake (the next request wakes it again)."""
@@ -417,13 +454,17 @@ class _ColocatedEngine:
                              "vllm_mode='colocate', ...)")
         self.colo_fp32_masters = None  # colo.optimizer_masters.FP32Masters, once TRL's optimizer exists
         self.colo_step_guard = None    # colo.clipping.NonFiniteStepGuard on TRL's optimizer (skipped_steps)
-        # TRL builds its own engine in __init__ when use_vllm is set; build colo's instead, after it.
-        config.use_vllm = False
-        try:
-            super().__init__(*args, **kwargs)
-        finally:
-            config.use_vllm = True
-        self.use_vllm = True
+        # TRL builds its own engine in __init__ when use_vllm is set (and reads it there only); colo's is
+        # built after it. TRL gets a copy of the config saying use_vllm=False and keeps it as self.args,
+        # saying use_vllm=True again: the user's config object is left as it was.
+        trl_config = copy.copy(config)
+        trl_config.use_vllm = False
+        if "args" in kwargs:
+            kwargs["args"] = trl_config
+        else:
+            args = (*args[:2], trl_config, *args[3:])
+        super().__init__(*args, **kwargs)
+        self.args.use_vllm = self.use_vllm = True
         args = self.args
         model = self.accelerator.unwrap_model(self.model)
         from .shared import check_model_config
@@ -741,3 +782,6 @@ def _load_format(config) -> str:
     from .model_classes import is_vision_language
 
     return "auto" if is_vision_language(config) else "dummy"
+
+
+check_trl_surface((ColoVLLMGeneration, GRPOTrainer, RLOOTrainer, DistillationTrainer))

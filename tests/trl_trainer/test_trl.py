@@ -305,6 +305,22 @@ def test_the_engine_dtype_follows_the_device_and_the_users_explicit_choices(monk
     assert colo_trl.choose_engine_dtype(fp32_model.bfloat16(), args)[:2] == (torch.bfloat16, False)  # in place: last
 
 
+def test_trls_private_methods_colo_overrides_are_listed_and_checked_at_import(monkeypatch):
+    from colo import trl as colo_trl
+
+    classes = (colo_trl.ColoVLLMGeneration, colo_trl.GRPOTrainer, colo_trl.RLOOTrainer, colo_trl.DistillationTrainer)
+    overridden = {name for cls in classes for name in colo_trl.trl_private_overrides(cls)}
+    assert overridden == set(colo_trl.TRL_PRIVATE_OVERRIDES)  # each listed once, with its reason
+    # A release that renamed one: refused, naming it (colo's override would silently not run).
+    renamed = type("Renamed", (trl.RLOOTrainer,), {"__module__": colo_trl.__name__, "_score_completions": None})
+    with pytest.raises(ImportError, match=r"overrides RLOOTrainer._score_completions, which TRL"):
+        colo_trl.check_trl_surface((renamed,))
+    # An untested release that still has them all: a warning naming what to check, no error.
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    with pytest.warns(UserWarning, match=r"tested with TRL 1.16.0, found 1.17.0. Its overrides of TRL's _generate"):
+        colo_trl.check_trl_surface(classes)
+
+
 def test_a_moe_model_trains_with_routing_replay_and_one_copy(tmp_path, trl_model_dir):
     """colo_routing_replay on a Qwen3-MoE: TRL's log-probability passes (the old policy's, with
     num_iterations=2, and the loss's forward and backward) route every token to the engine's experts;

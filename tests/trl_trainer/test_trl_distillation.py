@@ -115,8 +115,9 @@ def test_distillation_as_typed_trains_in_the_dtype_auto_picks(model_dirs, tmp_pa
     from colo.trl import DistillationTrainer
 
     # TRL's defaults: an fp32 model, bf16=True.
-    trainer = new_trainer(DistillationTrainer, model_dirs, distillation_config(tmp_path, bf16=True,
-                                                                               model_init_kwargs=None))
+    args = distillation_config(tmp_path, bf16=True, model_init_kwargs=None)
+    trainer = new_trainer(DistillationTrainer, model_dirs, args)
+    assert args.use_vllm and trainer.args.use_vllm and trainer.args is not args  # the user's config as it was
     picked = fastest_dtype(trainer.accelerator.device).dtype
     model = trainer.accelerator.unwrap_model(trainer.model)
     assert {p.dtype for p in model.parameters()} == {picked}
