@@ -443,6 +443,9 @@ class _ColocatedEngine:
     engine's and the trainer's log-probabilities are not compared at share time, colo.share_check)."""
 
     _colo_engine_logprobs: int | None = 0  # what TRL's trainer asks the engine for (its VLLMGeneration's)
+    # The config field counting the micro-batches one of TRL's generations serves (its max_num_seqs' factor).
+    _colo_batches_per_generation = "steps_per_generation"
+    _colo_vision_language = True  # whether the trainer takes a vision-language model (colo.trl_vision)
 
     def __init__(self, *args, colo_pool=None, colo_engine_dtype=None, colo_engine_options=None,
                  colo_share_check: bool = True, **kwargs):
@@ -467,11 +470,15 @@ class _ColocatedEngine:
         self.args.use_vllm = self.use_vllm = True
         args = self.args
         model = self.accelerator.unwrap_model(self.model)
+        from .model_classes import is_vision_language
         from .shared import check_model_config
 
         # What colo does not train is refused here, before any engine starts; whether each weight is
         # shared or copied is read from the engine once it is up (colo.share_weights).
         check_model_config(model.config)
+        if not self._colo_vision_language and is_vision_language(model.config):
+            raise NotImplementedError(f"colo.trl.{trainer} trains text models; a vision-language model trains "
+                                      "with colo.trl.GRPOTrainer")
         colo_engine_options = self._colo_engine_options(model, args, colo_engine_options or {})
         engine_dtype, fp32_masters, self.colo_engine_dtype_reason = choose_engine_dtype(
             model, args, colo_engine_dtype, self.accelerator.device)
@@ -487,7 +494,8 @@ class _ColocatedEngine:
             mode=args.vllm_mode, structured_outputs_regex=args.vllm_structured_outputs_regex,
             tensor_parallel_size=args.vllm_tensor_parallel_size, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             max_model_length=args.vllm_max_model_length,
-            max_num_seqs=self._colo_generation_rows(args),
+            max_num_seqs=(args.per_device_train_batch_size * args.vllm_tensor_parallel_size
+                          * getattr(args, self._colo_batches_per_generation)),
             enable_sleep_mode=args.vllm_enable_sleep_mode, model_impl=args.vllm_model_impl,
             trust_remote_code=args.trust_remote_code, repetition_penalty=self.repetition_penalty,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -503,10 +511,6 @@ class _ColocatedEngine:
     def _colo_engine_options(self, model, args, options: dict) -> dict:
         """The engine's vllm.LLM options beyond TRL's, from the user's colo_engine_options."""
         return dict(options)
-
-    def _colo_generation_rows(self, args) -> int:
-        """The sequences one of TRL's generations holds (the max_num_seqs TRL's trainer gives its engine)."""
-        return args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation
 
     def create_optimizer(self, model=None):
         """TRL's optimizer, as TRL builds it; with a bf16 engine for an fp32 model, stepping the
@@ -740,10 +744,7 @@ class RLOOTrainer(_ColocatedEngine, trl.RLOOTrainer):
     engine as TRL's processor expanded them (colo.trl_vision is GRPOTrainer's)."""
 
     _colo_engine_logprobs = None
-
-    def _colo_engine_options(self, model, args, options: dict) -> dict:
-        _refuse_vision_language(model, type(self).__name__)
-        return dict(options)
+    _colo_vision_language = False
 
 
 class DistillationTrainer(_ColocatedEngine, trl.DistillationTrainer):
@@ -756,22 +757,9 @@ class DistillationTrainer(_ColocatedEngine, trl.DistillationTrainer):
     vision-language student is refused, as RLOOTrainer refuses one."""
 
     _colo_engine_logprobs = None  # TRL's distillation asks the engine for none: the teacher scores
-
-    def _colo_generation_rows(self, args) -> int:
-        # One completion per prompt, a generation for every optimizer step (TRL's DistillationTrainer).
-        return args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.gradient_accumulation_steps
-
-    def _colo_engine_options(self, model, args, options: dict) -> dict:
-        _refuse_vision_language(model, type(self).__name__)
-        return dict(options)
-
-
-def _refuse_vision_language(model, trainer: str) -> None:
-    from .model_classes import is_vision_language
-
-    if is_vision_language(model.config):
-        raise NotImplementedError(f"colo.trl.{trainer} trains text models; a vision-language model trains with "
-                                  "colo.trl.GRPOTrainer")
+    # One completion per prompt, a generation for every optimizer step (TRL's DistillationTrainer).
+    _colo_batches_per_generation = "gradient_accumulation_steps"
+    _colo_vision_language = False
 
 
 def _load_format(config) -> str:

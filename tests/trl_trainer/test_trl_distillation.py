@@ -13,14 +13,13 @@ import torch
 
 from colo.vllm_compat import engine_model
 from colo.vllm_compat.forced_kernels import forced_cpu_gemm
-from conftest import PROMPTS
-from helpers.logprobs import trainer_logprobs
 from helpers.spies import count_calls
 from helpers.stock_trl import stock_trl_environment
 
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl", reason="colo.trl's tests need the trl extra: pip install -e '.[cpu,test]'")
 from colo.bench.trl_colocate import SIZES, build_model_dir, prompts  # noqa: E402 - after the trl check
+from test_trl import assert_engine_serves_the_trained_model  # noqa: E402
 
 TEACHER = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
                num_key_value_heads=1)
@@ -65,15 +64,10 @@ def stock_history(model_dirs, tmp_path_factory):
     return history
 
 
-def assert_trains_on_the_engines_weights(trainer, prompt_logprobs, tolerance) -> list[dict]:
-    """Train; TRL's syncs copied nothing and never called load_weights, the KV cache slept while TRL
-    trained, and the engine serves what TRL trained. Returns the logged steps."""
-    from colo.engine import kv_cache_region
-
-    llm = trainer.vllm_generation.llm
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    loads = count_calls(engine_model(llm), "load_weights")
+def assert_trains_on_the_engines_weights(trainer, model_dirs, dtype: str, tolerance, prompt_logprobs) -> list[dict]:
+    """Train; TRL's syncs copied nothing and never called load_weights, and the engine serves what TRL
+    trained (test_trl.py's check: the KV cache slept while TRL trained). Returns the logged steps."""
+    loads = count_calls(engine_model(trainer.vllm_generation.llm), "load_weights")
     trainer.train()
 
     assert loads == [], "TRL's sync went through vLLM's load_weights"
@@ -81,10 +75,7 @@ def assert_trains_on_the_engines_weights(trainer, prompt_logprobs, tolerance) ->
     assert len(reports) >= 2 and all(r["bytes_copied"] == 0 for r in reports)
     history = trained_history(trainer)
     assert len(history) == 2 and all(h["colo/skipped_steps"] == 0 for h in history)
-    trainer.vllm_generation.sync_weights()
-    assert kv_cache_region(llm).asleep
-    torch.testing.assert_close(prompt_logprobs(llm), trainer_logprobs(model, PROMPTS), atol=tolerance, rtol=0)
-    assert any(not torch.equal(initial[n], p) for n, p in model.named_parameters()), "nothing was trained"
+    assert_engine_serves_the_trained_model(trainer, model_dirs[0], dtype, tolerance, prompt_logprobs)
     return history
 
 
@@ -95,7 +86,7 @@ def test_distillation_trains_on_the_engines_weights_as_stock_trl_does(model_dirs
     with forced_cpu_gemm("plain"):
         trainer = new_trainer(DistillationTrainer, model_dirs, distillation_config(tmp_path))
     assert trainer.teacher_model is not None
-    history = assert_trains_on_the_engines_weights(trainer, prompt_logprobs, tolerance=1e-4)
+    history = assert_trains_on_the_engines_weights(trainer, model_dirs, "float32", 1e-4, prompt_logprobs)
 
     assert len(stock_history) == 2
     assert set(stock_history[0]) <= set(history[0])  # every metric TRL logs, and colo/skipped_steps
@@ -122,8 +113,8 @@ def test_distillation_as_typed_trains_in_the_dtype_auto_picks(model_dirs, tmp_pa
     model = trainer.accelerator.unwrap_model(trainer.model)
     assert {p.dtype for p in model.parameters()} == {picked}
     assert bool(trainer.vllm_generation.colo_masters) == (picked == torch.bfloat16)
-    history = assert_trains_on_the_engines_weights(trainer, prompt_logprobs,
-                                                   tolerance=1e-4 if picked == torch.float32 else 5e-2)
+    history = assert_trains_on_the_engines_weights(trainer, model_dirs, str(picked).removeprefix("torch."),
+                                                   1e-4 if picked == torch.float32 else 5e-2, prompt_logprobs)
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
 
 

@@ -168,3 +168,24 @@ def test_colo_trl_trains_gemma3_with_the_image_attention_its_engine_samples_with
     history = [h for h in trainer.state.log_history if "reward" in h]
     assert len(history) == 2 and max(h["sampling/sampling_logp_difference/max"] for h in history) < 1e-5
     assert all(r["bytes_copied"] == 0 for r in trainer.vllm_generation.colo_sync_reports)
+
+
+@pytest.mark.parametrize("trainer_name", ["RLOOTrainer", "DistillationTrainer"])
+def test_the_text_only_trainers_refuse_a_vision_language_model_before_an_engine_starts(trainer_name, idefics3_dir,
+                                                                                      tmp_path):
+    import datasets
+
+    import colo.trl
+
+    rows = [{"prompt": [{"role": "user", "content": "How many squares?"}], "image": squares(1)}] * 4
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_completion_length=8, max_steps=1,
+                    report_to="none", use_cpu=True, use_vllm=True, vllm_mode="colocate")
+    if trainer_name == "RLOOTrainer":
+        inputs = dict(reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                      args=trl.RLOOConfig(num_generations=4, **settings))
+    else:
+        inputs = dict(teacher_model=str(idefics3_dir), args=trl.DistillationConfig(**settings))
+    with pytest.raises(NotImplementedError, match=rf"colo.trl.{trainer_name} trains text models; a vision-language "
+                                                  r"model trains with colo.trl.GRPOTrainer"):
+        getattr(colo.trl, trainer_name)(model=str(idefics3_dir), train_dataset=datasets.Dataset.from_list(rows),
+                                        **inputs)
