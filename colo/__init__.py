@@ -6,10 +6,26 @@ parse arguments (`python -m colo.bench --help`) work even where the extension is
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 from .errors import CheckpointError, ColoError, EngineFailure, OutOfMemoryError, RegionAsleepError, Terminated
 
 __version__ = "0.1.0"
+
+
+def _huge_pages_for_torch_tensors() -> None:
+    """torch's CPU tensors of 2 MiB and more on transparent huge pages (torch's THP_MEM_ALLOC_ENABLE), unless
+    the user set the variable (0 turns it off). A training step allocates its logits, activations and
+    gradients afresh; on 4 KiB pages each new tensor's first write faults page by page, which costs more than
+    the arithmetic of the elementwise operations that make them (bench/results/cpu-huge-pages-zen5.json).
+    torch reads the variable once, at its first allocation: after `import torch` it is too late, so nothing
+    is set then."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
+_huge_pages_for_torch_tensors()
 
 # name -> submodule that defines it (importing the submodule loads colo._C)
 _LAZY = {

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .clipping import clip_
+from .clipping import clip_, gradients_finite
 from .mixed_precision import MainGradientOptimizer, MasterRounding, checked_params, fp32_buffer, param_groups
 from .sizes import round_up
 
@@ -230,7 +230,7 @@ class ShardedMasterWeightOptimizer(MainGradientOptimizer):
 
     def _gradients_finite(self) -> bool:
         """Every rank's gradients finite (a collective, so that the ranks step or skip together)."""
-        finite = torch.tensor(float(torch.isfinite(self.grad_flat).all()), device=self.grad_flat.device)
+        finite = torch.tensor(float(gradients_finite([self.grad_flat])), device=self.grad_flat.device)
         if self.layout.world_size > 1:
             dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self.group)
         return bool(finite)

@@ -9,11 +9,15 @@ user who sets nothing gets). `--model gemma3`: Gemma 3 270M (a base model, no ch
 problems as 4-shot plain text, at most 8 new tokens, scored by the first number it writes
 (colo.grpo.arithmetic.first_number), lr 5e-6, `vllm_max_model_length` 256 (its own 32768 tokens of 18
 layers would not fit the KV cache on 24 GiB).
+With TRL's GRPOTrainer, colo.grpo's scheduler runs the same task too (run_grpo_side), in a fresh process
+after the TRL sides, its step against the same baseline.
 `--trainer rloo|distillation`: TRL's RLOOTrainer on the same batch, or its DistillationTrainer on 64
 prompts a step, one completion each, the model its own teacher (trainer_inputs).
-Each side runs in a fresh process, in turn; the phases are colo.bench.trl_colocate.PhaseClock's (the same
-wrappers on both sides). Stock TRL runs on its F.linear variant where stock vLLM cannot take new weights
-(colo.bench.baselines.UPDATABLE_VARIANT). A record, not a test: minutes per side.
+Each side runs in a fresh process, in turn (`--rounds N`: N times, each round starting with another side,
+the medians over the rounds recorded); the phases are colo.bench.trl_colocate.PhaseClock's (the same wrappers
+on both sides). Stock TRL runs on its F.linear variant where stock vLLM cannot take new weights
+(colo.bench.baselines.UPDATABLE_VARIANT). The process imports colo first, so torch's tensors are on huge
+pages on every side, stock TRL's too (docs/cpu-kinds.md). A record, not a test: minutes per side.
 """
 from __future__ import annotations
 
@@ -108,6 +112,40 @@ def run_side(side: str, out: str, steps: int, model: str = "smollm2", bf16: bool
     return result
 
 
+def over_rounds(results: list[dict]) -> dict:
+    """One side's rounds as one: each number the median over the rounds, the rest the first round's, and
+    every round's results under "rounds" (more than one)."""
+    merged = {key: statistics.median(r[key] for r in results) if isinstance(value, (int, float)) and
+              not isinstance(value, bool) else value for key, value in results[0].items()}
+    return {**merged, "rounds": results} if len(results) > 1 else merged
+
+
+def run_grpo_side(out: str, steps: int, model: str = "smollm2") -> dict:
+    """colo.grpo's scheduler on the same task, batch and settings (prompts, reward, 8 x 8 completions, new
+    tokens, learning rate, seed; the dtype `auto` picks, as `python -m colo.grpo` without `--dtype`; the engine's
+    model length its own fit): the
+    median over the steps after the first of each phase's seconds its records give, and the rewards."""
+    from colo.grpo import GRPOConfig, GRPOScheduler
+
+    model_dir, rows, reward, settings = task(model)
+    config = GRPOConfig(prompts_per_step=8, num_generations=8, max_new_tokens=settings["max_completion_length"],
+                        learning_rate=settings["learning_rate"], seed=0)
+    run = GRPOScheduler(model_dir, config=config, dataset=rows, reward_funcs=[reward], out_dir=out)
+    try:
+        records = run.run(steps, progress=False)
+    finally:
+        run.close()
+    measured = records[1:]
+    result = {name: statistics.median(r[key] for r in measured)
+              for name, key in (("wall_s", "step_s"), ("generate_s", "generate_s"), ("train_s", "train_s"),
+                                ("publish_s", "publish_s"), ("rewards_s", "reward_s"))}
+    result.update(steps_measured=len(measured), engine_dtype=records[0]["dtype"],
+                  step_s_per_step=[r["step_s"] for r in records], train_s_per_step=[r["train_s"] for r in records],
+                  reward_per_step=[r["reward_mean"] for r in records], loss_per_step=[r["loss"] for r in records],
+                  publish_bytes_copied=max(r["publish_bytes_copied"] for r in records))
+    return result
+
+
 def _count_train_flops(trainer, clock) -> dict[int, float]:
     """{step index: matmul FLOPs of TRL's model passes}, counted from the shapes TRL gives them
     (colo.bench.trl_colocate.model_passes): the body on every position, the head on the kept ones; x2 a
@@ -141,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, required=True, help="where to write the record")
     parser.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2",
                         help="SmolLM2-135M-Instruct on chat arithmetic (default), or Gemma 3 270M on 4-shot arithmetic")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each side, in turn, each round starting with another side; the figures are "
+                             "the medians over the rounds (default 1)")
     parser.add_argument("--bf16", action="store_true", help="TRL's bf16=True on both sides (default: bf16=False)")
     parser.add_argument("--trainer", choices=sorted(TRAINERS), default="grpo",
                         help="TRL's GRPOTrainer (default), RLOOTrainer or DistillationTrainer (the model its own "
@@ -148,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first is a warm-up)")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     import torch
 
@@ -159,13 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     kernels = in_fresh_process(kernels_of, task(args.model)[0], "float32")
     baseline = "stock-variant" if stock_update_refused(kernels) else "stock"
     started = time.time()
-    sides = {}
+    names = ["colo", baseline, *(["colo.grpo"] if args.trainer == "grpo" else [])]
+    rounds: dict[str, list] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="colo-trl-task-") as tmp:
-        for side in ("colo", baseline):
-            sides[side] = in_fresh_process(run_side, side, f"{tmp}/{side}", args.steps, args.model, args.bf16,
-                                          args.trainer)
-            print(side, {k: round(v, 3) if isinstance(v, float) else v for k, v in sides[side].items()}, file=sys.stderr,
-                  flush=True)
+        for i in range(args.rounds):
+            for name in names[i % len(names):] + names[:i % len(names)]:  # each round starts with another side
+                out = f"{tmp}/{name}{i}"
+                result = in_fresh_process(run_grpo_side, out, args.steps, args.model) if name == "colo.grpo" else \
+                    in_fresh_process(run_side, name, out, args.steps, args.model, args.bf16, args.trainer)
+                rounds[name].append(result)
+                print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}, file=sys.stderr,
+                      flush=True)
+    sides = {name: over_rounds(results) for name, results in rounds.items()}
+    grpo = sides.pop("colo.grpo", None)
     peak_dtype = torch.bfloat16 if args.bf16 else torch.float32  # what TRL's autocast trains in
     peak = gemm_peak_flops(peak_dtype)
     for values in sides.values():
@@ -180,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_and_sync_s": train_and_sync,
         "train_and_sync_vs_baseline": train_and_sync["colo"] / train_and_sync[baseline],
         "step_vs_baseline": colo["wall_s"] / base["wall_s"], "gemm_peak_flops_per_s": peak,
+        **({"colo.grpo": grpo, "colo.grpo_step_vs_baseline": grpo["wall_s"] / base["wall_s"]} if grpo else {}),
         "gemm_peak_dtype": str(peak_dtype).removeprefix("torch."),
         "seconds": time.time() - started,
     }

@@ -189,7 +189,7 @@ class ChunkedHead(torch.autograd.Function):
             if want_hidden:
                 grad_hidden[i * size:i * size + len(h)] = grad_logits @ weight
             if want_weight:
-                weight_sum += _product_fp32(grad_logits.t(), h) if main is not None else grad_logits.t() @ h
+                _add_product(weight_sum, grad_logits.t(), h)
             if want_bias:
                 bias_sum += grad_logits.float().sum(0)
         grad_weight = weight_sum if want_weight and main is None else None
@@ -208,16 +208,19 @@ def _logprob_gradient(logits: torch.Tensor, targets: torch.Tensor, grad: torch.T
     return probs.to(logits.dtype)
 
 
-def _product_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b as fp32: computed in fp32 by the GEMM where torch can (CUDA, 16-bit inputs), else a @ b in
-    the inputs' dtype, then fp32."""
+def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += a @ b. An fp32 `out` of 16-bit a and b (a main gradient): the product computed in fp32 by the
+    GEMM where torch can (CUDA), else in the inputs' dtype and added to `out` in fp32 without an fp32 copy
+    of it first (a new vocab x hidden tensor a chunk). Of `out`'s own dtype: a running sum in that dtype,
+    as autograd adds gradients."""
     global _MM_OUT_DTYPE
-    if _MM_OUT_DTYPE and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+    if out.dtype != a.dtype and _MM_OUT_DTYPE and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
         try:
-            return torch.mm(a, b, out_dtype=torch.float32)
+            out += torch.mm(a, b, out_dtype=torch.float32)
+            return
         except (TypeError, RuntimeError, NotImplementedError):  # a torch without mm's out_dtype on this device
             _MM_OUT_DTYPE = False
-    return (a @ b).float()
+    out += a @ b
 
 
 _MM_OUT_DTYPE = True

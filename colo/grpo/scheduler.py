@@ -83,8 +83,8 @@ class GRPOScheduler:
     colocated with a vLLM engine.
 
     What it trains on, one of:
-    - dataset + reward_funcs (TRL's conventions; colo.grpo.task.DatasetTask): a `datasets.Dataset` or
-      a file/directory path with a `prompt` column (text, or messages through the model's chat
+    - dataset + reward_funcs (TRL's conventions; colo.grpo.task.DatasetTask): a `datasets.Dataset`, a
+      list of row dicts, or a file/directory path with a `prompt` column (text, or messages through the model's chat
       template), reward functions f(prompts, completions, completion_ids, **columns) or their names
       (colo.grpo.rewards), reward_weights; eval_dataset for greedy pass@1 every config.eval_every steps.
     - prompt_fn + reward_fn, token ids only: prompt_fn(step, count) returns `count` prompts (lists of
@@ -623,6 +623,8 @@ def global_clipped_norm(memory, optimizer, views, world, max_norm: float | None)
     grads = getattr(optimizer, "main_grads", None) or [p.grad for p in memory.params]
     norm = views.grad_norm(memory.params, grads)
     clip_(grads, norm, max_norm)  # not finite: left as they are, and the step must not run
+    if hasattr(optimizer, "note_grad_norm"):  # its step() then trusts this norm, not a pass over every gradient
+        optimizer.note_grad_norm(norm)
     return norm
 
 

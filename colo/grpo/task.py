@@ -199,7 +199,7 @@ class DatasetTask(Task):
         from .rewards import load_reward
 
         self.name, self.seed, self.tokenizer = name, seed, tokenizer
-        self.dataset = load_dataset_spec(dataset) if isinstance(dataset, (str, Path)) else dataset
+        self.dataset = load_dataset_spec(dataset) if isinstance(dataset, (str, Path)) else rows_as_dataset(dataset, name)
         columns = list(self.dataset.column_names)
         if PROMPT not in columns:
             raise ValueError(f"{name} has no {PROMPT!r} column (it has {', '.join(columns) or 'none'}); TRL's "
@@ -481,6 +481,19 @@ def _not_messages(prompt) -> str:
 
 
 # -- the scheduler's set-up and per-step checks ----------------------------------------------------
+
+def rows_as_dataset(dataset, name: str = "dataset"):
+    """A datasets.Dataset as given; a list of row dicts as one (datasets.Dataset.from_list); anything else
+    refused, naming what it is."""
+    if hasattr(dataset, "column_names"):
+        return dataset
+    if isinstance(dataset, (list, tuple)) and all(isinstance(row, dict) for row in dataset):
+        import datasets
+
+        return datasets.Dataset.from_list(list(dataset))
+    raise TypeError(f"{name} must be a path, a hub name, a datasets.Dataset or a list of row dicts, "
+                    f"got {type(dataset).__name__}")
+
 
 def build_tasks(config, model_dir, task, dataset, reward_funcs, reward_weights, eval_dataset, tokenizer, prompt_fn,
                 reward_fn, tools=(), environment=None) -> tuple[Task, Task | None]:

@@ -29,3 +29,20 @@ def test_the_passes_flops_are_the_body_on_every_position_and_the_head_on_the_kep
 def test_fewer_than_two_steps_are_refused(tmp_path):
     with pytest.raises(SystemExit):
         main(["--steps", "1", "--json", str(tmp_path / "x.json")])
+
+
+def test_rounds_are_merged_into_medians_and_kept():
+    from colo.bench.trl_task import over_rounds
+
+    rounds = [{"wall_s": 3.0, "steps_measured": 3, "engine_dtype": "bf16", "reward_per_step": [0.1]},
+              {"wall_s": 1.0, "steps_measured": 3, "engine_dtype": "bf16", "reward_per_step": [0.2]},
+              {"wall_s": 2.0, "steps_measured": 3, "engine_dtype": "bf16", "reward_per_step": [0.3]}]
+    merged = over_rounds(rounds)
+    assert merged["wall_s"] == 2.0 and merged["steps_measured"] == 3 and merged["engine_dtype"] == "bf16"
+    assert merged["reward_per_step"] == [0.1] and merged["rounds"] == rounds
+    assert over_rounds(rounds[:1]) == rounds[0]
+
+
+def test_no_rounds_are_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["--rounds", "0", "--json", str(tmp_path / "x.json")])

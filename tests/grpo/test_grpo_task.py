@@ -218,6 +218,15 @@ def test_rows_are_a_seeded_shuffle_per_epoch(tokenizer, tmp_path):
     assert task.rows(4, 5) != task.rows(1, 5) or task.rows(4, 5) != task.rows(7, 5)  # a new shuffle each epoch
 
 
+def test_a_list_of_row_dicts_is_a_dataset_and_other_objects_are_refused_by_type(tokenizer, tmp_path):
+    rows = chat_rows(4)
+    listed = DatasetTask(rows, tokenizer, "math", seed=1)
+    from_file = DatasetTask(write_jsonl(tmp_path / "d.jsonl", rows), tokenizer, "math", seed=1)
+    assert listed.prompt_token_ids == from_file.prompt_token_ids and listed.rows(1, 4) == from_file.rows(1, 4)
+    with pytest.raises(TypeError, match="dataset must be .* a list of row dicts, got dict"):
+        DatasetTask({"prompt": ["x"]}, tokenizer, "math")
+
+
 def test_bad_datasets_and_prompts_are_refused_naming_the_row(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="no 'prompt' column .*question"):
         DatasetTask(write_jsonl(tmp_path / "a.jsonl", [{"question": "x"}]), tokenizer, "math")

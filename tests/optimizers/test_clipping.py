@@ -125,3 +125,27 @@ def model_zero_grad(params) -> None:
     """As a trainer zeroes its model's gradients (FP32Masters' optimizer holds the masters, not these)."""
     for p in params:
         p.grad = None
+
+
+def test_the_schedulers_clip_hands_its_norm_to_the_step_which_then_reads_no_gradient_again(monkeypatch):
+    """colo.grpo's global_clipped_norm takes the norm through the views (shards summed, replicas once) and
+    gives it to the master-weight optimizer: its step trusts that norm instead of looking through every
+    gradient for an inf or a NaN (a pass over 4 bytes a parameter each step)."""
+    from types import SimpleNamespace
+
+    from colo import MasterWeightOptimizer
+    from colo.grpo.distributed import World
+    from colo.grpo.scheduler import global_clipped_norm
+
+    params = [torch.nn.Parameter(torch.randn(4, 4).to(torch.bfloat16)) for _ in range(2)]
+    opt = MasterWeightOptimizer(params, torch.optim.AdamW, lr=1e-2)
+    (params[0].float().sum() + params[1].float().square().sum()).backward()
+    memory = SimpleNamespace(shard=None, flat_grads={}, params=params)
+    views = SimpleNamespace(grad_norm=lambda ps, gs: math.sqrt(sum(float(g.square().sum()) for g in gs)))
+    world = World(rank=0, size=1, local_rank=0)
+    norm = global_clipped_norm(memory, opt, views, world, max_norm=None)
+    assert norm > 0 and opt._grad_norm == norm
+    monkeypatch.setattr(opt, "_gradients_finite", lambda: pytest.fail("step() looked through the gradients"))
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    assert opt.skipped_steps == 0 and not torch.equal(params[0], before[0])
