@@ -46,7 +46,7 @@ LORA_FULL = "cpu-lora-full.json"
 LOGPROB_FULL = "cpu-logprob-memory-full.json"
 # colo.trl against stock TRL on the real task (python -m colo.bench.trl_task), in the dtype auto picks there.
 # The real task in each dtype `auto` picks somewhere: fp32 (a CPU without bf16 units), bf16 (one with them).
-TRL_TASKS = ("trl-task-smollm2-fp32-avx2-one-pass.json", "trl-task-smollm2-bf16-zen5.json")
+TRL_TASKS = ("trl-task-smollm2-fp32-avx2-one-pass.json", "trl-task-smollm2-bf16-zen5-rounds.json")
 OVERLAP_FILES = ("cpu-overlap-full.json", "cpu-overlap-zen5-full.json", "cpu-overlap-avx2-persona-full.json")
 # A colo.grpo step in both dtypes on the two AVX512_BF16 CPUs without AMX measured (a Zen 5, a Xeon whose VM
 # hides AMX): why `--dtype auto` times a matmul there (colo.dtype_choice).
@@ -392,13 +392,23 @@ def logprob_memory(results: Results) -> str:
     return caption(results, (LOGPROB_FULL,)) + "\n\n" + markdown_table(header, rows)
 
 
-def _real_task_row(task: dict, file: str) -> list[str]:
+def _real_task_rows(task: dict, file: str) -> list[list[str]]:
+    """colo.trl's step against stock TRL's on the real task, and colo.grpo's against the same baseline where
+    the record has it (python -m colo.bench.trl_task's colo.grpo side)."""
     colo, stock = task["sides"]["colo"], task["sides"][task["baseline"]]
     stock_name = "stock TRL" + (" (its F.linear variant)" if task["baseline"] == "stock-variant" else "")
-    return [f"the same on SmolLM2-135M, the real task (8 x 8, 32 new tokens, {'bf16' if task['bf16'] else 'fp32'})",
-            f"{seconds(colo['wall_s'])} a step, {size(colo['sync_bytes_copied'])} per sync",
-            f"{seconds(stock['wall_s'])}, {stock_name} ({ratio(stock['wall_s'] / colo['wall_s'])})",
-            f"`{file}`"]
+    dtype = "bf16" if task["bf16"] else "fp32"
+    rows = [[f"the same on SmolLM2-135M, the real task (8 x 8, 32 new tokens, {dtype})",
+             f"{seconds(colo['wall_s'])} a step, {size(colo['sync_bytes_copied'])} per sync",
+             f"{seconds(stock['wall_s'])}, {stock_name} ({ratio(stock['wall_s'] / colo['wall_s'])})",
+             f"`{file}`"]]
+    grpo = task.get("colo.grpo")
+    if grpo is not None:
+        rows.append([f"`python -m colo.grpo` on the same task ({grpo['engine_dtype']}, as `auto` picks)",
+                     f"{seconds(grpo['wall_s'])} a step, {size(grpo['publish_bytes_copied'])} per publish",
+                     f"{seconds(stock['wall_s'])}, {stock_name} ({ratio(stock['wall_s'] / grpo['wall_s'])})",
+                     f"`{file}`"])
+    return rows
 
 
 def headlines(results: Results) -> str:
@@ -409,7 +419,8 @@ def headlines(results: Results) -> str:
     `sleep+wake offload=False (host-anon)` against the host copy (region_bytes, colo_s, returned_fraction,
     baseline_s, ratio). From cpu-trl-full.json: each size's `colo.trl` row (params, colo_sync_bytes, ratio).
     From cpu-logprob-memory-full.json: the largest vocabulary's row (peak_bytes, baseline_peak_bytes,
-    memory_ratio). From each of TRL_TASKS: both sides' step (sides.*.wall_s, the colo side's sync_bytes_copied)."""
+    memory_ratio). From each of TRL_TASKS: both sides' step (sides.*.wall_s, the colo side's sync_bytes_copied),
+    and colo.grpo's where the record has it (wall_s, publish_bytes_copied)."""
     colo_memory = find_row(results, QUICK, "memory", case="colo bf16 (bf16 engine)")
     usual_memory = find_row(results, QUICK, "memory", case="usual way (bf16 engine)")
     sync = find_row(results, QUICK, "publish", case=f"publish {PUBLISH_MODEL}", baseline_prefix="TRL sync_weights")
@@ -448,7 +459,7 @@ def headlines(results: Results) -> str:
          f"{trl_sync} per sync",
          f"stock TRL: {trl_ratios}",
          f"`{TRL_FULL}`"],
-        *(_real_task_row(results[file], file) for file in TRL_TASKS),
+        *(row for file in TRL_TASKS for row in _real_task_rows(results[file], file)),
         [f"log-probabilities + loss + backward, vocab {_vocab(logprob)}",
          size(logprob["peak_bytes"]),
          f"{size(logprob['baseline_peak_bytes'])}, all logits at once ({ratio(logprob['memory_ratio'])} less)",

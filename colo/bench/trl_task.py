@@ -115,8 +115,12 @@ def run_side(side: str, out: str, steps: int, model: str = "smollm2", bf16: bool
 def over_rounds(results: list[dict]) -> dict:
     """One side's rounds as one: each number the median over the rounds, the rest the first round's, and
     every round's results under "rounds" (more than one)."""
-    merged = {key: statistics.median(r[key] for r in results) if isinstance(value, (int, float)) and
-              not isinstance(value, bool) else value for key, value in results[0].items()}
+    def merged_value(key, value):
+        values = [r[key] for r in results]
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return statistics.median(values) if numeric and len(set(values)) > 1 else value
+
+    merged = {key: merged_value(key, value) for key, value in results[0].items()}
     return {**merged, "rounds": results} if len(results) > 1 else merged
 
 
