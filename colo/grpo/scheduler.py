@@ -84,9 +84,10 @@ class GRPOScheduler:
 
     What it trains on, one of:
     - dataset + reward_funcs (TRL's conventions; colo.grpo.task.DatasetTask): a `datasets.Dataset`, a
-      list of row dicts, or a file/directory path with a `prompt` column (text, or messages through the model's chat
-      template), reward functions f(prompts, completions, completion_ids, **columns) or their names
-      (colo.grpo.rewards), reward_weights; eval_dataset for greedy pass@1 every config.eval_every steps.
+      list of row dicts, or a file/directory path with a `prompt` column (text, or messages through the
+      model's chat template), reward functions f(prompts, completions, completion_ids, **columns) or their
+      names (colo.grpo.rewards), reward_weights; eval_dataset for greedy pass@1 every config.eval_every
+      steps.
     - prompt_fn + reward_fn, token ids only: prompt_fn(step, count) returns `count` prompts (lists of
       token ids) for a step; it must depend only on its arguments so a resumed run sees the same
       prompts. reward_fn(prompts, completions) returns one float per completion, prompts repeated once

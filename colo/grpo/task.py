@@ -199,7 +199,8 @@ class DatasetTask(Task):
         from .rewards import load_reward
 
         self.name, self.seed, self.tokenizer = name, seed, tokenizer
-        self.dataset = load_dataset_spec(dataset) if isinstance(dataset, (str, Path)) else rows_as_dataset(dataset, name)
+        self.dataset = load_dataset_spec(dataset) if isinstance(dataset, (str, Path)) else \
+            rows_as_dataset(dataset, name)
         columns = list(self.dataset.column_names)
         if PROMPT not in columns:
             raise ValueError(f"{name} has no {PROMPT!r} column (it has {', '.join(columns) or 'none'}); TRL's "
