@@ -9,8 +9,8 @@ user who sets nothing gets). `--model gemma3`: Gemma 3 270M (a base model, no ch
 problems as 4-shot plain text, at most 8 new tokens, scored by the first number it writes
 (colo.grpo.arithmetic.first_number), lr 5e-6, `vllm_max_model_length` 256 (its own 32768 tokens of 18
 layers would not fit the KV cache on 24 GiB).
-With TRL's GRPOTrainer, colo.grpo's scheduler runs the same task too (run_grpo_side), in a fresh process
-after the TRL sides, its step against the same baseline.
+With TRL's GRPOTrainer, colo.grpo's scheduler runs the same task too (run_grpo_side), as a third side in a
+fresh process of its own, its step against the same baseline.
 `--trainer rloo|distillation`: TRL's RLOOTrainer on the same batch, or its DistillationTrainer on 64
 prompts a step, one completion each, the model its own teacher (trainer_inputs).
 Each side runs in a fresh process, in turn (`--rounds N`: N times, each round starting with another side,
@@ -127,8 +127,8 @@ def over_rounds(results: list[dict]) -> dict:
 def run_grpo_side(out: str, steps: int, model: str = "smollm2") -> dict:
     """colo.grpo's scheduler on the same task, batch and settings (prompts, reward, 8 x 8 completions, new
     tokens, learning rate, seed; the dtype `auto` picks, as `python -m colo.grpo` without `--dtype`; the engine's
-    model length its own fit): the
-    median over the steps after the first of each phase's seconds its records give, and the rewards."""
+    model length its own fit): the median over the steps after the first of each phase's seconds its records
+    give, each step's seconds, rewards and loss."""
     from colo.grpo import GRPOConfig, GRPOScheduler
 
     model_dir, rows, reward, settings = task(model)
