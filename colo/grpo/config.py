@@ -7,14 +7,13 @@ awake during generation leave of the pool; the training memory asleep then lends
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from ..checks import check_int
 from ..mixed_precision import ROUNDINGS
 from .schedules import SCHEDULES
-from .settings import (int_at_least, json_object, non_negative_int, positive_float, positive_int, save_dtype_name,
-                       setting, thread_pair)
+from .settings import (Integer, OneOf, Real, check_settings, json_object, non_negative_int, positive_float, positive_int,
+                       save_dtype_name, setting, thread_pair)
 from .trackers import check_report_to
 
 
@@ -39,7 +38,8 @@ class GRPOConfig:
                                     "possible)", group="generation", type=positive_int, metavar="P")
     num_generations: int = setting(8, "completions per prompt, the GRPO group (at least 2: each completion's advantage "
                                    "is its reward against the others')", group="generation",
-                                   type=int_at_least(2), metavar="G", trl="num_generations")
+                                   type=Integer(2, why="completions per prompt: GRPO compares each with the others"),
+                                   metavar="G", trl="num_generations")
     max_new_tokens: int = setting(
         16, "longest completion (with tools: every turn's tokens together, the tools' results included)",
         group="generation", type=positive_int, metavar="T", aliases=("--max-completion-length",),
@@ -47,15 +47,18 @@ class GRPOConfig:
         not_trls_default="TRL's is 512; colo halves a first CPU run's generation")
     temperature: float = setting(1.0, "sampling temperature", group="generation", type=positive_float,
                                  trl="temperature")
-    top_p: float = setting(1.0, "nucleus sampling (1.0: off)", group="generation", type=float, trl="top_p")
+    top_p: float = setting(1.0, "nucleus sampling (1.0: off)", group="generation", type=Real(above=0, at_most=1),
+                           trl="top_p")
     top_k: int = setting(0, "sample from the k likeliest tokens (0: all)", group="generation",
                          type=non_negative_int, trl="top_k")
-    min_p: float | None = setting(None, "min-p sampling (off)", group="generation", type=float, trl="min_p")
-    repetition_penalty: float = setting(1.0, "vLLM's repetition penalty (1.0: off)", group="generation", type=float,
-                                        trl="repetition_penalty")
+    min_p: float | None = setting(None, "min-p sampling (off)", group="generation",
+                                  type=Real(at_least=0, at_most=1, optional=True), trl="min_p")
+    repetition_penalty: float = setting(1.0, "vLLM's repetition penalty (1.0: off)", group="generation",
+                                        type=positive_float, trl="repetition_penalty")
     generation_kwargs: dict | None = setting(
         None, "more of vLLM's SamplingParams fields for every generation, e.g. '{\"presence_penalty\": 0.5}' "
-        "(colo's own fields win)", group="generation", type=json_object, metavar="JSON", trl="generation_kwargs")
+        "(colo's own fields win)", group="generation", type=json_object, metavar="JSON", trl="generation_kwargs",
+        check=lambda name, value: value is None or check_generation_kwargs(value))
     ignore_eos: bool = setting(False, "completions run to max_new_tokens", group="generation", cli=False,
                                presets={"toy": True})
     log_completions: bool = setting(
@@ -64,7 +67,7 @@ class GRPOConfig:
         trl="log_completions")
     num_completions_to_print: int | None = setting(
         None, "with --log-completions: the first N of each step (default: all of the main rank's)",
-        group="generation", type=positive_int, metavar="N", trl="num_completions_to_print")
+        group="generation", type=Integer(1, optional=True), metavar="N", trl="num_completions_to_print")
     dynamic_sampling: int = setting(
         0, "DAPO's dynamic sampling: a group whose rewards are all equal is dropped and new prompts' groups are "
         "generated until the step has as many informative groups as prompts, up to N extra generations (the "
@@ -77,12 +80,13 @@ class GRPOConfig:
     # cut to their last max_prompt_length tokens. None: only prompt + completion must fit the model.
     max_prompt_length: int | None = setting(
         None, "refuse longer prompts, naming the row (or cut them with --truncate-prompts left)", group="task",
-        type=positive_int, metavar="N")
+        type=Integer(1, optional=True), metavar="N")
     truncate_prompts: str | None = setting(None, "keep the last --max-prompt-length tokens of a longer prompt",
                                            group="task", choices=("left",))
     chat_template_kwargs: dict = setting(
         help="extra arguments of the chat template, e.g. '{\"enable_thinking\": false}'", group="task",
-        default_factory=dict, type=json_object, metavar="JSON", trl="chat_template_kwargs", default_text="-")
+        default_factory=dict, type=json_object, metavar="JSON", trl="chat_template_kwargs", default_text="-",
+        check=lambda name, value: check_kind(name, value, dict, "a dict"))
     eval_every: int = setting(0, "greedy pass@1 on --eval-dataset every N steps (0: never)", group="task",
                               type=non_negative_int, metavar="N", trl="eval_steps", aliases=("--eval-steps",),
                               not_trls_default="colo evaluates only when asked")
@@ -115,32 +119,36 @@ class GRPOConfig:
         1.0, "the policy term counts only the tokens whose entropy is in the top RHO of a micro-batch's (the KL "
         "term keeps them all; TRL takes the quantile over its micro-batch gathered across processes, colo over "
         "each micro-batch a rank computes at once: rows of similar length, at most --micro-batch-size of them, "
-        "or one prompt's group in an overlapped step)", group="loss", type=float, metavar="RHO", trl="top_entropy_quantile")
+        "or one prompt's group in an overlapped step)", group="loss", type=Real(above=0, at_most=1), metavar="RHO",
+        trl="top_entropy_quantile")
     epsilon_low: float = setting(0.2, "clip range below ratio 1 (and above, unless --epsilon-high)", group="loss",
-                                 type=float, flag="--epsilon", trl="epsilon")
+                                 type=Real(at_least=0, below=1), flag="--epsilon", trl="epsilon")
     epsilon_high: float | None = setting(None, "clip range above ratio 1 (DAPO's clip-higher; None: epsilon's)",
-                                         group="loss", type=float, trl="epsilon_high", default_text="`--epsilon`")
+                                         group="loss", type=Real(at_least=0), trl="epsilon_high",
+                                         default_text="`--epsilon`")
     delta: float | None = setting(None, "two-sided clipping: the unclipped ratio capped at DELTA (> 1 + epsilon_high)",
                                   group="loss", type=float, trl="delta")
     beta: float = setting(0.0, "KL-to-reference weight (0: none). With LoRA the reference is the shared base, free; "
                           "with full fine-tuning a frozen second copy of the weights (colo.plan shows its bytes)",
-                          group="loss", type=float, trl="beta")
+                          group="loss", type=Real(at_least=0), trl="beta")
     sync_ref_model: bool = setting(
         False, "move the KL reference towards the policy every --ref-model-sync-steps optimizer steps, ref = "
         "(1 - alpha) ref + alpha policy (TR-DPO's; TRL's): needs --beta > 0 and full fine-tuning", group="loss",
         action="store_true", trl="sync_ref_model")
-    ref_model_mixup_alpha: float = setting(0.6, "sync_ref_model's alpha", group="loss", type=float,
-                                           trl="ref_model_mixup_alpha")
+    ref_model_mixup_alpha: float = setting(0.6, "sync_ref_model's alpha", group="loss",
+                                           type=Real(at_least=0, at_most=1), trl="ref_model_mixup_alpha")
     ref_model_sync_steps: int = setting(512, "sync_ref_model's period, in optimizer steps", group="loss",
                                         type=positive_int, metavar="N", trl="ref_model_sync_steps")
     off_policy_mask_threshold: float | None = setting(
         None, "off-policy sequence masking (OPSM, DeepSeek-V3.2's; TRL's): a completion with a negative advantage whose "
         "mean per-token KL from the engine's sampling log-probabilities to the trainer's exceeds this is left out of "
-        "the policy term (TRL suggests 0.5); None: off", group="loss", type=float, trl="off_policy_mask_threshold")
+        "the policy term (TRL suggests 0.5); None: off", group="loss", type=Real(above=0, optional=True, why="a KL"),
+        trl="off_policy_mask_threshold")
     router_aux_loss_coef: float | None = setting(
         None, "MoE models: the weight of the load-balancing loss the model's own forward computes from its router "
         "logits, added to the loss (TRL's; 0: off; None: the model config's router_aux_loss_coef, 0 where it has "
-        "none); computed per micro-batch over its tokens, the record's aux_loss", group="loss", type=float,
+        "none); computed per micro-batch over its tokens, the record's aux_loss", group="loss",
+        type=Real(at_least=0, optional=True),
         trl="router_aux_loss_coef", default_text="the model's")
     use_bias_correction_kl: bool = setting(True, "the KL term without the ratio", group="loss",
                                            action="store_false", flag="--no-bias-correction-kl",
@@ -161,16 +169,18 @@ class GRPOConfig:
                                    "filtering; counted in the record's clipped_ratio)", group="loss",
                                    action="store_true", aliases=("--mask-truncated-completions",),
                                    trl="mask_truncated_completions")
-    sapo_temperature_pos: float = setting(1.0, "SAPO's temperature for positive advantages", group="loss", type=float,
-                                          trl="sapo_temperature_pos")
-    sapo_temperature_neg: float = setting(1.05, "SAPO's temperature for the others", group="loss", type=float,
-                                          trl="sapo_temperature_neg")
-    vespo_k_pos: float = setting(2.0, "VESPO's gamma weights: k for positive advantages", group="loss", type=float,
-                                 trl="vespo_k_pos")
-    vespo_lambda_pos: float = setting(3.0, "VESPO's lambda for positive advantages", group="loss", type=float,
-                                      trl="vespo_lambda_pos")
-    vespo_k_neg: float = setting(3.0, "VESPO's k for the others", group="loss", type=float, trl="vespo_k_neg")
-    vespo_lambda_neg: float = setting(2.0, "VESPO's lambda for the others", group="loss", type=float,
+    sapo_temperature_pos: float = setting(1.0, "SAPO's temperature for positive advantages", group="loss",
+                                          type=positive_float, trl="sapo_temperature_pos")
+    sapo_temperature_neg: float = setting(1.05, "SAPO's temperature for the others", group="loss",
+                                          type=positive_float, trl="sapo_temperature_neg")
+    # VESPO's k is a power and its lambda a decay.
+    vespo_k_pos: float = setting(2.0, "VESPO's gamma weights: k for positive advantages", group="loss",
+                                 type=Real(at_least=0), trl="vespo_k_pos")
+    vespo_lambda_pos: float = setting(3.0, "VESPO's lambda for positive advantages", group="loss",
+                                      type=Real(at_least=0), trl="vespo_lambda_pos")
+    vespo_k_neg: float = setting(3.0, "VESPO's k for the others", group="loss", type=Real(at_least=0),
+                                 trl="vespo_k_neg")
+    vespo_lambda_neg: float = setting(2.0, "VESPO's lambda for the others", group="loss", type=Real(at_least=0),
                                       trl="vespo_lambda_neg")
     # Importance sampling against the engine's log-probabilities: a mode of IMPORTANCE_SAMPLING, and the
     # ratio's cap and floor (None: none).
@@ -182,14 +192,14 @@ class GRPOConfig:
         "than the trainer computes (a bf16 copy under an fp32 trainer); colo's engine serves the trainer's own "
         "weights, the gap is rounding (engine_logprob_max_abs_diff in every record)")
     importance_sampling_max: float | None = setting(3.0, "the importance-sampling ratio's cap", group="loss",
-                                                    type=float, metavar="C", trl="vllm_importance_sampling_clip_max",
+                                                    type=Real(above=0, optional=True), metavar="C", trl="vllm_importance_sampling_clip_max",
                                                     aliases=("--vllm-importance-sampling-clip-max",))
     importance_sampling_min: float | None = setting(None, "the importance-sampling ratio's floor", group="loss",
-                                                    type=float, metavar="C", trl="vllm_importance_sampling_clip_min",
+                                                    type=Real(at_least=0, optional=True), metavar="C", trl="vllm_importance_sampling_clip_min",
                                                     aliases=("--vllm-importance-sampling-clip-min",))
     # -- optimizer ------------------------------------------------------------------------------------
     learning_rate: float = setting(
-        1e-3, "AdamW's learning rate", group="optimizer", type=float, flag="--lr", aliases=("--learning-rate",),
+        1e-3, "AdamW's learning rate", group="optimizer", type=positive_float, flag="--lr", aliases=("--learning-rate",),
         presets={"toy": 3e-3, "dataset": 1e-6}, trl="learning_rate",
         default_text="1e-3 (the library's); 3e-3 (toy); 1e-6 with `--dataset`")
     lr_scheduler_type: str = setting(
@@ -200,14 +210,17 @@ class GRPOConfig:
     warmup_steps: int = setting(0, "linear warm-up steps, from lr/N at the first step (transformers' starts at 0)",
                                 group="optimizer", type=non_negative_int, metavar="N", trl="warmup_steps")
     warmup_ratio: float = setting(0.0, "warm-up as a fraction of the run's optimizer steps (--warmup-steps wins)",
-                                  group="optimizer", type=float, metavar="R")
-    weight_decay: float = setting(0.0, "AdamW's weight decay", group="optimizer", type=float, trl="weight_decay")
+                                  group="optimizer", type=Real(at_least=0, below=1), metavar="R")
+    weight_decay: float = setting(0.0, "AdamW's weight decay", group="optimizer", type=Real(at_least=0),
+                                  trl="weight_decay")
     adam_betas: tuple[float, float] = setting(
         (0.9, 0.99), "AdamW's betas", group="optimizer", type=float, nargs=2, metavar=("B1", "B2"), from_flag=tuple,
+        check=lambda name, value: [Real(at_least=0, below=1).check(name, beta) for beta in value],
         trl="adam_beta1, adam_beta2", not_trls_default="TRL's beta2 is 0.999; colo's toy runs were tuned at 0.99")
-    adam_epsilon: float = setting(1e-8, "AdamW's epsilon", group="optimizer", type=float, trl="adam_epsilon")
+    adam_epsilon: float = setting(1e-8, "AdamW's epsilon", group="optimizer", type=positive_float, trl="adam_epsilon")
     max_grad_norm: float | None = setting(1.0, "clip the gradient norm to this (0: no clipping)", group="optimizer",
-                                          type=float, from_flag=lambda value: value or None, trl="max_grad_norm")
+                                          type=Real(above=0, optional=True), from_flag=lambda value: value or None,
+                                          trl="max_grad_norm")
     # A step whose gradient norm is not finite skips its optimizer step (the weights stay as they were);
     # this many such steps in a row stop the run (colo.errors.NonFiniteGradients).
     max_skipped_steps: int = setting(
@@ -215,18 +228,19 @@ class GRPOConfig:
         "in a row stop the run, the last checkpoint intact", group="optimizer", type=positive_int, metavar="N")
     max_steps: int | None = setting(
         None, "the schedule's length in optimizer steps (the command line sets it from --steps x "
-        "--steps-per-generation x --num-iterations)", group="optimizer", cli=False)
+        "--steps-per-generation x --num-iterations)", group="optimizer", cli=False, check=Integer(1, optional=True))
     # -- memory, precision, parallelism -----------------------------------------------------------------
     # None: on a GPU, where activations bound the completion length, off on a CPU (checkpointing_on).
     gradient_checkpointing: bool | None = setting(
         None, "recompute each decoder layer's activations in backward (transformers' non-reentrant checkpointing): "
         "the same gradient, less activation memory for more compute (bench/results/"
         "cpu-gradient-checkpointing-avx2.json)", group="memory", choices=("on", "off"),
-        from_flag=lambda value: value == "on", trl="gradient_checkpointing", default_text="on a GPU, off on a CPU",
+        from_flag=lambda value: value == "on", check=OneOf((None, True, False)), trl="gradient_checkpointing",
+        default_text="on a GPU, off on a CPU",
         not_trls_default="TRL's is on; at colo.grpo's CPU sizes memory is not what binds")
     micro_batch_size: int | None = setting(
         None, "sequences per forward and backward (their gradients add up to the step's): bounds the activations' "
-        "memory", group="memory", type=positive_int, metavar="N",
+        "memory", group="memory", type=Integer(1, optional=True), metavar="N",
         default_text="rows of similar length together, 4096 positions at most")
     memory_phases: bool = setting(
         True, "the KV cache asleep while training, the gradients asleep while generating: a switch for "
@@ -239,21 +253,23 @@ class GRPOConfig:
     overlap_threads: tuple[int, int] | None = setting(
         None, "CPU: the engine's and the trainer's threads while both have work in an overlapped step (the groups "
         "left when generation ends train with every thread)", group="memory", type=thread_pair, metavar="E,T",
-        default_text="half the cores each")
+        check=lambda name, value: value is None or check_thread_pair(name, value), default_text="half the cores each")
     # Optimizer state to host memory while generating. None: only where the pool cannot hold it beside
     # the engine's weights and KV cache (TrainingMemory.must_offload); otherwise the copies would cost
     # time for nothing (on a host pool the "host copy" is even the same RAM).
     offload_optimizer: bool | None = setting(
         None, "optimizer state to host memory while generating (auto: only where the pool cannot hold it beside "
         "the engine's weights and KV cache)", group="memory", choices=("auto", "on", "off"),
-        from_flag={"auto": None, "on": True, "off": False}.get, default_text="`auto`")
+        from_flag={"auto": None, "on": True, "off": False}.get, check=OneOf((True, False, None), "where the pool needs it"),
+        default_text="`auto`")
     # None: the dtype that makes a whole step fastest on this device (resolve_dtype), decided at start.
     dtype: str | None = setting(
         None, "weights the engine serves and the trainer shares: bf16 (fp32 master weights and AdamW moments with "
         "the optimizer, fp32 gradient accumulation) or fp32; auto: the one that makes a whole step fastest here "
         "(bf16 on GPUs since Ampere, CPUs with AMX, and CPUs with AVX512_BF16 where a bf16 matmul times faster "
         "than fp32; fp32 elsewhere)", group="memory", choices=("auto", *DTYPES),
-        from_flag=lambda value: None if value == "auto" else value, default_text="`auto`")
+        from_flag=lambda value: None if value == "auto" else value, check=OneOf((*DTYPES, None), "the fastest here"),
+        default_text="`auto`")
     master_rounding: str = setting(
         "stochastic", "how bf16 weights take the fp32 masters' values after each optimizer step: stochastic (rounded "
         "up with the probability of the master's distance from the bf16 value below: the served weights are the "
@@ -303,7 +319,8 @@ class GRPOConfig:
                                     group="saving", type=non_negative_int, metavar="N")
     save_dtype: str | None = setting(
         None, "bf16, fp16 or fp32 for the saved model; full fine-tuning saves the fp32 master weights rounded to it",
-        group="saving", type=save_dtype_name, metavar="DTYPE", default_text="the base model's own")
+        group="saving", type=save_dtype_name, metavar="DTYPE", default_text="the base model's own",
+        check=lambda name, value: value is None or check_save_dtype(value))
     merge_lora: bool = setting(False, "with --lora-rank: OUT/final/merged, the base with the adapter merged in, "
                                "beside the PEFT adapter", group="saving", action="store_true")
     report_to: tuple[str, ...] = setting(
@@ -317,7 +334,7 @@ class GRPOConfig:
                              metavar="N", aliases=("--max-tool-calling-iterations",),
                              trl="max_tool_calling_iterations", not_trls_default="TRL's None: no limit")
     tool_timeout: float | None = setting(30.0, "seconds a tool call may take before its result is an error",
-                                         group="agent", type=positive_float, metavar="S")
+                                         group="agent", type=Real(above=0, optional=True), metavar="S")
     # Environments and async tools run in the training process either way.
     tool_isolation: str = setting(
         "process", "where sync tools run: worker processes (a tool that crashes, hangs or exhausts its memory ends "
@@ -329,201 +346,86 @@ class GRPOConfig:
         default_text="the model's own")
     structured_outputs_regex: str | None = setting(
         None, "guided decoding: every turn matches REGEX", group="agent", metavar="REGEX",
-        aliases=("--vllm-structured-outputs-regex",), trl="vllm_structured_outputs_regex")
+        aliases=("--vllm-structured-outputs-regex",), trl="vllm_structured_outputs_regex",
+        check=lambda name, value: value is None or check_regex(value))
 
     def __post_init__(self):
+        """Each setting's own range or choices are its setting()'s (colo.grpo.settings.check_settings); what is
+        here ties settings together. Values TRL's spellings allow are normalized first."""
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon_low  # TRL's: the clip range above 1 is the one below unless set
         self.adam_betas = tuple(self.adam_betas)
-        self._refuse_non_finite_numbers()
-        for name in ("prompts_per_step", "max_new_tokens"):
-            check_int(getattr(self, name), name)
-        # As TRL refuses it: with one completion per prompt every advantage is 0 and no step trains.
-        check_int(self.num_generations, "num_generations (completions per prompt: GRPO compares each with the others)",
-                  2)
-        check_int(self.max_skipped_steps, "max_skipped_steps")
-        for name in ("warmup_steps", "save_every", "save_model_every", "keep_checkpoints", "seed", "top_k",
-                     "eval_every"):
-            check_int(getattr(self, name), name, 0)
-        if self.micro_batch_size is not None:
-            check_int(self.micro_batch_size, "micro_batch_size")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.generation_kwargs is not None:
-            check_generation_kwargs(self.generation_kwargs)
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.structured_outputs_regex is not None:
-            check_regex(self.structured_outputs_regex)
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if self.lr_scheduler_type not in SCHEDULES:
-            raise ValueError(f"lr_scheduler_type must be one of {', '.join(SCHEDULES)}, got {self.lr_scheduler_type!r}")
-        if self.max_steps is not None:
-            check_int(self.max_steps, "max_steps")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if (self.lr_scheduler_type != "constant" or self.warmup_ratio) and self.max_steps is None:
-            raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r} / warmup_ratio={self.warmup_ratio} need "
-                             "max_steps (the run's optimizer steps)")
-        if not (0 <= self.adam_betas[0] < 1 and 0 <= self.adam_betas[1] < 1 and self.adam_epsilon > 0):
-            raise ValueError(f"adam_betas must be in [0, 1) and adam_epsilon > 0, got {self.adam_betas}, "
-                             f"{self.adam_epsilon}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
-        if not (0 <= self.epsilon_low < 1 and self.epsilon_high >= 0):
-            raise ValueError(f"clip range needs 0 <= epsilon_low < 1 and epsilon_high >= 0, "
-                             f"got {self.epsilon_low}, {self.epsilon_high}")
-        if self.offload_optimizer not in (None, True, False):
-            raise ValueError(f"offload_optimizer must be True, False or None (where the pool needs it), got "
-                             f"{self.offload_optimizer!r}")
-        if not isinstance(self.shard_optimizer, bool):
-            raise ValueError(f"shard_optimizer must be True or False, got {self.shard_optimizer!r}")
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
-        if self.scale_rewards not in SCALES:
-            raise ValueError(f"scale_rewards must be one of {', '.join(SCALES)}, got {self.scale_rewards!r}")
-        if self.overlap not in OVERLAP_MODES:
-            raise ValueError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap!r}")
-        if self.overlap_threads is not None:
-            if not isinstance(self.overlap_threads, (tuple, list)) or len(self.overlap_threads) != 2:
-                raise ValueError(f"overlap_threads must be (engine threads, trainer threads), got {self.overlap_threads!r}")
-            self.overlap_threads = tuple(check_int(n, "overlap_threads") for n in self.overlap_threads)
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
-        check_int(self.num_iterations, "num_iterations")
-        check_int(self.steps_per_generation, "steps_per_generation")
-        if self.steps_per_generation > self.prompts_per_step:
-            raise ValueError(f"steps_per_generation={self.steps_per_generation} slices a rollout of "
-                             f"{self.prompts_per_step} prompts' groups: at most prompts_per_step")
-        if self.steps_per_generation > 1 and self.dynamic_sampling:
-            raise NotImplementedError("steps_per_generation with dynamic_sampling (a step's groups vary in number)")
-        if self.steps_per_generation > 1 and self.overlap == "on":
-            raise ValueError(f"steps_per_generation={self.steps_per_generation} with overlap='on': the slices train "
-                             "after the whole rollout is generated (overlap='auto' or 'off')")
-        check_int(self.dynamic_sampling, "dynamic_sampling", 0)
-        if not 0 < self.top_entropy_quantile <= 1:
-            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}")
-        if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
-            raise ValueError("multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum', got "
-                             f"{self.multi_objective_aggregation!r}")
-        self._check_advantage_estimator()
-        if self.multi_objective_aggregation == "normalize_then_sum" and self.overlap == "on":
-            raise ValueError("multi_objective_aggregation='normalize_then_sum' normalizes over the whole batch: "
-                             "it needs serial steps (overlap='auto' or 'off')")
-        if self.dynamic_sampling and self.tensor_parallel > 1:
-            raise ValueError("dynamic_sampling: each rank generates its own replacement prompts, so it needs one "
-                             "engine per rank (tensor_parallel=1)")
-        if self.num_iterations > 1 and self.overlap == "on":
-            raise ValueError(f"num_iterations={self.num_iterations} with overlap='on': a rollout trained on several "
-                             "times is trained after its generation (overlap='auto' or 'off')")
-        if self.importance_sampling_level not in ("token", "sequence"):
-            raise ValueError(f"importance_sampling_level must be 'token' or 'sequence' (GSPO), got "
-                             f"{self.importance_sampling_level!r}")
-        if self.delta is not None and not self.delta > 1 + self.epsilon_high:
-            raise ValueError(f"delta (two-sided clipping) must exceed 1 + epsilon_high = {1 + self.epsilon_high}, "
-                             f"got {self.delta}")
-        if not (self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0):
-            raise ValueError("sapo_temperature_pos and sapo_temperature_neg must be positive")
-        if self.max_prompt_length is not None:
-            check_int(self.max_prompt_length, "max_prompt_length")
-        if self.truncate_prompts not in (None, "left"):
-            raise ValueError(f"truncate_prompts must be None or 'left', got {self.truncate_prompts!r}")
-        if self.truncate_prompts and self.max_prompt_length is None:
-            raise ValueError("truncate_prompts='left' needs max_prompt_length (the tokens to keep)")
-        if not isinstance(self.chat_template_kwargs, dict):
-            raise ValueError(f"chat_template_kwargs must be a dict, got {self.chat_template_kwargs!r}")
-        if self.beta < 0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}")
-        if self.sync_ref_model and not self.beta > 0:
-            raise ValueError("sync_ref_model with beta=0: there is no reference to move (as TRL refuses it)")
-        if self.sync_ref_model and self.lora_rank:
-            raise ValueError("sync_ref_model with lora_rank > 0: an adapter's reference is the shared base, which "
-                             "has no weights of its own to move (TRL refuses it with PEFT too)")
-        if not 0 <= self.ref_model_mixup_alpha <= 1:
-            raise ValueError(f"ref_model_mixup_alpha must be in [0, 1], got {self.ref_model_mixup_alpha}")
-        check_int(self.ref_model_sync_steps, "ref_model_sync_steps")
-        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold > 0:
-            raise ValueError(f"off_policy_mask_threshold must be > 0 (a KL) or None, got {self.off_policy_mask_threshold}")
-        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
-            raise ValueError(f"router_aux_loss_coef must be >= 0 or None (the model's), got {self.router_aux_loss_coef}")
-        if self.router_aux_loss_coef and self.tensor_parallel > 1:
-            raise NotImplementedError("router_aux_loss_coef with tensor_parallel > 1 (the load-balancing loss of a "
-                                      "tensor-parallel model's routers) is not built yet; set it to 0")
-        check_int(self.lora_rank, "lora_rank", 0)
         if self.lora_targets is not None:
             self.lora_targets = (self.lora_targets,) if isinstance(self.lora_targets, str) else tuple(self.lora_targets)
+        check_settings(self)
+        if self.overlap_threads is not None:
+            self.overlap_threads = tuple(self.overlap_threads)
+        self.report_to = check_report_to([self.report_to] if isinstance(self.report_to, str) else self.report_to)
+        for broken, error, message in self._ties():
+            if broken:
+                raise error(message)
         if self.lora_rank:
             self.lora_spec  # noqa: B018 - validates rank, alpha and targets
-            if self.shard_optimizer:
-                raise ValueError("shard_optimizer with lora_rank > 0: an adapter's optimizer state is small; "
-                                 "train it unsharded")
-        check_int(self.tensor_parallel, "tensor_parallel")
-        if self.tensor_parallel > 1 and self.beta > 0:
-            raise NotImplementedError(f"tensor_parallel={self.tensor_parallel} with beta > 0 (a reference model) is "
-                                      "not built yet")
-        if self.tensor_parallel > 1 and (self.eval_every or self.eval_on_start):
-            raise NotImplementedError("evaluation (eval_every, eval_on_start) with tensor_parallel > 1 is not built yet")
-        if self.save_dtype is not None and str(self.save_dtype).lower() not in SAVE_DTYPES:
-            raise ValueError(f"save_dtype: {self.save_dtype!r} is not a dtype colo saves in; one of bf16, fp16, fp32 "
-                             "or None (the base model's own)")
-        self.report_to = check_report_to([self.report_to] if isinstance(self.report_to, str) else self.report_to)
-        if self.merge_lora and not self.lora_rank:
-            raise ValueError("merge_lora needs lora_rank > 0 (full fine-tuning saves the whole model already)")
-        check_int(self.max_turns, "max_turns", 0)
-        if self.tool_isolation not in TOOL_ISOLATION:
-            raise ValueError(f"tool_isolation must be one of {', '.join(TOOL_ISOLATION)}, got {self.tool_isolation!r}")
-        if self.tool_timeout is not None and not self.tool_timeout > 0:
-            raise ValueError(f"tool_timeout must be > 0 seconds or None, got {self.tool_timeout}")
-        if self.importance_sampling not in IMPORTANCE_SAMPLING:
-            raise ValueError(f"importance_sampling must be one of {', '.join(IMPORTANCE_SAMPLING)}, got "
-                             f"{self.importance_sampling!r}")
-        low, high = self.importance_sampling_min, self.importance_sampling_max
-        if (low is not None and low < 0) or (high is not None and not high > 0):
-            raise ValueError(f"importance_sampling_min must be >= 0 and importance_sampling_max > 0 (bounds on a "
-                             f"ratio of probabilities), got {low}, {high}")
-        vespo = {n: getattr(self, n) for n in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}
-        if any(v < 0 for v in vespo.values()):
-            raise ValueError(f"VESPO's k and lambda must be >= 0 (a power and a decay), got {vespo}")
-        if self.importance_sampling.endswith("truncate") and low is None and high is None:
-            raise ValueError(f"importance_sampling={self.importance_sampling!r} needs importance_sampling_max or _min")
-        if low is not None and high is not None and not low < high:
-            raise ValueError(f"importance_sampling_min ({low}) must be below importance_sampling_max ({high})")
-        if self.dtype not in (None, *DTYPES):
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or None (the fastest here), got {self.dtype!r}")
 
-    def _check_advantage_estimator(self) -> None:
+    def _ties(self):
+        """(whether the rule is broken, the exception, its message) of each rule that ties settings together."""
+        sliced, iterations, on = self.steps_per_generation, self.num_iterations, self.overlap == "on"
+        tp, low, high = self.tensor_parallel, self.importance_sampling_min, self.importance_sampling_max
+        yield ((self.lr_scheduler_type != "constant" or self.warmup_ratio) and self.max_steps is None, ValueError,
+               f"lr_scheduler_type={self.lr_scheduler_type!r} / warmup_ratio={self.warmup_ratio} need max_steps (the "
+               "run's optimizer steps)")
+        yield (sliced > self.prompts_per_step, ValueError, f"steps_per_generation={sliced} slices a rollout of "
+               f"{self.prompts_per_step} prompts' groups: at most prompts_per_step")
+        yield (sliced > 1 and self.dynamic_sampling, NotImplementedError,
+               "steps_per_generation with dynamic_sampling (a step's groups vary in number)")
+        yield (sliced > 1 and on, ValueError, f"steps_per_generation={sliced} with overlap='on': the slices train after "
+               "the whole rollout is generated (overlap='auto' or 'off')")
+        yield (iterations > 1 and on, ValueError, f"num_iterations={iterations} with overlap='on': a rollout trained on "
+               "several times is trained after its generation (overlap='auto' or 'off')")
+        yield from self._estimator_ties()
+        yield (self.multi_objective_aggregation == "normalize_then_sum" and on, ValueError,
+               "multi_objective_aggregation='normalize_then_sum' normalizes over the whole batch: it needs serial "
+               "steps (overlap='auto' or 'off')")
+        yield (self.delta is not None and not self.delta > 1 + self.epsilon_high, ValueError,
+               f"delta (two-sided clipping) must exceed 1 + epsilon_high = {1 + self.epsilon_high}, got {self.delta}")
+        yield (self.truncate_prompts and self.max_prompt_length is None, ValueError,
+               "truncate_prompts='left' needs max_prompt_length (the tokens to keep)")
+        yield (self.sync_ref_model and not self.beta > 0, ValueError,
+               "sync_ref_model with beta=0: there is no reference to move (as TRL refuses it)")
+        yield (self.sync_ref_model and self.lora_rank, ValueError, "sync_ref_model with lora_rank > 0: an adapter's "
+               "reference is the shared base, which has no weights of its own to move (TRL refuses it with PEFT too)")
+        yield (self.shard_optimizer and self.lora_rank, ValueError, "shard_optimizer with lora_rank > 0: an adapter's "
+               "optimizer state is small; train it unsharded")
+        yield (self.merge_lora and not self.lora_rank, ValueError,
+               "merge_lora needs lora_rank > 0 (full fine-tuning saves the whole model already)")
+        yield (self.dynamic_sampling and tp > 1, ValueError, "dynamic_sampling: each rank generates its own "
+               "replacement prompts, so it needs one engine per rank (tensor_parallel=1)")
+        yield (self.router_aux_loss_coef and tp > 1, NotImplementedError, "router_aux_loss_coef with tensor_parallel "
+               "> 1 (the load-balancing loss of a tensor-parallel model's routers) is not built yet; set it to 0")
+        yield (tp > 1 and self.beta > 0, NotImplementedError,
+               f"tensor_parallel={tp} with beta > 0 (a reference model) is not built yet")
+        yield (tp > 1 and (self.eval_every or self.eval_on_start), NotImplementedError,
+               "evaluation (eval_every, eval_on_start) with tensor_parallel > 1 is not built yet")
+        yield (self.importance_sampling.endswith("truncate") and low is None and high is None, ValueError,
+               f"importance_sampling={self.importance_sampling!r} needs importance_sampling_max or _min")
+        yield (low is not None and high is not None and not low < high, ValueError,
+               f"importance_sampling_min ({low}) must be below importance_sampling_max ({high})")
+
+    def _estimator_ties(self):
         """Each estimator's own normalization: --scale-rewards and GDPO's aggregation are GRPO's,
         --normalize-advantages RLOO's; REINFORCE++ always whitens over the batch."""
         estimator = self.advantage_estimator
-        if estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage_estimator must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, got {estimator!r}")
-        if estimator != "grpo" and self.scale_rewards != "group":
-            raise ValueError(f"scale_rewards={self.scale_rewards!r} is GRPO's normalization; advantage_estimator="
-                             f"{estimator!r} has its own (rloo: normalize_advantages; reinforce_plus_plus: always "
-                             "whitened over the batch)")
-        if estimator != "grpo" and self.multi_objective_aggregation != "sum_then_normalize":
-            raise ValueError(f"multi_objective_aggregation={self.multi_objective_aggregation!r} (GDPO) normalizes "
-                             f"GRPO's way; with advantage_estimator={estimator!r} the weighted sum of the rewards is used")
-        if self.normalize_advantages and estimator != "rloo":
-            raise ValueError(f"normalize_advantages is RLOO's (advantage_estimator='rloo'); with {estimator!r} "
-                             + ("scale_rewards normalizes" if estimator == "grpo" else "the advantages are whitened "
-                                "over the batch already"))
-
-    def _refuse_non_finite_numbers(self) -> None:
-        """NaN or inf in any numeric setting is refused naming it: the comparisons below pass NaN (a NaN
-        beta reads as no reference and then as one), and an infinite rate or decay writes inf into the
-        weights the engine serves."""
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            numbers = value if isinstance(value, tuple) else (value,)
-            if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
-                raise ValueError(f"{f.name} must be a finite number, got {value}")
+        yield (estimator != "grpo" and self.scale_rewards != "group", ValueError,
+               f"scale_rewards={self.scale_rewards!r} is GRPO's normalization; advantage_estimator={estimator!r} has "
+               "its own (rloo: normalize_advantages; reinforce_plus_plus: always whitened over the batch)")
+        yield (estimator != "grpo" and self.multi_objective_aggregation != "sum_then_normalize", ValueError,
+               f"multi_objective_aggregation={self.multi_objective_aggregation!r} (GDPO) normalizes GRPO's way; with "
+               f"advantage_estimator={estimator!r} the weighted sum of the rewards is used")
+        yield (self.normalize_advantages and estimator != "rloo", ValueError,
+               f"normalize_advantages is RLOO's (advantage_estimator='rloo'); with {estimator!r} "
+               + ("scale_rewards normalizes" if estimator == "grpo" else "the advantages are whitened over the "
+                  "batch already"))
 
     @property
     def lora_spec(self):
@@ -671,6 +573,25 @@ def check_generation_kwargs(kwargs: dict) -> None:
         SamplingParams(**kwargs)
     except Exception as e:  # noqa: BLE001 - vLLM raises its own validation errors, and TypeError for a wrong kind
         raise ValueError(f"generation_kwargs {kwargs}: vLLM's SamplingParams refuses them: {e}") from None
+
+
+def check_kind(name: str, value, kind: type, words: str) -> None:
+    if not isinstance(value, kind):
+        raise ValueError(f"{name} must be {words}, got {value!r}")
+
+
+def check_thread_pair(name: str, value) -> None:
+    """(engine threads, trainer threads): two positive integers."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"{name} must be (engine threads, trainer threads), got {value!r}")
+    for threads in value:
+        check_int(threads, name)
+
+
+def check_save_dtype(value) -> None:
+    if str(value).lower() not in SAVE_DTYPES:
+        raise ValueError(f"save_dtype: {value!r} is not a dtype colo saves in; one of bf16, fp16, fp32 or None (the "
+                         "base model's own)")
 
 
 def processed_logprobs(config) -> bool:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import signal
 import tempfile
 import threading
@@ -45,7 +44,6 @@ import torch
 
 from .. import vllm_compat as compat
 from ..checks import check_int
-from ..clipping import clip_
 from ..errors import ModelSaveError, NonFiniteGradients, Terminated
 from ..hf_format import FINAL, model_step_dir
 from ..model_classes import disable_dropout, vision_tower_parameters
@@ -55,22 +53,22 @@ from ..regions import WEIGHTS
 from ..zero import ShardLayout
 from . import distributed
 from .backward import PolicyTrainer
-from .batch import Rollout, rollout_of
+from .batch import rollout_of
 from .checkpoint import Checkpointer
 from .config import GRPOConfig, check_routing_replay, checkpointing_on, processed_logprobs
-from .metrics import (ProgressBar, Residency, StepLog, Timeline, agent_stats, rank_path, reward_stats, scored_mean_std,
-                      train_stats)
-from .overlap import GroupFailed, memory_refusal, serial_reason
+from .metrics import ProgressBar, Residency, StepLog, Timeline, rank_path, scored_mean_std
+from .overlap import memory_refusal, serial_reason
 from .phases import MemoryPhases
 from .preflight import CheckedRun, check_run
 from .completions_log import completion_samples
 from .reward_model import attach_reward_models
 from .schedules import lr_multiplier, warmup_of
-from .rollout_engine import EngineFailure, RolloutEngine, engine_error, rebuild_engine
-from .strategy import Generated, OverlappedSteps, SerialSteps
+from .rollout_engine import EngineFailure, RolloutEngine
+from .strategy import OverlappedSteps, Scored, SerialSteps
 from .task import Task, build_tasks, fit_model_length, guided_options, longest_sequence, rank_batch, stop_options
 from .trackers import Trackers
 from .train_memory import TrainingMemory
+from .update import Updater, Updates
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +169,7 @@ class GRPOScheduler:
                                          timeline=self.timeline)
         self.step = self.checkpointer.restore(resume_state) if resume_state is not None else 0
         # The optimizer steps taken so far, each step's as many (TRL's global_step: sync_ref_model's clock).
-        self.optimizer_steps = self.step * self.config.num_iterations * self.config.steps_per_generation
+        self.updater.optimizer_steps = self.step * self.config.num_iterations * self.config.steps_per_generation
         self.log = StepLog(log_path if self.world.is_main else None,
                            resume_after_step=self.step if resume else None)
         self.trackers = self._open_trackers(log_path, resume) if self.world.is_main else None
@@ -180,10 +178,6 @@ class GRPOScheduler:
         self.completions_log = StepLog(where / "completions.jsonl" if where and self.config.log_completions and
                                        self.world.is_main else None, resume_after_step=self.step if resume else None)
         self.last_completions: list[dict] = []   # the last step's samples (log_completions), for library users
-        # True from the optimizer step until the publish: the weights are half-changed, and a failure
-        # then must not checkpoint them (run() saves on the way out only when this is False).
-        self._unsafe_to_save = False
-        self.skipped_in_a_row = 0  # steps whose gradient norm was not finite, up to the last one
 
     # -- set-up ------------------------------------------------------------------------------------
     def _join_world(self) -> None:
@@ -283,6 +277,8 @@ class GRPOScheduler:
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             getattr(self.optimizer, "optimizer", self.optimizer),
             lambda i: lr_multiplier(i, cfg.lr_scheduler_type, warmup, cfg.max_steps))
+        self.updater = Updater(self.memory, self.optimizer, self.lr_scheduler, views=self.views, world=self.world,
+                               config=cfg, reference=self.reference, residency=self.residency)
         self.phases = MemoryPhases(self.engine, self.memory, on=cfg.memory_phases)
         self.phases.to_generate()
         self.phases.take_seconds()  # set-up, not a step's
@@ -315,7 +311,8 @@ class GRPOScheduler:
     def _strategy(self) -> SerialSteps:
         """Serial steps, or overlapped ones where nothing refuses them (chosen once: serial_reason)."""
         if self.serial_reason is not None:
-            return SerialSteps(self.engine, self.task, self.config, self.world, self.trainer, agent=self.agent)
+            return SerialSteps(self.engine, self.task, self.config, self.world, self.trainer, memory=self.memory,
+                               agent=self.agent)
         stream = self.pool.stream("train").torch_stream() if self.device.type == "cuda" else None
         return OverlappedSteps(self.engine, self.task, self.config, self.world, self.trainer, agent=self.agent,
                                phases=self.phases,
@@ -328,167 +325,55 @@ class GRPOScheduler:
     # -- the step ----------------------------------------------------------------------------------
     def train_step(self) -> dict:
         """Run one GRPO step (the next one) and return its metrics record."""
-        step = self.step + 1
-        started = time.perf_counter()
-        rollout, generated, generate_s, rebuild_s = self._generate(step)
-        try:
+        step, started = self.step + 1, time.perf_counter()
+        batch = rank_batch(self.task, self.config, self.world, step, self.engine)
+        with self.timeline.span("generate", step=step) as generating:
+            generated = self.strategy.generate_or_rebuild(step, batch, self.timeline)  # engine raised: rebuilt, once more
+        with self.strategy.abandoned_on_failure(generated):
             with self.timeline.span("reward", step=step):
-                scores, reward_s = self.strategy.score(step, rollout, generated)
-            # The record's reward statistics are the step's own generation's; dynamic sampling trains on
-            # its informative groups, topped up with new prompts' (colo.grpo.dynamic_sampling).
-            sampled, sampled_scores, filled = rollout, scores, {}
-            if self.config.dynamic_sampling:
-                with self.timeline.span("dynamic_sampling", step=step):
-                    rollout, scores, filled = self.strategy.informative(step, rollout, scores, generated)
-            with self.timeline.span("train", step=step) as train:
-                self.phases.to_train(gradients_awake=generated.overlapped is not None)
-                self.timeline.counter("resident_bytes", self.residency.resident())
-                collectives = self.views.collective_count
-                trained, norm, skipped, later = self._train(rollout, scores, generated)
-            if self.config.log_completions:
-                self.last_completions = self._completion_samples(step, rollout, scores)
-        except BaseException:
-            self.strategy.abandon(generated)  # the trainer's thread stops; on a GPU its stream is waited for
-            raise
-        # The gradients sleep and the optimizer state's copy out overlaps the publish; the KV cache wakes
-        # after it, so between steps the run is ready to generate (a user may checkpoint or evaluate).
-        self.phases.to_generate_begin()
+                scored = self.strategy.score(step, generated, self.timeline)
+            with self.timeline.span("train", step=step) as training:
+                self._to_train(gradients_awake=generated.overlapped is not None)
+                updates = Updates(self.views, self.world)
+                for part in self.strategy.parts(scored):  # one; TRL's steps_per_generation x num_iterations slices
+                    trained = self.strategy.train(part, generated)  # forward, loss, backward (or the overlap's rest)
+                    updates.add(trained, self.updater.clip_and_step())  # a norm that is not finite: no step
+            self.last_completions = self._completion_samples(step, scored)
+        self.phases.to_generate_begin()  # the gradients sleep; the optimizer state's copy out overlaps the publish
         report, publish_s = self._publish(step)
-        self.phases.to_generate_end()
+        self.phases.to_generate_end()  # the KV cache wakes: between steps the run is ready to generate
         self.step = step
-        record = {
-            "step": step, "dtype": self.config.dtype,
-            "generate_s": generate_s, "generate_tail_s": generated.tail_s, "engine_step_s_median": generated.engine_step_s,
-            "overlap": generated.overlapped is not None,
-            **({"overlap_fallback": generated.fallback} if generated.fallback else {}),
-            **({"engine_rebuild_s": rebuild_s} if rebuild_s is not None else {}),
-            "reward_s": reward_s, **reward_stats(sampled_scores, sampled, self.world), **filled,
-            **(agent_stats(generated.completions, self.agent.stats, self.world) if self.agent is not None else {}),
-            "train_s": train["seconds"], **train_stats(trained.stats, self.world), **trained.during_generation,
-            **({"routing_replay": self.config.routing_replay} if "router_compared" in trained.stats else {}),
-            "grad_norm": norm, "step_skipped": skipped, "skipped_steps_in_a_row": self.skipped_in_a_row, **later,
-            "optimizer_state_bytes": self.memory.optimizer_state_bytes(),
-            **({"tp_all_reduces": self.views.collective_count - collectives} if self.world.tp_size > 1 else {}),
-            "publish_s": publish_s, "publish_bytes_copied": report.bytes_copied,
-            "phase_switch_s": self.phases.take_seconds(), **self.residency.take(),
-        }
-        record["step_s"] = time.perf_counter() - started
+        record = {"step": step, "dtype": self.config.dtype, "generate_s": generating["seconds"],
+                  **generated.fields(self.world), **scored.fields(self.world), "train_s": training["seconds"],
+                  **updates.fields(), "optimizer_state_bytes": self.memory.optimizer_state_bytes(),
+                  "publish_s": publish_s, "publish_bytes_copied": report.bytes_copied,
+                  "phase_switch_s": self.phases.take_seconds(), **self.residency.take(),
+                  "step_s": time.perf_counter() - started, "lr": self.lr_scheduler.get_last_lr()[0]}
         record["tokens_per_s"] = record["tokens_generated"] / record["step_s"]
-        record["lr"] = self.lr_scheduler.get_last_lr()[0]
         if self.eval_task is not None and self.config.eval_every and step % self.config.eval_every == 0:
             record.update(self.evaluate())
         return record
 
-    def _generate(self, step: int) -> tuple[Rollout, Generated, float, float | None]:
-        """This rank's rollout of the step (the strategy's try; after an engine error the engine is
-        rebuilt from the shared weights and tried once more), the generation, its seconds and the
-        rebuild's. Every rank fails together rather than leaving the others waiting in an all-reduce."""
-        cfg = self.config
-        rows, prompts, sampling = rank_batch(self.task, cfg, self.world, step, self.engine)
-        with self.timeline.span("generate", step=step) as span:
-            error = generated = rebuild_s = None
-            try:
-                generated, failure = self._try_generate(step, rows, prompts, sampling)
-                if failure is not None:  # the engine raised: rebuilt from the shared weights, it tries once more
-                    rebuild_s = rebuild_engine(self.engine, failure, step=step, rank=self.world.rank,
-                                               timeline=self.timeline)
-                    generated, second = self._try_generate(step, rows, prompts, sampling)
-                    if second is not None:
-                        raise EngineFailure(f"step {step}: generation failed twice on rank {self.world.rank}: first "
-                                            f"{failure}; after rebuilding the engine from the shared weights: {second}")
-            except EngineFailure as e:
-                error = e
-            except GroupFailed as e:  # a reward function or the trainer raised: that error, as it is
-                raise e.__cause__ from None
-            if distributed.sum_floats([1.0 if error else 0.0], self.world)[0]:
-                if error is not None:
-                    raise error
-                self.strategy.abandon(generated)
-                raise EngineFailure(f"step {step}: generation failed on another rank (see its error)")
-            self.residency.sample("generate")
-        return rollout_of(rows, prompts, generated.completions, cfg.num_generations), generated, span["seconds"], rebuild_s
+    def _to_train(self, *, gradients_awake: bool) -> None:
+        self.phases.to_train(gradients_awake=gradients_awake)
+        self.timeline.counter("resident_bytes", self.residency.resident())
 
-    def _try_generate(self, step: int, rows, prompts, sampling) -> tuple[Generated | None, str | None]:
-        """(the strategy's generation, None), or (None, what the engine raised). Not the engine's and raised
-        as they are: a request vLLM refused (ValueError: the run's settings), and a reward function's or the
-        trainer's error (GroupFailed)."""
-        try:
-            return self.strategy.generate(step, rows, prompts, sampling), None
-        except GroupFailed:
-            raise
-        except Exception as e:  # noqa: BLE001 - the engine's; the caller rebuilds it once
-            return None, engine_error(e, step)
-
-    def _completion_samples(self, step: int, rollout: Rollout, scores) -> list[dict]:
-        """The step's first num_completions_to_print completions with their rewards and the advantages the
-        step trained with (the strategy's: a collective with scale_rewards='batch', on every rank alike)."""
-        advantages = self.strategy.advantages(scores, rollout)
-        return completion_samples(self.task, step, rollout, scores, advantages, self.config.num_completions_to_print)
-
-    def _train(self, rollout: Rollout, scores, generated):
-        """The step's optimizer steps on its rollout: (the first's Trained, its gradient norm, whether it was
-        skipped, the last's record fields). One by default; TRL's steps_per_generation x num_iterations
-        otherwise (_train_in_slices)."""
-        if self.config.steps_per_generation == 1 and self.config.num_iterations == 1:
-            trained = self.strategy.train(rollout, scores, generated)
-            return (trained, *self._update(), {})
-        return self._train_in_slices(rollout, scores)
-
-    def _train_in_slices(self, rollout: Rollout, scores):
-        """The rollout's groups in steps_per_generation slices, an optimizer step on each, num_iterations
-        times over (serial steps only); every step clips against the log-probabilities of the weights the
-        rollout was sampled with (a forward without gradients before the first update, as TRL computes its
-        old_per_token_logps), each slice's loss over its own tokens; the engine is published to once, after
-        the last. Returns the first step's (trained, grad norm, skipped) and the last's record fields."""
-        cfg = self.config
-        advantages = self.strategy.advantages(scores, rollout)
-        rollout.old_logprobs = self.trainer.old_logprobs(rollout)
-        groups = len(rollout.rows) // cfg.num_generations
-        cuts = [round(k * groups / cfg.steps_per_generation) * cfg.num_generations
-                for k in range(cfg.steps_per_generation + 1)]
-        first = last = None
-        skipped_any = False
-        for iteration in range(cfg.num_iterations):
-            for start, stop in zip(cuts, cuts[1:]):
-                if first is not None:
-                    self.memory.zero_grads()
-                trained = self.strategy.train(rollout.part(start, stop), None, None, advantages[start:stop])
-                norm, skipped = self._update()
-                skipped_any |= skipped
-                first = first or (trained, norm, skipped)
-                last = (trained, norm)
-        steps = cfg.steps_per_generation * cfg.num_iterations
-        return (*first, {"optimizer_steps": steps, "last_iteration/loss": last[0].stats["loss"],
-                         "last_iteration/clip_fraction": last[0].stats["clip_fraction"],
-                         "last_iteration/grad_norm": last[1], "last_iteration/step_skipped": skipped_any})
-
-    def _update(self) -> tuple[float, bool]:
-        """Gradients made global and clipped; the optimizer steps unless their norm is not finite (the
-        same on every rank): then the weights the engine serves stay as they were, and the next step
-        starts from zeroed gradients. Returns (the norm before clipping, whether the update was skipped)."""
-        self.memory.check_grads_attached()
-        norm = global_clipped_norm(self.memory, self.optimizer, self.views, self.world, self.config.max_grad_norm)
-        self.residency.sample("train")
-        self.memory.finish_prefetch()
-        skipped = not math.isfinite(norm)
-        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
-        if not skipped:
-            self._unsafe_to_save = True
-            self.optimizer.step()  # sharded: also all-gathers every rank's updated weights into the engine's
-            self.memory.adopt_optimizer_state(self.optimizer)  # no-op after the first step
-            self.lr_scheduler.step()
-        self.optimizer_steps += 1
-        cfg = self.config
-        if cfg.sync_ref_model and self.optimizer_steps % cfg.ref_model_sync_steps == 0:  # TRL's on_step_end
-            self.reference.sync(self.views.trainer_model, cfg.ref_model_mixup_alpha)
-        return norm, skipped
+    def _completion_samples(self, step: int, scored: Scored) -> list[dict]:
+        """TRL's log_completions: the step's first num_completions_to_print completions with their rewards and
+        the advantages the step trained with (the strategy's: a collective with scale_rewards='batch', on
+        every rank alike); the last step's samples where the run does not log them."""
+        if not self.config.log_completions:
+            return self.last_completions
+        advantages = self.strategy.advantages(scored.scores, scored.rollout)
+        return completion_samples(self.task, step, scored.rollout, scored.scores, advantages,
+                                  self.config.num_completions_to_print)
 
     def _publish(self, step: int):
         """The engine serves the trainer's weights from now on: (colo.shared.PublishReport, seconds)."""
         with self.timeline.span("publish", step=step) as span:
             report = self.engine.publish()
             self.residency.sample("publish")
-        self._unsafe_to_save = False
+        self.updater.weights_changing = False
         self.timeline.counter("resident_bytes", self.residency.resident())
         return report, span["seconds"]
 
@@ -542,9 +427,10 @@ class GRPOScheduler:
                 if self.trackers is not None:
                     self.trackers.log(record)
                     self.trackers.log_completions(record["step"], self.last_completions)
-                if self.skipped_in_a_row >= self.config.max_skipped_steps:
+                if self.updater.skipped_in_a_row >= self.config.max_skipped_steps:
                     raise NonFiniteGradients(
-                        f"step {self.step}: the gradient norm was {record['grad_norm']} for {self.skipped_in_a_row} "
+                        f"step {self.step}: the gradient norm was {record['grad_norm']} for "
+                        f"{self.updater.skipped_in_a_row} "
                         f"step(s) in a row (max_skipped_steps={self.config.max_skipped_steps}); those steps left the "
                         "weights as they were" + (f", and the last checkpoint in {self.out_dir} is intact"
                                                   if self.out_dir else ""))
@@ -570,7 +456,7 @@ class GRPOScheduler:
             # are not saved: the last checkpoint stays the newest, from before them.
             together = self.world.size == 1 or isinstance(e, (EngineFailure, ModelSaveError))
             skipped = isinstance(e, NonFiniteGradients)
-            if not self._unsafe_to_save and self.out_dir is not None and together and not skipped:
+            if not self.updater.weights_changing and self.out_dir is not None and together and not skipped:
                 with contextlib.suppress(Exception):
                     self.save()
             raise
@@ -608,25 +494,6 @@ def start_tool_workers(tools: list, isolation: str):
         return None
     check_picklable(synchronous)   # named here, not a bare pickling error from the worker's start
     return ToolWorkers(synchronous)
-
-
-def global_clipped_norm(memory, optimizer, views, world, max_norm: float | None) -> float:
-    """Make this rank's accumulated gradients the global ones and clip them (colo.clipping); returns the
-    norm before clipping, the same on every rank: not finite means the optimizer must not step.
-    Averaged over the data-parallel ranks (with a sharded optimizer, reduce-scattered to their shard's
-    rank), the norm the whole model's (a tensor-parallel model's shards counted once: the views')."""
-    if memory.shard is not None:  # colo.ShardedMasterWeightOptimizer: reduce-scatter, then the global norm
-        return optimizer.clip_grad_norm_(max_norm, weights=views.norm_weights(optimizer.params) or None,
-                                         sum_group=views.group)
-    distributed.average_(list(memory.flat_grads.values()), world)
-    # fp32 parameters keep their gradients in .grad; 16-bit ones the optimizer's fp32 main gradients
-    # (colo.MasterWeightOptimizer, over the same parameters in the same order).
-    grads = getattr(optimizer, "main_grads", None) or [p.grad for p in memory.params]
-    norm = views.grad_norm(memory.params, grads)
-    clip_(grads, norm, max_norm)  # not finite: left as they are, and the step must not run
-    if hasattr(optimizer, "note_grad_norm"):  # its step() then trusts this norm, not a pass over every gradient
-        optimizer.note_grad_norm(norm)
-    return norm
 
 
 class _TerminationRequest:

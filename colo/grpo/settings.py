@@ -43,6 +43,9 @@ class Setting:
     not_trls_default: str = ""             # why colo's default differs from TRL's
     default_text: str = ""                 # the docs' default, where the value needs words
     cli: bool = True                       # False: a library field no flag sets (a preset's own)
+    # The library's rule for the value (Integer, Real, OneOf, or a function (name, value) raising
+    # ValueError); default: `type` where it is a rule, else `choices` where the flag's values are the field's.
+    check: Any = None
 
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, group: str, default_factory=dataclasses.MISSING,
@@ -56,36 +59,94 @@ def setting(default: Any = dataclasses.MISSING, help: str = "", *, group: str, d
     return field(default=default, metadata={"setting": about})
 
 
-# -- the flags' value types (argparse's `type`) ---------------------------------------------------------
-def int_at_least(minimum: int):
-    """An argparse type: an integer no smaller than `minimum`."""
-    from ..checks import int_kind
+# -- the values a setting takes: argparse's type of its flag and the library's check, one rule -------------
+class Integer:
+    """An integer no smaller than `minimum` (None too, where `optional`). As argparse's type, the flag's
+    text parsed and refused below the minimum; as the library's rule, check_int's message, the setting named
+    with `why` beside it."""
 
-    kind = int_kind(minimum)
+    def __init__(self, minimum: int = 1, *, optional: bool = False, why: str = ""):
+        self.minimum, self.optional, self.why = minimum, optional, why
 
-    def parse(text: str) -> int:
+    def __call__(self, text: str) -> int:
+        from ..checks import int_kind
+
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {int_kind(self.minimum)}, got {text!r}") from None
+        if value < self.minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {self.minimum}, got {value}")
         return value
-    return parse
+
+    def check(self, name: str, value) -> None:
+        from ..checks import check_int
+
+        if value is None and self.optional:
+            return
+        check_int(value, f"{name} ({self.why})" if self.why else name, self.minimum)
 
 
-positive_int = int_at_least(1)
-non_negative_int = int_at_least(0)
+class Real:
+    """A number in a range: above or at least `low`, below or at most `high` (None too, where `optional`;
+    `why` says what it is, in the message). As argparse's type, the flag's text as a float (the range is the
+    library's to check, so its message names the setting: colo.grpo.settings.as_flags turns it into the
+    flag)."""
+
+    def __init__(self, *, above: float | None = None, at_least: float | None = None, below: float | None = None,
+                 at_most: float | None = None, optional: bool = False, why: str = ""):
+        self.low, self.low_open = (above, True) if above is not None else (at_least, False)
+        self.high, self.high_open = (below, True) if below is not None else (at_most, False)
+        self.optional, self.why = optional, why
+
+    def __call__(self, text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+    def holds(self, value) -> bool:
+        low_ok = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        return low_ok and (self.high is None or (value < self.high if self.high_open else value <= self.high))
+
+    def words(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        if self.low is None:
+            return f"{'<' if self.high_open else '<='} {self.high:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+    def check(self, name: str, value) -> None:
+        if value is None and self.optional:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not self.holds(value):
+            raise ValueError(f"{name} must be {self.words()}{f' ({self.why})' if self.why else ''}"
+                             f"{' or None' if self.optional else ''}, got {value!r}")
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
+class OneOf:
+    """One of `values` (a setting's choices; the library's values where its flag's differ)."""
+
+    def __init__(self, values: tuple, why: str = ""):
+        self.values, self.why = tuple(values), why
+
+    def check(self, name: str, value) -> None:
+        if any(value is v or (type(value) is type(v) and value == v) for v in self.values):
+            return
+        named = [v for v in self.values if v is not None]
+        if len(named) == 1:
+            text = repr(named[0])
+        elif len(named) == 2 and None not in self.values:
+            text = f"{named[0]!r} or {named[1]!r}"
+        else:
+            text = f"one of {', '.join(map(str, named))}"
+        text += " or None" if None in self.values else ""
+        raise ValueError(f"{name} must be {text}{f' ({self.why})' if self.why else ''}, got {value!r}")
+
+
+positive_int = Integer(1)
+non_negative_int = Integer(0)
+positive_float = Real(above=0)
 
 
 def json_object(text: str) -> dict:
@@ -122,6 +183,37 @@ def save_dtype_name(text: str) -> str:
 def settings(config_class) -> dict[str, Setting]:
     """{field name: its Setting} for every field of `config_class` made with setting(), in order."""
     return {f.name: f.metadata["setting"] for f in dataclasses.fields(config_class) if "setting" in f.metadata}
+
+
+def rule_of(about: Setting, default) -> Any:
+    """The check a setting's value must pass (None: none of its own)."""
+    if about.check is not None:
+        return about.check
+    if hasattr(about.type, "check"):
+        return about.type
+    if about.choices is not None and about.from_flag is None:
+        return OneOf((*about.choices, *((None,) if default is None else ())))
+    if about.action in ("store_true", "store_false"):
+        return OneOf((True, False))
+    return None
+
+
+def check_settings(config) -> None:
+    """Every setting's value against its own rule (a ValueError naming the first that fails), in the
+    fields' order; the rules that tie settings together are the config's. First, NaN or inf in any
+    numeric setting is refused naming it: a range passes NaN by no comparison, and an infinite rate or
+    decay writes inf into the weights the engine serves."""
+    import math
+
+    fields = [f for f in dataclasses.fields(config) if "setting" in f.metadata]
+    for f in fields:
+        value = getattr(config, f.name)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, tuple) else (value,))):
+            raise ValueError(f"{f.name} must be a finite number, got {value}")
+    for f in fields:
+        rule = rule_of(f.metadata["setting"], f.default)
+        if rule is not None:
+            (rule.check if hasattr(rule, "check") else rule)(f.name, getattr(config, f.name))
 
 
 def flag_of(name: str, about: Setting) -> str:

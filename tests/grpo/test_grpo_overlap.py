@@ -426,7 +426,8 @@ def test_dynamic_sampling_overlapped_trains_the_groups_the_serial_step_trains(tm
     runs = {}
     try:
         assert run.serial_reason is None
-        for name, strategy, micro in (("serial", SerialSteps(run.engine, run.task, config, run.world, run.trainer), None),
+        serial_steps = SerialSteps(run.engine, run.task, config, run.world, run.trainer, memory=run.memory)
+        for name, strategy, micro in (("serial", serial_steps, None),
                                       ("serial, groups as micro-batches", None, 4),
                                       ("overlapped", overlapped_steps, None)):
             run.strategy = strategy or run.strategy

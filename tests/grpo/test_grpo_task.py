@@ -521,7 +521,8 @@ def test_cli_refuses_bad_input_before_any_engine_naming_it(smollm2_model_dir, tm
         ([*task, "--reward", "math", "--reward-weights", "nan"], "every weight must be a finite number"),
         (["--beta", "nan"], "beta must be a finite number"),
         (["--lr", "inf"], "--lr must be a finite number"),   # (the flag, not the config field)
-        (["--importance-sampling", "token_truncate", "--importance-sampling-max", "-1"], "importance_sampling_max > 0"),
+        (["--importance-sampling", "token_truncate", "--importance-sampling-max", "-1"],
+         "--importance-sampling-max must be > 0 or None, got -1.0"),
         (["--generation-kwargs", '{"presence_penalty": 5}'], "vLLM's SamplingParams refuses them"),
         ([*task[:2], "--dataset", str(empty), "--reward", "math"], "the file is empty"),
         ([*task, "--reward", "math", "--lora-rank", "4", "--lora-targets", "bogus_proj"],

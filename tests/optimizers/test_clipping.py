@@ -135,7 +135,7 @@ def test_the_schedulers_clip_hands_its_norm_to_the_step_which_then_reads_no_grad
 
     from colo import MasterWeightOptimizer
     from colo.grpo.distributed import World
-    from colo.grpo.scheduler import global_clipped_norm
+    from colo.grpo.update import global_clipped_norm
 
     params = [torch.nn.Parameter(torch.randn(4, 4).to(torch.bfloat16)) for _ in range(2)]
     opt = MasterWeightOptimizer(params, torch.optim.AdamW, lr=1e-2)
