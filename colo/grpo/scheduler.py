@@ -119,16 +119,7 @@ class GRPOScheduler:
         self.model_dir, self.out_dir = checked.model_dir, checked.out_dir
         resume = checked.resume_from is not None
         self.tools, self.environment_factory, self.rollout_func = list(tools or ()), environment_factory, rollout_func
-        if rollout_func is not None and (self.tools or environment_factory is not None):
-            raise ValueError("rollout_func generates the rollouts itself: give it, or tools / environment_factory")
-        if rollout_func is not None and not callable(rollout_func):
-            raise ValueError(f"rollout_func must be a function (prompts, context) -> dict, got {rollout_func!r}")
-        if self.config.routing_replay:
-            check_routing_replay(self.model_dir, agentic=bool(self.tools or environment_factory or rollout_func))
-        if (self.tools or environment_factory is not None or rollout_func is not None) and self.config.tensor_parallel > 1:
-            # The ranks of a tensor-parallel engine step together; tools returning at different moments on
-            # each rank would queue different turns on them.
-            raise NotImplementedError("agentic rollouts (tools, environments, rollout_func) with tensor_parallel > 1")
+        self._check_agentic()
         self.task, self.eval_task = build_tasks(self.config, self.model_dir, task, dataset, reward_funcs,
                                                 reward_weights, eval_dataset, tokenizer, prompt_fn, reward_fn,
                                                 tools=self.tools, environment=environment_factory)
@@ -138,14 +129,7 @@ class GRPOScheduler:
                 "is the language model's shards and takes token ids alone, while vLLM shards the vision tower over "
                 "the ranks too, as no transformers tower runs; train it on one device per engine (ZeRO-1, "
                 "--shard-optimizer, shards the optimizer state instead; docs/vision.md)")
-        engine_options = fit_model_length(self.config, self.model_dir, (self.task, self.eval_task),
-                                          dict(engine_options or {}))
-        if processed_logprobs(self.config):  # the log-probabilities of what the engine sampled from
-            engine_options.setdefault("logprobs_mode", "processed_logprobs")
-        if self.config.structured_outputs_regex:  # vLLM's guided decoding reads the vocabulary from the tokenizer
-            engine_options["skip_tokenizer_init"] = False
-        if self.config.routing_replay:  # every position routed by the engine, and said so
-            engine_options.update(compat.engine_routing_options("cuda" if torch.cuda.is_available() else "cpu"))
+        engine_options = self._engine_options(engine_options)
         self._join_world()
         # Tool workers before the engine: no worker process is made from one holding vLLM's threads.
         self.tool_workers = start_tool_workers(self.tools, self.config.tool_isolation)
@@ -180,6 +164,32 @@ class GRPOScheduler:
         self.last_completions: list[dict] = []   # the last step's samples (log_completions), for library users
 
     # -- set-up ------------------------------------------------------------------------------------
+    def _check_agentic(self) -> None:
+        """Agentic rollouts' own refusals, before anything is built."""
+        agentic = bool(self.tools or self.environment_factory is not None or self.rollout_func is not None)
+        if self.rollout_func is not None and (self.tools or self.environment_factory is not None):
+            raise ValueError("rollout_func generates the rollouts itself: give it, or tools / environment_factory")
+        if self.rollout_func is not None and not callable(self.rollout_func):
+            raise ValueError(f"rollout_func must be a function (prompts, context) -> dict, got {self.rollout_func!r}")
+        if self.config.routing_replay:
+            check_routing_replay(self.model_dir, agentic=agentic)
+        if agentic and self.config.tensor_parallel > 1:
+            # The ranks of a tensor-parallel engine step together; tools returning at different moments on
+            # each rank would queue different turns on them.
+            raise NotImplementedError("agentic rollouts (tools, environments, rollout_func) with tensor_parallel > 1")
+
+    def _engine_options(self, engine_options: dict | None) -> dict:
+        """The user's engine options, with what the run's settings need of vLLM."""
+        engine_options = fit_model_length(self.config, self.model_dir, (self.task, self.eval_task),
+                                          dict(engine_options or {}))
+        if processed_logprobs(self.config):  # the log-probabilities of what the engine sampled from
+            engine_options.setdefault("logprobs_mode", "processed_logprobs")
+        if self.config.structured_outputs_regex:  # vLLM's guided decoding reads the vocabulary from the tokenizer
+            engine_options["skip_tokenizer_init"] = False
+        if self.config.routing_replay:  # every position routed by the engine, and said so
+            engine_options.update(compat.engine_routing_options("cuda" if torch.cuda.is_available() else "cpu"))
+        return engine_options
+
     def _join_world(self) -> None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         # on a GPU also makes this rank's device current

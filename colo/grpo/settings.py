@@ -5,13 +5,22 @@ a user's dataset), its command-line flag and help, TRL's name for it and, where 
 not TRL's, why. The command line (`add_flags`), the presets (`preset_values`), the keys
 `--config FILE.yaml` takes (the flags' names) and the table in docs/grpo.md
 (`python -m colo.grpo.settings_docs --write`) are made from those fields; run.json saves the config itself.
+
+A setting's own rule (Integer, Real, OneOf, or a `check=` function) is both its flag's argparse type and the
+library's check of its value (check_settings); GRPOConfig.__post_init__ keeps the rules that tie settings together.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from ..checks import check_int, int_kind
+from ..hf_format import save_dtype
 
 # The --help sections the settings go under, in order: key -> title.
 GROUPS = {
@@ -69,8 +78,6 @@ class Integer:
         self.minimum, self.optional, self.why = minimum, optional, why
 
     def __call__(self, text: str) -> int:
-        from ..checks import int_kind
-
         try:
             value = int(text)
         except ValueError:
@@ -80,8 +87,6 @@ class Integer:
         return value
 
     def check(self, name: str, value) -> None:
-        from ..checks import check_int
-
         if value is None and self.optional:
             return
         check_int(value, f"{name} ({self.why})" if self.why else name, self.minimum)
@@ -150,8 +155,6 @@ positive_float = Real(above=0)
 
 
 def json_object(text: str) -> dict:
-    import json
-
     try:
         value = json.loads(text)
     except ValueError as e:
@@ -170,8 +173,6 @@ def thread_pair(text: str) -> tuple[int, int]:
 
 
 def save_dtype_name(text: str) -> str:
-    from ..hf_format import save_dtype
-
     try:
         save_dtype(text)
     except ValueError as e:
@@ -203,8 +204,6 @@ def check_settings(config) -> None:
     fields' order; the rules that tie settings together are the config's. First, NaN or inf in any
     numeric setting is refused naming it: a range passes NaN by no comparison, and an infinite rate or
     decay writes inf into the weights the engine serves."""
-    import math
-
     fields = [f for f in dataclasses.fields(config) if "setting" in f.metadata]
     for f in fields:
         value = getattr(config, f.name)
@@ -224,8 +223,6 @@ def as_flags(message: str, config_class) -> str:
     """A library error in the command line's words: each `field=value` of `config_class` as its flag and
     value (`overlap='on'` -> `--overlap on`, a switch's own value -> the switch), and a field named at the
     start of a sentence, or as what one needs, as its flag."""
-    import re
-
     about = flagged(config_class)
 
     def assignment(match) -> str:
