@@ -15,9 +15,13 @@ that several of them share, beyond the few here, are in tests/helpers/.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import functools
+import gc
 import json
 import os
 import socket
+import time
 from pathlib import Path
 
 # Under pytest-xdist (the README's `pytest -n 2`) each worker gets one thread, and what it starts
@@ -93,6 +97,60 @@ def pytest_collection_modifyitems(config, items):
         return measured.get(name, 60.0 if item.path in slow_files else 0.0)
 
     items.sort(key=lambda item: -seconds(item))
+
+
+# What the files' tests may hold at once under pytest-xdist, of a CI machine's 24 GiB (the rest: the OS, the
+# files not in tests/file_memory.json, and the workers' own memory between files).
+MEMORY_BUDGET_GIB = 18
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _memory_heavy_files_share_a_budget(request, tmp_path_factory):
+    """Under pytest-xdist, a file whose tests peak high (tests/file_memory.json: its engines and
+    subprocesses counted) starts only when its peak fits in MEMORY_BUDGET_GIB beside those of the heavy
+    files running on other workers: two of them at once ran a 24 GiB machine out of memory. The workers
+    share a ledger file, each entry a worker's pid (a worker that died frees its share)."""
+    need = _file_memory_gib().get(request.node.path.relative_to(Path(__file__).parents[1]).as_posix(), 0)
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not need:
+        yield
+        return
+    ledger = tmp_path_factory.getbasetemp().parent / "memory-ledger.json"
+    while not _take_share(ledger, os.getpid(), need):
+        time.sleep(1.0)
+    try:
+        yield
+    finally:
+        gc.collect()  # the file's engines freed before its share is
+        _take_share(ledger, os.getpid(), 0)
+
+
+@functools.cache
+def _file_memory_gib() -> dict:
+    return json.loads((Path(__file__).parent / "file_memory.json").read_text())["gib"]
+
+
+def _take_share(ledger: Path, pid: int, gib: float) -> bool:
+    """Set this worker's share of the budget to `gib` if it fits beside the live workers' (0: give it back)."""
+    with open(ledger, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        shares = {int(k): v for k, v in json.loads(f.read() or "{}").items() if _alive(int(k)) and int(k) != pid}
+        if gib and shares and sum(shares.values()) + gib > MEMORY_BUDGET_GIB:
+            return False
+        if gib:
+            shares[pid] = gib
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(shares))
+        return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def pytest_sessionstart(session):
