@@ -11,6 +11,7 @@ from ..moe_routing import replay_of
 from .batch import PackedBatch, Rollout, completion_logprobs, pack
 from .config import GRPOConfig, processed_logprobs
 from .loss import grpo_loss, high_entropy_mask, importance_weights, loss_denominators, off_policy_mask
+from .prompt_sharing import computed_positions, prompt_cache_fits, shared_prompt_buckets
 from .router_aux import RouterAuxLoss, router_aux_loss
 
 
@@ -176,8 +177,7 @@ def rollout_logprobs(model, rollout: Rollout, config: GRPOConfig, *, device) -> 
     backward_rollout, so each row has the width it will be trained at): the old policy of a rollout
     trained over several optimizer steps (steps_per_generation)."""
     kept: list = [None] * len(rollout.completions)
-    for rows in length_buckets([len(p) for p in rollout.prompts], [len(c) for c in rollout.completions],
-                               config.micro_batch_size):
+    for rows in micro_batches(model, rollout, config):
         part = rollout.select(rows)
         batch = pack(part.prompts, part.completions, loss_masks=part.loss_masks, routes=part.routes).to(device)
         with engine_routes(model, batch.routes, config):
@@ -196,8 +196,7 @@ def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: 
     completion would compute positions that hold nothing (`positions` and `padded_positions` in the
     statistics say how many were computed and how many of those were padding)."""
     parts = []
-    for rows in length_buckets([len(p) for p in rollout.prompts], [len(c) for c in rollout.completions],
-                               config.micro_batch_size):
+    for rows in micro_batches(model, rollout, config, router_logits=aux is not None):
         part = rollout.select(rows)
         batch = pack(part.prompts, part.completions, loss_masks=part.loss_masks, routes=part.routes)
         old = None if rollout.old_logprobs is None else [rollout.old_logprobs[i] for i in rows]
@@ -217,10 +216,9 @@ def backward_rollout(model, rollout: Rollout, advantages: torch.Tensor, config: 
                                      engine_logprobs=part.logprobs if compare else None,
                                      after_forward=after_forward, old_logprobs=old, aux=aux,
                                      aux_rows=len(rollout.rows))
-        positions = batch.attention_mask.numel()
+        positions, padded = computed_positions(model, batch, router_logits=aux is not None)
         parts.append({**stats, "rows": float(len(rows)), "tokens": float(batch.completion_mask.sum()),
-                      "positions": float(positions),
-                      "padded_positions": float(positions - batch.attention_mask.sum())})
+                      "positions": positions, "padded_positions": padded})
     return merge_stats(parts)
 
 
@@ -260,6 +258,17 @@ class PolicyTrainer:
         return backward_rollout(self.views.trainer_model, rollout, advantages, self.config, device=self.device,
                                 dp_size=self.dp_size, reference=self.reference, after_forward=forward_done,
                                 aux=self.aux, **totals)
+
+
+def micro_batches(model, rollout: Rollout, config: GRPOConfig, router_logits: bool = False) -> list[list[int]]:
+    """The rows (indices) of each micro-batch `model` trains on: where its forward computes a prompt once
+    for the rows sharing it (colo.grpo.prompt_sharing), shared_prompt_buckets, else length_buckets.
+    router_logits: whether the forward must give a MoE model's router logits."""
+    completions = [len(c) for c in rollout.completions]
+    if not router_logits and rollout.routes is None and prompt_cache_fits(model):
+        return shared_prompt_buckets(rollout.prompts, completions, config.micro_batch_size, MICRO_BATCH_POSITIONS,
+                                     FILL)
+    return length_buckets([len(p) for p in rollout.prompts], completions, config.micro_batch_size)
 
 
 def length_buckets(prompt_lengths: list[int], completion_lengths: list[int], most_rows: int | None,

@@ -13,6 +13,7 @@ import torch
 
 from .images import batched_vision, vision_at_columns
 from .logprobs import completion_logprobs_chunked, full_logits_logprobs, has_plain_head
+from .prompt_sharing import shared_prompt_logprobs, shares_prompts
 from .task import Scores
 
 
@@ -112,8 +113,9 @@ def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0, ent
                         router_logits: list | None = None) -> torch.Tensor:
     """log p(completion token | everything before it) for every completion column, shape (B, C).
     model: a Hugging Face causal LM (Llama/Mistral/Qwen2/Qwen3: logits computed a chunk of tokens at a
-    time, colo.grpo.logprobs), or a colo.tensor_parallel.TensorParallelModel (its rank's vocabulary
-    shard of the logits; the log-probabilities are over the whole vocabulary)."""
+    time, colo.grpo.logprobs; rows that share a prompt compute it once, colo.grpo.prompt_sharing), or a
+    colo.tensor_parallel.TensorParallelModel (its rank's vocabulary shard of the logits; the
+    log-probabilities are over the whole vocabulary)."""
     if hasattr(model, "completion_logprobs"):
         if entropies is not None:
             raise NotImplementedError("token entropies (top_entropy_quantile) of a tensor-parallel model")
@@ -121,6 +123,8 @@ def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0, ent
             raise NotImplementedError("a tensor-parallel model's router logits (the MoE load-balancing loss)")
         return model.completion_logprobs(batch.input_ids, batch.completion_ids, attention_mask=batch.attention_mask,
                                          position_ids=batch.position_ids, temperature=temperature)
+    if shares_prompts(model, batch, router_logits is not None):
+        return shared_prompt_logprobs(model, batch, temperature, entropies)
     args = (model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids, temperature)
     inputs = batch.model_inputs()
     if has_plain_head(model):

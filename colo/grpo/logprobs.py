@@ -132,23 +132,29 @@ def completion_logprobs_chunked(model, input_ids, attention_mask, position_ids, 
     float summation order. model: a Hugging Face causal LM with has_plain_head (tied head or not)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    rows, columns = completion_ids.shape
+    columns = completion_ids.shape[1]
     position_ids = own_positions(model, position_ids, model_inputs)
     out = trunk(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        use_cache=False, **_router_outputs(router_logits), **(model_inputs or {}))
     if router_logits is not None:
         router_logits.append(out.router_logits)
-    hidden = out.last_hidden_state
     # The C positions before each completion token predict it (the columns full_logits_logprobs keeps).
-    hidden = hidden[:, -(columns + 1):-1].reshape(rows * columns, -1)
-    targets = completion_ids.reshape(-1)
+    return head_logprobs(model, out.last_hidden_state[:, -(columns + 1):-1], completion_ids, temperature,
+                         chunk_tokens, entropies)
+
+
+def head_logprobs(model, hidden, completion_ids, temperature: float = 1.0, chunk_tokens: int = CHUNK_TOKENS,
+                  entropies: list | None = None) -> torch.Tensor:
+    """log p(completion token) from the (B, C, H) hidden states that predict the (B, C) completion tokens:
+    the model's head and the log-softmax a chunk of positions at a time (ChunkedHead), (B, C) fp32."""
+    rows, columns = completion_ids.shape
     head = model.get_output_embeddings()
     chunks = [] if entropies is not None else None
-    out = ChunkedHead.apply(hidden, head.weight, head.bias, targets, temperature, chunk_tokens, chunks)
-    out = out.view(rows, columns)
+    out = ChunkedHead.apply(hidden.reshape(rows * columns, -1), head.weight, head.bias, completion_ids.reshape(-1),
+                            temperature, chunk_tokens, chunks)
     if entropies is not None:
         entropies.append(torch.cat(chunks).view(rows, columns))
-    return out
+    return out.view(rows, columns)
 
 
 class ChunkedHead(torch.autograd.Function):
