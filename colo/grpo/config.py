@@ -241,7 +241,8 @@ class GRPOConfig:
     micro_batch_size: int | None = setting(
         None, "sequences per forward and backward (their gradients add up to the step's): bounds the activations' "
         "memory", group="memory", type=Integer(1, optional=True), metavar="N",
-        default_text="rows of similar length together, 4096 positions at most")
+        default_text="rows of similar length together (one prompt's rows together, the prompt computed once), "
+        "4096 positions at most")
     memory_phases: bool = setting(
         True, "the KV cache asleep while training, the gradients asleep while generating: a switch for "
         "comparisons (the bench's), always on in a run", group="memory", cli=False)
