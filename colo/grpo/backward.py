@@ -11,7 +11,7 @@ from ..moe_routing import replay_of
 from .batch import PackedBatch, Rollout, completion_logprobs, pack
 from .config import GRPOConfig, processed_logprobs
 from .loss import grpo_loss, high_entropy_mask, importance_weights, loss_denominators, off_policy_mask
-from .prompt_sharing import computed_positions, prompt_cache_fits, shared_prompt_buckets
+from .prompt_sharing import computed_positions, forward_may_share, shared_prompt_buckets
 from .router_aux import RouterAuxLoss, router_aux_loss
 
 
@@ -172,16 +172,19 @@ def engine_routes(model, routes, config: GRPOConfig):
 
 
 @torch.no_grad()
-def rollout_logprobs(model, rollout: Rollout, config: GRPOConfig, *, device) -> list[torch.Tensor]:
-    """Each completion's log-probabilities under the model as it is (no gradient; the micro-batches of
-    backward_rollout, so each row has the width it will be trained at): the old policy of a rollout
-    trained over several optimizer steps (steps_per_generation)."""
+def rollout_logprobs(model, rollout: Rollout, config: GRPOConfig, *, device,
+                     router_logits: bool = False) -> list[torch.Tensor]:
+    """Each completion's log-probabilities under the model as it is (no gradient; the micro-batches and
+    the forward of backward_rollout, so each row is computed as it will be trained): the old policy of a
+    rollout trained over several optimizer steps (steps_per_generation). router_logits: whether training
+    asks for the MoE router logits (its load-balancing loss), which decides that forward."""
     kept: list = [None] * len(rollout.completions)
-    for rows in micro_batches(model, rollout, config):
+    for rows in micro_batches(model, rollout, config, router_logits=router_logits):
         part = rollout.select(rows)
         batch = pack(part.prompts, part.completions, loss_masks=part.loss_masks, routes=part.routes).to(device)
         with engine_routes(model, batch.routes, config):
-            logprobs = completion_logprobs(model, batch, config.temperature).cpu()
+            logprobs = completion_logprobs(model, batch, config.temperature,
+                                           router_logits=[] if router_logits else None).cpu()
         for i, row in zip(rows, logprobs.unbind(0)):
             kept[i] = row
     return kept
@@ -245,7 +248,8 @@ class PolicyTrainer:
     def old_logprobs(self, rollout: Rollout) -> list[torch.Tensor]:
         """rollout_logprobs of the views' model (in the mode it trains in, as TRL computes them): the policy
         the rollout was sampled from, before any update."""
-        return rollout_logprobs(self.views.trainer_model, rollout, self.config, device=self.device)
+        return rollout_logprobs(self.views.trainer_model, rollout, self.config, device=self.device,
+                                router_logits=self.aux is not None)
 
     def backward(self, rollout: Rollout, advantages: torch.Tensor, *, after_forward=None, **totals) -> dict:
         """backward_rollout over `rollout`; after_forward(): run too, once per micro-batch's forward."""
@@ -265,7 +269,7 @@ def micro_batches(model, rollout: Rollout, config: GRPOConfig, router_logits: bo
     for the rows sharing it (colo.grpo.prompt_sharing), shared_prompt_buckets, else length_buckets.
     router_logits: whether the forward must give a MoE model's router logits."""
     completions = [len(c) for c in rollout.completions]
-    if not router_logits and rollout.routes is None and prompt_cache_fits(model):
+    if forward_may_share(model, rollout.routes, router_logits):
         return shared_prompt_buckets(rollout.prompts, completions, config.micro_batch_size, MICRO_BATCH_POSITIONS,
                                      FILL)
     return length_buckets([len(p) for p in rollout.prompts], completions, config.micro_batch_size)

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import torch
 
+from ..model_classes import is_vision_language
 from .logprobs import CHUNK_TOKENS, has_plain_head, head_logprobs, trunk
 
 
 def prompt_cache_fits(model) -> bool:
     """Whether `model`'s forward can run a prompt once for several completions (the module docstring's
     conditions); the cache's layer kinds are read once and kept on the model."""
-    from ..shared import is_vision_language
-
     if not isinstance(model, torch.nn.Module) or not has_plain_head(model) or \
             is_vision_language(model.config) or getattr(model, "is_gradient_checkpointing", False):
         return False
@@ -59,11 +58,17 @@ def prompt_groups(batch) -> tuple[torch.Tensor, torch.Tensor] | None:
     return first, inverse
 
 
+def forward_may_share(model, routes, router_logits: bool) -> bool:
+    """Whether a forward of `model` on rows carrying the engine's `routes` (or None) may compute their
+    shared prompts once; router_logits: whether it must give a MoE model's router logits (both are per
+    packed position)."""
+    return not router_logits and routes is None and prompt_cache_fits(model)
+
+
 def shares_prompts(model, batch, router_logits: bool = False) -> bool:
     """Whether completion_logprobs computes `batch`'s prompts once each (shared_prompt_logprobs);
     router_logits: whether the forward must give a MoE model's router logits."""
-    return not router_logits and batch.routes is None and prompt_cache_fits(model) and \
-        prompt_groups(batch) is not None
+    return forward_may_share(model, batch.routes, router_logits) and prompt_groups(batch) is not None
 
 
 def shared_prompt_logprobs(model, batch, temperature: float = 1.0, entropies: list | None = None,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_hf_model
 
-from colo.grpo.backward import FILL, backward_rollout, length_buckets
+from colo.grpo.backward import FILL, backward_rollout, length_buckets, rollout_logprobs
 from colo.grpo.batch import Rollout, completion_logprobs, pack
 from colo.grpo.config import GRPOConfig
 from colo.grpo.logprobs import completion_logprobs_chunked
@@ -100,6 +100,25 @@ def test_where_it_cannot_apply_the_packed_forward_runs(monkeypatch):
     monkeypatch.setattr(batch_module, "shared_prompt_logprobs", lambda *a, **k: calls.append("shared"))
     completion_logprobs(model, batch)
     assert calls == [] and computed_positions(model, batch)[0] == batch.attention_mask.numel()
+
+
+def test_the_old_policys_logprobs_take_the_forward_training_takes(monkeypatch):
+    """rollout_logprobs asked for a MoE's router logits (its load-balancing loss trains): the packed
+    forward in length_buckets' micro-batches, as backward_rollout's; otherwise the shared one."""
+    import colo.grpo.batch as batch_module
+
+    model = tiny_hf_model("qwen3_moe", vocab_size=VOCAB)
+    completions = [[5, 6, 7], [8, 9], [10], [11, 12]]
+    rollout = Rollout(rows=[0, 0, 1, 1], prompts=[[1, 2, 3]] * 2 + [[4]] * 2, completions=completions,
+                      logprobs=[None] * 4, truncated=[False] * 4)
+    calls = []
+    real = batch_module.shared_prompt_logprobs
+    monkeypatch.setattr(batch_module, "shared_prompt_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    config = GRPOConfig()
+    rollout_logprobs(model, rollout, config, device="cpu", router_logits=True)
+    assert calls == []
+    rollout_logprobs(model, rollout, config, device="cpu")
+    assert calls
 
 
 def test_a_prompts_rows_train_together_and_the_gradient_is_every_row_alones():
